@@ -1,0 +1,335 @@
+// TVM-FFI module of flash_mla: one shared library with no CPython or torch
+// symbols. Any DLPack producer (PyTorch, JAX, CuPy, PaddlePaddle, NumPy) can
+// call it; outputs are allocated with the caller framework's allocator when
+// TVM-FFI provides one (torch), else with plain malloc / cudaMalloc, and are
+// returned zero-copy through DLPack. The stream is TVM-FFI's env stream for
+// the device of `q` (the framework's current stream for torch and Paddle;
+// python/flash_mla/_ffi.py sets it for CuPy/JAX).
+//
+// Exported functions mirror FlashMLA's raw extension (spec §1.6):
+//   dense_decode_fwd, sparse_decode_fwd, sparse_prefill_fwd,
+// plus FP8 KV conversion helpers and backend queries.
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/optional.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "flashmla/flashmla.h"
+
+#ifdef FLASHMLA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+namespace ffi = tvm::ffi;
+using flashmla::DType;
+using flashmla::Status;
+using flashmla::TensorRef;
+
+[[noreturn]] void throw_status(const Status& st) {
+  switch (st.kind) {
+    case flashmla::ErrorKind::kValue: TVM_FFI_THROW(ValueError) << st.message;
+    case flashmla::ErrorKind::kType: TVM_FFI_THROW(TypeError) << st.message;
+    case flashmla::ErrorKind::kNotImplemented: TVM_FFI_THROW(NotImplementedError) << st.message;
+    default: TVM_FFI_THROW(RuntimeError) << st.message;
+  }
+  std::abort();  // unreachable
+}
+
+void check(const Status& st) {
+  if (!st.ok()) throw_status(st);
+}
+
+DType to_dtype(DLDataType t, const char* name) {
+  if (t.lanes == 1) {
+    if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
+    if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
+    if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
+    if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
+    if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
+    if (t.code == kDLUInt && t.bits == 8) return DType::kUInt8;
+    if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
+  }
+  TVM_FFI_THROW(TypeError) << name << ": unsupported dtype (DLPack code " << int(t.code) << ", "
+                           << int(t.bits) << " bits, " << int(t.lanes) << " lanes)";
+}
+
+DLDataType to_dl(DType d) {
+  switch (d) {
+    case DType::kBFloat16: return {kDLBfloat, 16, 1};
+    case DType::kFloat16: return {kDLFloat, 16, 1};
+    case DType::kFloat32: return {kDLFloat, 32, 1};
+    case DType::kInt32: return {kDLInt, 32, 1};
+    case DType::kInt64: return {kDLInt, 64, 1};
+    case DType::kUInt8: return {kDLUInt, 8, 1};
+    case DType::kInt8: return {kDLInt, 8, 1};
+    case DType::kFloat8E4M3: return {kDLFloat8_e4m3fn, 8, 1};
+  }
+  return {kDLFloat, 32, 1};
+}
+
+/// DLPack view -> core TensorRef (byte_offset folded into the data pointer once, here).
+TensorRef to_ref(const ffi::TensorView& t, const char* name) {
+  TensorRef r;
+  r.defined = true;
+  r.dtype = to_dtype(t.dtype(), name);
+  if (t.ndim() > flashmla::kMaxTensorDims)
+    TVM_FFI_THROW(ValueError) << name << ": at most " << flashmla::kMaxTensorDims << " dimensions, got " << t.ndim();
+  r.ndim = t.ndim();
+  for (int i = 0; i < r.ndim; ++i) {
+    r.shape[i] = t.size(i);
+    r.stride[i] = t.stride(i);
+  }
+  r.data = t.data_ptr() == nullptr ? nullptr : static_cast<char*>(t.data_ptr()) + t.byte_offset();
+  const DLDevice dev = t.device();
+  if (dev.device_type == kDLCPU || dev.device_type == kDLCUDAHost) {
+    r.device = {flashmla::DeviceType::kCPU, 0};
+  } else if (dev.device_type == kDLCUDA) {
+    r.device = {flashmla::DeviceType::kCUDA, dev.device_id};
+  } else {
+    TVM_FFI_THROW(ValueError) << name << ": unsupported device type " << int(dev.device_type)
+                              << " (expected a CPU or CUDA tensor)";
+  }
+  return r;
+}
+
+TensorRef to_ref(const ffi::Optional<ffi::TensorView>& t, const char* name) {
+  return t.has_value() ? to_ref(*t, name) : TensorRef{};
+}
+
+TensorRef to_ref(const ffi::Tensor& t, const char* name) { return to_ref(ffi::TensorView(t), name); }
+
+DLDevice to_dl(flashmla::Device d) {
+  return d.type == flashmla::DeviceType::kCPU ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, d.id};
+}
+
+struct CPUAlloc {
+  void AllocData(DLTensor* t) {
+    size_t n = ffi::GetDataSize(*t);
+    t->data = std::aligned_alloc(64, (n + 63) / 64 * 64 + 64);
+    if (t->data == nullptr) TVM_FFI_THROW(RuntimeError) << "out of host memory allocating " << n << " bytes";
+  }
+  void FreeData(DLTensor* t) { std::free(t->data); }
+};
+
+#ifdef FLASHMLA_WITH_CUDA
+struct CUDAAlloc {
+  void AllocData(DLTensor* t) {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(t->device.device_id);
+    size_t n = ffi::GetDataSize(*t);
+    cudaError_t err = cudaMalloc(&t->data, n == 0 ? 16 : n);
+    cudaSetDevice(prev);
+    if (err != cudaSuccess) TVM_FFI_THROW(RuntimeError) << "cudaMalloc(" << n << ") failed: " << cudaGetErrorString(err);
+  }
+  void FreeData(DLTensor* t) {
+    if (t->data) cudaFree(t->data);
+  }
+};
+#endif
+
+/// Allocate an output on `dev`, through the caller framework's allocator when available.
+ffi::Tensor alloc(std::initializer_list<int64_t> shape_il, DType dtype, flashmla::Device dev) {
+  ffi::Shape shape(shape_il);
+  const DLDevice dl_dev = to_dl(dev);
+  if (dev.type == flashmla::DeviceType::kCUDA && TVMFFIEnvGetDLPackManagedTensorAllocator() != nullptr) {
+    return ffi::Tensor::FromEnvAlloc(TVMFFIEnvTensorAlloc, shape, to_dl(dtype), dl_dev);
+  }
+  if (dev.type == flashmla::DeviceType::kCPU) return ffi::Tensor::FromNDAlloc(CPUAlloc(), shape, to_dl(dtype), dl_dev);
+#ifdef FLASHMLA_WITH_CUDA
+  return ffi::Tensor::FromNDAlloc(CUDAAlloc(), shape, to_dl(dtype), dl_dev);
+#else
+  TVM_FFI_THROW(NotImplementedError) << "this build of flash_mla has no CUDA backend";
+#endif
+}
+
+void* stream_for(const TensorRef& q) {
+  if (q.device.type != flashmla::DeviceType::kCUDA) return nullptr;
+  return TVMFFIEnvGetStream(kDLCUDA, q.device.id);
+}
+
+/// Scheduler metadata: reuse the caller's tensors, or allocate fresh ones to be filled.
+struct Metadata {
+  ffi::Tensor tsm, num_splits;
+  bool ready = false;
+};
+Metadata metadata_for(const ffi::Optional<ffi::Tensor>& tsm, const ffi::Optional<ffi::Tensor>& num_splits,
+                      const flashmla::DecodePlan& plan, flashmla::Device dev) {
+  Metadata m;
+  if (tsm.has_value() != num_splits.has_value())
+    TVM_FFI_THROW(ValueError) << "tile_scheduler_metadata and num_splits must be given together";
+  if (tsm.has_value()) {
+    m.tsm = *tsm;
+    m.num_splits = *num_splits;
+    m.ready = true;
+  } else {
+    m.tsm = alloc({plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32, dev);
+    m.num_splits = alloc({plan.num_splits_len}, DType::kInt32, dev);
+  }
+  return m;
+}
+
+ffi::Tensor workspace_for(int64_t bytes, flashmla::Device dev) {
+  return alloc({bytes > 0 ? bytes : 1}, DType::kUInt8, dev);
+}
+
+// ------------------------------------------------------------------ ops
+ffi::Array<ffi::Tensor> dense_decode_fwd(ffi::TensorView q, ffi::TensorView k_cache, int64_t head_dim_v,
+                                         ffi::TensorView cache_seqlens, ffi::TensorView block_table,
+                                         double softmax_scale, bool causal,
+                                         ffi::Optional<ffi::Tensor> tile_scheduler_metadata,
+                                         ffi::Optional<ffi::Tensor> num_splits) {
+  flashmla::DenseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.block_table = to_ref(block_table, "block_table");
+  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  flashmla::DecodePlan plan;
+  check(flashmla::dense_decode_plan(p, &plan));
+  const auto dev = p.q.device;
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
+  ffi::Tensor out = alloc({b, s_q, h_q, head_dim_v}, p.q.dtype, dev);
+  ffi::Tensor lse = alloc({b, h_q, s_q}, DType::kFloat32, dev);
+  Metadata m = metadata_for(tile_scheduler_metadata, num_splits, plan, dev);
+  ffi::Tensor ws = workspace_for(plan.workspace_bytes, dev);
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.tile_scheduler_metadata = to_ref(m.tsm, "tile_scheduler_metadata");
+  p.num_splits = to_ref(m.num_splits, "num_splits");
+  p.metadata_ready = m.ready;
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = plan.workspace_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::dense_decode_fwd(p));
+  return ffi::Array<ffi::Tensor>{out, lse, m.tsm, m.num_splits};
+}
+
+ffi::Array<ffi::Tensor> sparse_decode_fwd(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView indices,
+                                          ffi::Optional<ffi::TensorView> topk_length,
+                                          ffi::Optional<ffi::TensorView> attn_sink,
+                                          ffi::Optional<ffi::Tensor> tile_scheduler_metadata,
+                                          ffi::Optional<ffi::Tensor> num_splits,
+                                          ffi::Optional<ffi::TensorView> extra_k_cache,
+                                          ffi::Optional<ffi::TensorView> extra_indices_in_kvcache,
+                                          ffi::Optional<ffi::TensorView> extra_topk_length, int64_t head_dim_v,
+                                          double softmax_scale) {
+  flashmla::SparseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.indices = to_ref(indices, "indices");
+  p.topk_length = to_ref(topk_length, "topk_length");
+  p.attn_sink = to_ref(attn_sink, "attn_sink");
+  p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
+  p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
+  p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  flashmla::DecodePlan plan;
+  check(flashmla::sparse_decode_plan(p, &plan));
+  const auto dev = p.q.device;
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
+  ffi::Tensor out = alloc({b, s_q, h_q, head_dim_v}, DType::kBFloat16, dev);
+  ffi::Tensor lse = alloc({b, h_q, s_q}, DType::kFloat32, dev);
+  Metadata m = metadata_for(tile_scheduler_metadata, num_splits, plan, dev);
+  ffi::Tensor ws = workspace_for(plan.workspace_bytes, dev);
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.tile_scheduler_metadata = to_ref(m.tsm, "tile_scheduler_metadata");
+  p.num_splits = to_ref(m.num_splits, "num_splits");
+  p.metadata_ready = m.ready;
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = plan.workspace_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::sparse_decode_fwd(p));
+  return ffi::Array<ffi::Tensor>{out, lse, m.tsm, m.num_splits};
+}
+
+ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
+                                           double sm_scale, int64_t d_v, ffi::Optional<ffi::TensorView> attn_sink,
+                                           ffi::Optional<ffi::TensorView> topk_length) {
+  flashmla::SparsePrefillParams p;
+  p.q = to_ref(q, "q");
+  p.kv = to_ref(kv, "kv");
+  p.indices = to_ref(indices, "indices");
+  p.attn_sink = to_ref(attn_sink, "attn_sink");
+  p.topk_length = to_ref(topk_length, "topk_length");
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.d_v = d_v;
+  int64_t ws_bytes = 0;
+  check(flashmla::sparse_prefill_plan(p, &ws_bytes));
+  const auto dev = p.q.device;
+  const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1];
+  ffi::Tensor out = alloc({s_q, h_q, d_v}, DType::kBFloat16, dev);
+  ffi::Tensor max_logits = alloc({s_q, h_q}, DType::kFloat32, dev);
+  ffi::Tensor lse = alloc({s_q, h_q}, DType::kFloat32, dev);
+  ffi::Tensor ws = workspace_for(ws_bytes, dev);
+  p.out = to_ref(out, "out");
+  p.max_logits = to_ref(max_logits, "max_logits");
+  p.lse = to_ref(lse, "lse");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::sparse_prefill_fwd(p));
+  return ffi::Array<ffi::Tensor>{out, max_logits, lse};
+}
+
+flashmla::KVFormat to_format(int64_t format) {
+  if (format != static_cast<int64_t>(flashmla::KVFormat::kFP8V32) &&
+      format != static_cast<int64_t>(flashmla::KVFormat::kFP8Model1))
+    TVM_FFI_THROW(ValueError) << "format: expected 2 (V32) or 3 (MODEL1), got " << format;
+  return static_cast<flashmla::KVFormat>(format);
+}
+
+/// Writes the FP8 bytes of `kv_bf16` into the caller's `packed` buffer (CPU).
+void quantize_kv_cache(ffi::TensorView kv_bf16, ffi::TensorView packed, int64_t format) {
+  check(flashmla::quantize_kv_cache(to_format(format), to_ref(kv_bf16, "kv_cache"), to_ref(packed, "packed")));
+}
+
+/// Writes the bf16 values of `packed` into the caller's `kv_bf16` buffer (CPU).
+void dequantize_kv_cache(ffi::TensorView packed, ffi::TensorView kv_bf16, int64_t format) {
+  check(flashmla::dequantize_kv_cache(to_format(format), to_ref(packed, "packed"), to_ref(kv_bf16, "kv_cache")));
+}
+
+/// Holds a source tensor alive and exposes its memory under another dtype of the same size.
+struct ViewAlloc {
+  ffi::Tensor source;
+  void AllocData(DLTensor* t) {
+    t->data = static_cast<char*>(source.data_ptr()) + source.byte_offset();
+  }
+  void FreeData(DLTensor*) {}
+};
+
+/// Zero-copy view of `t` with element type (code, bits). Used by the Python layer
+/// for frameworks whose DLPack export lacks a dtype (NumPy has no bfloat16).
+ffi::Tensor reinterpret_dtype(ffi::Tensor t, int64_t code, int64_t bits) {
+  if (bits != t.dtype().bits || t.dtype().lanes != 1)
+    TVM_FFI_THROW(ValueError) << "reinterpret_dtype: element size must stay " << int(t.dtype().bits) << " bits";
+  DLDataType dt{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  return ffi::Tensor::FromNDAllocStrided(ViewAlloc{t}, t.shape(), t.strides(), dt, t.device());
+}
+
+bool has_cuda_backend() { return flashmla::has_cuda_backend(); }
+int64_t reference_num_threads() { return flashmla::reference_num_threads(); }
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd, dense_decode_fwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd, sparse_decode_fwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd, sparse_prefill_fwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quantize_kv_cache, quantize_kv_cache);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_kv_cache, dequantize_kv_cache);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(reinterpret_dtype, reinterpret_dtype);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(reference_num_threads, reference_num_threads);

@@ -1,0 +1,157 @@
+// flashmla/ops.h — the MLA operators of the core library.
+//
+// Every operator takes one parameter struct of non-owning TensorRefs and returns
+// a Status; it never throws, never allocates device memory and never
+// synchronises the stream. Inputs are validated in one place (src/core/validate.cpp)
+// before dispatch to a backend chosen by the device of `q`:
+//   CPU  -> reference backend (src/reference/, float32 accumulation, multithreaded)
+//   CUDA -> sm90 backend (src/sm90/) when built with CUDA and the device is
+//           compute capability 9.0; otherwise kNotImplemented.
+//
+// Calling sequence used by every binding:
+//   1. fill the inputs of the params struct;
+//   2. call `<op>_plan(params, &plan)`: validates the inputs and returns the
+//      sizes of the buffers the caller must provide (outputs, metadata, workspace);
+//   3. allocate them on the device of `q`, fill the output fields;
+//   4. call `<op>_fwd(params)`.
+//
+// Semantics follow FlashMLA at commit 9241ae3 (shared/spec/flashmla-behaviour.md,
+// cited below as "spec §N").
+#pragma once
+
+#include <cstdint>
+
+#include "flashmla/kv_format.h"
+#include "flashmla/status.h"
+#include "flashmla/tensor.h"
+
+namespace flashmla {
+
+/// One row of `tile_scheduler_metadata` (spec §4.3): the slice of the
+/// (request, 64-token block) work list given to one SM partition.
+struct TileSchedulerMetadataRow {
+  int32_t begin_req_idx;          ///< first request
+  int32_t end_req_idx;            ///< last request (inclusive)
+  int32_t begin_block_idx;        ///< first block of the first request (inclusive)
+  int32_t end_block_idx;          ///< last block of the last request (exclusive)
+  int32_t begin_split_idx;        ///< split index of the first request's first piece
+  int32_t is_first_req_splitted;  ///< first request shared with another partition
+  int32_t is_last_req_splitted;   ///< last request shared with another partition
+  int32_t pad;
+};
+static_assert(sizeof(TileSchedulerMetadataRow) == 32, "metadata row is 8 int32");
+constexpr int kTileSchedulerMetadataWidth = 8;
+
+/// What a caller must allocate before `<op>_fwd` (all on the device of `q`).
+struct DecodePlan {
+  int64_t num_sm_parts = 0;     ///< rows of tile_scheduler_metadata: (num_sm_parts, 8) int32
+  int64_t num_splits_len = 0;   ///< length of num_splits: b + 1, int32
+  int64_t workspace_bytes = 0;  ///< size of `workspace` (split-KV partials), may be 0
+};
+
+// ---------------------------------------------------------------------------
+// Dense decode over a paged BF16/FP16 KV cache (spec §1.3.1, §2.2, §3.1).
+// ---------------------------------------------------------------------------
+struct DenseDecodeParams {
+  TensorRef q;              ///< (b, s_q, h_q, d_qk) bf16|fp16, last dim contiguous; d_qk in {512, 576}
+  TensorRef k_cache;        ///< (num_blocks, page_block_size, h_kv, d_qk), dtype of q, last dim contiguous
+  TensorRef block_table;    ///< (b, max_blocks_per_seq) int32, last dim contiguous
+  TensorRef cache_seqlens;  ///< (b,) int32, contiguous; 0 is legal (out 0, lse +inf)
+  int64_t head_dim_v = kDimV;  ///< must be 512; V = k_cache[..., :512]
+  float softmax_scale = 0.f;   ///< multiplies q.k (FlashMLA default d_qk^-0.5, applied by the binding)
+  bool causal = false;         ///< bottom-right aligned causal mask; ignored when s_q == 1
+
+  /// Split-KV scheduler metadata (spec §4): (num_sm_parts, 8) int32 and (b+1,) int32.
+  /// If `metadata_ready` is false the op computes them (on the op's stream)
+  /// into these buffers; otherwise it reads them as computed by an earlier call
+  /// with identical shapes and cache_seqlens.
+  TensorRef tile_scheduler_metadata;
+  TensorRef num_splits;
+  bool metadata_ready = false;
+
+  TensorRef out;  ///< (b, s_q, h_q, 512), dtype of q, written
+  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log, +inf for rows with no key, written
+
+  void* workspace = nullptr;    ///< DecodePlan::workspace_bytes bytes on the device of q
+  int64_t workspace_bytes = 0;
+  void* stream = nullptr;       ///< cudaStream_t for CUDA tensors; ignored on CPU
+};
+Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan);
+Status dense_decode_fwd(const DenseDecodeParams& p);
+
+// ---------------------------------------------------------------------------
+// Sparse (top-k) decode over an FP8 KV cache (spec §1.3.2, §2.3, §3.2-§3.4).
+// ---------------------------------------------------------------------------
+struct SparseDecodeParams {
+  TensorRef q;        ///< (b, s_q, h_q, d_qk) bf16; d_qk 576 -> V32 format, 512 -> MODEL1
+  TensorRef k_cache;  ///< (num_blocks, page_block_size, 1, 656|584) 1-byte dtype, stride(1) == 656|584
+  TensorRef indices;  ///< (b, s_q, topk) int32: flat token index block*pbs+row, -1 = invalid
+  TensorRef topk_length;  ///< optional (b,) int32: slots >= topk_length[i] are invalid
+  TensorRef attn_sink;    ///< optional (h_q,) float32 (may hold +-inf): out *= 1/(1+exp(sink-lse))
+  TensorRef extra_k_cache;           ///< optional second FP8 cache, same format, any page size
+  TensorRef extra_indices_in_kvcache;  ///< optional (b, s_q, extra_topk) int32 into extra_k_cache
+  TensorRef extra_topk_length;       ///< optional (b,) int32
+  int64_t head_dim_v = kDimV;        ///< must be 512
+  float softmax_scale = 0.f;
+
+  TensorRef tile_scheduler_metadata;  ///< as in DenseDecodeParams
+  TensorRef num_splits;
+  bool metadata_ready = false;
+
+  TensorRef out;  ///< (b, s_q, h_q, 512) bf16, written
+  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log (sink not included), written
+
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan);
+Status sparse_decode_fwd(const SparseDecodeParams& p);
+
+// ---------------------------------------------------------------------------
+// Sparse prefill, `flash_mla_sparse_fwd` (spec §1.4, §2.4).
+// ---------------------------------------------------------------------------
+struct SparsePrefillParams {
+  TensorRef q;        ///< (s_q, h_q, d_qk) bf16, d_qk in {512, 576}, last dim contiguous
+  TensorRef kv;       ///< (s_kv, 1, d_qk) bf16, last dim contiguous
+  TensorRef indices;  ///< (s_q, 1, topk) int32; slot invalid iff idx < 0 or idx >= s_kv
+  TensorRef attn_sink;    ///< optional (h_q,) float32
+  TensorRef topk_length;  ///< optional (s_q,) int32: per query token
+  float sm_scale = 0.f;
+  int64_t d_v = kDimV;  ///< must be 512
+
+  TensorRef out;         ///< (s_q, h_q, 512) bf16, written
+  TensorRef max_logits;  ///< (s_q, h_q) float32, natural units, -inf for empty rows
+  TensorRef lse;         ///< (s_q, h_q) float32, natural log, +inf for empty rows
+
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+/// Validates inputs; `*workspace_bytes` receives the workspace size needed.
+Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_bytes);
+Status sparse_prefill_fwd(const SparsePrefillParams& p);
+
+// ---------------------------------------------------------------------------
+// FP8 KV-cache conversion (spec §3.5), CPU tensors only.
+// ---------------------------------------------------------------------------
+/// Quantize a bf16 cache `(num_blocks, pbs, 1, d)` (d = 576 for kFP8V32, 512 for
+/// kFP8Model1) into `packed` `(num_blocks, pbs, 1, 656|584)` 1-byte elements with
+/// stride(1) == bytes per token and any block stride >= pbs * bytes per token.
+/// Bit-exact to FlashMLA's tests/quant.py (UE8M0 power-of-two scales, RNE e4m3).
+Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed);
+/// Inverse: packed bytes -> bf16 `(num_blocks, pbs, 1, d)`.
+Status dequantize_kv_cache(KVFormat format, const TensorRef& packed, const TensorRef& kv_bf16);
+
+// ---------------------------------------------------------------------------
+// Backend information.
+// ---------------------------------------------------------------------------
+/// True if this build contains the sm90 CUDA backend.
+bool has_cuda_backend();
+/// Number of SMs of a CUDA device (CPU: number of reference worker threads).
+int num_sms(Device d);
+/// Number of worker threads used by the reference backend (env FLASHMLA_NUM_THREADS,
+/// default std::thread::hardware_concurrency()).
+int reference_num_threads();
+
+}  // namespace flashmla

@@ -1,0 +1,112 @@
+"""Loading of the TVM-FFI module and conversion between frameworks.
+
+Arguments may be tensors of any DLPack producer (PyTorch, JAX, CuPy,
+PaddlePaddle, NumPy). Results are created by the C++ module and handed back in
+the framework of the first tensor argument, zero-copy through DLPack.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import tvm_ffi
+
+try:  # NumPy has no native bfloat16 / float8; ml_dtypes provides them.
+    import ml_dtypes
+
+    _NP_BF16 = np.dtype(ml_dtypes.bfloat16)
+    _NP_FP8 = {np.dtype(ml_dtypes.float8_e4m3fn)}
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    ml_dtypes = None
+    _NP_BF16 = None
+    _NP_FP8 = set()
+
+# DLPack type codes (dlpack.h)
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
+
+# TVM-FFI knows the common Python exception kinds; add the one we use beyond them.
+try:
+    tvm_ffi.register_error("NotImplementedError", NotImplementedError)
+except Exception:  # already registered by another TVM-FFI user in this process
+    pass
+
+_LIB_NAME = "libflashmla_tvm_ffi.so"
+
+
+def _load():
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.environ.get("FLASHMLA_TVM_FFI_LIB", os.path.join(here, _LIB_NAME))
+    if not os.path.exists(path):
+        raise ImportError(
+            f"flash_mla: native module {path} not found; install the package with `pip install .`"
+        )
+    return tvm_ffi.load_module(path)
+
+
+lib = _load()
+
+
+def framework_of(x: Any) -> str:
+    """Name of the framework a tensor belongs to: torch, numpy, jax, cupy, paddle or dlpack."""
+    mod = type(x).__module__.split(".")[0]
+    if mod in ("torch", "numpy", "cupy", "paddle"):
+        return mod
+    if mod in ("jax", "jaxlib"):
+        return "jax"
+    return "dlpack"
+
+
+def to_ffi(x: Any) -> Any:
+    """Prepare one tensor argument for the C++ module (None passes through)."""
+    if x is None:
+        return None
+    if isinstance(x, np.ndarray):
+        if _NP_BF16 is not None and x.dtype == _NP_BF16:
+            t = tvm_ffi.from_dlpack(x.view(np.uint16))
+            return lib.reinterpret_dtype(t, _DL_BFLOAT, 16)
+        if x.dtype in _NP_FP8:
+            return tvm_ffi.from_dlpack(x.view(np.uint8))
+        return tvm_ffi.from_dlpack(x)
+    if framework_of(x) == "torch":
+        return x  # TVM-FFI's fast path for torch (DLPack exchange API, current stream)
+    return tvm_ffi.from_dlpack(x)
+
+
+def from_ffi(t: Any, like: Any) -> Any:
+    """Convert a result of the C++ module into the framework of `like`, zero-copy."""
+    fw = framework_of(like)
+    if fw == "torch":
+        import torch
+
+        return t if isinstance(t, torch.Tensor) else torch.from_dlpack(t)
+    if fw == "numpy":
+        dt = t.dtype
+        if str(dt) == "bfloat16":
+            u16 = np.from_dlpack(lib.reinterpret_dtype(t, _DL_UINT, 16))
+            return u16.view(_NP_BF16)
+        return np.from_dlpack(t)
+    if fw == "jax":
+        import jax
+
+        return jax.dlpack.from_dlpack(t)
+    if fw == "cupy":
+        import cupy
+
+        return cupy.from_dlpack(t)
+    if fw == "paddle":
+        import paddle
+
+        return paddle.from_dlpack(t)
+    return t
+
+
+def has_cuda_backend() -> bool:
+    """True if this build contains the Hopper (sm_90a) CUDA kernels."""
+    return bool(lib.has_cuda_backend())
+
+
+def reference_num_threads() -> int:
+    """Worker threads of the CPU reference backend (env FLASHMLA_NUM_THREADS)."""
+    return int(lib.reference_num_threads())

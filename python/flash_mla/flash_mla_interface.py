@@ -1,0 +1,313 @@
+"""FlashMLA-compatible Python API (spec §1: signatures, defaults, checks, results).
+
+Every function accepts tensors of any DLPack framework (PyTorch, JAX, CuPy,
+PaddlePaddle, NumPy with ml_dtypes for bfloat16) and returns results in the
+framework of ``q``. CPU tensors run on the reference backend; CUDA tensors on a
+compute-capability-9.0 GPU run the Hopper kernels where they exist (otherwise
+``NotImplementedError`` says so).
+
+Errors: bad arguments raise ``ValueError`` (shapes, values), ``TypeError``
+(dtypes) or ``NotImplementedError`` (valid input with no backend for it); each
+message names the argument, what was expected and what was given. Misuse of a
+scheduler object raises :class:`SchedMetaMismatchError`, which is both a
+``ValueError`` and an ``AssertionError`` (FlashMLA raises the latter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _ffi
+
+__all__ = [
+    "FlashMLASchedMeta",
+    "SchedMetaMismatchError",
+    "get_mla_metadata",
+    "flash_mla_with_kvcache",
+    "flash_mla_sparse_fwd",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]
+
+
+class SchedMetaMismatchError(ValueError, AssertionError):
+    """A FlashMLASchedMeta was reused for a call it was not computed for."""
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """Split-KV scheduler state, filled lazily by the first decode call (spec §1.2, §4).
+
+    Fields (FlashMLA's): ``have_initialized``; ``config`` (the shapes and flags of
+    the first call); ``tile_scheduler_metadata`` (int32 ``(num_sm_parts, 8)``) and
+    ``num_splits`` (int32 ``(b + 1,)``), in the framework of ``q``.
+
+    Reuse is legal only for calls with the same ``config`` and the same values of
+    ``cache_seqlens`` (dense) / ``topk_length`` and ``extra_topk_length`` (sparse).
+    Changed shapes or flags raise :class:`SchedMetaMismatchError`; changed lengths
+    raise it too when the lengths live on the CPU (on the GPU they are not read
+    back, as that would synchronise the stream).
+    """
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: Optional[int]
+        extra_page_block_size: Optional[int]
+        extra_topk: Optional[int]
+
+    have_initialized: bool = False
+    config: Optional[Config] = None
+    tile_scheduler_metadata: Optional[Any] = None
+    num_splits: Optional[Any] = None
+    _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False)
+
+
+def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
+    """Return ``(FlashMLASchedMeta(), None)``.
+
+    All arguments are accepted and ignored, so both the current argument-less
+    form and the legacy ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv, ...)``
+    form work (spec §1.2). The metadata is computed inside the first
+    :func:`flash_mla_with_kvcache` call that receives the object.
+    """
+    return FlashMLASchedMeta(), None
+
+
+def _host_copy(x: Any) -> Optional[np.ndarray]:
+    """A NumPy copy of a small int tensor if it lives on the CPU, else None."""
+    if x is None:
+        return None
+    try:
+        if x.__dlpack_device__()[0] not in (1, 3):  # kDLCPU, kDLCUDAHost
+            return None
+    except AttributeError:
+        return None
+    if _ffi.framework_of(x) == "torch":
+        return x.detach().numpy().copy()
+    return np.array(np.from_dlpack(x), copy=True)
+
+
+def _shape(x: Any) -> Tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def flash_mla_with_kvcache(
+    q: Any,
+    k_cache: Any,
+    block_table: Any,
+    cache_seqlens: Any,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Any = None,
+    attn_sink: Any = None,
+    extra_k_cache: Any = None,
+    extra_indices_in_kvcache: Any = None,
+    topk_length: Any = None,
+    extra_topk_length: Any = None,
+) -> Tuple[Any, Any]:
+    """MLA decoding over a paged KV cache (FlashMLA's ``flash_mla_with_kvcache``).
+
+    Dense mode (``indices is None``; spec §2.2): ``q`` ``(b, s_q, h_q, d_qk)`` bf16/fp16
+    with d_qk 576 or 512; ``k_cache`` ``(num_blocks, page_block_size, h_kv, d_qk)`` of
+    q's dtype (V is ``k_cache[..., :512]``); ``block_table`` ``(b, max_blocks)`` int32;
+    ``cache_seqlens`` ``(b,)`` int32; ``causal`` masks bottom-right aligned when s_q > 1.
+
+    Sparse mode (``indices`` given; spec §2.3): ``is_fp8_kvcache=True``; ``q`` bf16;
+    ``k_cache`` ``(num_blocks, page_block_size, 1, 656)`` (V32, d_qk 576) or ``(..., 584)``
+    (MODEL1, d_qk 512) bytes (uint8/int8/float8_e4m3fn); ``indices`` ``(b, s_q, topk)``
+    int32 flat token indices (``block * page_block_size + row``; -1 = invalid);
+    optional ``topk_length`` ``(b,)`` int32, ``attn_sink`` ``(h_q,)`` float32,
+    ``extra_k_cache`` + ``extra_indices_in_kvcache`` ``(b, s_q, extra_topk)`` +
+    ``extra_topk_length`` ``(b,)``, attended in one joint softmax.
+
+    ``head_dim_v`` must be 512; ``softmax_scale`` defaults to ``d_qk ** -0.5``;
+    ``num_splits`` must be None (FlashMLA's legacy argument).
+
+    Returns ``(out, lse)``: ``out`` ``(b, s_q, h_q, 512)`` in q's dtype (bf16 for sparse);
+    ``lse`` ``(b, h_q, s_q)`` float32, natural log. Rows with no valid key give
+    ``out = 0`` and ``lse = +inf``. ``attn_sink`` scales ``out`` only.
+    """
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError(
+            "tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), "
+            f"got {type(tile_scheduler_metadata).__name__}"
+        )
+    if num_splits is not None:
+        raise ValueError("num_splits: must be None (the scheduler object carries the splits)")
+    sched = tile_scheduler_metadata
+    d_qk = int(q.shape[-1])
+    if softmax_scale is None:
+        softmax_scale = d_qk ** (-0.5)
+    topk = int(indices.shape[-1]) if indices is not None else None
+    extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
+    extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None
+    if len(q.shape) != 4:
+        raise ValueError(f"q: expected a 4-D tensor (b, s_q, h_q, d_qk), got shape {_shape(q)}")
+    if len(k_cache.shape) != 4:
+        raise ValueError(
+            f"k_cache: expected a 4-D tensor (num_blocks, page_block_size, h_kv, last), got shape {_shape(k_cache)}"
+        )
+    config = FlashMLASchedMeta.Config(
+        int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k_cache.shape[1]), int(k_cache.shape[2]),
+        bool(causal), bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
+    )
+    lengths = (
+        (_host_copy(cache_seqlens),) if topk is None else (_host_copy(topk_length), _host_copy(extra_topk_length))
+    )
+    if sched.have_initialized:
+        for field in dataclasses.fields(config):
+            old, new = getattr(sched.config, field.name), getattr(config, field.name)
+            if old != new:
+                raise SchedMetaMismatchError(
+                    f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for {field.name}={old!r}, "
+                    f"got {new!r}; a FlashMLASchedMeta "
+                    "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
+                )
+        if sched._lengths is not None:
+            names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
+            for name, old, new in zip(names, sched._lengths, lengths):
+                if old is not None and new is not None and not np.array_equal(old, new):
+                    raise SchedMetaMismatchError(
+                        f"{name}: values differ from the call that computed this FlashMLASchedMeta; its split "
+                        "schedule would be stale. Call get_mla_metadata() again when lengths change"
+                    )
+    like = q
+    meta_in = (
+        (_ffi.to_ffi(sched.tile_scheduler_metadata), _ffi.to_ffi(sched.num_splits))
+        if sched.have_initialized and sched.tile_scheduler_metadata is not None
+        else (None, None)
+    )
+    if topk is not None:
+        if causal:
+            raise ValueError("causal: sparse decoding (indices given) does not support causal=True")
+        if not is_fp8_kvcache:
+            raise ValueError("is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
+        res = _ffi.lib.sparse_decode_fwd(
+            _ffi.to_ffi(q), _ffi.to_ffi(k_cache), _ffi.to_ffi(indices), _ffi.to_ffi(topk_length),
+            _ffi.to_ffi(attn_sink), meta_in[0], meta_in[1], _ffi.to_ffi(extra_k_cache),
+            _ffi.to_ffi(extra_indices_in_kvcache), _ffi.to_ffi(extra_topk_length), int(head_dim_v),
+            float(softmax_scale),
+        )
+    else:
+        for name, val in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
+                          ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+                          ("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+            if val is not None:
+                raise ValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
+        if block_table is None or cache_seqlens is None:
+            raise ValueError("block_table and cache_seqlens: required for dense decoding, got None")
+        if is_fp8_kvcache:
+            raise NotImplementedError(
+                "is_fp8_kvcache: dense decoding reads a BF16/FP16 cache; FP8 caches need indices (sparse decoding)"
+            )
+        res = _ffi.lib.dense_decode_fwd(
+            _ffi.to_ffi(q), _ffi.to_ffi(k_cache), int(head_dim_v), _ffi.to_ffi(cache_seqlens),
+            _ffi.to_ffi(block_table), float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
+        )
+    out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
+    if not sched.have_initialized:
+        sched.have_initialized = True
+        sched.config = config
+        sched._lengths = lengths
+    sched.tile_scheduler_metadata = tsm
+    sched.num_splits = splits
+    return out, lse
+
+
+def flash_mla_sparse_fwd(
+    q: Any,
+    kv: Any,
+    indices: Any,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Any = None,
+    topk_length: Any = None,
+):
+    """Sparse MLA prefill (FlashMLA's ``flash_mla_sparse_fwd``; spec §1.4, §2.4).
+
+    ``q`` ``(s_q, h_q, d_qk)`` bf16 (d_qk 512 or 576); ``kv`` ``(s_kv, 1, d_qk)`` bf16;
+    ``indices`` ``(s_q, 1, topk)`` int32 — a slot is invalid iff its index is < 0 or
+    >= s_kv, or its position is >= ``topk_length[s]`` (optional ``(s_q,)`` int32);
+    ``attn_sink`` optional ``(h_q,)`` float32 scales ``out`` only; ``d_v`` must be 512.
+
+    Returns ``[out, max_logits, lse]``: ``out`` ``(s_q, h_q, 512)`` bf16, ``max_logits``
+    and ``lse`` ``(s_q, h_q)`` float32 in natural units. Rows with no valid slot give
+    ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
+    """
+    res = _ffi.lib.sparse_prefill_fwd(
+        _ffi.to_ffi(q), _ffi.to_ffi(kv), _ffi.to_ffi(indices), float(sm_scale), int(d_v),
+        _ffi.to_ffi(attn_sink), _ffi.to_ffi(topk_length),
+    )
+    return [_ffi.from_ffi(t, q) for t in res]
+
+
+_DENSE_PREFILL_MSG = (
+    "{name}: dense MHA prefill (forward and backward) is not implemented in this library yet "
+    "(FlashMLA ships it for SM100 only); use torch.nn.functional.scaled_dot_product_attention meanwhile"
+)
+
+
+def flash_attn_varlen_func(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_qo: Any,
+    cu_seqlens_kv: Any,
+    max_seqlen_qo: int,
+    max_seqlen_kv: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+):
+    """Dense varlen MHA prefill (spec §1.5). Not implemented yet: raises NotImplementedError."""
+    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_func"))
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: Any,
+    cu_seqlens: Any,
+    max_seqlen: int,
+    head_dim_qk: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+):
+    """Packed-QKV variant of :func:`flash_attn_varlen_func`. Not implemented yet."""
+    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_qkvpacked_func"))
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: Any,
+    kv: Any,
+    cu_seqlens_qo: Any,
+    cu_seqlens_kv: Any,
+    max_seqlen_qo: int,
+    max_seqlen_kv: int,
+    head_dim_qk: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    deterministic: bool = False,
+    is_varlen: bool = True,
+):
+    """Packed-KV variant of :func:`flash_attn_varlen_func`. Not implemented yet."""
+    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_kvpacked_func"))

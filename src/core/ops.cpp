@@ -1,0 +1,176 @@
+// Public operator entry points: validate once, plan, dispatch to a backend.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/scheduler.h"
+#include "core/validate.h"
+#include "flashmla/ops.h"
+#include "reference/reference.h"
+#ifdef FLASHMLA_WITH_CUDA
+#include "sm90/sm90.h"
+#endif
+
+namespace flashmla {
+namespace {
+
+Status no_gpu_backend(const char* op, Device d) {
+#ifdef FLASHMLA_WITH_CUDA
+  return Status::Error(ErrorKind::kNotImplemented,
+                       std::string(op) + ": " + device_name(d) +
+                           " is not a compute capability 9.0 (Hopper) GPU; this build has kernels for sm_90a only. "
+                           "Pass CPU tensors to use the reference backend.");
+#else
+  return Status::Error(ErrorKind::kNotImplemented,
+                       std::string(op) + ": this build of flash_mla has no CUDA backend (built without nvcc), "
+                                         "so tensors on " + device_name(d) +
+                           " are not supported. Pass CPU tensors to use the reference backend.");
+#endif
+}
+
+Status not_yet_on_gpu(const char* op) {
+  return Status::Error(ErrorKind::kNotImplemented,
+                       std::string(op) + ": the Hopper (sm90) kernel for this operator is not implemented yet; "
+                                         "pass CPU tensors to use the reference backend.");
+}
+
+/// Host schedule written into CPU metadata buffers (spec §4).
+void fill_host_schedule(const std::vector<int64_t>& work, const TensorRef& tsm, const TensorRef& num_splits) {
+  core::compute_tile_schedule(work, tsm.shape[0], static_cast<TileSchedulerMetadataRow*>(tsm.data),
+                              static_cast<int32_t*>(num_splits.data));
+}
+
+const int32_t* i32(const TensorRef& t) { return static_cast<const int32_t*>(t.data); }
+
+}  // namespace
+
+bool has_cuda_backend() {
+#ifdef FLASHMLA_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int num_sms(Device d) {
+#ifdef FLASHMLA_WITH_CUDA
+  if (d.type == DeviceType::kCUDA) return sm90::num_sms(d.id);
+#endif
+  (void)d;
+  return reference_num_threads();
+}
+
+// ------------------------------------------------------------------ dense decode
+Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_decode_inputs(p));
+  const Device dev = p.q.device;
+  plan->num_splits_len = p.q.shape[0] + 1;
+  plan->num_sm_parts = core::dense_decode_num_sm_parts(num_sms(dev), p.q.shape[1], p.q.shape[2],
+                                                       p.k_cache.shape[2]);
+  plan->workspace_bytes = 0;
+  if (dev.type == DeviceType::kCUDA) {
+#ifdef FLASHMLA_WITH_CUDA
+    if (!sm90::device_supported(dev.id)) return no_gpu_backend("flash_mla_with_kvcache (dense)", dev);
+    plan->workspace_bytes = sm90::dense_decode_workspace_bytes(p, plan->num_sm_parts);
+#else
+    return no_gpu_backend("flash_mla_with_kvcache (dense)", dev);
+#endif
+  }
+  return Status::Ok();
+}
+
+Status dense_decode_fwd(const DenseDecodeParams& p) {
+  DecodePlan plan;
+  FLASHMLA_RETURN_IF_ERROR(dense_decode_plan(p, &plan));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, p.q.dtype, p.tile_scheduler_metadata,
+                                                         p.num_splits, plan, p.workspace_bytes, p.workspace));
+  if (p.q.device.type == DeviceType::kCPU) {
+    if (!p.metadata_ready) {
+      std::vector<int64_t> work(p.q.shape[0]);
+      for (size_t i = 0; i < work.size(); ++i) work[i] = i32(p.cache_seqlens)[i];
+      fill_host_schedule(work, p.tile_scheduler_metadata, p.num_splits);
+    }
+    return reference::dense_decode(p);
+  }
+#ifdef FLASHMLA_WITH_CUDA
+  return sm90::dense_decode(p, plan.num_sm_parts);
+#else
+  return no_gpu_backend("flash_mla_with_kvcache (dense)", p.q.device);
+#endif
+}
+
+// ------------------------------------------------------------------ sparse decode
+Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_decode_inputs(p));
+  plan->num_splits_len = p.q.shape[0] + 1;
+  plan->num_sm_parts = core::sparse_decode_num_sm_parts(num_sms(p.q.device), p.q.shape[1], p.q.shape[2]);
+  plan->workspace_bytes = 0;
+  if (p.q.device.type == DeviceType::kCUDA) {
+#ifdef FLASHMLA_WITH_CUDA
+    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
+    return not_yet_on_gpu("flash_mla_with_kvcache (sparse FP8 decode)");
+#else
+    return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
+#endif
+  }
+  return Status::Ok();
+}
+
+Status sparse_decode_fwd(const SparseDecodeParams& p) {
+  DecodePlan plan;
+  FLASHMLA_RETURN_IF_ERROR(sparse_decode_plan(p, &plan));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16,
+                                                         p.tile_scheduler_metadata, p.num_splits, plan,
+                                                         p.workspace_bytes, p.workspace));
+  if (!p.metadata_ready) {
+    // Per-request work of spec §4.2, in tokens.
+    const int64_t b = p.q.shape[0], topk = p.indices.shape[2];
+    const int64_t extra_topk = p.extra_k_cache.defined ? p.extra_indices_in_kvcache.shape[2] : 0;
+    std::vector<int64_t> work(b);
+    for (int64_t i = 0; i < b; ++i) {
+      int64_t s = p.topk_length.defined ? i32(p.topk_length)[i] : topk;
+      if (s == 0) s = 1;
+      if (extra_topk != 0) {
+        s = (s + 63) / 64 * 64 + (p.extra_topk_length.defined ? i32(p.extra_topk_length)[i] : extra_topk);
+      }
+      work[i] = s;
+    }
+    fill_host_schedule(work, p.tile_scheduler_metadata, p.num_splits);
+  }
+  return reference::sparse_decode(p);
+}
+
+// ------------------------------------------------------------------ sparse prefill
+Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_bytes) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_inputs(p));
+  *workspace_bytes = 0;
+  if (p.q.device.type == DeviceType::kCUDA) {
+#ifdef FLASHMLA_WITH_CUDA
+    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
+    return not_yet_on_gpu("flash_mla_sparse_fwd (sparse prefill)");
+#else
+    return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
+#endif
+  }
+  return Status::Ok();
+}
+
+Status sparse_prefill_fwd(const SparsePrefillParams& p) {
+  int64_t ws = 0;
+  FLASHMLA_RETURN_IF_ERROR(sparse_prefill_plan(p, &ws));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_outputs(p));
+  return reference::sparse_prefill(p);
+}
+
+// ------------------------------------------------------------------ FP8 conversion
+Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_args(format, kv_bf16, packed));
+  return reference::quantize_kv_cache(format, kv_bf16, packed);
+}
+
+Status dequantize_kv_cache(KVFormat format, const TensorRef& packed, const TensorRef& kv_bf16) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_args(format, kv_bf16, packed));
+  return reference::dequantize_kv_cache(format, packed, kv_bf16);
+}
+
+}  // namespace flashmla

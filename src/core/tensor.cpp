@@ -1,0 +1,79 @@
+#include "flashmla/tensor.h"
+
+#include <sstream>
+
+namespace flashmla {
+
+int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16:
+    case DType::kFloat16: return 2;
+    case DType::kFloat32:
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+    case DType::kUInt8:
+    case DType::kInt8:
+    case DType::kFloat8E4M3: return 1;
+  }
+  return 1;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    case DType::kFloat32: return "float32";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
+    case DType::kInt8: return "int8";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
+  }
+  return "unknown";
+}
+
+std::string device_name(Device d) {
+  if (d.type == DeviceType::kCPU) return "cpu";
+  return "cuda:" + std::to_string(d.id);
+}
+
+static TensorRef make_ref(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  TensorRef t;
+  t.defined = true;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = static_cast<int32_t>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) t.shape[i++] = s;
+  return t;
+}
+
+TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  TensorRef t = make_ref(data, dtype, shape, device);
+  int64_t s = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.stride[i] = s;
+    s *= t.shape[i];
+  }
+  return t;
+}
+
+TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                          std::initializer_list<int64_t> stride, Device device) {
+  TensorRef t = make_ref(data, dtype, shape, device);
+  int i = 0;
+  for (int64_t s : stride) t.stride[i++] = s;
+  return t;
+}
+
+std::string shape_string(const TensorRef& t) {
+  std::ostringstream os;
+  os << "(";
+  for (int i = 0; i < t.ndim; ++i) os << (i ? ", " : "") << t.shape[i];
+  if (t.ndim == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+}  // namespace flashmla

@@ -1,0 +1,428 @@
+// Input validation shared by every binding (design: "Validation (one place)").
+// Spec references: §1.3.1 (dense decode), §1.3.2 (sparse decode), §1.4 (sparse
+// prefill), §3 (KV formats), §8 (easy-to-miss requirements).
+#include "core/validate.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace flashmla::core {
+namespace {
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+Status value_error(const std::string& msg) { return Status::Error(ErrorKind::kValue, msg); }
+Status type_error(const std::string& msg) { return Status::Error(ErrorKind::kType, msg); }
+
+Status require(const TensorRef& t, const char* name) {
+  if (!t.defined) return value_error(cat(name, ": a tensor is required, got None"));
+  return Status::Ok();
+}
+
+Status check_ndim(const TensorRef& t, const char* name, int ndim, const char* layout) {
+  if (t.ndim != ndim)
+    return value_error(cat(name, ": expected a ", ndim, "-D tensor ", layout, ", got shape ",
+                           shape_string(t)));
+  return Status::Ok();
+}
+
+Status check_dtype(const TensorRef& t, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return Status::Ok();
+  std::string list;
+  for (DType d : allowed) list += std::string(list.empty() ? "" : " or ") + dtype_name(d);
+  return type_error(cat(name, ": expected dtype ", list, ", got ", dtype_name(t.dtype)));
+}
+
+/// Shape check; -1 in `expected` is a wildcard.
+Status check_shape(const TensorRef& t, const char* name, std::initializer_list<int64_t> expected,
+                   const char* layout) {
+  bool ok = t.ndim == static_cast<int>(expected.size());
+  int i = 0;
+  for (int64_t e : expected) {
+    if (ok && e >= 0 && t.shape[i] != e) ok = false;
+    ++i;
+  }
+  if (ok) return Status::Ok();
+  std::ostringstream want;
+  want << "(";
+  i = 0;
+  for (int64_t e : expected) {
+    want << (i ? ", " : "");
+    if (e >= 0) want << e; else want << "*";
+    ++i;
+  }
+  if (expected.size() == 1) want << ",";
+  want << ")";
+  return value_error(cat(name, ": expected shape ", want.str(), " ", layout, ", got ", shape_string(t)));
+}
+
+Status check_last_dim_contiguous(const TensorRef& t, const char* name) {
+  if (t.ndim > 0 && t.shape[t.ndim - 1] != 1 && t.stride[t.ndim - 1] != 1)
+    return value_error(cat(name, ": the last dimension must be contiguous (stride 1), got stride ",
+                           t.stride[t.ndim - 1]));
+  return Status::Ok();
+}
+
+Status check_contiguous(const TensorRef& t, const char* name) {
+  if (!t.is_contiguous()) return value_error(cat(name, ": expected a contiguous tensor"));
+  return Status::Ok();
+}
+
+Status check_same_device(const TensorRef& t, const char* name, const TensorRef& q, const char* q_name) {
+  if (t.defined && t.device != q.device)
+    return value_error(cat(name, " is on ", device_name(t.device), " but ", q_name, " is on ",
+                           device_name(q.device), ": all tensors must be on the same device"));
+  return Status::Ok();
+}
+
+/// Strides must be non-negative (overlapping/negative views are not supported).
+Status check_strides(const TensorRef& t, const char* name) {
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.stride[i] < 0)
+      return value_error(cat(name, ": negative strides are not supported (dim ", i, " has stride ",
+                             t.stride[i], ")"));
+  return Status::Ok();
+}
+
+/// TMA/vector loads on the GPU need 16-byte aligned bases and row strides.
+Status check_cuda_alignment(const TensorRef& t, const char* name) {
+  if (t.device.type != DeviceType::kCUDA || !t.defined) return Status::Ok();
+  const int64_t es = dtype_size(t.dtype);
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    return value_error(cat(name, ": the data pointer must be 16-byte aligned on the GPU"));
+  for (int i = 0; i + 1 < t.ndim; ++i)
+    if (t.shape[i] > 1 && (t.stride[i] * es) % 16 != 0)
+      return value_error(cat(name, ": stride of dim ", i, " is ", t.stride[i] * es,
+                             " bytes; the GPU kernels need a multiple of 16 bytes"));
+  return Status::Ok();
+}
+
+const int32_t* host_i32(const TensorRef& t) { return static_cast<const int32_t*>(t.data); }
+
+}  // namespace
+
+// ------------------------------------------------------------------ dense decode
+Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.block_table, "block_table"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.cache_seqlens, "cache_seqlens"));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16, DType::kFloat16}));
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
+  if (b <= 0) return value_error(cat("q: batch size b = q.shape[0] must be > 0, got ", b));
+  if (s_q <= 0) return value_error(cat("q: s_q = q.shape[1] must be > 0, got ", s_q));
+  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[2] must be > 0, got ", h_q));
+  if (d_qk != 576 && d_qk != 512)
+    return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 or 512, got ", d_qk));
+  if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
+
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.k_cache, "k_cache", 4, "(num_blocks, page_block_size, h_kv, d_qk)"));
+  if (p.k_cache.dtype != p.q.dtype)
+    return type_error(cat("k_cache: expected the dtype of q (", dtype_name(p.q.dtype), "), got ",
+                          dtype_name(p.k_cache.dtype)));
+  const int64_t num_blocks = p.k_cache.shape[0], pbs = p.k_cache.shape[1], h_kv = p.k_cache.shape[2];
+  if (pbs <= 0) return value_error(cat("k_cache: page_block_size = k_cache.shape[1] must be > 0, got ", pbs));
+  if (h_kv <= 0) return value_error(cat("k_cache: h_kv = k_cache.shape[2] must be > 0, got ", h_kv));
+  if (p.k_cache.shape[3] != d_qk)
+    return value_error(cat("k_cache: last dim must equal q's head dim ", d_qk, ", got shape ",
+                           shape_string(p.k_cache)));
+  if (h_q % h_kv != 0)
+    return value_error(cat("h_q % h_kv != 0: q has h_q = ", h_q, " heads, k_cache has h_kv = ", h_kv,
+                           "; h_q must be a multiple of h_kv"));
+
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.block_table, "block_table", {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.block_table, "block_table", {b, -1}, "(b, max_blocks_per_seq)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.cache_seqlens, "cache_seqlens", {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.cache_seqlens, "cache_seqlens", {b}, "(b,)"));
+  FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.cache_seqlens, "cache_seqlens"));
+  for (auto [t, n] : {std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"}}) {
+    FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(*t, n));
+    FLASHMLA_RETURN_IF_ERROR(check_strides(*t, n));
+  }
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.k_cache, "k_cache", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.block_table, "block_table", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cache_seqlens, "cache_seqlens", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_cuda_alignment(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_cuda_alignment(p.k_cache, "k_cache"));
+
+  // Values: cheap on the host. On the GPU they stay on the device (reading them
+  // would synchronise the stream); the kernels never index past a request's
+  // last page, so only the user's own block_table contents can be wrong there.
+  if (p.q.device.type == DeviceType::kCPU) {
+    const int64_t max_blocks = p.block_table.shape[1];
+    const int32_t* seqlens = host_i32(p.cache_seqlens);
+    for (int64_t i = 0; i < b; ++i) {
+      const int64_t len = seqlens[i];
+      if (len < 0) return value_error(cat("cache_seqlens[", i, "] = ", len, " is negative"));
+      const int64_t pages = (len + pbs - 1) / pbs;
+      if (pages > max_blocks)
+        return value_error(cat("block_table too short for cache_seqlens: request ", i, " has cache_seqlens = ",
+                               len, " which needs ", pages, " pages of ", pbs,
+                               " tokens, but block_table has ", max_blocks, " columns"));
+      const int32_t* row = host_i32(p.block_table) + i * p.block_table.stride[0];
+      for (int64_t j = 0; j < pages; ++j) {
+        const int64_t blk = row[j * p.block_table.stride[1]];
+        if (blk < 0 || blk >= num_blocks)
+          return value_error(cat("block_table[", i, ", ", j, "] = ", blk, " is out of range [0, ", num_blocks,
+                                 ") (k_cache has ", num_blocks, " blocks)"));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------ sparse decode
+namespace {
+Status check_fp8_cache(const TensorRef& cache, const char* name, KVFormat format) {
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(cache, name, 4, "(num_blocks, page_block_size, 1, bytes_per_token)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(cache, name, {DType::kFloat8E4M3, DType::kInt8, DType::kUInt8}));
+  const int64_t bpt = fp8_bytes_per_token(format);
+  const char* fmt = format == KVFormat::kFP8V32 ? "V32 (d_qk = 576)" : "MODEL1 (d_qk = 512)";
+  if (cache.shape[2] != 1)
+    return value_error(cat(name, ": sparse decoding supports only h_kv = 1 (MQA), got k_cache shape ",
+                           shape_string(cache)));
+  if (cache.shape[3] != bpt)
+    return value_error(cat(name, ": the ", fmt, " FP8 format has ", bpt, " bytes per token, so the last dim must be ",
+                           bpt, ", got shape ", shape_string(cache)));
+  if (cache.shape[1] <= 0) return value_error(cat(name, ": page_block_size must be > 0"));
+  FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(cache, name));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(cache, name));
+  if (cache.shape[1] > 1 && cache.stride[1] != bpt)
+    return value_error(cat(name, ": the tokens of a page block must be packed: stride(1) must be ", bpt,
+                           " bytes, got ", cache.stride[1]));
+  if (cache.shape[0] > 1 && cache.stride[0] < cache.shape[1] * bpt)
+    return value_error(cat(name, ": page blocks overlap: stride(0) = ", cache.stride[0],
+                           " bytes is less than page_block_size * ", bpt));
+  if (cache.shape[0] * cache.shape[1] > std::numeric_limits<int32_t>::max())
+    return value_error(cat(name, ": num_blocks * page_block_size must be < 2^31 (token indices are int32)"));
+  return Status::Ok();
+}
+
+Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const char* name,
+                          int64_t num_tokens) {
+  const int64_t b = idx.shape[0], s_q = idx.shape[1], topk = idx.shape[2];
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = lengths.defined ? host_i32(lengths)[i] : topk;
+    for (int64_t r = 0; r < s_q; ++r) {
+      const int32_t* row = host_i32(idx) + i * idx.stride[0] + r * idx.stride[1];
+      for (int64_t k = 0; k < std::min(len, topk); ++k) {
+        const int64_t v = row[k * idx.stride[2]];
+        if (v != -1 && (v < 0 || v >= num_tokens))
+          return value_error(cat(name, "[", i, ", ", r, ", ", k, "] = ", v, " is out of range: valid token indices are -1 ",
+                                 "(invalid slot) or [0, num_blocks * page_block_size = ", num_tokens, ")"));
+      }
+    }
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16}));
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
+  if (b <= 0) return value_error(cat("q: batch size b = q.shape[0] must be > 0, got ", b));
+  if (s_q <= 0) return value_error(cat("q: s_q = q.shape[1] must be > 0, got ", s_q));
+  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[2] must be > 0, got ", h_q));
+  if (d_qk != 576 && d_qk != 512)
+    return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 (V32) or 512 (MODEL1), got ", d_qk));
+  if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
+  const KVFormat format = fp8_format_for_head_dim(d_qk);
+  FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(p.k_cache, "k_cache", format));
+
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.indices, "indices", 3, "(b, s_q, topk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.indices, "indices", {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.indices, "indices", {b, s_q, -1}, "(b, s_q, topk)"));
+  if (p.indices.shape[2] <= 0) return value_error("indices: topk = indices.shape[2] must be > 0");
+  FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(p.q, "q"));
+  if (p.topk_length.defined) {
+    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.topk_length, "topk_length", {DType::kInt32}));
+    FLASHMLA_RETURN_IF_ERROR(check_shape(p.topk_length, "topk_length", {b}, "(b,)"));
+    FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.topk_length, "topk_length"));
+  }
+  if (p.attn_sink.defined) {
+    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.attn_sink, "attn_sink", {DType::kFloat32}));
+    FLASHMLA_RETURN_IF_ERROR(check_shape(p.attn_sink, "attn_sink", {h_q}, "(h_q,)"));
+    FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.attn_sink, "attn_sink"));
+  }
+  if (p.extra_k_cache.defined && !p.extra_indices_in_kvcache.defined)
+    return value_error("extra_indices_in_kvcache: required when extra_k_cache is given");
+  if (!p.extra_k_cache.defined && (p.extra_indices_in_kvcache.defined || p.extra_topk_length.defined))
+    return value_error("extra_k_cache: extra_indices_in_kvcache / extra_topk_length were given without extra_k_cache");
+  if (p.extra_k_cache.defined) {
+    FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(p.extra_k_cache, "extra_k_cache", format));
+    FLASHMLA_RETURN_IF_ERROR(check_ndim(p.extra_indices_in_kvcache, "extra_indices_in_kvcache", 3, "(b, s_q, extra_topk)"));
+    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.extra_indices_in_kvcache, "extra_indices_in_kvcache", {DType::kInt32}));
+    FLASHMLA_RETURN_IF_ERROR(check_shape(p.extra_indices_in_kvcache, "extra_indices_in_kvcache", {b, s_q, -1},
+                                         "(b, s_q, extra_topk)"));
+    if (p.extra_indices_in_kvcache.shape[2] <= 0)
+      return value_error("extra_indices_in_kvcache: extra_topk = shape[2] must be > 0");
+    FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(p.extra_indices_in_kvcache, "extra_indices_in_kvcache"));
+    FLASHMLA_RETURN_IF_ERROR(check_strides(p.extra_indices_in_kvcache, "extra_indices_in_kvcache"));
+    if (p.extra_topk_length.defined) {
+      FLASHMLA_RETURN_IF_ERROR(check_dtype(p.extra_topk_length, "extra_topk_length", {DType::kInt32}));
+      FLASHMLA_RETURN_IF_ERROR(check_shape(p.extra_topk_length, "extra_topk_length", {b}, "(b,)"));
+      FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.extra_topk_length, "extra_topk_length"));
+    }
+  }
+  for (auto [t, n] : {std::pair{&p.k_cache, "k_cache"}, {&p.indices, "indices"}, {&p.topk_length, "topk_length"},
+                      {&p.attn_sink, "attn_sink"}, {&p.extra_k_cache, "extra_k_cache"},
+                      {&p.extra_indices_in_kvcache, "extra_indices_in_kvcache"},
+                      {&p.extra_topk_length, "extra_topk_length"}})
+    FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
+
+  if (p.q.device.type == DeviceType::kCPU) {
+    if (p.topk_length.defined)
+      for (int64_t i = 0; i < b; ++i)
+        if (host_i32(p.topk_length)[i] < 0)
+          return value_error(cat("topk_length[", i, "] = ", host_i32(p.topk_length)[i], " is negative"));
+    FLASHMLA_RETURN_IF_ERROR(check_index_values(p.indices, p.topk_length, "indices",
+                                                p.k_cache.shape[0] * p.k_cache.shape[1]));
+    if (p.extra_k_cache.defined) {
+      if (p.extra_topk_length.defined)
+        for (int64_t i = 0; i < b; ++i)
+          if (host_i32(p.extra_topk_length)[i] < 0)
+            return value_error(cat("extra_topk_length[", i, "] = ", host_i32(p.extra_topk_length)[i], " is negative"));
+      FLASHMLA_RETURN_IF_ERROR(check_index_values(p.extra_indices_in_kvcache, p.extra_topk_length,
+                                                  "extra_indices_in_kvcache",
+                                                  p.extra_k_cache.shape[0] * p.extra_k_cache.shape[1]));
+    }
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------ sparse prefill
+Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.kv, "kv"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 3, "(s_q, h_q, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16}));
+  const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
+  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[1] must be > 0, got ", h_q));
+  if (d_qk != 576 && d_qk != 512)
+    return value_error(cat("q: head dim d_qk = q.shape[2] must be 576 or 512, got ", d_qk));
+  if (p.d_v != kDimV) return value_error(cat("d_v: must be 512, got ", p.d_v));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.kv, "kv", 3, "(s_kv, h_kv, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.kv, "kv", {DType::kBFloat16}));
+  if (p.kv.shape[1] != 1)
+    return value_error(cat("kv: sparse prefill supports only h_kv = 1 (MQA), got kv shape ", shape_string(p.kv)));
+  if (p.kv.shape[2] != d_qk)
+    return value_error(cat("kv: last dim must equal q's head dim ", d_qk, ", got shape ", shape_string(p.kv)));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.indices, "indices", 3, "(s_q, h_kv, topk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.indices, "indices", {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.indices, "indices", {s_q, 1, -1}, "(s_q, h_kv, topk)"));
+  if (p.indices.shape[2] <= 0) return value_error("indices: topk = indices.shape[2] must be > 0");
+  if (p.attn_sink.defined) {
+    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.attn_sink, "attn_sink", {DType::kFloat32}));
+    FLASHMLA_RETURN_IF_ERROR(check_shape(p.attn_sink, "attn_sink", {h_q}, "(h_q,)"));
+  }
+  if (p.topk_length.defined) {
+    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.topk_length, "topk_length", {DType::kInt32}));
+    FLASHMLA_RETURN_IF_ERROR(check_shape(p.topk_length, "topk_length", {s_q}, "(s_q,)"));
+  }
+  for (auto [t, n] : {std::pair{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"},
+                      {&p.attn_sink, "attn_sink"}, {&p.topk_length, "topk_length"}}) {
+    if (!t->defined) continue;
+    FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(*t, n));
+    FLASHMLA_RETURN_IF_ERROR(check_strides(*t, n));
+    FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
+  }
+  if (p.kv.shape[0] > std::numeric_limits<int32_t>::max())
+    return value_error("kv: s_kv must be < 2^31 (indices are int32)");
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------ outputs
+Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const TensorRef& lse, DType out_dtype,
+                               const TensorRef& tsm, const TensorRef& num_splits, const DecodePlan& plan,
+                               int64_t workspace_bytes, const void* workspace) {
+  const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2];
+  FLASHMLA_RETURN_IF_ERROR(require(out, "out"));
+  FLASHMLA_RETURN_IF_ERROR(require(lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(out, "out", {out_dtype}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(out, "out", {b, s_q, h_q, kDimV}, "(b, s_q, h_q, 512)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(lse, "lse", {DType::kFloat32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(lse, "lse", {b, h_q, s_q}, "(b, h_q, s_q)"));
+  FLASHMLA_RETURN_IF_ERROR(require(tsm, "tile_scheduler_metadata"));
+  FLASHMLA_RETURN_IF_ERROR(require(num_splits, "num_splits"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(tsm, "tile_scheduler_metadata", {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(num_splits, "num_splits", {DType::kInt32}));
+  if (tsm.ndim != 2 || tsm.shape[0] != plan.num_sm_parts || tsm.shape[1] != kTileSchedulerMetadataWidth)
+    return value_error(cat("tile_scheduler_metadata: expected shape (", plan.num_sm_parts,
+                           ", 8) for this call, got ", shape_string(tsm),
+                           "; scheduler metadata can only be reused for calls with the same shapes"));
+  if (num_splits.ndim != 1 || num_splits.shape[0] != plan.num_splits_len)
+    return value_error(cat("num_splits: expected shape (", plan.num_splits_len, ",) for this call, got ",
+                           shape_string(num_splits),
+                           "; scheduler metadata can only be reused for calls with the same shapes"));
+  for (auto [t, n] : {std::pair{&out, "out"}, {&lse, "lse"}, {&tsm, "tile_scheduler_metadata"},
+                      {&num_splits, "num_splits"}})
+    FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_contiguous(tsm, "tile_scheduler_metadata"));
+  FLASHMLA_RETURN_IF_ERROR(check_contiguous(num_splits, "num_splits"));
+  if (workspace_bytes < plan.workspace_bytes || (plan.workspace_bytes > 0 && workspace == nullptr))
+    return value_error(cat("workspace: ", plan.workspace_bytes, " bytes required, got ", workspace_bytes));
+  return Status::Ok();
+}
+
+Status validate_sparse_prefill_outputs(const SparsePrefillParams& p) {
+  const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1];
+  FLASHMLA_RETURN_IF_ERROR(require(p.out, "out"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.max_logits, "max_logits"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.out, "out", {DType::kBFloat16}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.out, "out", {s_q, h_q, kDimV}, "(s_q, h_q, 512)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.max_logits, "max_logits", {DType::kFloat32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.max_logits, "max_logits", {s_q, h_q}, "(s_q, h_q)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.lse, "lse", {DType::kFloat32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.lse, "lse", {s_q, h_q}, "(s_q, h_q)"));
+  for (auto [t, n] : {std::pair{&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}})
+    FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------ FP8 conversion
+Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const TensorRef& packed) {
+  if (format != KVFormat::kFP8V32 && format != KVFormat::kFP8Model1)
+    return value_error("format: expected an FP8 KV format (V32 or MODEL1)");
+  FLASHMLA_RETURN_IF_ERROR(require(kv, "kv_cache"));
+  FLASHMLA_RETURN_IF_ERROR(require(packed, "packed"));
+  const int64_t d = format == KVFormat::kFP8V32 ? v32::kDimQK : model1::kDimQK;
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(kv, "kv_cache", 4, "(num_blocks, page_block_size, 1, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(kv, "kv_cache", {DType::kBFloat16}));
+  if (kv.shape[2] != 1)
+    return value_error(cat("kv_cache: FP8 KV caches have h_kv = 1, got shape ", shape_string(kv)));
+  if (kv.shape[3] != d)
+    return value_error(cat("kv_cache: the ", format == KVFormat::kFP8V32 ? "V32" : "MODEL1",
+                           " format needs d_qk = ", d, ", got shape ", shape_string(kv)));
+  FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(packed, "packed", format));
+  FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(kv, "kv_cache"));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(kv, "kv_cache"));
+  if (packed.shape[0] != kv.shape[0] || packed.shape[1] != kv.shape[1])
+    return value_error(cat("packed: expected ", kv.shape[0], " blocks of ", kv.shape[1], " tokens, got shape ",
+                           shape_string(packed)));
+  if (kv.device.type != DeviceType::kCPU || packed.device.type != DeviceType::kCPU)
+    return Status::Error(ErrorKind::kNotImplemented,
+                         "FP8 KV-cache conversion runs on the CPU: pass CPU tensors");
+  return Status::Ok();
+}
+
+}  // namespace flashmla::core

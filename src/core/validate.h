@@ -1,0 +1,25 @@
+// src/core/validate.h — the one place where user-facing input checks live.
+//
+// Every binding (TVM-FFI, torch stable ABI, C++ users) goes through these
+// before any backend runs. Messages name the argument, what was expected and
+// what was given; the ErrorKind selects the Python exception class.
+#pragma once
+
+#include "flashmla/ops.h"
+
+namespace flashmla::core {
+
+Status validate_dense_decode_inputs(const DenseDecodeParams& p);
+Status validate_sparse_decode_inputs(const SparseDecodeParams& p);
+Status validate_sparse_prefill_inputs(const SparsePrefillParams& p);
+
+/// Checks the caller-provided outputs, metadata buffers and workspace against `plan`.
+Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const TensorRef& lse,
+                               DType out_dtype, const TensorRef& tile_scheduler_metadata,
+                               const TensorRef& num_splits, const DecodePlan& plan,
+                               int64_t workspace_bytes, const void* workspace);
+Status validate_sparse_prefill_outputs(const SparsePrefillParams& p);
+
+Status validate_kv_quant_args(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed);
+
+}  // namespace flashmla::core

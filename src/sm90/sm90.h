@@ -1,0 +1,20 @@
+// src/sm90/sm90.h — Hopper (compute capability 9.0, sm_90a) backend entry points.
+//
+// Only declared when the library is built with CUDA (FLASHMLA_WITH_CUDA).
+// Inputs are validated by src/core/validate.cpp before these are called.
+#pragma once
+
+#include "flashmla/ops.h"
+
+namespace flashmla::sm90 {
+
+/// True if device `device_id` is compute capability 9.0 and the sm_90a code can run on it.
+bool device_supported(int device_id);
+int num_sms(int device_id);
+
+/// Workspace needed by dense decode for the given plan (split-KV partials).
+int64_t dense_decode_workspace_bytes(const DenseDecodeParams& p, int64_t num_sm_parts);
+/// Dense decode: scheduler metadata (unless metadata_ready), split-KV kernel, combine.
+Status dense_decode(const DenseDecodeParams& p, int64_t num_sm_parts);
+
+}  // namespace flashmla::sm90
