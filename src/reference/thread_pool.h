@@ -1,0 +1,22 @@
+// src/reference/thread_pool.h — minimal parallel loop for the CPU reference backend.
+//
+// `parallel_for(n, fn)` calls `fn(i)` exactly once for every i in [0, n), spread
+// over `reference_num_threads()` std::threads (env FLASHMLA_NUM_THREADS). Work is
+// handed out in contiguous chunks from an atomic counter, so uneven rows (causal
+// masks, varying sequence lengths) balance automatically. Each `fn(i)` must be
+// independent of the others; results are therefore bit-identical for any thread count.
+//
+// Exceptions thrown by `fn` (e.g. std::bad_alloc) are caught in the worker, the
+// remaining work is abandoned, and the first exception is rethrown on the calling
+// thread after all workers have joined, so it never reaches std::terminate.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace flashmla::reference {
+
+/// Run fn(0) ... fn(n-1) on up to `num_threads` threads (<= 0: reference_num_threads()).
+void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int num_threads = 0);
+
+}  // namespace flashmla::reference

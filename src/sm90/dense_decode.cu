@@ -1,0 +1,216 @@
+// src/sm90/dense_decode.cu — host side of the sm90 backend: device queries and
+// the dense-decode entry points of src/sm90/sm90.h (scheduler -> split-KV main
+// kernel -> combine, all on the caller's stream, no synchronisation, no allocation).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "sm90/dense_decode.h"
+#include "sm90/sm90.h"
+
+namespace flashmla::sm90 {
+
+cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
+cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
+cudaError_t probe_sm90_image();
+
+namespace {
+
+Status cuda_error(const char* what, cudaError_t e) {
+  return Status::Error(ErrorKind::kRuntime, std::string("flash_mla dense decode (sm90): ") + what +
+                                                " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+/// Makes `device` current for the lifetime of the guard (tensors may live on any GPU).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    err_ = cudaGetDevice(&prev_);
+    if (err_ == cudaSuccess && prev_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+  cudaError_t err_ = cudaSuccess;
+};
+
+struct Dims {
+  int64_t b, s_q, h_q, d_qk, h_kv, pbs, group, m_rows;
+};
+
+Dims dims_of(const DenseDecodeParams& p) {
+  Dims d;
+  d.b = p.q.shape[0];
+  d.s_q = p.q.shape[1];
+  d.h_q = p.q.shape[2];
+  d.d_qk = p.q.shape[3];
+  d.pbs = p.k_cache.shape[1];
+  d.h_kv = p.k_cache.shape[2];
+  d.group = d.h_q / d.h_kv;
+  d.m_rows = d.s_q * d.group;
+  return d;
+}
+
+constexpr int64_t kAlign = 256;
+int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int64_t lse_accum_bytes(const Dims& d, int64_t num_sm_parts) {
+  return align_up((d.b + num_sm_parts) * d.h_kv * d.m_rows * static_cast<int64_t>(sizeof(float)));
+}
+
+bool out_vec_ok(const TensorRef& out) {
+  if (out.stride[3] != 1) return false;
+  for (int i = 0; i < 3; ++i)
+    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
+  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
+}
+
+}  // namespace
+
+bool device_supported(int device_id) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (major != 9 || minor != 0) return false;
+  DeviceGuard guard(device_id);
+  if (guard.error() != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const bool ok = probe_sm90_image() == cudaSuccess;
+  cudaGetLastError();
+  return ok;
+}
+
+int num_sms(int device_id) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_id) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n;
+}
+
+int64_t dense_decode_workspace_bytes(const DenseDecodeParams& p, int64_t num_sm_parts) {
+  const Dims d = dims_of(p);
+  const int64_t splits = d.b + num_sm_parts;
+  return lse_accum_bytes(d, num_sm_parts) + align_up(splits * d.h_kv * d.m_rows * 512 * int64_t{4});
+}
+
+Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages) {
+  const Dims d = dims_of(p);
+  if (num_sm_parts <= 0 || num_sm_parts > 65535)
+    return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): invalid num_sm_parts");
+  if (d.b * d.s_q > 2147483647LL || d.m_rows > 2147483647LL / 64)
+    return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): b * s_q * h_q is too large");
+  const int64_t need = dense_decode_workspace_bytes(p, num_sm_parts);
+  if (p.workspace_bytes < need || p.workspace == nullptr)
+    return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): workspace of " + std::to_string(need) +
+                                                " bytes required, got " + std::to_string(p.workspace_bytes));
+  if (reinterpret_cast<uintptr_t>(p.q.data) % 16 != 0 || reinterpret_cast<uintptr_t>(p.k_cache.data) % 16 != 0)
+    return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): q and k_cache must be 16-byte aligned");
+
+  DeviceGuard guard(p.q.device.id);
+  if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const bool is_fp16 = p.q.dtype == DType::kFloat16;
+  int32_t* metadata = static_cast<int32_t*>(p.tile_scheduler_metadata.data);
+  int32_t* num_splits = static_cast<int32_t*>(p.num_splits.data);
+  float* lse_accum = static_cast<float*>(p.workspace);
+  float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
+  const bool vec = out_vec_ok(p.out);
+
+  if ((stages & kStageScheduler) && !p.metadata_ready) {
+    const cudaError_t e = launch_tile_scheduler(static_cast<const int32_t*>(p.cache_seqlens.data),
+                                                static_cast<int>(d.b), static_cast<int>(num_sm_parts), metadata,
+                                                num_splits, stream);
+    if (e != cudaSuccess) return cuda_error("tile scheduler launch", e);
+  }
+
+  if (stages & kStageMain) {
+    DenseDecodeKernelParams kp{};
+    kp.q = p.q.data;
+    kp.q_stride_b = p.q.stride[0];
+    kp.q_stride_s = p.q.stride[1];
+    kp.q_stride_h = p.q.stride[2];
+    kp.k = p.k_cache.data;
+    kp.k_stride_blk = p.k_cache.stride[0];
+    kp.k_stride_tok = p.k_cache.stride[1];
+    kp.k_stride_h = p.k_cache.stride[2];
+    kp.block_table = static_cast<const int32_t*>(p.block_table.data);
+    kp.bt_stride_b = p.block_table.stride[0];
+    kp.bt_stride_j = p.block_table.stride[1];
+    kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
+    kp.out = p.out.data;
+    kp.o_stride_b = p.out.stride[0];
+    kp.o_stride_s = p.out.stride[1];
+    kp.o_stride_h = p.out.stride[2];
+    kp.o_stride_d = p.out.stride[3];
+    kp.lse = static_cast<float*>(p.lse.data);
+    kp.lse_stride_b = p.lse.stride[0];
+    kp.lse_stride_h = p.lse.stride[1];
+    kp.lse_stride_s = p.lse.stride[2];
+    kp.o_accum = o_accum;
+    kp.lse_accum = lse_accum;
+    kp.tile_scheduler_metadata = metadata;
+    kp.num_splits = num_splits;
+    kp.b = static_cast<int>(d.b);
+    kp.s_q = static_cast<int>(d.s_q);
+    kp.h_q = static_cast<int>(d.h_q);
+    kp.h_kv = static_cast<int>(d.h_kv);
+    kp.group = static_cast<int>(d.group);
+    kp.m_rows = static_cast<int>(d.m_rows);
+    kp.d_qk = static_cast<int>(d.d_qk);
+    kp.page_block_size = static_cast<int>(d.pbs);
+    kp.causal = (p.causal && d.s_q > 1) ? 1 : 0;
+    kp.out_vec_ok = vec ? 1 : 0;
+    kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, static_cast<int>(num_sm_parts), stream)
+                                  : launch_dense_main_bf16(kp, static_cast<int>(num_sm_parts), stream);
+    if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);
+  }
+
+  if (stages & kStageCombine) {
+    DenseCombineParams cp{};
+    cp.out = p.out.data;
+    cp.o_stride_b = p.out.stride[0];
+    cp.o_stride_s = p.out.stride[1];
+    cp.o_stride_h = p.out.stride[2];
+    cp.o_stride_d = p.out.stride[3];
+    cp.lse = static_cast<float*>(p.lse.data);
+    cp.lse_stride_b = p.lse.stride[0];
+    cp.lse_stride_h = p.lse.stride[1];
+    cp.lse_stride_s = p.lse.stride[2];
+    cp.o_accum = o_accum;
+    cp.lse_accum = lse_accum;
+    cp.num_splits = num_splits;
+    cp.b = static_cast<int>(d.b);
+    cp.s_q = static_cast<int>(d.s_q);
+    cp.h_q = static_cast<int>(d.h_q);
+    cp.h_kv = static_cast<int>(d.h_kv);
+    cp.group = static_cast<int>(d.group);
+    cp.m_rows = static_cast<int>(d.m_rows);
+    cp.out_vec_ok = vec ? 1 : 0;
+    const cudaError_t e = launch_dense_combine(cp, is_fp16, stream);
+    if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel launch", e);
+  }
+  return Status::Ok();
+}
+
+Status dense_decode(const DenseDecodeParams& p, int64_t num_sm_parts) {
+  return dense_decode_launch(p, num_sm_parts, kStageAll);
+}
+
+}  // namespace flashmla::sm90

@@ -1,0 +1,67 @@
+// src/sm90/dense_decode.h — internal interface of the sm90 dense-decode kernels
+// (plain parameter structs and launchers). Used by src/sm90/*.cu and by the GPU
+// tests in tests/gpu/cpp; not part of the public API.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flashmla/ops.h"
+
+namespace flashmla::sm90 {
+
+/// Parameters of the split-KV main kernel (`flash_fwd_splitkv_mla_kernel`).
+/// Rows of one (request, KV head) are the `M = s_q * G` (query token, head in
+/// group) pairs, s_q-major, G = h_q / h_kv. Strides are in elements.
+struct DenseDecodeKernelParams {
+  const void* q;  // (b, s_q, h_q, d_qk)
+  int64_t q_stride_b, q_stride_s, q_stride_h;
+  const void* k;  // (num_blocks, pbs, h_kv, d_qk)
+  int64_t k_stride_blk, k_stride_tok, k_stride_h;
+  const int32_t* block_table;  // (b, max_blocks)
+  int64_t bt_stride_b, bt_stride_j;
+  const int32_t* seqlens;  // (b,)
+  void* out;               // (b, s_q, h_q, 512)
+  int64_t o_stride_b, o_stride_s, o_stride_h, o_stride_d;
+  float* lse;  // (b, h_q, s_q)
+  int64_t lse_stride_b, lse_stride_h, lse_stride_s;
+  float* o_accum;    // (num_splits_total, h_kv, M, 512) fp32, O/L per split
+  float* lse_accum;  // (num_splits_total, h_kv, M) fp32, base-2 log2(L) + m per split
+  const int32_t* tile_scheduler_metadata;  // (num_sm_parts, 8)
+  const int32_t* num_splits;               // (b + 1,)
+  int b, s_q, h_q, h_kv, group, m_rows, d_qk, page_block_size;
+  int causal;
+  int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
+  float scale_log2;  // softmax_scale * log2(e)
+};
+
+/// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
+struct DenseCombineParams {
+  void* out;
+  int64_t o_stride_b, o_stride_s, o_stride_h, o_stride_d;
+  float* lse;
+  int64_t lse_stride_b, lse_stride_h, lse_stride_s;
+  const float* o_accum;
+  const float* lse_accum;
+  const int32_t* num_splits;
+  int b, s_q, h_q, h_kv, group, m_rows;
+  int out_vec_ok;
+};
+
+/// Which stages `dense_decode_launch` runs (tests and benchmarks time the main kernel alone).
+enum DenseDecodeStage : int { kStageScheduler = 1, kStageMain = 2, kStageCombine = 4, kStageAll = 7 };
+
+/// Spec §4.2-§4.3 on the device: one warp, reads `seqlens[0..b)` and writes
+/// `metadata` ((num_sm_parts, 8) int32) and `num_splits` ((b+1,) int32).
+cudaError_t launch_tile_scheduler(const int32_t* seqlens, int b, int num_sm_parts, int32_t* metadata,
+                                  int32_t* num_splits, cudaStream_t stream);
+
+cudaError_t launch_dense_main(const DenseDecodeKernelParams& kp, bool is_fp16, int num_sm_parts,
+                              cudaStream_t stream);
+cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
+
+/// dense_decode with a choice of stages (`stages` is a DenseDecodeStage mask).
+Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages);
+
+}  // namespace flashmla::sm90

@@ -1,0 +1,8 @@
+// Instantiation of the dense-decode main kernel for bf16 (compiled in parallel with fp16).
+#include "sm90/dense_decode_kernel.cuh"
+
+namespace flashmla::sm90 {
+cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  return dense_v1::launch_main<__nv_bfloat16>(kp, num_sm_parts, stream);
+}
+}  // namespace flashmla::sm90

@@ -1,0 +1,378 @@
+// src/sm90/dense_decode_kernel.cuh — split-KV dense MLA decode, version 1
+// (mma.sync m16n8k16 tensor cores, cp.async double buffering).
+//
+// One CTA = (row tile, KV head, scheduler partition). It walks the (request,
+// 64-token block) range of its partition (spec §4.4). Per request:
+//   sQ  : BM x d_qk tile of query rows (rows = s_q-major (token, head-in-group) pairs)
+//   sK  : 2 stages of 64 tokens x d_qk gathered through block_table with cp.async;
+//         tokens >= cache_seqlens are zero-filled and never read from memory,
+//         so NaN in unused slots / pages and sentinel table entries never matter.
+// 8 warps = R row groups (16 rows each) x C = 8/R column warps. Warp (r, c)
+//   S   = Q[r] . K[keys c*64/C ...]^T        (its share of the 64 keys)
+//   row max exchanged through smem inside the row group (named barrier),
+//   P   = exp2(S*scale*log2e - m) rounded to the input dtype -> sP (smem),
+//   O[r][:, c*512/C ...] += P[r] . V          (V = first 512 dims of K).
+// Online softmax in base 2; the row sum L accumulates unrounded fp32 P.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/dense_decode.h"
+#include "sm90/utils.cuh"
+
+namespace flashmla::sm90::dense_v1 {
+
+constexpr int kThreads = 256;
+constexpr int kBlockN = 64;        // tokens per K tile (= scheduler block)
+constexpr int kRowBytes = 1152;    // smem bytes per Q/K row (576 bf16), also for d_qk 512
+constexpr int kDimV = 512;
+
+template <int R>
+struct Cfg {
+  static constexpr int BM = 16 * R;         // rows per CTA tile
+  static constexpr int C = 8 / R;           // warps per row group
+  static constexpr int KW = kBlockN / C;    // keys per warp for S
+  static constexpr int NT_S = KW / 8;       // n-tiles of S per warp
+  static constexpr int VW = kDimV / C;      // V columns per warp
+  static constexpr int NT_O = VW / 8;       // n-tiles of O per warp
+  static constexpr int kSmemQ = BM * kRowBytes;
+  static constexpr int kSmemK = kBlockN * kRowBytes;
+  static constexpr int kSmemP = BM * kBlockN * 2;
+  static constexpr int kSmemRed = BM * C * 4;
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemK + kSmemP + kSmemRed;
+  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile with 1152-byte rows,
+// XOR-swizzled inside each group of 8 chunks so that ldmatrix is conflict-free.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+// Same for the 64-key P tile (128-byte rows).
+__device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
+  return static_cast<uint32_t>(row * (kBlockN * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(const DenseDecodeKernelParams p) {
+  using CF = Cfg<R>;
+  constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + CF::kSmemQ;
+  uint8_t* sP = sK + 2 * CF::kSmemK;
+  float* sRed = reinterpret_cast<float*>(sP + CF::kSmemP);
+  const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sP_u = smem_u32(sP);
+
+  const int m_tile = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp / C, cw = warp % C;
+  const int gq = lane / 4, tq = lane % 4;  // mma fragment coordinates
+
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  const int d_qk = p.d_qk;
+  const int n_chunks = d_qk / 8;  // 16-byte chunks per row: 72 or 64
+  const int k_steps = d_qk / 16;  // QK^T mma k-steps: 36 or 32
+  const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
+
+  // Rows of this thread inside the tile (fragment rows gq and gq+8 of its row group).
+  int row_local[2], row_global[2], row_sq[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    row_global[hh] = m_tile * BM + row_local[hh];
+    row_sq[hh] = row_global[hh] / p.group;
+  }
+
+  for (int req = begin_req; req <= end_req; ++req) {
+    const int seqlen = max(p.seqlens[req], 0);
+    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
+    const int blk_lo = req == begin_req ? begin_blk : 0;
+    int blk_hi = req == end_req ? end_blk : n_blk_req;
+    blk_hi = min(blk_hi, n_blk_req);
+    const int n_blk = max(blk_hi - blk_lo, 0);
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    // Per-row key limit (bottom-right causal mask); padded rows see everything.
+    int limit[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      int lim = seqlen;
+      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
+      limit[hh] = lim;
+    }
+    const int min_limit = min(limit[0], limit[1]);
+
+    cp_async_wait<0>();
+    __syncthreads();  // the previous request is done with sQ / sK / sP / sRed
+
+    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
+    auto load_k_tile = [&](int blk, int stage) {
+      const int t_local = tid / 4, q4 = tid % 4;
+      const int token = blk * kBlockN + t_local;
+      const bool valid = token < seqlen;
+      const T* src = kbase;
+      if (valid) {
+        const int page = bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j];
+        src = kbase + static_cast<int64_t>(page) * p.k_stride_blk +
+              static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
+      }
+      const uint32_t dst_row = sK_u + stage * CF::kSmemK;
+      for (int c = q4; c < n_chunks; c += 4) {
+        cp_async_16(dst_row + swz(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+      }
+    };
+
+    if (n_blk > 0) {
+      // Q tile.
+      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
+      for (int idx = tid; idx < BM * n_chunks; idx += kThreads) {
+        const int r = idx / n_chunks, c = idx % n_chunks;
+        const int grow = m_tile * BM + r;
+        const bool valid = grow < p.m_rows;
+        const T* src = static_cast<const T*>(p.q);
+        if (valid) {
+          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
+          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
+        }
+        cp_async_16(sQ_u + swz(r, c), src, valid);
+      }
+      load_k_tile(blk_lo, 0);
+      cp_async_commit();
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    for (int i = 0; i < n_blk; ++i) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile i visible to all; everyone is done with tile i-1
+      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1);
+      cp_async_commit();
+
+      const uint32_t sKs = sK_u + (i & 1) * CF::kSmemK;
+      const int tok0 = (blk_lo + i) * kBlockN;
+
+      // ---- S = Q K^T for this warp's KW keys
+      float s[NT_S][4];
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      {
+        const int a_row = rg * 16 + (lane & 15);
+        const int a_cbit = lane >> 4;
+        const uint32_t a_base = sQ_u + a_row * kRowBytes;
+        const int a_x = a_row & 7;
+        // B (K rows): key within warp share, chunk bit
+        const int b_key = cw * KW + (lane & 7) + (NT_S >= 2 ? ((lane >> 4) << 3) : 0);
+        const int b_cbit = (lane >> 3) & 1;
+        const uint32_t b_base = sKs + b_key * kRowBytes;
+        const int b_x = b_key & 7;
+#pragma unroll 4
+        for (int ks = 0; ks < k_steps; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
+          if constexpr (NT_S >= 2) {
+#pragma unroll
+            for (int np = 0; np < NT_S / 2; ++np) {
+              uint32_t bfr[4];
+              ldmatrix_x4(bfr, b_base + np * 16 * kRowBytes + (((ks * 2 + b_cbit) ^ b_x) << 4));
+              HalfTraits<T>::mma(s[2 * np], a, bfr[0], bfr[1]);
+              HalfTraits<T>::mma(s[2 * np + 1], a, bfr[2], bfr[3]);
+            }
+          } else {
+            uint32_t bfr[2];
+            ldmatrix_x2(bfr, b_base + (((ks * 2 + b_cbit) ^ b_x) << 4));
+            HalfTraits<T>::mma(s[0], a, bfr[0], bfr[1]);
+          }
+        }
+      }
+
+      // ---- scale, mask, row max (this warp's keys)
+      const bool need_mask = tok0 + kBlockN > min_limit;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * p.scale_log2;
+          if (need_mask) {
+            const int key = tok0 + cw * KW + j * 8 + 2 * tq + (e & 1);
+            if (key >= limit[e >> 1]) v = -INFINITY;
+          }
+          s[j][e] = v;
+          mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        if (tq == 0) sRed[row_local[hh] * C + cw] = mx[hh];
+      }
+      named_barrier_sync(1 + rg, 32 * C);
+      float m_use[2], alpha[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float bm = sRed[row_local[hh] * C];
+#pragma unroll
+        for (int c = 1; c < C; ++c) bm = fmaxf(bm, sRed[row_local[hh] * C + c]);
+        const float m_new = fmaxf(m_run[hh], bm);
+        m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
+        m_run[hh] = m_new;
+      }
+
+      // ---- P = exp2(S - m), row sums, P -> smem (input dtype)
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) {
+        const float p0 = exp2f(s[j][0] - m_use[0]);
+        const float p1 = exp2f(s[j][1] - m_use[0]);
+        const float p2 = exp2f(s[j][2] - m_use[1]);
+        const float p3 = exp2f(s[j][3] - m_use[1]);
+        rs[0] += p0 + p1;
+        rs[1] += p2 + p3;
+        const int key = cw * KW + j * 8 + 2 * tq;  // key within tile
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t pk = hh == 0 ? HalfTraits<T>::pack(p0, p1) : HalfTraits<T>::pack(p2, p3);
+          const int r = row_local[hh];
+          *reinterpret_cast<uint32_t*>(sP + swz_p(r, key >> 3) + (key & 7) * 2) = pk;
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * alpha[hh] + rs[hh];
+#pragma unroll
+      for (int j = 0; j < NT_O; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+      }
+      named_barrier_sync(1 + rg, 32 * C);
+
+      // ---- O += P V for this warp's VW columns
+      {
+        const int a_row = rg * 16 + (lane & 15);
+        const int a_cbit = lane >> 4;
+        const uint32_t a_base = sP_u + a_row * (kBlockN * 2);
+        const int a_x = a_row & 7;
+        const int v_key = (lane & 7) + (((lane >> 3) & 1) << 3);
+        const int v_cbit = lane >> 4;
+        const int v_chunk0 = cw * (VW / 8);
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          uint32_t a[4];
+          ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
+          const int key = ks * 16 + v_key;
+          const uint32_t v_base = sKs + key * kRowBytes;
+          const int v_x = key & 7;
+#pragma unroll
+          for (int np = 0; np < NT_O / 2; ++np) {
+            uint32_t bfr[4];
+            ldmatrix_x4_trans(bfr, v_base + (((v_chunk0 + np * 2 + v_cbit) ^ v_x) << 4));
+            HalfTraits<T>::mma(o[2 * np], a, bfr[0], bfr[1]);
+            HalfTraits<T>::mma(o[2 * np + 1], a, bfr[2], bfr[3]);
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: total row sum across the row group's warps
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+    }
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+      // sRed was last read before the second barrier of the last tile: safe to overwrite.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        if (tq == 0) sRed[row_local[hh] * C + cw] = l_run[hh];
+      named_barrier_sync(1 + rg, 32 * C);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float t = 0.f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) t += sRed[row_local[hh] * C + c];
+        L[hh] = t;
+      }
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int grow = row_global[hh];
+      if (grow >= p.m_rows) continue;
+      const bool empty = !(L[hh] > 0.f);  // no visible key (or NaN)
+      const float inv = empty ? 0.f : 1.f / L[hh];
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      const int sq = row_sq[hh];
+      const int h = kv_head * p.group + grow % p.group;
+      if (no_split) {
+        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
+          if (p.out_vec_ok) {
+            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
+          } else {
+            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
+            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
+          }
+        }
+        if (cw == 0 && tq == 0) {
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] =
+              empty ? INFINITY : lse2 * kLn2;
+        }
+      } else {
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
+        }
+        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+}
+
+template <typename T, int R>
+cudaError_t launch_main_r(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  constexpr int smem = Cfg<R>::kSmemBytes;
+  auto kernel = flash_fwd_splitkv_mla_kernel<T, R>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  const int m_tiles = (kp.m_rows + Cfg<R>::BM - 1) / Cfg<R>::BM;
+  const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);
+  kernel<<<grid, kThreads, smem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  if (kp.m_rows <= 16) return launch_main_r<T, 1>(kp, num_sm_parts, stream);
+  if (kp.m_rows <= 32) return launch_main_r<T, 2>(kp, num_sm_parts, stream);
+  return launch_main_r<T, 4>(kp, num_sm_parts, stream);
+}
+
+}  // namespace flashmla::sm90::dense_v1

@@ -1,0 +1,220 @@
+// Tests of src/reference/numeric.h (bf16/fp16/e4m3/e8m0 conversions) and
+// src/reference/thread_pool.h (parallel_for, reference_num_threads).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flashmla/ops.h"
+#include "reference/numeric.h"
+#include "reference/thread_pool.h"
+#include "reference_test_util.h"
+
+namespace ref = flashmla::reference;
+using flashmla::testing::e4m3_bits_to_double;
+using flashmla::testing::fp16_bits_to_double;
+using flashmla::testing::Rng;
+
+namespace {
+
+float bits_f(uint32_t u) { return ref::f32_from_bits(u); }
+
+/// Independent e4m3 encoder: nearest of the 127 non-negative finite codes plus a
+/// virtual code 0x7F worth 480 (anything rounding there becomes NaN, as PyTorch's
+/// non-saturating cast does); ties go to the even code (= even mantissa).
+uint8_t e4m3_brute_force(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(x));
+  if (std::isnan(x) || a >= 480.0) return 0x7F | sign;
+  int best = 0;
+  double best_err = flashmla::testing::kInfD;
+  for (int c = 0; c <= 0x7F; ++c) {
+    const double v = c == 0x7F ? 480.0 : e4m3_bits_to_double(static_cast<uint8_t>(c));
+    const double err = std::fabs(v - a);
+    if (err < best_err || (err == best_err && (c % 2 == 0))) {
+      best = c;
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best | sign);
+}
+
+}  // namespace
+
+TEST(ReferenceNumeric, Bf16RoundToNearestEven) {
+  EXPECT_EQ(ref::float_to_bf16(1.0f), 0x3F80);
+  EXPECT_EQ(ref::float_to_bf16(-2.0f), 0xC000);
+  EXPECT_EQ(ref::float_to_bf16(-0.0f), 0x8000);
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x3F808000)), 0x3F80);  // tie -> even (down)
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x3F818000)), 0x3F82);  // tie -> even (up)
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x3F808001)), 0x3F81);  // just above the tie
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x3F807FFF)), 0x3F80);  // just below the tie
+  EXPECT_EQ(ref::float_to_bf16(INFINITY), 0x7F80);
+  EXPECT_EQ(ref::float_to_bf16(-INFINITY), 0xFF80);
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x7F7FFFFF)), 0x7F80);  // FLT_MAX overflows to inf
+  EXPECT_EQ(ref::float_to_bf16(bits_f(0x00010000)), 0x0001);  // subnormal kept
+  EXPECT_TRUE(std::isnan(ref::bf16_to_float(ref::float_to_bf16(NAN))));
+  EXPECT_TRUE(std::isnan(ref::bf16_to_float(ref::float_to_bf16(bits_f(0x7F800001)))));  // payload in low bits
+  // Every non-NaN bf16 value round-trips.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = ref::bf16_to_float(static_cast<uint16_t>(h));
+    EXPECT_EQ(f, flashmla::testing::bf16_bits_to_double(static_cast<uint16_t>(h))) << h;
+    if (!std::isnan(f)) ASSERT_EQ(ref::float_to_bf16(f), h);
+  }
+}
+
+TEST(ReferenceNumeric, Fp16Conversions) {
+  EXPECT_EQ(ref::float_to_fp16(1.0f), 0x3C00);
+  EXPECT_EQ(ref::float_to_fp16(-2.0f), 0xC000);
+  EXPECT_EQ(ref::float_to_fp16(65504.0f), 0x7BFF);
+  EXPECT_EQ(ref::float_to_fp16(65519.0f), 0x7BFF);
+  EXPECT_EQ(ref::float_to_fp16(65520.0f), 0x7C00);  // tie at the top rounds to inf
+  EXPECT_EQ(ref::float_to_fp16(1e10f), 0x7C00);
+  EXPECT_EQ(ref::float_to_fp16(-INFINITY), 0xFC00);
+  EXPECT_EQ(ref::float_to_fp16(std::ldexp(1.0f, -14)), 0x0400);       // smallest normal
+  EXPECT_EQ(ref::float_to_fp16(std::ldexp(1.0f, -24)), 0x0001);       // smallest subnormal
+  EXPECT_EQ(ref::float_to_fp16(std::ldexp(1.0f, -25)), 0x0000);       // tie -> even (0)
+  EXPECT_EQ(ref::float_to_fp16(std::ldexp(3.0f, -25)), 0x0002);       // tie -> even (2)
+  EXPECT_EQ(ref::float_to_fp16(std::ldexp(1023.5f, -24)), 0x0400);    // subnormal rounds up to normal
+  EXPECT_EQ(ref::float_to_fp16(1.0f / 3.0f), 0x3555);
+  EXPECT_TRUE(std::isnan(ref::fp16_to_float(ref::float_to_fp16(NAN))));
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float f = ref::fp16_to_float(static_cast<uint16_t>(h));
+    const double expect = fp16_bits_to_double(static_cast<uint16_t>(h));
+    if (std::isnan(expect)) {
+      ASSERT_TRUE(std::isnan(f)) << h;
+      continue;
+    }
+    ASSERT_EQ(f, expect) << h;
+    ASSERT_EQ(ref::float_to_fp16(f), h);
+  }
+  // Random floats: the result is a nearest fp16 value, ties to even.
+  Rng rng(7);
+  for (int n = 0; n < 200000; ++n) {
+    const float x = static_cast<float>(std::ldexp(rng.uniform(-1, 1), static_cast<int>(rng.randint(-27, 16))));
+    const uint16_t h = ref::float_to_fp16(x);
+    const double v = fp16_bits_to_double(h);
+    if (std::isinf(v)) {
+      ASSERT_GE(std::fabs(x), 65520.0f);
+      continue;
+    }
+    const double err = std::fabs(v - x);
+    for (int step : {-1, 1}) {
+      const uint16_t nb = static_cast<uint16_t>(h + step);
+      if (((nb >> 10) & 0x1F) == 0x1F || ((h & 0x7FFF) == 0 && step < 0)) continue;
+      const double e2 = std::fabs(fp16_bits_to_double(nb) - x);
+      ASSERT_TRUE(err < e2 || (err == e2 && (h % 2 == 0))) << x;
+    }
+  }
+}
+
+TEST(ReferenceNumeric, E4m3DecodeAllCodes) {
+  EXPECT_EQ(ref::e4m3_to_float(0x38), 1.0f);
+  EXPECT_EQ(ref::e4m3_to_float(0x7E), 448.0f);
+  EXPECT_EQ(ref::e4m3_to_float(0xC0), -2.0f);
+  EXPECT_EQ(ref::e4m3_to_float(0x01), std::ldexp(1.0f, -9));
+  EXPECT_EQ(ref::e4m3_to_float(0x08), std::ldexp(1.0f, -6));
+  EXPECT_TRUE(std::isnan(ref::e4m3_to_float(0x7F)));
+  EXPECT_TRUE(std::isnan(ref::e4m3_to_float(0xFF)));
+  EXPECT_TRUE(std::signbit(ref::e4m3_to_float(0x80)));
+  for (int c = 0; c < 256; ++c) {
+    const double expect = e4m3_bits_to_double(static_cast<uint8_t>(c));
+    const float got = ref::e4m3_to_float(static_cast<uint8_t>(c));
+    if (std::isnan(expect)) EXPECT_TRUE(std::isnan(got)) << c;
+    else EXPECT_EQ(got, expect) << c;
+  }
+}
+
+TEST(ReferenceNumeric, E4m3EncodeMatchesPyTorchCast) {
+  // Hand-computed bytes.
+  EXPECT_EQ(ref::float_to_e4m3(1.0f), 0x38);
+  EXPECT_EQ(ref::float_to_e4m3(448.0f), 0x7E);
+  EXPECT_EQ(ref::float_to_e4m3(-2.0f), 0xC0);
+  EXPECT_EQ(ref::float_to_e4m3(0.0f), 0x00);
+  EXPECT_EQ(ref::float_to_e4m3(-0.0f), 0x80);
+  EXPECT_EQ(ref::float_to_e4m3(256.0f), 0x78);
+  EXPECT_EQ(ref::float_to_e4m3(std::ldexp(1.0f, -9)), 0x01);
+  EXPECT_EQ(ref::float_to_e4m3(std::ldexp(1.0f, -10)), 0x00);        // tie -> even (0)
+  EXPECT_EQ(ref::float_to_e4m3(std::ldexp(3.0f, -10)), 0x02);        // tie -> even (2)
+  EXPECT_EQ(ref::float_to_e4m3(464.0f), 0x7E);                      // tie between 448 and "480" -> 448
+  EXPECT_EQ(ref::float_to_e4m3(464.5f), 0x7F);                      // non-saturating: NaN
+  EXPECT_EQ(ref::float_to_e4m3(480.0f), 0x7F);
+  EXPECT_EQ(ref::float_to_e4m3(-1e9f), 0xFF);
+  EXPECT_EQ(ref::float_to_e4m3(INFINITY), 0x7F);
+  EXPECT_EQ(ref::float_to_e4m3(NAN), 0x7F);
+  // Every finite code round-trips.
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7F) == 0x7F) continue;
+    ASSERT_EQ(ref::float_to_e4m3(ref::e4m3_to_float(static_cast<uint8_t>(c))), c);
+  }
+  // Every bf16 value, and the exact midpoints between adjacent codes (+- 1 float ulp).
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float x = ref::bf16_to_float(static_cast<uint16_t>(h));
+    ASSERT_EQ(ref::float_to_e4m3(x), e4m3_brute_force(x)) << x;
+  }
+  for (int c = 0; c < 0x7E; ++c) {
+    const float mid = static_cast<float>(
+        (e4m3_bits_to_double(static_cast<uint8_t>(c)) + e4m3_bits_to_double(static_cast<uint8_t>(c + 1))) / 2);
+    for (float x : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1000.f), -mid}) {
+      ASSERT_EQ(ref::float_to_e4m3(x), e4m3_brute_force(x)) << x;
+    }
+  }
+  Rng rng(11);
+  for (int n = 0; n < 100000; ++n) {
+    const float x = static_cast<float>(std::ldexp(rng.uniform(-1, 1), static_cast<int>(rng.randint(-12, 10))));
+    ASSERT_EQ(ref::float_to_e4m3(x), e4m3_brute_force(x)) << x;
+  }
+}
+
+TEST(ReferenceNumeric, E8m0) {
+  EXPECT_EQ(ref::e8m0_to_float(127), 1.0f);
+  EXPECT_EQ(ref::e8m0_to_float(114), std::ldexp(1.0f, -13));
+  EXPECT_EQ(ref::e8m0_to_float(0), std::ldexp(1.0f, -127));
+  EXPECT_EQ(ref::e8m0_to_float(254), std::ldexp(1.0f, 127));
+  EXPECT_TRUE(std::isnan(ref::e8m0_to_float(255)));
+  for (int e = 0; e < 255; ++e) EXPECT_EQ(ref::float_to_e8m0(ref::e8m0_to_float(static_cast<uint8_t>(e))), e);
+  EXPECT_EQ(ref::float_to_e8m0(NAN), 0xFF);
+  EXPECT_EQ(ref::float_to_e8m0(INFINITY), 0xFF);
+}
+
+TEST(ReferenceThreadPool, EveryIndexExactlyOnce) {
+  for (int threads : {1, 2, 3, 8}) {
+    for (int64_t n : {0, 1, 2, 7, 1000, 100003}) {
+      std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+      for (auto& h : hits) h = 0;
+      ref::parallel_for(n, [&](int64_t i) { hits[static_cast<size_t>(i)]++; }, threads);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[static_cast<size_t>(i)].load(), 1) << n << " " << i;
+    }
+  }
+}
+
+TEST(ReferenceThreadPool, ExceptionReachesCaller) {
+  EXPECT_THROW(ref::parallel_for(
+                   1000, [](int64_t i) { if (i == 517) throw std::runtime_error("boom"); }, 4),
+               std::runtime_error);
+  EXPECT_THROW(ref::parallel_for(
+                   10, [](int64_t i) { if (i == 3) throw std::runtime_error("boom"); }, 1),
+               std::runtime_error);
+}
+
+TEST(ReferenceThreadPool, NumThreadsFromEnvironment) {
+  const char* old = std::getenv("FLASHMLA_NUM_THREADS");
+  const std::string saved = old ? old : "";
+  const unsigned hw = std::thread::hardware_concurrency();
+  const int fallback = hw == 0 ? 1 : static_cast<int>(hw);
+  setenv("FLASHMLA_NUM_THREADS", "3", 1);
+  EXPECT_EQ(flashmla::reference_num_threads(), 3);
+  setenv("FLASHMLA_NUM_THREADS", "0", 1);
+  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
+  setenv("FLASHMLA_NUM_THREADS", "abc", 1);
+  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
+  unsetenv("FLASHMLA_NUM_THREADS");
+  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
+  EXPECT_GE(flashmla::reference_num_threads(), 1);
+  if (old) setenv("FLASHMLA_NUM_THREADS", saved.c_str(), 1);
+}

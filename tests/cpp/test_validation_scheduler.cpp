@@ -1,0 +1,307 @@
+// Validation (src/core/validate.cpp) and host scheduler (src/core/scheduler.cpp) tests.
+// Every bad input must come back as a Status with the right ErrorKind and a
+// message that names the offending argument.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/scheduler.h"
+#include "flashmla/flashmla.h"
+
+namespace flashmla {
+namespace {
+
+struct DenseCase {
+  int64_t b = 2, s_q = 1, h_q = 16, h_kv = 1, d = 576, pbs = 64, num_blocks = 4, max_blocks = 2;
+  std::vector<uint16_t> q, k;
+  std::vector<int32_t> block_table, seqlens;
+  DenseDecodeParams p;
+
+  DenseCase() { build(); }
+  void build() {
+    q.assign(b * s_q * h_q * d, 0x3f80);
+    k.assign(num_blocks * pbs * h_kv * d, 0x3f80);
+    block_table.assign(b * max_blocks, 0);
+    for (int64_t i = 0; i < b * max_blocks; ++i) block_table[i] = static_cast<int32_t>(i % num_blocks);
+    seqlens.assign(b, 70);
+    p = DenseDecodeParams{};
+    p.q = make_tensor_ref(q.data(), DType::kBFloat16, {b, s_q, h_q, d});
+    p.k_cache = make_tensor_ref(k.data(), DType::kBFloat16, {num_blocks, pbs, h_kv, d});
+    p.block_table = make_tensor_ref(block_table.data(), DType::kInt32, {b, max_blocks});
+    p.cache_seqlens = make_tensor_ref(seqlens.data(), DType::kInt32, {b});
+    p.softmax_scale = 0.05f;
+  }
+};
+
+void expect_error(const Status& st, ErrorKind kind, const std::string& needle) {
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(st.kind, kind) << st.message;
+  EXPECT_NE(st.message.find(needle), std::string::npos) << "message: " << st.message << "\nexpected to contain: " << needle;
+}
+
+TEST(ValidationDense, AcceptsValidInput) {
+  DenseCase c;
+  DecodePlan plan;
+  ASSERT_TRUE(dense_decode_plan(c.p, &plan).ok());
+  EXPECT_EQ(plan.num_splits_len, 3);
+  EXPECT_GE(plan.num_sm_parts, 1);
+}
+
+TEST(ValidationDense, WrongDtypeIsTypeError) {
+  DenseCase c;
+  c.p.q.dtype = DType::kFloat32;
+  DecodePlan plan;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kType, "q: expected dtype bfloat16 or float16, got float32");
+  c.build();
+  c.p.k_cache.dtype = DType::kFloat16;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kType, "k_cache");
+  c.build();
+  c.p.block_table.dtype = DType::kInt64;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kType, "block_table");
+  c.build();
+  c.p.cache_seqlens.dtype = DType::kInt64;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kType, "cache_seqlens");
+}
+
+TEST(ValidationDense, ShapeErrorsNameTheArgument) {
+  DecodePlan plan;
+  {
+    DenseCase c;
+    c.p.q.shape[3] = 128;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "q: head dim d_qk");
+  }
+  {
+    DenseCase c;
+    c.p.head_dim_v = 576;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "head_dim_v");
+  }
+  {
+    DenseCase c;
+    c.h_q = 6;
+    c.h_kv = 4;
+    c.build();
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "h_q % h_kv");
+  }
+  {
+    DenseCase c;
+    c.p.q.stride[3] = 2;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "q: the last dimension must be contiguous");
+  }
+  {
+    DenseCase c;
+    c.p.cache_seqlens.shape[0] = 3;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "cache_seqlens: expected shape (2,)");
+  }
+  {
+    DenseCase c;
+    c.p.q.ndim = 3;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "q: expected a 4-D tensor");
+  }
+  {
+    DenseCase c;
+    c.p.cache_seqlens.defined = false;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "cache_seqlens: a tensor is required");
+  }
+}
+
+TEST(ValidationDense, ValueChecksOnTheHost) {
+  DecodePlan plan;
+  {
+    DenseCase c;
+    c.seqlens[1] = 129;  // 3 pages of 64, table has 2 columns
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table too short for cache_seqlens");
+  }
+  {
+    DenseCase c;
+    c.block_table[1] = 2147480000;  // sentinel inside the used range
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table[0, 1] = 2147480000 is out of range");
+  }
+  {
+    DenseCase c;
+    c.seqlens[0] = 64;
+    c.block_table[1] = 2147480000;  // sentinel past the last used page: legal
+    EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
+  }
+  {
+    DenseCase c;
+    c.seqlens[0] = -1;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "cache_seqlens[0] = -1");
+  }
+}
+
+TEST(ValidationDense, MixedDevicesAndOutputs) {
+  DecodePlan plan;
+  DenseCase c;
+  c.p.block_table.device = {DeviceType::kCUDA, 0};
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table is on cuda:0 but q is on cpu");
+
+  DenseCase d;
+  ASSERT_TRUE(dense_decode_plan(d.p, &plan).ok());
+  std::vector<uint16_t> out(d.b * d.s_q * d.h_q * 512);
+  std::vector<float> lse(d.b * d.h_q * d.s_q);
+  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
+  d.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {d.b, d.s_q, d.h_q, 512});
+  d.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {d.b, d.h_q, d.s_q});
+  d.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts + 1, 8});
+  d.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  expect_error(dense_decode_fwd(d.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
+  d.p.tile_scheduler_metadata.shape[0] = plan.num_sm_parts;
+  EXPECT_TRUE(dense_decode_fwd(d.p).ok());
+}
+
+struct SparseCase {
+  int64_t b = 2, s_q = 1, h_q = 64, pbs = 64, num_blocks = 2, topk = 64;
+  std::vector<uint16_t> q;
+  std::vector<uint8_t> cache;
+  std::vector<int32_t> indices;
+  SparseDecodeParams p;
+  SparseCase() {
+    q.assign(b * s_q * h_q * 576, 0x3f80);
+    cache.assign(num_blocks * pbs * 656, 0);
+    indices.assign(b * s_q * topk, -1);
+    for (int64_t i = 0; i < b * s_q * topk; ++i) indices[i] = static_cast<int32_t>(i % (num_blocks * pbs));
+    p.q = make_tensor_ref(q.data(), DType::kBFloat16, {b, s_q, h_q, 576});
+    p.k_cache = make_tensor_ref(cache.data(), DType::kUInt8, {num_blocks, pbs, 1, 656});
+    p.indices = make_tensor_ref(indices.data(), DType::kInt32, {b, s_q, topk});
+    p.softmax_scale = 0.05f;
+  }
+};
+
+TEST(ValidationSparse, Checks) {
+  DecodePlan plan;
+  {
+    SparseCase c;
+    EXPECT_TRUE(sparse_decode_plan(c.p, &plan).ok());
+  }
+  {
+    SparseCase c;
+    c.p.k_cache.shape[3] = 584;
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "656 bytes per token");
+  }
+  {
+    SparseCase c;
+    c.p.q.dtype = DType::kFloat16;
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kType, "q: expected dtype bfloat16");
+  }
+  {
+    SparseCase c;
+    c.indices[5] = 128;  // == num_blocks * pbs
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "indices[0, 0, 5] = 128 is out of range");
+  }
+  {
+    SparseCase c;
+    c.indices[5] = -7;  // only -1 marks an invalid decode slot
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "indices[0, 0, 5] = -7");
+  }
+  {
+    SparseCase c;
+    std::vector<int32_t> lens = {3, 64};
+    c.indices[10] = 2147483647;  // garbage beyond topk_length[0] = 3 is legal
+    c.p.topk_length = make_tensor_ref(lens.data(), DType::kInt32, {2});
+    EXPECT_TRUE(sparse_decode_plan(c.p, &plan).ok());
+  }
+  {
+    SparseCase c;
+    std::vector<float> sink(3);
+    c.p.attn_sink = make_tensor_ref(sink.data(), DType::kFloat32, {3});
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "attn_sink: expected shape (64,)");
+  }
+  {
+    SparseCase c;
+    c.p.extra_k_cache = c.p.k_cache;
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "extra_indices_in_kvcache: required");
+  }
+  {
+    SparseCase c;
+    c.p.k_cache.stride[1] = 700;
+    expect_error(sparse_decode_plan(c.p, &plan), ErrorKind::kValue, "stride(1) must be 656");
+  }
+}
+
+TEST(ValidationPrefill, Checks) {
+  std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
+  std::vector<int32_t> idx(4 * 64, 0);
+  SparsePrefillParams p;
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {4, 16, 512});
+  p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
+  p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
+  int64_t ws = 0;
+  EXPECT_TRUE(sparse_prefill_plan(p, &ws).ok());
+  p.d_v = 576;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "d_v: must be 512");
+  p.d_v = 512;
+  p.kv.shape[1] = 2;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "kv: sparse prefill supports only h_kv = 1");
+  p.kv.shape[1] = 1;
+  p.indices.shape[0] = 5;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "indices: expected shape (4, 1, *)");
+  p.indices.shape[0] = 4;
+  p.indices.dtype = DType::kInt64;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kType, "indices: expected dtype int32");
+}
+
+TEST(ValidationGpu, NoCudaBackendIsNotImplemented) {
+  if (has_cuda_backend()) GTEST_SKIP() << "built with CUDA";
+  DenseCase c;
+  for (TensorRef* t : {&c.p.q, &c.p.k_cache, &c.p.block_table, &c.p.cache_seqlens}) t->device = {DeviceType::kCUDA, 0};
+  DecodePlan plan;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kNotImplemented, "no CUDA backend");
+}
+
+// ------------------------------------------------------------------ scheduler
+TEST(Scheduler, WorkedExampleOfSpec46) {
+  // s' = [1000, 64, 0, 5000], 8 parts -> num_splits = [0, 2, 3, 4, 10] (spec §4.6).
+  std::vector<int64_t> lens = {1000, 64, 0, 5000};
+  std::vector<TileSchedulerMetadataRow> rows(8);
+  std::vector<int32_t> splits(5);
+  core::compute_tile_schedule(lens, 8, rows.data(), splits.data());
+  EXPECT_EQ(splits, (std::vector<int32_t>{0, 2, 3, 4, 10}));
+  EXPECT_EQ(rows[0].begin_req_idx, 0);
+  EXPECT_EQ(rows[0].end_req_idx, 0);
+  EXPECT_EQ(rows[0].end_block_idx, 15);
+  EXPECT_EQ(rows[0].is_last_req_splitted, 1);
+  EXPECT_EQ(rows[1].begin_req_idx, 0);
+  EXPECT_EQ(rows[1].begin_block_idx, 15);
+  EXPECT_EQ(rows[1].end_req_idx, 2);
+  EXPECT_EQ(rows[1].end_block_idx, 0);
+  EXPECT_EQ(rows[1].is_first_req_splitted, 1);
+  EXPECT_EQ(rows[1].is_last_req_splitted, 0);
+  for (int p = 2; p < 8; ++p) {
+    EXPECT_EQ(rows[p].begin_req_idx, 3);
+    EXPECT_EQ(rows[p].end_req_idx, 3);
+    EXPECT_EQ(rows[p].begin_block_idx, 15 * (p - 2));
+    EXPECT_EQ(rows[p].end_block_idx, p == 7 ? 79 : 15 * (p - 1));
+    EXPECT_EQ(rows[p].begin_split_idx, p - 2);
+  }
+}
+
+TEST(Scheduler, CoversEveryBlockExactlyOnce) {
+  std::vector<int64_t> lens = {1, 0, 4096, 63, 64, 65, 20000, 0, 0, 777};
+  for (int64_t parts : {1, 3, 8, 66, 132}) {
+    std::vector<TileSchedulerMetadataRow> rows(parts);
+    std::vector<int32_t> splits(lens.size() + 1);
+    core::compute_tile_schedule(lens, parts, rows.data(), splits.data());
+    std::vector<int64_t> covered(lens.size(), 0);
+    std::vector<int32_t> pieces(lens.size(), 0);
+    for (const auto& r : rows) {
+      if (r.begin_req_idx >= static_cast<int>(lens.size())) continue;
+      for (int req = r.begin_req_idx; req <= r.end_req_idx; ++req) {
+        const int64_t nblk = std::max<int64_t>(lens[req] - 1, 0) / 64 + 1;
+        const int64_t lo = req == r.begin_req_idx ? r.begin_block_idx : 0;
+        const int64_t hi = req == r.end_req_idx ? (r.end_block_idx == 0 && lens[req] == 0 ? 1 : r.end_block_idx) : nblk;
+        covered[req] += hi - lo;
+        pieces[req] += 1;
+      }
+    }
+    for (size_t i = 0; i < lens.size(); ++i) {
+      const int64_t nblk = std::max<int64_t>(lens[i] - 1, 0) / 64 + 1;
+      EXPECT_EQ(covered[i], nblk) << "request " << i << " parts " << parts;
+      EXPECT_EQ(splits[i + 1] - splits[i], pieces[i]) << "request " << i << " parts " << parts;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace flashmla

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test suite: install, build and run the C++ tests (GoogleTest/CTest), then pytest
+# (tests/python everywhere; tests/gpu skip themselves without a Hopper GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc)}
+bash tools/install.sh
+$PY -m pip install -q "pytest>=7,<10" "jax[cpu]>=0.4.30,<1"
+
+echo "== C++ tests (reference backend, validation, scheduler)"
+cmake -S . -B build/cpp-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUILD_TESTS=ON >/dev/null
+cmake --build build/cpp-tests -j "$JOBS"
+ctest --test-dir build/cpp-tests --output-on-failure -j "$JOBS"
+
+echo "== Python tests"
+set +e
+$PY -m pytest tests/python tests/gpu -q -rs "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+exit "$rc"
