@@ -1,0 +1,128 @@
+"""Dense MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
+
+Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick]
+
+Cases: compute-bound anchors (b=128, h_q=128, s_q 1/2, varlen mean s_k 4k-32k,
+causal and not), memory-bound anchors (h_q 16/32/64, s_k=8192 fixed), the
+whole-call table (uniform lengths, incl. tensor-parallel and short contexts)
+and extra TP shapes. FLOP/byte formulas: spec §5.4. Main-kernel time excludes
+the scheduler and combine kernels (as FlashMLA's harness reports); call time
+includes everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import flash_mla  # noqa: E402
+
+KERNEL = "flash_fwd_splitkv_mla_kernel"
+COMBINE = "flash_fwd_mla_combine_kernel"
+
+# anchors: (b, s_q, h_q, s_k, causal, varlen) -> (metric, value)
+COMPUTE = {(1, False): [600, 642, 663, 675], (2, False): [681, 711, 726, 727],
+           (1, True): [601, 641, 663, 674], (2, True): [679, 711, 725, 718]}
+MEMORY = {16: 3869, 32: 3906, 64: 3898}
+CALL_GRAPH_US = [  # b, s_q, h_q, s_k, graph us
+    (1, 1, 128, 2048, 19.4), (1, 1, 16, 2048, 16.1), (4, 1, 128, 2048, 22.1), (16, 1, 128, 2048, 31.8),
+    (16, 1, 16, 2048, 21.2), (128, 1, 8, 256, 17.3), (128, 1, 16, 256, 18.6), (128, 4, 16, 256, 20.1),
+    (128, 1, 64, 256, 21.5), (128, 1, 128, 256, 33.5), (128, 1, 16, 1024, 43.0), (128, 4, 32, 1024, 67.5),
+    (128, 1, 128, 1024, 68.3), (128, 1, 16, 4096, 145.3), (128, 4, 64, 4096, 476.9), (128, 1, 128, 4096, 242.2),
+]
+
+
+def make_inputs(b, s_q, h_q, s_k, varlen, pbs=64, d=576, seed=0):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if varlen:
+        lens = [max(int(random.normalvariate(s_k, s_k / 2)), s_q) for _ in range(b)]
+    else:
+        lens = [s_k] * b
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    max_pad = math.ceil(max(lens) / 256) * 256
+    nb = b * max_pad // pbs
+    q = (torch.randn(b, s_q, h_q, d, device="cuda") / 10).clamp(-1, 1).to(torch.bfloat16)
+    k = (torch.randn(nb, pbs, 1, d, device="cuda") / 10).clamp(-1, 1).to(torch.bfloat16)
+    bt = torch.randperm(nb, device="cuda").to(torch.int32).reshape(b, -1)
+    return q, k, bt, lens_t, lens
+
+
+def bench_case(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True):
+    q, k, bt, lens_t, lens = make_inputs(b, s_q, h_q, s_k, varlen)
+    sched, _ = flash_mla.get_mla_metadata()
+    fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, sched, causal=causal)
+    if not reuse_meta:
+        fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, flash_mla.get_mla_metadata()[0],
+                                                      causal=causal)
+    t = common.kernel_times_us(fn, [KERNEL, COMBINE, "get_mla_metadata", "scheduler"])
+    mean_len = sum(lens) / b
+    flop = b * h_q * s_q * (2 * 576 * mean_len + 2 * mean_len * 512)
+    nbytes = b * (s_q * h_q * 576 * 2 + mean_len * 576 * 2 + s_q * h_q * 512 * 2)
+    kt = t[KERNEL]
+    case = {
+        "name": name,
+        "params": {"b": b, "s_q": s_q, "h_q": h_q, "h_kv": 1, "s_k": s_k, "mean_s_k": mean_len, "causal": causal,
+                   "varlen": varlen, "page_block_size": 64, "d_qk": 576, "d_v": 512},
+        "time_us": kt, "call_time_us": t["call"], "combine_us": t[COMBINE],
+        "tflops": flop / kt / 1e6, "gbps": nbytes / kt / 1e3,
+        "frac_matmul_ceiling": flop / kt / 1e6 / ceil["matmul_tflops"],
+        "frac_copy_ceiling": nbytes / kt / 1e3 / ceil["copy_gbps"],
+        "anchor_tflops": None, "anchor_gbps": None, "anchor_call_us": None, "ratio_to_anchor": None,
+    }
+    if anchor is not None:
+        metric, value = anchor
+        if metric == "tflops":
+            case["anchor_tflops"], case["ratio_to_anchor"] = value, case["tflops"] / value
+        elif metric == "gbps":
+            case["anchor_gbps"], case["ratio_to_anchor"] = value, case["gbps"] / value
+        else:  # whole-call time in µs, lower is better
+            case["anchor_call_us"], case["ratio_to_anchor"] = value, value / t["call"]
+    return case
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    gpu = torch.cuda.get_device_name()
+    ceil = common.measure_ceilings()
+    print(f"{gpu}: ceilings {ceil}", flush=True)
+    cases = []
+    sks = [4096, 8192, 16384, 32768]
+    for (s_q, causal), anchors in COMPUTE.items():
+        for s_k, a in zip(sks, anchors):
+            if args.quick and s_k > 8192:
+                continue
+            cases.append(bench_case(f"compute sq{s_q} sk{s_k}{' causal' if causal else ''}", 128, s_q, 128, s_k,
+                                    causal, True, ("tflops", a), ceil))
+    for h_q, a in MEMORY.items():
+        cases.append(bench_case(f"memory hq{h_q} sk8192", 128, 1, h_q, 8192, False, False, ("gbps", a), ceil))
+    for b, s_q, h_q, s_k, us in CALL_GRAPH_US:
+        cases.append(bench_case(f"call b{b} sq{s_q} hq{h_q} sk{s_k}", b, s_q, h_q, s_k, False, False,
+                                ("call_us", us), ceil))
+    for h_q in (8, 16, 32):
+        for s_q in (1, 2, 4):
+            cases.append(bench_case(f"tp hq{h_q} sq{s_q} sk8192", 128, s_q, h_q, 8192, False, False, None, ceil))
+    for c in cases:
+        r = c["ratio_to_anchor"]
+        print(f"{c['name']:32s} kernel {c['time_us']:9.1f} us  call {c['call_time_us']:9.1f} us  "
+              f"{c['tflops']:7.1f} TFLOP/s {c['gbps']:7.0f} GB/s  ratio {'-' if r is None else f'{r:.3f}'}",
+              flush=True)
+    path = common.write_results("dense-decode", gpu, ceil, cases, args.out)
+    common.plot_ratios(cases, f"dense decode vs FlashMLA ({gpu})", path.replace(".json", ".png"))
+    rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]
+    print(f"wrote {path}; geomean ratio {math.exp(sum(map(math.log, rs)) / len(rs)):.3f} over {len(rs)} anchor cases")
+
+
+if __name__ == "__main__":
+    main()

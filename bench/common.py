@@ -1,0 +1,119 @@
+"""Shared benchmark plumbing: ceilings measured in the same run, kernel timing, JSON, plots.
+
+Times are medians. Kernel time comes from the PyTorch profiler (CUDA activity,
+kernels matched by name substring, as FlashMLA's kernelkit.bench_kineto does);
+whole-call time from CUDA events around the Python call.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import statistics
+from typing import Callable, Dict, List
+
+import torch
+
+
+def measure_ceilings() -> Dict[str, float]:
+    """bf16 matmul TFLOP/s (8192^3, mean of 10 after 3 warm-ups, random data) and
+    device copy GB/s (2 GiB, bytes read + written), as in shared/anchors-h200.md."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    tflops = 2 * n**3 * 10 / (s.elapsed_time(e) * 1e-3) / 1e12
+    del a, b
+    x = torch.empty(2**30, device="cuda", dtype=torch.int16)  # 2 GiB
+    x.random_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(10):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    gbps = 2 * x.numel() * 2 * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    return {"matmul_tflops": round(tflops, 1), "copy_gbps": round(gbps, 1)}
+
+
+_FLUSH = None
+
+
+def flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    _FLUSH.zero_()
+
+
+def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 20) -> Dict[str, float]:
+    """Median over `reps` calls of the summed duration of kernels whose name contains each
+    substring, plus 'call' = CUDA-event time of the whole call. L2 is flushed between calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    call = []
+    for _ in range(reps):
+        flush_l2()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        call.append(s.elapsed_time(e) * 1e3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    out = {"call": statistics.median(call)}
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    for name in names:
+        durs = [ev.device_time for ev in events if name in ev.name]
+        out[name] = sum(durs) / reps if durs else float("nan")
+    return out
+
+
+def write_results(kind: str, gpu: str, ceilings: Dict[str, float], cases: List[dict], outdir: str) -> str:
+    date = _dt.date.today().isoformat()
+    os.makedirs(outdir, exist_ok=True)
+    path = os.path.join(outdir, f"{date}-{kind}.json")
+    with open(path, "w") as f:
+        json.dump({"gpu": gpu, "date": date, "ceilings": ceilings, "cases": cases}, f, indent=1)
+    return path
+
+
+def plot_ratios(cases: List[dict], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    named = [c for c in cases if c.get("ratio_to_anchor") is not None]
+    if not named:
+        return
+    fig, ax = plt.subplots(figsize=(max(8, 0.35 * len(named)), 5))
+    ratios = [c["ratio_to_anchor"] for c in named]
+    ax.bar(range(len(named)), ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(range(len(named)))
+    ax.set_xticklabels([c["name"] for c in named], rotation=75, ha="right", fontsize=7)
+    ax.set_ylabel("ratio to FlashMLA anchor (>1 = faster)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

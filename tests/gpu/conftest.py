@@ -1,0 +1,34 @@
+"""GPU tests: run only with PyTorch, a CUDA build of flash_mla and a compute-capability-9.0 GPU.
+
+Everything here is skipped (not failed) elsewhere, e.g. in CI.
+"""
+
+import pytest
+
+
+def _gpu_reason():
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return f"GPU is compute capability {torch.cuda.get_device_capability()}, the kernels are sm_90a"
+    import flash_mla
+
+    if not flash_mla.has_cuda_backend():
+        return "flash_mla was built without nvcc (no CUDA backend)"
+    return None
+
+
+_REASON = _gpu_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _REASON is None:
+        return
+    skip = pytest.mark.skip(reason=f"GPU test: {_REASON}")
+    for item in items:
+        if "tests/gpu" in str(item.fspath):
+            item.add_marker(skip)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
+# Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
+# Usage: bash tools/device-run.sh [build|pytest|demo|bench|cpp-gpu-tests]...   (logs under $OUT)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-16}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+CUTLASS=$PWD/.deps/cutlass_include
+rc=0
+for step in "$@"; do
+  echo "=== $step $(date +%T)"
+  case $step in
+    build)
+      python3 -m pip install -q --no-build-isolation --no-deps --no-index . \
+        -C cmake.define.FLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" -C build-dir=build/device 2>&1 | tail -40 | tee "$OUT/build.log"
+      python3 -c "import flash_mla; assert flash_mla.has_cuda_backend(); print('flash_mla CUDA backend OK')" || exit 1 ;;
+    pytest)
+      python3 -m pytest tests/gpu -q -rs -x 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pytest-all)
+      python3 -m pytest tests/python tests/gpu -q -rs 2>&1 | tee "$OUT/pytest-all.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    demo)
+      python3 -m flash_mla demo 2>&1 | tee "$OUT/demo.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    bench)
+      python3 bench/bench_dense_decode.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    cpp-gpu-tests)
+      cmake -S . -B build/gpu-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=ON -DFLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" \
+        -DFLASHMLA_BUILD_GPU_TESTS=ON >/dev/null && cmake --build build/gpu-tests 2>&1 | tail -5
+      for t in build/gpu-tests/tests/gpu/cpp/test_*; do [ -x "$t" ] && { "$t" 2>&1 | tee "$OUT/$(basename "$t").log"; rc=$((rc | ${PIPESTATUS[0]})); }; done ;;
+    *) echo "unknown step $step"; rc=1 ;;
+  esac
+done
+exit $rc
