@@ -6,8 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
@@ -57,6 +59,27 @@ inline double e4m3_bits_to_double(uint8_t b) {
   return sign ? -v : v;
 }
 inline double e8m0_bits_to_double(uint8_t e) { return e == 0xFF ? kNaND : std::ldexp(1.0, e - 127); }
+
+/// Independent e4m3 encoder: nearest of the 127 non-negative finite codes plus a
+/// virtual code 0x7F worth 480 (anything rounding there becomes NaN, as PyTorch's
+/// non-saturating cast does); ties go to the even code (= even mantissa).
+inline uint8_t e4m3_brute_force(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  const double a = std::fabs(static_cast<double>(x));
+  if (std::isnan(x) || a >= 480.0) return 0x7F | sign;
+  int best = 0;
+  double best_err = kInfD;
+  for (int c = 0; c <= 0x7F; ++c) {
+    const double v = c == 0x7F ? 480.0 : e4m3_bits_to_double(static_cast<uint8_t>(c));
+    const double err = std::fabs(v - a);
+    if (err < best_err || (err == best_err && (c % 2 == 0))) {
+      best = c;
+      best_err = err;
+    }
+  }
+  return static_cast<uint8_t>(best | sign);
+}
+
 
 /// bf16 bits of a float by truncation (used only to *generate* random bf16 inputs).
 inline uint16_t bf16_trunc(float f) {
