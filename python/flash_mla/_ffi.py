@@ -58,17 +58,34 @@ def framework_of(x: Any) -> str:
     return "dlpack"
 
 
+def _np_from_dlpack(x: np.ndarray) -> Any:
+    """tvm_ffi.from_dlpack for a NumPy array, read-only arrays included.
+
+    NumPy refuses to export a read-only array (np.asarray of a JAX array, a memory map,
+    a broadcast view) through the legacy DLPack capsule that TVM-FFI asks for; the
+    versioned capsule (NumPy >= 2.1) carries the read-only flag and works, zero-copy.
+    Older NumPy gets a copy.
+    """
+    if x.flags.writeable:
+        return tvm_ffi.from_dlpack(x)
+    try:
+        capsule = x.__dlpack__(max_version=(1, 0))
+    except TypeError:  # NumPy < 2.1: no versioned export
+        return tvm_ffi.from_dlpack(np.array(x, copy=True))
+    return tvm_ffi.from_dlpack(capsule)
+
+
 def to_ffi(x: Any) -> Any:
     """Prepare one tensor argument for the C++ module (None passes through)."""
     if x is None:
         return None
     if isinstance(x, np.ndarray):
         if _NP_BF16 is not None and x.dtype == _NP_BF16:
-            t = tvm_ffi.from_dlpack(x.view(np.uint16))
+            t = _np_from_dlpack(x.view(np.uint16))
             return lib.reinterpret_dtype(t, _DL_BFLOAT, 16)
         if x.dtype in _NP_FP8:
-            return tvm_ffi.from_dlpack(x.view(np.uint8))
-        return tvm_ffi.from_dlpack(x)
+            return _np_from_dlpack(x.view(np.uint8))
+        return _np_from_dlpack(x)
     if framework_of(x) == "torch":
         return x  # TVM-FFI's fast path for torch (DLPack exchange API, current stream)
     return tvm_ffi.from_dlpack(x)

@@ -152,7 +152,7 @@ def flash_mla_with_kvcache(
     sched = tile_scheduler_metadata
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
-        softmax_scale = d_qk ** (-0.5)
+        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
     topk = int(indices.shape[-1]) if indices is not None else None
     extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
     extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None

@@ -28,7 +28,7 @@ Status no_gpu_backend(const char* op, Device d) {
 #endif
 }
 
-Status not_yet_on_gpu(const char* op) {
+[[maybe_unused]] Status not_yet_on_gpu(const char* op) {
   return Status::Error(ErrorKind::kNotImplemented,
                        std::string(op) + ": the Hopper (sm90) kernel for this operator is not implemented yet; "
                                          "pass CPU tensors to use the reference backend.");
