@@ -301,7 +301,7 @@ def main(argv: List[str] | None = None) -> int:
         ("sparse prefill", lambda: sparse_prefill_step(be, rng, args.quick)),
     ]
     results: List[Result] = []
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=180)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task(f"MLA steps on {be.name}", total=len(steps))
         for label, step in steps:

@@ -150,6 +150,9 @@ def flash_mla_with_kvcache(
     if num_splits is not None:
         raise ValueError("num_splits: must be None (the scheduler object carries the splits)")
     sched = tile_scheduler_metadata
+    for name, val in (("q", q), ("k_cache", k_cache)):
+        if val is None or not hasattr(val, "shape"):
+            raise TypeError(f"{name}: expected a tensor, got {type(val).__name__}")
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation

@@ -67,6 +67,7 @@ Status check_shape(const TensorRef& t, const char* name, std::initializer_list<i
 }
 
 Status check_last_dim_contiguous(const TensorRef& t, const char* name) {
+  if (t.numel() == 0) return Status::Ok();  // empty tensors have arbitrary strides (NumPy reports 0)
   if (t.ndim > 0 && t.shape[t.ndim - 1] != 1 && t.stride[t.ndim - 1] != 1)
     return value_error(cat(name, ": the last dimension must be contiguous (stride 1), got stride ",
                            t.stride[t.ndim - 1]));
@@ -74,7 +75,7 @@ Status check_last_dim_contiguous(const TensorRef& t, const char* name) {
 }
 
 Status check_contiguous(const TensorRef& t, const char* name) {
-  if (!t.is_contiguous()) return value_error(cat(name, ": expected a contiguous tensor"));
+  if (t.numel() > 0 && !t.is_contiguous()) return value_error(cat(name, ": expected a contiguous tensor"));
   return Status::Ok();
 }
 
@@ -87,6 +88,7 @@ Status check_same_device(const TensorRef& t, const char* name, const TensorRef& 
 
 /// Strides must be non-negative (overlapping/negative views are not supported).
 Status check_strides(const TensorRef& t, const char* name) {
+  if (t.numel() == 0) return Status::Ok();
   for (int i = 0; i < t.ndim; ++i)
     if (t.stride[i] < 0)
       return value_error(cat(name, ": negative strides are not supported (dim ", i, " has stride ",

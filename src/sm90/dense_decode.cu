@@ -16,6 +16,13 @@ cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, int num_sm
 cudaError_t probe_sm90_image();
 
 namespace {
+int g_dense_kernel_version = 0;
+}  // namespace
+
+void set_dense_kernel_version(int version) { g_dense_kernel_version = version; }
+int dense_kernel_version() { return g_dense_kernel_version; }
+
+namespace {
 
 Status cuda_error(const char* what, cudaError_t e) {
   return Status::Error(ErrorKind::kRuntime, std::string("flash_mla dense decode (sm90): ") + what +

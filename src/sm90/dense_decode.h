@@ -61,6 +61,11 @@ cudaError_t launch_dense_main(const DenseDecodeKernelParams& kp, bool is_fp16, i
                               cudaStream_t stream);
 cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
 
+/// Kernel choice for tests and benchmarks: 0 = automatic (default), 1 = force the
+/// mma.sync kernel (v1), 2 = force the wgmma kernel (v2, 64-row tiles).
+void set_dense_kernel_version(int version);
+int dense_kernel_version();
+
 /// dense_decode with a choice of stages (`stages` is a DenseDecodeStage mask).
 Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages);
 

@@ -1,0 +1,23 @@
+"""Fixtures of the flash_mla Python tests (CPU: the C++ reference backend).
+
+Shared helpers (comparator, data generators, non_contiguousify) live in
+mla_test_utils.py and the float64 oracle in oracle.py; both are re-exported here.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import oracle  # noqa: E402,F401
+from mla_test_utils import *  # noqa: E402,F401,F403
+from mla_test_utils import seed_of  # noqa: E402
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test id: fresh inputs per case, reproducible per id."""
+    return np.random.default_rng(seed_of(request.node.nodeid))

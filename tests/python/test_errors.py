@@ -1,0 +1,315 @@
+"""Regression 10: bad input raises a clear Python exception naming the argument — never a
+crash, a hang or a silent wrong answer. (Mixed CPU/CUDA tensors: tests/gpu.)"""
+
+import numpy as np
+import pytest
+
+import flash_mla
+import oracle
+from mla_test_utils import BF16, FP16, gen_dense_case, gen_prefill_case, gen_sparse_decode_case
+
+
+@pytest.fixture
+def dense(rng):
+    return gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=2, d=576, s_k=100, varlen=True)
+
+
+@pytest.fixture
+def sparse(rng):
+    return gen_sparse_decode_case(rng, b=2, s_q=1, h_q=16, d_qk=576, s_k=100, topk=64, pbs=64, noncontig=False)
+
+
+@pytest.fixture
+def prefill(rng):
+    return gen_prefill_case(rng, s_q=3, s_kv=80, topk=64, h_q=16, d_qk=512, noncontig=False)
+
+
+def call_dense(c, **over):
+    args = dict(q=c.q, k_cache=c.k_cache, block_table=c.block_table, cache_seqlens=c.cache_seqlens, head_dim_v=512,
+                tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], causal=c.causal)
+    args.update(over)
+    return flash_mla.flash_mla_with_kvcache(**args)
+
+
+def call_sparse(c, **over):
+    args = dict(q=c.q, k_cache=c.main.packed, block_table=None, cache_seqlens=None, head_dim_v=512,
+                tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], **c.kwargs())
+    args.update(over)
+    return flash_mla.flash_mla_with_kvcache(**args)
+
+
+def call_prefill(c, **over):
+    args = dict(q=c.q, kv=c.kv, indices=c.indices, sm_scale=c.sm_scale)
+    args.update(over)
+    return flash_mla.flash_mla_sparse_fwd(**args)
+
+
+def as_dtype(x, dt):
+    return np.asarray(x).astype(np.float32).astype(dt)
+
+
+def strided_last(x):
+    """Same values, last-dim stride 2 (not contiguous)."""
+    x = np.asarray(x)
+    buf = np.zeros(x.shape[:-1] + (2 * x.shape[-1],), x.dtype)
+    v = buf[..., ::2]
+    v[...] = x
+    return v
+
+
+# ----------------------------------------------------------------------------- dtype -> TypeError
+
+DENSE_DTYPE = {
+    "q_float32": ("q", lambda c: dict(q=as_dtype(c.q, np.float32))),
+    "q_float64": ("q", lambda c: dict(q=as_dtype(c.q, np.float64))),
+    "k_cache_fp16_with_bf16_q": ("k_cache", lambda c: dict(k_cache=as_dtype(c.k_cache, FP16))),
+    "block_table_int64": ("block_table", lambda c: dict(block_table=c.block_table.astype(np.int64))),
+    "cache_seqlens_int64": ("cache_seqlens", lambda c: dict(cache_seqlens=c.cache_seqlens.astype(np.int64))),
+    "cache_seqlens_float": ("cache_seqlens", lambda c: dict(cache_seqlens=c.cache_seqlens.astype(np.float32))),
+}
+
+
+@pytest.mark.parametrize("case", list(DENSE_DTYPE))
+def test_dense_wrong_dtype(dense, case):
+    name, change = DENSE_DTYPE[case]
+    with pytest.raises(TypeError, match=name):
+        call_dense(dense, **change(dense))
+
+
+def test_sparse_wrong_dtypes(sparse):
+    with pytest.raises(TypeError, match="q"):
+        call_sparse(sparse, q=as_dtype(sparse.q, FP16))
+    with pytest.raises(TypeError, match="indices"):
+        call_sparse(sparse, indices=sparse.main.indices.astype(np.int64))
+    with pytest.raises(TypeError, match="k_cache"):
+        call_sparse(sparse, k_cache=np.zeros(sparse.main.packed.shape, np.float16))
+    with pytest.raises(TypeError, match="attn_sink"):
+        call_sparse(sparse, attn_sink=np.zeros(16, np.float64))
+    with pytest.raises(TypeError, match="topk_length"):
+        call_sparse(sparse, topk_length=np.zeros(2, np.int64))
+
+
+def test_prefill_wrong_dtypes(prefill):
+    with pytest.raises(TypeError, match="q"):
+        call_prefill(prefill, q=as_dtype(prefill.q, np.float32))
+    with pytest.raises(TypeError, match="kv"):
+        call_prefill(prefill, kv=as_dtype(prefill.kv, FP16))
+    with pytest.raises(TypeError, match="indices"):
+        call_prefill(prefill, indices=prefill.indices.astype(np.int64))
+    with pytest.raises(TypeError, match="attn_sink"):
+        call_prefill(prefill, attn_sink=np.zeros(16, np.float16))
+    with pytest.raises(TypeError, match="topk_length"):
+        call_prefill(prefill, topk_length=np.zeros(3, np.uint32))
+
+
+# ----------------------------------------------------------------------------- shapes / values -> ValueError
+
+
+def test_dense_wrong_head_dims(dense, rng):
+    q = np.asarray(dense.q)[..., :128].copy()
+    with pytest.raises(ValueError, match="q"):
+        call_dense(dense, q=q, k_cache=np.asarray(dense.k_cache)[..., :128].copy())
+    with pytest.raises(ValueError, match="k_cache"):
+        call_dense(dense, k_cache=np.asarray(dense.k_cache)[..., :512].copy())
+    with pytest.raises(ValueError, match="head_dim_v"):
+        call_dense(dense, head_dim_v=576)
+    with pytest.raises(ValueError, match="head_dim_v"):
+        call_dense(dense, head_dim_v=256)
+
+
+def test_dense_non_contiguous_last_dim(dense):
+    for name in ("q", "k_cache", "block_table"):
+        with pytest.raises(ValueError, match=name):
+            call_dense(dense, **{name: strided_last(getattr(dense, name))})
+
+
+def test_dense_heads_not_divisible(rng):
+    c = gen_dense_case(rng, b=2, s_q=1, h_q=6, h_kv=1, d=576, s_k=64)
+    k = np.repeat(np.asarray(c.k_cache), 4, axis=2)  # h_kv = 4 does not divide h_q = 6
+    with pytest.raises(ValueError, match="h_kv"):
+        call_dense(c, k_cache=k)
+
+
+def test_dense_block_table_too_short(dense):
+    bt = np.asarray(dense.block_table)
+    lens = dense.cache_seqlens.copy()
+    lens[1] = bt.shape[1] * 64 + 1  # needs one page more than the table has
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, cache_seqlens=lens)
+
+
+def test_dense_block_table_entry_out_of_range(dense):
+    bt = np.array(dense.block_table)
+    bt[0, 0] = dense.k_cache.shape[0]  # one past the last page
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, block_table=bt)
+    bt[0, 0] = -1
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, block_table=bt)
+    bt[0, 0] = 2147480000  # the sentinel inside the used range
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, block_table=bt)
+
+
+def test_dense_negative_cache_seqlens(dense):
+    lens = dense.cache_seqlens.copy()
+    lens[0] = -1
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        call_dense(dense, cache_seqlens=lens)
+
+
+def test_dense_mismatched_batch(dense):
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, block_table=np.asarray(dense.block_table)[:1].copy())
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        call_dense(dense, cache_seqlens=np.zeros(3, np.int32))
+
+
+def test_dense_missing_tables(dense):
+    with pytest.raises(ValueError, match="block_table"):
+        call_dense(dense, block_table=None)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        call_dense(dense, cache_seqlens=None)
+    with pytest.raises(ValueError, match="attn_sink"):
+        call_dense(dense, attn_sink=np.zeros(16, np.float32))
+    with pytest.raises(ValueError, match="topk_length"):
+        call_dense(dense, topk_length=np.zeros(2, np.int32))
+
+
+def test_dense_wrong_ndim(dense):
+    with pytest.raises(ValueError, match="q"):
+        call_dense(dense, q=np.asarray(dense.q)[:, 0].copy())
+
+
+def test_sparse_index_out_of_range(sparse):
+    num_tokens = sparse.main.packed.shape[0] * sparse.main.packed.shape[1]
+    for bad in (num_tokens, -2, 2147483647):
+        idx = sparse.main.indices.copy()
+        idx[1, 0, 5] = bad
+        with pytest.raises(ValueError, match="indices"):
+            call_sparse(sparse, indices=idx)
+
+
+def test_sparse_mismatched_batch_and_shapes(sparse):
+    with pytest.raises(ValueError, match="indices"):
+        call_sparse(sparse, indices=sparse.main.indices[:1].copy())
+    with pytest.raises(ValueError, match="topk_length"):
+        call_sparse(sparse, topk_length=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="attn_sink"):
+        call_sparse(sparse, attn_sink=np.zeros(8, np.float32))
+    with pytest.raises(ValueError, match="attn_sink"):
+        call_sparse(sparse, attn_sink=np.zeros((16, 1), np.float32))
+    with pytest.raises(ValueError, match="head_dim_v"):
+        call_sparse(sparse, head_dim_v=576)
+
+
+def test_sparse_non_contiguous_last_dim(sparse):
+    with pytest.raises(ValueError, match="q"):
+        call_sparse(sparse, q=strided_last(sparse.q))
+    with pytest.raises(ValueError, match="indices"):
+        call_sparse(sparse, indices=strided_last(sparse.main.indices))
+
+
+def test_sparse_wrong_bytes_per_token(sparse):
+    packed = sparse.main.packed
+    nb, pbs = packed.shape[:2]
+    with pytest.raises(ValueError, match="k_cache"):
+        call_sparse(sparse, k_cache=np.zeros((nb, pbs, 1, 584), np.uint8))  # MODEL1 bytes for a d_qk=576 query
+    with pytest.raises(ValueError, match="k_cache"):
+        call_sparse(sparse, k_cache=np.zeros((nb, pbs, 1, 600), np.uint8))
+    with pytest.raises(ValueError, match="k_cache"):  # tokens of a block not packed
+        call_sparse(sparse, k_cache=np.zeros((nb, pbs, 1, 700), np.uint8)[..., :656])
+    with pytest.raises(ValueError, match="k_cache"):
+        call_sparse(sparse, k_cache=np.zeros((nb, pbs, 2, 656), np.uint8))
+
+
+def test_sparse_extra_cache_arguments(sparse, rng):
+    extra = oracle.quantize_cache(np.zeros((2, 16, 1, 576), np.float32).astype(BF16))
+    with pytest.raises(ValueError, match="extra_indices_in_kvcache"):
+        call_sparse(sparse, extra_k_cache=extra)
+    with pytest.raises(ValueError, match="extra_k_cache"):
+        call_sparse(sparse, extra_indices_in_kvcache=np.zeros((2, 1, 64), np.int32))
+    with pytest.raises(ValueError, match="extra_k_cache"):
+        call_sparse(sparse, extra_topk_length=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="extra_indices_in_kvcache"):
+        call_sparse(sparse, extra_k_cache=extra, extra_indices_in_kvcache=np.full((2, 1, 64), 32, np.int32))
+    with pytest.raises(ValueError, match="extra_k_cache"):
+        call_sparse(sparse, extra_k_cache=oracle.quantize_cache(np.zeros((2, 16, 1, 512), np.float32).astype(BF16)),
+                    extra_indices_in_kvcache=np.zeros((2, 1, 64), np.int32))
+
+
+def test_sparse_negative_topk_length(sparse):
+    with pytest.raises(ValueError, match="topk_length"):
+        call_sparse(sparse, topk_length=np.array([-1, 3], np.int32))
+
+
+def test_prefill_bad_shapes(prefill):
+    with pytest.raises(ValueError, match="d_v"):
+        call_prefill(prefill, d_v=576)
+    with pytest.raises(ValueError, match="d_v"):
+        call_prefill(prefill, d_v=128)
+    with pytest.raises(ValueError, match="q"):
+        call_prefill(prefill, q=prefill.q[..., :256].copy(), kv=prefill.kv[..., :256].copy())
+    with pytest.raises(ValueError, match="kv"):
+        call_prefill(prefill, kv=np.concatenate([prefill.kv] * 2, axis=1))  # h_kv = 2
+    with pytest.raises(ValueError, match="kv"):
+        call_prefill(prefill, kv=np.zeros((80, 1, 576), np.float32).astype(BF16))
+    with pytest.raises(ValueError, match="indices"):
+        call_prefill(prefill, indices=prefill.indices[:2].copy())
+    with pytest.raises(ValueError, match="attn_sink"):
+        call_prefill(prefill, attn_sink=np.zeros(15, np.float32))
+    with pytest.raises(ValueError, match="topk_length"):
+        call_prefill(prefill, topk_length=np.zeros(4, np.int32))
+    with pytest.raises(ValueError, match="q"):
+        call_prefill(prefill, q=strided_last(prefill.q))
+    with pytest.raises(ValueError, match="indices"):
+        call_prefill(prefill, indices=strided_last(prefill.indices))
+
+
+def test_prefill_sm_scale_required(prefill):
+    with pytest.raises(TypeError):
+        flash_mla.flash_mla_sparse_fwd(prefill.q, prefill.kv, prefill.indices)
+
+
+# ----------------------------------------------------------------------------- dense prefill: not implemented
+
+
+@pytest.mark.parametrize("fn", ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                                "flash_attn_varlen_kvpacked_func"])
+def test_dense_prefill_not_implemented(fn):
+    q = np.zeros((8, 2, 128), np.float32).astype(BF16)
+    cu = np.array([0, 8], np.int32)
+    f = getattr(flash_mla, fn)
+    args = {"flash_attn_varlen_func": (q, q, q, cu, cu, 8, 8),
+            "flash_attn_varlen_qkvpacked_func": (np.concatenate([q] * 3, -1), cu, 8, 128),
+            "flash_attn_varlen_kvpacked_func": (q, np.concatenate([q] * 2, -1), cu, cu, 8, 8, 128)}[fn]
+    with pytest.raises(NotImplementedError, match=fn):
+        f(*args)
+
+
+def test_readonly_numpy_inputs_are_accepted(dense):
+    """Read-only arrays (np.asarray of a JAX array, memory maps, broadcasts) are valid inputs."""
+    ref = call_dense(dense)
+    ro = {}
+    for name in ("q", "k_cache", "block_table", "cache_seqlens"):
+        a = np.array(getattr(dense, name))
+        a.flags.writeable = False
+        ro[name] = a
+    out, lse = call_dense(dense, **ro)
+    np.testing.assert_array_equal(out.view(np.uint16), ref[0].view(np.uint16))
+    np.testing.assert_array_equal(lse, ref[1])
+
+
+def test_zero_head_dim_is_a_clear_error(dense):
+    with pytest.raises(ValueError, match="q"):
+        call_dense(dense, q=np.asarray(dense.q)[..., :0].copy())
+
+
+def test_degenerate_sizes_rejected(dense, sparse):
+    with pytest.raises(ValueError, match="q"):
+        call_dense(dense, q=np.asarray(dense.q)[:0].copy(), block_table=np.asarray(dense.block_table)[:0].copy(),
+                   cache_seqlens=dense.cache_seqlens[:0].copy())
+    with pytest.raises(ValueError, match="s_q"):
+        call_dense(dense, q=np.asarray(dense.q)[:, :0].copy())
+    with pytest.raises(ValueError, match="topk"):
+        call_sparse(sparse, indices=sparse.main.indices[:, :, :0].copy())

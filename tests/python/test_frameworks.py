@@ -1,0 +1,147 @@
+"""The same calls from NumPy, JAX (CPU) and — when installed — PyTorch (CPU) give identical
+values, agree with the oracle, and come back in the caller's framework (that of ``q``).
+(jax.jit is not supported yet and is not tested.)"""
+
+import numpy as np
+import pytest
+
+import flash_mla
+from mla_test_utils import (BF16, LSE_TOL, check_allclose, check_lse, check_out, gen_dense_case, gen_prefill_case,
+                            gen_sparse_decode_case)
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
+def assert_same(a_list, b_list):
+    for a, b in zip(a_list, b_list):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def dense_call(case, conv, sched=None):
+    sched = sched if sched is not None else flash_mla.get_mla_metadata()[0]
+    return flash_mla.flash_mla_with_kvcache(conv(case.q), conv(case.k_cache), conv(case.block_table),
+                                            conv(case.cache_seqlens), 512, sched, None, case.softmax_scale,
+                                            case.causal)
+
+
+@pytest.fixture
+def dense(rng):
+    return gen_dense_case(rng, b=3, s_q=2, h_q=16, h_kv=2, d=576, s_k=120, varlen=True, zero=[False, True, False],
+                          causal=True, softmax_scale=0.3)
+
+
+@pytest.fixture
+def prefill(rng):
+    return gen_prefill_case(rng, s_q=6, s_kv=150, topk=128, h_q=16, d_qk=512, sink=True, have_topk_length=True,
+                            invalid_frac=0.2, noncontig=False)
+
+
+def test_dense_decode_numpy_vs_jax(dense):
+    import oracle
+    out_np, lse_np = dense_call(dense, np.asarray)
+    sched = flash_mla.get_mla_metadata()[0]
+    out_j, lse_j = dense_call(dense, jnp.asarray, sched)
+    assert isinstance(out_np, np.ndarray) and isinstance(lse_np, np.ndarray)
+    assert isinstance(out_j, jax.Array) and isinstance(lse_j, jax.Array)
+    assert out_j.dtype == jnp.bfloat16 and lse_j.dtype == jnp.float32
+    assert out_j.shape == (3, 2, 16, 512) and lse_j.shape == (3, 16, 2)
+    assert_same([out_np, lse_np], [out_j, lse_j])
+    # The scheduler metadata lives in the caller's framework and can be reused from it.
+    assert isinstance(sched.tile_scheduler_metadata, jax.Array) and isinstance(sched.num_splits, jax.Array)
+    assert_same([out_np, lse_np], dense_call(dense, jnp.asarray, sched))
+    ref_out, ref_lse = oracle.dense_decode(dense.q, dense.k_cache, dense.block_table, dense.cache_seqlens, True, 0.3)
+    check_out("out", np.asarray(out_j), ref_out, BF16)
+    check_lse("lse", np.asarray(lse_j), ref_lse)
+
+
+def test_results_follow_the_framework_of_q(dense):
+    out_np, _ = dense_call(dense, np.asarray)
+    sched = flash_mla.get_mla_metadata()[0]
+    out, lse = flash_mla.flash_mla_with_kvcache(jnp.asarray(dense.q), np.asarray(dense.k_cache),
+                                                np.asarray(dense.block_table), dense.cache_seqlens, 512, sched,
+                                                softmax_scale=0.3, causal=True)
+    assert isinstance(out, jax.Array) and isinstance(lse, jax.Array)
+    assert_same([out_np], [out])
+    out2, _ = flash_mla.flash_mla_with_kvcache(np.asarray(dense.q), jnp.asarray(dense.k_cache),
+                                               jnp.asarray(dense.block_table), jnp.asarray(dense.cache_seqlens), 512,
+                                               flash_mla.get_mla_metadata()[0], softmax_scale=0.3, causal=True)
+    assert isinstance(out2, np.ndarray)
+    assert_same([out_np], [out2])
+
+
+def test_sparse_prefill_numpy_vs_jax(prefill):
+    c = prefill
+    res_np = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, sm_scale=c.sm_scale, attn_sink=c.attn_sink,
+                                            topk_length=c.topk_length)
+    res_j = flash_mla.flash_mla_sparse_fwd(jnp.asarray(c.q), jnp.asarray(c.kv), jnp.asarray(c.indices),
+                                           sm_scale=c.sm_scale, attn_sink=jnp.asarray(c.attn_sink),
+                                           topk_length=jnp.asarray(c.topk_length))
+    assert isinstance(res_j, list) and len(res_j) == 3 and all(isinstance(r, jax.Array) for r in res_j)
+    assert all(isinstance(r, np.ndarray) for r in res_np)
+    assert_same(res_np, res_j)
+    ref_out, ref_max, ref_lse = c.reference()
+    check_out("out", np.asarray(res_j[0]), ref_out, BF16)
+    check_allclose("max_logits", np.asarray(res_j[1]), ref_max, dtype=np.float32, **LSE_TOL)
+    check_allclose("lse", np.asarray(res_j[2]), ref_lse, dtype=np.float32, **LSE_TOL)
+
+
+def test_sparse_decode_numpy_vs_jax(rng):
+    c = gen_sparse_decode_case(rng, b=2, s_q=2, h_q=16, d_qk=512, s_k=150, topk=64, pbs=53, have_topk_length=True,
+                               noncontig=False)
+    out_np, lse_np = flash_mla.flash_mla_with_kvcache(c.q, c.main.packed, None, None, 512,
+                                                      flash_mla.get_mla_metadata()[0], **c.kwargs())
+    kw = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in c.kwargs().items()}
+    # JAX arrays are dense: the padded block stride becomes pbs * 584 (still a valid layout).
+    out_j, lse_j = flash_mla.flash_mla_with_kvcache(jnp.asarray(c.q), jnp.asarray(c.main.packed), None, None, 512,
+                                                    flash_mla.get_mla_metadata()[0], **kw)
+    assert isinstance(out_j, jax.Array)
+    assert_same([out_np, lse_np], [out_j, lse_j])
+    ref_out, ref_lse = c.reference()
+    check_out("out", np.asarray(out_j), ref_out, BF16)
+    check_lse("lse", np.asarray(lse_j), ref_lse)
+
+
+def _memory_owner(a):
+    """Walk ``.base`` to the object that owns the memory of a NumPy array."""
+    while isinstance(a, np.ndarray):
+        assert not a.flags.owndata, "result memory was copied into a NumPy-owned buffer"
+        assert a.base is not None
+        a = a.base
+    return a
+
+
+def test_numpy_results_are_zero_copy(dense, prefill):
+    out, lse = dense_call(dense, np.asarray)
+    res = flash_mla.flash_mla_sparse_fwd(prefill.q, prefill.kv, prefill.indices, prefill.sm_scale)
+    for arr in (out, lse, *res):
+        # NumPy does not own the data: it views the C++ allocation through a DLPack capsule.
+        owner = _memory_owner(arr)
+        assert type(owner).__name__ == "PyCapsule", type(owner)
+    assert out.dtype == BF16 and res[0].dtype == BF16  # bf16 through ml_dtypes, viewing the same bytes
+
+
+def test_torch_cpu_same_values(dense, prefill):
+    torch = pytest.importorskip("torch")
+    out_np, lse_np = dense_call(dense, np.asarray)
+
+    def to_torch(x):
+        x = np.ascontiguousarray(x)
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(x)
+
+    out_t, lse_t = dense_call(dense, to_torch)
+    assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.bfloat16
+    np.testing.assert_array_equal(out_t.view(torch.int16).numpy().view(np.uint16), bits(out_np))
+    np.testing.assert_array_equal(lse_t.numpy(), lse_np)
+    c = prefill
+    res_np = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, c.sm_scale)
+    res_t = flash_mla.flash_mla_sparse_fwd(to_torch(c.q), to_torch(c.kv), to_torch(c.indices), c.sm_scale)
+    np.testing.assert_array_equal(res_t[0].view(torch.int16).numpy().view(np.uint16), bits(res_np[0]))
+    np.testing.assert_array_equal(res_t[2].numpy(), res_np[2])
