@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 
 $PY -m pip install -q --upgrade "pip>=23"
 $PY -m pip install -q \
-  "scikit-build-core>=0.10,<2" "apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "cmake>=3.24,<5" "ninja>=1.11,<2" \
+  "scikit-build-core>=0.10,<2" "apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "cmake>=3.28,<5" "ninja>=1.11,<2" \
   "numpy>=1.24,<3" "ml_dtypes>=0.4,<1" "rich>=13,<16" "tqdm>=4.60,<5"
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   # CUTLASS/CuTe C++ headers only: its Python dependencies are not needed.

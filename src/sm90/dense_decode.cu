@@ -17,7 +17,11 @@ cudaError_t probe_sm90_image();
 
 namespace {
 int g_dense_kernel_version = 0;
+int g_dense_tuning = 0;
 }  // namespace
+
+void set_dense_tuning(int flags) { g_dense_tuning = flags; }
+int dense_tuning() { return g_dense_tuning; }
 
 void set_dense_kernel_version(int version) { g_dense_kernel_version = version; }
 int dense_kernel_version() { return g_dense_kernel_version; }
@@ -184,6 +188,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.causal = (p.causal && d.s_q > 1) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    kp.flags = g_dense_tuning;
     const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, static_cast<int>(num_sm_parts), stream)
                                   : launch_dense_main_bf16(kp, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);

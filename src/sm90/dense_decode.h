@@ -34,7 +34,11 @@ struct DenseDecodeKernelParams {
   int causal;
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
   float scale_log2;  // softmax_scale * log2(e)
+  int flags;         // DenseTuning bits
 };
+
+/// Tuning switches of the main kernels (benchmarks A/B them in one process).
+enum DenseTuning : int { kTuneL2Prefetch = 1 };
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
 struct DenseCombineParams {
@@ -65,6 +69,8 @@ cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cud
 /// mma.sync kernel (v1), 2 = force the wgmma kernel (v2, 64-row tiles).
 void set_dense_kernel_version(int version);
 int dense_kernel_version();
+void set_dense_tuning(int flags);
+int dense_tuning();
 
 /// dense_decode with a choice of stages (`stages` is a DenseDecodeStage mask).
 Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages);

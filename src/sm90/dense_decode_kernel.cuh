@@ -120,20 +120,29 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     __syncthreads();  // the previous request is done with sQ / sK / sP / sRed
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    auto load_k_tile = [&](int blk, int stage) {
-      const int t_local = tid / 4, q4 = tid % 4;
+    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
+    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
+    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
+    const int t_local = tid / 4, q4 = tid % 4;
+    auto page_of = [&](int blk) -> int {
       const int token = blk * kBlockN + t_local;
-      const bool valid = token < seqlen;
-      const T* src = kbase;
-      if (valid) {
-        const int page = bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j];
-        src = kbase + static_cast<int64_t>(page) * p.k_stride_blk +
-              static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
-      }
-      const uint32_t dst_row = sK_u + stage * CF::kSmemK;
-      for (int c = q4; c < n_chunks; c += 4) {
-        cp_async_16(dst_row + swz(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
-      }
+      return token < seqlen ? bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j] : -1;
+    };
+    auto token_src = [&](int blk, int page) -> const T* {
+      const int token = blk * kBlockN + t_local;
+      return kbase + static_cast<int64_t>(page) * p.k_stride_blk +
+             static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
+    };
+    auto load_k_tile = [&](int blk, int stage, int page) {
+      const bool valid = page >= 0;
+      const T* src = valid ? token_src(blk, page) : kbase;
+      const uint32_t dst = sK_u + stage * CF::kSmemK;
+      for (int c = q4; c < n_chunks; c += 4)
+        cp_async_16(dst + swz(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+    };
+    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
+    auto prefetch_tile = [&](int blk, int page) {
+      if (q4 == 0 && page >= 0) prefetch_l2_bulk(token_src(blk, page), static_cast<uint32_t>(d_qk * 2));
     };
 
     if (n_blk > 0) {
@@ -150,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
         }
         cp_async_16(sQ_u + swz(r, c), src, valid);
       }
-      load_k_tile(blk_lo, 0);
+      load_k_tile(blk_lo, 0, page_of(blk_lo));
       cp_async_commit();
     }
 
@@ -159,20 +168,30 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
+    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
 
     for (int i = 0; i < n_blk; ++i) {
       cp_async_wait<0>();
       __syncthreads();  // tile i visible to all; everyone is done with tile i-1
-      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1);
+      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
       cp_async_commit();
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      pg1 = pg2;
+      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
 
       const uint32_t sKs = sK_u + (i & 1) * CF::kSmemK;
       const int tok0 = (blk_lo + i) * kBlockN;
 
-      // ---- S = Q K^T for this warp's KW keys
-      float s[NT_S][4];
+      // ---- S = Q K^T for this warp's KW keys. With few n-tiles per warp the k-loop
+      // is a serial chain of dependent mma; NACC independent accumulators (even /
+      // odd k-steps) halve its latency. k_steps is even (36 or 32).
+      constexpr int NACC = NT_S >= 4 ? 1 : 2;
+      float sacc[NACC][NT_S][4];
 #pragma unroll
-      for (int j = 0; j < NT_S; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+      for (int a = 0; a < NACC; ++a)
+#pragma unroll
+        for (int j = 0; j < NT_S; ++j) sacc[a][j][0] = sacc[a][j][1] = sacc[a][j][2] = sacc[a][j][3] = 0.f;
       {
         const int a_row = rg * 16 + (lane & 15);
         const int a_cbit = lane >> 4;
@@ -183,8 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
         const int b_cbit = (lane >> 3) & 1;
         const uint32_t b_base = sKs + b_key * kRowBytes;
         const int b_x = b_key & 7;
-#pragma unroll 4
-        for (int ks = 0; ks < k_steps; ++ks) {
+        auto k_step = [&](int ks, float (&sa)[NT_S][4]) {
           uint32_t a[4];
           ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
           if constexpr (NT_S >= 2) {
@@ -192,16 +210,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
             for (int np = 0; np < NT_S / 2; ++np) {
               uint32_t bfr[4];
               ldmatrix_x4(bfr, b_base + np * 16 * kRowBytes + (((ks * 2 + b_cbit) ^ b_x) << 4));
-              HalfTraits<T>::mma(s[2 * np], a, bfr[0], bfr[1]);
-              HalfTraits<T>::mma(s[2 * np + 1], a, bfr[2], bfr[3]);
+              HalfTraits<T>::mma(sa[2 * np], a, bfr[0], bfr[1]);
+              HalfTraits<T>::mma(sa[2 * np + 1], a, bfr[2], bfr[3]);
             }
           } else {
             uint32_t bfr[2];
             ldmatrix_x2(bfr, b_base + (((ks * 2 + b_cbit) ^ b_x) << 4));
-            HalfTraits<T>::mma(s[0], a, bfr[0], bfr[1]);
+            HalfTraits<T>::mma(sa[0], a, bfr[0], bfr[1]);
           }
+        };
+#pragma unroll 2
+        for (int ks = 0; ks < k_steps; ks += 2) {
+          k_step(ks, sacc[0]);
+          k_step(ks + 1, sacc[NACC - 1]);
         }
       }
+      float s[NT_S][4];
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = NACC == 2 ? sacc[0][j][e] + sacc[1][j][e] : sacc[0][j][e];
 
       // ---- scale, mask, row max (this warp's keys)
       const bool need_mask = tok0 + kBlockN > min_limit;

@@ -128,19 +128,29 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
     __syncthreads();
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    auto load_k_tile = [&](int blk, int stage) {
-      const int t_local = tid / 4, q4 = tid % 4;
+    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
+    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
+    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
+    const int t_local = tid / 4, q4 = tid % 4;
+    auto page_of = [&](int blk) -> int {
       const int token = blk * kBlockN + t_local;
-      const bool valid = token < seqlen;
-      const T* src = kbase;
-      if (valid) {
-        const int page = bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j];
-        src = kbase + static_cast<int64_t>(page) * p.k_stride_blk +
-              static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
-      }
+      return token < seqlen ? bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j] : -1;
+    };
+    auto token_src = [&](int blk, int page) -> const T* {
+      const int token = blk * kBlockN + t_local;
+      return kbase + static_cast<int64_t>(page) * p.k_stride_blk +
+             static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
+    };
+    auto load_k_tile = [&](int blk, int stage, int page) {
+      const bool valid = page >= 0;
+      const T* src = valid ? token_src(blk, page) : kbase;
       const uint32_t dst = sK_u + stage * kSmemK;
       for (int c = q4; c < n_chunks; c += 4)
         cp_async_16(dst + slab_off(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+    };
+    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
+    auto prefetch_tile = [&](int blk, int page) {
+      if (q4 == 0 && page >= 0) prefetch_l2_bulk(token_src(blk, page), static_cast<uint32_t>(d_qk * 2));
     };
 
     if (n_blk > 0) {
@@ -156,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
         }
         cp_async_16(sQ_u + slab_off(r, c), src, valid);
       }
-      load_k_tile(blk_lo, 0);
+      load_k_tile(blk_lo, 0, page_of(blk_lo));
       cp_async_commit();
     }
 
@@ -165,13 +175,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
     for (int j = 0; j < 128; ++j) o[j] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
+    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
 
     for (int i = 0; i < n_blk; ++i) {
       cp_async_wait<0>();
       gmma::fence_proxy_async();  // cp.async writes -> visible to wgmma (async proxy)
       __syncthreads();
-      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1);
-      cp_async_commit();
 
       const uint32_t sKs = sK_u + (i & 1) * kSmemK;
       const int tok0 = (blk_lo + i) * kBlockN;
@@ -182,14 +192,24 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
       for (int j = 0; j < 16; ++j) s[j] = 0.f;
       gmma::reg_fence(s);
       gmma::fence();
+      {
+        // Descriptors advance by adding (byte offset >> 4) to the start-address field.
+        const uint64_t da0 = gmma::make_desc_sw128(sQ_u, 16, 1024);
+        const uint64_t db0 = gmma::make_desc_sw128(sKs + wg * 32 * 128, 16, 1024);
 #pragma unroll 4
-      for (int ks = 0; ks < k_steps; ++ks) {
-        const uint32_t koff = (ks >> 2) * kSlabBytes + (ks & 3) * 32;
-        const uint64_t da = gmma::make_desc_sw128(sQ_u + koff, 16, 1024);
-        const uint64_t db = gmma::make_desc_sw128(sKs + koff + wg * 32 * 128, 16, 1024);
-        Mma<T>::s(s, da, db, ks > 0 ? 1 : 0);
+        for (int ks = 0; ks < k_steps; ++ks) {
+          const uint32_t koff = ((ks >> 2) * kSlabBytes + (ks & 3) * 32) >> 4;
+          Mma<T>::s(s, da0 + koff, db0 + koff, ks > 0 ? 1 : 0);
+        }
       }
       gmma::commit();
+      // While the tensor cores run S: start the next tile's loads (its stage was
+      // last read by the PV of tile i-1, finished before the barrier above).
+      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
+      cp_async_commit();
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      pg1 = pg2;
+      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
       gmma::wait<0>();
       gmma::reg_fence(s);
 
@@ -257,11 +277,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
       // ---- O[:, 256*wg ..] += P V
       gmma::reg_fence(o);
       gmma::fence();
+      {
+        const uint64_t da0 = gmma::make_desc_sw128(sP_u, 16, 1024);
+        const uint64_t db0 = gmma::make_desc_sw128(sKs + (4 * wg) * kSlabBytes, kSlabBytes, 1024);
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t da = gmma::make_desc_sw128(sP_u + kk * 32, 16, 1024);
-        const uint64_t db = gmma::make_desc_sw128(sKs + (4 * wg) * kSlabBytes + kk * 16 * 128, kSlabBytes, 1024);
-        Mma<T>::pv(o, da, db);
+        for (int kk = 0; kk < kBlockN / 16; ++kk) Mma<T>::pv(o, da0 + ((kk * 32) >> 4), db0 + ((kk * 16 * 128) >> 4));
       }
       gmma::commit();
       gmma::wait<0>();

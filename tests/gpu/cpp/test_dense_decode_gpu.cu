@@ -1062,7 +1062,7 @@ int comparator_selftest(Stats& stats, Pools& P, int num_sms) {
 // ------------------------------------------------------------------ timing
 struct PerfRow {
   std::string name;
-  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2;
+  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_alt;
 };
 
 double median(std::vector<float> v) {
@@ -1104,6 +1104,10 @@ PerfRow time_case(const Case& c, const Generated& g, DenseDecodeParams p, int64_
   sm90::set_dense_kernel_version(2);
   r.ms_v2 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(0);
+  const int tune = sm90::dense_tuning();
+  sm90::set_dense_tuning(tune ^ sm90::kTuneL2Prefetch);
+  r.ms_alt = timed(sm90::kStageMain);
+  sm90::set_dense_tuning(tune);
   double mean_len = 0;
   for (int x : g.seqlens) mean_len += x;
   mean_len /= c.b;
@@ -1123,11 +1127,13 @@ PerfRow time_case(const Case& c, const Generated& g, DenseDecodeParams p, int64_
 int main(int argc, char** argv) {
   bool quick = false, no_perf = false, perf_only = false, probe = false;
   int max_cases = 1 << 30;
+  int only_perf = -1;  // run only this index of the perf list (for profilers)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--quick")) quick = true;
     else if (!std::strcmp(argv[i], "--no-perf")) no_perf = true;
     else if (!std::strcmp(argv[i], "--perf-only")) perf_only = true;
     else if (!std::strcmp(argv[i], "--probe")) probe = true;
+    else if (!std::strcmp(argv[i], "--only-perf") && i + 1 < argc) only_perf = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--max-cases") && i + 1 < argc) max_cases = std::atoi(argv[++i]);
   }
   int ndev = 0;
@@ -1202,6 +1208,7 @@ int main(int argc, char** argv) {
       c.perf = true;
       perf.push_back(c);
     }
+    if (only_perf >= 0 && only_perf < static_cast<int>(perf.size())) perf = {perf[only_perf]};
     int f = 0;
     for (auto& c : perf) {
       c.seed = static_cast<uint64_t>(stats.cases) + 1;
@@ -1224,11 +1231,13 @@ int main(int argc, char** argv) {
 
   if (!rows.empty()) {
     std::printf("\nTiming (median of 20, L2 flushed; main = split-KV kernel only, call = main + combine)\n");
-    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
-                "GB/s", "v1_ms", "v2_ms");
+    std::printf("(v1/v2 = main kernel forced to mma.sync / wgmma; alt = main with the L2-prefetch switch flipped, "
+                "default prefetch=%d)\n", (sm90::dense_tuning() & sm90::kTuneL2Prefetch) ? 1 : 0);
+    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
+                "GB/s", "v1_ms", "v2_ms", "alt_ms");
     for (auto& r : rows)
-      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f\n", r.name.c_str(), r.mean_len, r.ms_main,
-                  r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2);
+      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len, r.ms_main,
+                  r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_alt);
   }
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
