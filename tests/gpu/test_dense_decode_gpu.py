@@ -90,7 +90,7 @@ GRID = [
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"b{c[0]}-sq{c[1]}-hq{c[2]}-hkv{c[3]}-d{c[4]}-causal{c[6]}")
 def test_grid(case, dtype):
     b, s_q, h_q, h_kv, d, lens, causal = case
-    q, k, bt, ln = make_case(b, s_q, h_q, h_kv, d, lens, dtype=dtype, seed=hash(case) % 1000)
+    q, k, bt, ln = make_case(b, s_q, h_q, h_kv, d, lens, dtype=dtype, seed=sum(map(ord, str(case))) % 1000)
     out, lse = run(*to_cuda(q, k, bt, ln), causal)
     torch.cuda.synchronize()
     compare(q, k, bt, ln, causal, out, lse)
