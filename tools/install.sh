@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 
 $PY -m pip install -q --upgrade "pip>=23"
 $PY -m pip install -q \
@@ -16,4 +17,4 @@ if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
 fi
 # --no-build-isolation: the build sees the packages installed above (CUTLASS headers).
 $PY -m pip install -q --no-build-isolation --no-deps . ${FLASHMLA_PIP_ARGS:-}
-$PY -c "import flash_mla; print('flash_mla', flash_mla.__version__, '| CUDA backend built:', flash_mla.has_cuda_backend())"
+$PY -c "import flash_mla; print('flash_mla', flash_mla.__version__, '| sm_90a kernels built:', flash_mla.has_cuda_backend(), '(used when a compute-capability 9.0 GPU is present)')"

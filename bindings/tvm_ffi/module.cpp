@@ -58,8 +58,14 @@ DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
   }
-  TVM_FFI_THROW(TypeError) << name << ": unsupported dtype (DLPack code " << int(t.code) << ", "
-                           << int(t.bits) << " bits, " << int(t.lanes) << " lanes)";
+  static const char* kCodeNames[] = {"int", "uint", "float", "opaque_handle", "bfloat", "complex", "bool"};
+  std::string given = t.code < 7 ? std::string(kCodeNames[t.code]) + std::to_string(t.bits)
+                                 : "DLPack type code " + std::to_string(int(t.code)) + "/" + std::to_string(t.bits);
+  if (t.code == kDLBfloat && t.bits == 16) given = "bfloat16";
+  if (t.lanes != 1) given += "x" + std::to_string(t.lanes);
+  TVM_FFI_THROW(TypeError) << name << ": unsupported dtype " << given
+                           << "; flash_mla takes bfloat16/float16 q and KV, int32 indices, lengths and block tables, "
+                              "float32 attn_sink, and uint8/int8/float8_e4m3fn FP8 cache bytes";
 }
 
 DLDataType to_dl(DType d) {

@@ -75,10 +75,21 @@ def _np_from_dlpack(x: np.ndarray) -> Any:
     return tvm_ffi.from_dlpack(capsule)
 
 
-def to_ffi(x: Any) -> Any:
-    """Prepare one tensor argument for the C++ module (None passes through)."""
+def to_ffi(x: Any, name: str = "tensor") -> Any:
+    """Prepare one tensor argument for the C++ module (None passes through).
+
+    Raises TypeError naming the argument if `x` is not a DLPack tensor."""
     if x is None:
         return None
+    if not (hasattr(x, "__dlpack__") or hasattr(x, "__dlpack_c_exchange_api__")):
+        raise TypeError(f"{name}: expected a tensor (any DLPack framework), got {type(x).__name__}")
+    try:
+        return _to_ffi(x)
+    except (BufferError, TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"{name}: cannot pass this {type(x).__name__} through DLPack: {e}") from e
+
+
+def _to_ffi(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         if _NP_BF16 is not None and x.dtype == _NP_BF16:
             t = _np_from_dlpack(x.view(np.uint16))
@@ -94,6 +105,9 @@ def to_ffi(x: Any) -> Any:
 def from_ffi(t: Any, like: Any) -> Any:
     """Convert a result of the C++ module into the framework of `like`, zero-copy."""
     fw = framework_of(like)
+    if fw != "torch" and framework_of(t) == "torch":
+        # TVM-FFI hands results back as torch tensors when any argument was one.
+        t = tvm_ffi.from_dlpack(t)
     if fw == "torch":
         import torch
 

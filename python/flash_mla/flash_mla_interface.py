@@ -71,6 +71,7 @@ class FlashMLASchedMeta:
     tile_scheduler_metadata: Optional[Any] = None
     num_splits: Optional[Any] = None
     _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False)
+    _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
@@ -93,9 +94,12 @@ def _host_copy(x: Any) -> Optional[np.ndarray]:
             return None
     except AttributeError:
         return None
-    if _ffi.framework_of(x) == "torch":
-        return x.detach().numpy().copy()
-    return np.array(np.from_dlpack(x), copy=True)
+    try:
+        if _ffi.framework_of(x) == "torch":
+            return x.detach().numpy().copy()
+        return np.array(np.from_dlpack(x), copy=True)
+    except Exception:  # unsupported dtype etc.: the C++ validation reports it, naming the argument
+        return None
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
@@ -172,6 +176,7 @@ def flash_mla_with_kvcache(
     lengths = (
         (_host_copy(cache_seqlens),) if topk is None else (_host_copy(topk_length), _host_copy(extra_topk_length))
     )
+    presence = (topk_length is not None, extra_topk_length is not None)
     if sched.have_initialized:
         for field in dataclasses.fields(config):
             old, new = getattr(sched.config, field.name), getattr(config, field.name)
@@ -181,6 +186,13 @@ def flash_mla_with_kvcache(
                     f"got {new!r}; a FlashMLASchedMeta "
                     "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
                 )
+        if sched._presence is not None and sched._presence != presence:
+            raise SchedMetaMismatchError(
+                "topk_length / extra_topk_length: this FlashMLASchedMeta was computed "
+                f"{'with' if sched._presence[0] else 'without'} topk_length and "
+                f"{'with' if sched._presence[1] else 'without'} extra_topk_length; its split schedule would be "
+                "stale. Call get_mla_metadata() again"
+            )
         if sched._lengths is not None:
             names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
             for name, old, new in zip(names, sched._lengths, lengths):
@@ -191,7 +203,7 @@ def flash_mla_with_kvcache(
                     )
     like = q
     meta_in = (
-        (_ffi.to_ffi(sched.tile_scheduler_metadata), _ffi.to_ffi(sched.num_splits))
+        (_ffi.to_ffi(sched.tile_scheduler_metadata, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
         if sched.have_initialized and sched.tile_scheduler_metadata is not None
         else (None, None)
     )
@@ -201,9 +213,9 @@ def flash_mla_with_kvcache(
         if not is_fp8_kvcache:
             raise ValueError("is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
         res = _ffi.lib.sparse_decode_fwd(
-            _ffi.to_ffi(q), _ffi.to_ffi(k_cache), _ffi.to_ffi(indices), _ffi.to_ffi(topk_length),
-            _ffi.to_ffi(attn_sink), meta_in[0], meta_in[1], _ffi.to_ffi(extra_k_cache),
-            _ffi.to_ffi(extra_indices_in_kvcache), _ffi.to_ffi(extra_topk_length), int(head_dim_v),
+            _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(indices, "indices"), _ffi.to_ffi(topk_length, "topk_length"),
+            _ffi.to_ffi(attn_sink, "attn_sink"), meta_in[0], meta_in[1], _ffi.to_ffi(extra_k_cache, "extra_k_cache"),
+            _ffi.to_ffi(extra_indices_in_kvcache, "extra_indices_in_kvcache"), _ffi.to_ffi(extra_topk_length, "extra_topk_length"), int(head_dim_v),
             float(softmax_scale),
         )
     else:
@@ -219,14 +231,15 @@ def flash_mla_with_kvcache(
                 "is_fp8_kvcache: dense decoding reads a BF16/FP16 cache; FP8 caches need indices (sparse decoding)"
             )
         res = _ffi.lib.dense_decode_fwd(
-            _ffi.to_ffi(q), _ffi.to_ffi(k_cache), int(head_dim_v), _ffi.to_ffi(cache_seqlens),
-            _ffi.to_ffi(block_table), float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
+            _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), int(head_dim_v), _ffi.to_ffi(cache_seqlens, "cache_seqlens"),
+            _ffi.to_ffi(block_table, "block_table"), float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
         )
     out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
     if not sched.have_initialized:
         sched.have_initialized = True
         sched.config = config
         sched._lengths = lengths
+        sched._presence = presence
     sched.tile_scheduler_metadata = tsm
     sched.num_splits = splits
     return out, lse
@@ -252,9 +265,11 @@ def flash_mla_sparse_fwd(
     and ``lse`` ``(s_q, h_q)`` float32 in natural units. Rows with no valid slot give
     ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
     """
+    if sm_scale is None or isinstance(sm_scale, (str, bytes)):
+        raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
     res = _ffi.lib.sparse_prefill_fwd(
-        _ffi.to_ffi(q), _ffi.to_ffi(kv), _ffi.to_ffi(indices), float(sm_scale), int(d_v),
-        _ffi.to_ffi(attn_sink), _ffi.to_ffi(topk_length),
+        _ffi.to_ffi(q, "q"), _ffi.to_ffi(kv, "kv"), _ffi.to_ffi(indices, "indices"), float(sm_scale), int(d_v),
+        _ffi.to_ffi(attn_sink, "attn_sink"), _ffi.to_ffi(topk_length, "topk_length"),
     )
     return [_ffi.from_ffi(t, q) for t in res]
 

@@ -73,7 +73,7 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     if stride < pbs * _BYTES[fmt]:
         raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {pbs * _BYTES[fmt]}, got {stride}")
     packed = _alloc_packed(x, nb, pbs, fmt, stride)
-    _ffi.lib.quantize_kv_cache(_ffi.to_ffi(x), _ffi.to_ffi(packed), fmt)
+    _ffi.lib.quantize_kv_cache(_ffi.to_ffi(x, "kv_cache"), _ffi.to_ffi(packed, "packed"), fmt)
     return packed.to(device) if device is not None and str(device) != "cpu" else packed
 
 
@@ -91,5 +91,5 @@ def dequantize_k_cache(packed: Any, d_qk: int = 576):
         out = torch.empty((nb, pbs, 1, _DIM[fmt]), dtype=torch.bfloat16)
     else:
         out = np.empty((nb, pbs, 1, _DIM[fmt]), dtype=_ffi._NP_BF16)
-    _ffi.lib.dequantize_kv_cache(_ffi.to_ffi(p), _ffi.to_ffi(out), fmt)
+    _ffi.lib.dequantize_kv_cache(_ffi.to_ffi(p, "packed"), _ffi.to_ffi(out, "kv_cache"), fmt)
     return out.to(device) if device is not None and str(device) != "cpu" else out

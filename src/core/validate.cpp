@@ -3,6 +3,7 @@
 // prefill), §3 (KV formats), §8 (easy-to-miss requirements).
 #include "core/validate.h"
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
@@ -128,6 +129,8 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 or 512, got ", d_qk));
   if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
+  if (!std::isfinite(p.softmax_scale))
+    return value_error(cat("softmax_scale: must be a finite number, got ", p.softmax_scale));
 
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.k_cache, "k_cache", 4, "(num_blocks, page_block_size, h_kv, d_qk)"));
   if (p.k_cache.dtype != p.q.dtype)
@@ -243,6 +246,8 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 (V32) or 512 (MODEL1), got ", d_qk));
   if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
+  if (!std::isfinite(p.softmax_scale))
+    return value_error(cat("softmax_scale: must be a finite number, got ", p.softmax_scale));
   const KVFormat format = fp8_format_for_head_dim(d_qk);
   FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(p.k_cache, "k_cache", format));
 
@@ -322,6 +327,7 @@ Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[2] must be 576 or 512, got ", d_qk));
   if (p.d_v != kDimV) return value_error(cat("d_v: must be 512, got ", p.d_v));
+  if (!std::isfinite(p.sm_scale)) return value_error(cat("sm_scale: must be a finite number, got ", p.sm_scale));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.kv, "kv", 3, "(s_kv, h_kv, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.kv, "kv", {DType::kBFloat16}));
   if (p.kv.shape[1] != 1)
@@ -349,6 +355,11 @@ Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   }
   if (p.kv.shape[0] > std::numeric_limits<int32_t>::max())
     return value_error("kv: s_kv must be < 2^31 (indices are int32)");
+  if (p.topk_length.defined && p.q.device.type == DeviceType::kCPU)
+    for (int64_t s = 0; s < s_q; ++s) {
+      const int32_t len = host_i32(p.topk_length)[s * p.topk_length.stride[0]];
+      if (len < 0) return value_error(cat("topk_length[", s, "] = ", len, " is negative"));
+    }
   return Status::Ok();
 }
 
