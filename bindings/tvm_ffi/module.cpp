@@ -188,6 +188,33 @@ ffi::Tensor workspace_for(int64_t bytes, flashmla::Device dev) {
   return alloc({bytes > 0 ? bytes : 1}, DType::kUInt8, dev);
 }
 
+/// Shared tail of both decode entry points: plan, allocate outputs / metadata /
+/// workspace on q's device, run. Returns [out, lse, tile_scheduler_metadata, num_splits].
+template <typename Params>
+ffi::Array<ffi::Tensor> run_decode(Params& p, DType out_dtype, const ffi::Optional<ffi::Tensor>& tsm_in,
+                                   const ffi::Optional<ffi::Tensor>& num_splits_in,
+                                   Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
+                                   Status (*fwd_fn)(const Params&)) {
+  flashmla::DecodePlan plan;
+  check(plan_fn(p, &plan));
+  const auto dev = p.q.device;
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
+  ffi::Tensor out = alloc({b, s_q, h_q, p.head_dim_v}, out_dtype, dev);
+  ffi::Tensor lse = alloc({b, h_q, s_q}, DType::kFloat32, dev);
+  Metadata m = metadata_for(tsm_in, num_splits_in, plan, dev);
+  ffi::Tensor ws = workspace_for(plan.workspace_bytes, dev);
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.tile_scheduler_metadata = to_ref(m.tsm, "tile_scheduler_metadata");
+  p.num_splits = to_ref(m.num_splits, "num_splits");
+  p.metadata_ready = m.ready;
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = plan.workspace_bytes;
+  p.stream = stream_for(p.q);
+  check(fwd_fn(p));
+  return ffi::Array<ffi::Tensor>{out, lse, m.tsm, m.num_splits};
+}
+
 // ------------------------------------------------------------------ ops
 ffi::Array<ffi::Tensor> dense_decode_fwd(ffi::TensorView q, ffi::TensorView k_cache, int64_t head_dim_v,
                                          ffi::TensorView cache_seqlens, ffi::TensorView block_table,
@@ -202,24 +229,8 @@ ffi::Array<ffi::Tensor> dense_decode_fwd(ffi::TensorView q, ffi::TensorView k_ca
   p.head_dim_v = head_dim_v;
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.causal = causal;
-  flashmla::DecodePlan plan;
-  check(flashmla::dense_decode_plan(p, &plan));
-  const auto dev = p.q.device;
-  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
-  ffi::Tensor out = alloc({b, s_q, h_q, head_dim_v}, p.q.dtype, dev);
-  ffi::Tensor lse = alloc({b, h_q, s_q}, DType::kFloat32, dev);
-  Metadata m = metadata_for(tile_scheduler_metadata, num_splits, plan, dev);
-  ffi::Tensor ws = workspace_for(plan.workspace_bytes, dev);
-  p.out = to_ref(out, "out");
-  p.lse = to_ref(lse, "lse");
-  p.tile_scheduler_metadata = to_ref(m.tsm, "tile_scheduler_metadata");
-  p.num_splits = to_ref(m.num_splits, "num_splits");
-  p.metadata_ready = m.ready;
-  p.workspace = ws.data_ptr();
-  p.workspace_bytes = plan.workspace_bytes;
-  p.stream = stream_for(p.q);
-  check(flashmla::dense_decode_fwd(p));
-  return ffi::Array<ffi::Tensor>{out, lse, m.tsm, m.num_splits};
+  return run_decode(p, p.q.dtype, tile_scheduler_metadata, num_splits, flashmla::dense_decode_plan,
+                    flashmla::dense_decode_fwd);
 }
 
 ffi::Array<ffi::Tensor> sparse_decode_fwd(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView indices,
@@ -242,24 +253,8 @@ ffi::Array<ffi::Tensor> sparse_decode_fwd(ffi::TensorView q, ffi::TensorView k_c
   p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
   p.head_dim_v = head_dim_v;
   p.softmax_scale = static_cast<float>(softmax_scale);
-  flashmla::DecodePlan plan;
-  check(flashmla::sparse_decode_plan(p, &plan));
-  const auto dev = p.q.device;
-  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
-  ffi::Tensor out = alloc({b, s_q, h_q, head_dim_v}, DType::kBFloat16, dev);
-  ffi::Tensor lse = alloc({b, h_q, s_q}, DType::kFloat32, dev);
-  Metadata m = metadata_for(tile_scheduler_metadata, num_splits, plan, dev);
-  ffi::Tensor ws = workspace_for(plan.workspace_bytes, dev);
-  p.out = to_ref(out, "out");
-  p.lse = to_ref(lse, "lse");
-  p.tile_scheduler_metadata = to_ref(m.tsm, "tile_scheduler_metadata");
-  p.num_splits = to_ref(m.num_splits, "num_splits");
-  p.metadata_ready = m.ready;
-  p.workspace = ws.data_ptr();
-  p.workspace_bytes = plan.workspace_bytes;
-  p.stream = stream_for(p.q);
-  check(flashmla::sparse_decode_fwd(p));
-  return ffi::Array<ffi::Tensor>{out, lse, m.tsm, m.num_splits};
+  return run_decode(p, DType::kBFloat16, tile_scheduler_metadata, num_splits, flashmla::sparse_decode_plan,
+                    flashmla::sparse_decode_fwd);
 }
 
 ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
