@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 bash tools/install.sh
 $PY -m pip install -q "pytest>=7,<10" "jax[cpu]>=0.4.30,<1"
+# PaddlePaddle (CPU build from PyPI) for the framework tests; its tests skip if it cannot be installed.
+$PY -m pip install -q "paddlepaddle>=3,<4" || echo "paddlepaddle not installed: its tests will skip"
 
 echo "== C++ tests (reference backend, validation, scheduler)"
 cmake -S . -B build/cpp-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUILD_TESTS=ON >/dev/null

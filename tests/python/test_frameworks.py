@@ -145,3 +145,29 @@ def test_torch_cpu_same_values(dense, prefill):
     res_t = flash_mla.flash_mla_sparse_fwd(to_torch(c.q), to_torch(c.kv), to_torch(c.indices), c.sm_scale)
     np.testing.assert_array_equal(res_t[0].view(torch.int16).numpy().view(np.uint16), bits(res_np[0]))
     np.testing.assert_array_equal(res_t[2].numpy(), res_np[2])
+
+
+def test_paddle_cpu_same_values(dense, prefill):
+    paddle = pytest.importorskip("paddle")
+    out_np, lse_np = dense_call(dense, np.asarray)
+
+    def to_paddle(x):
+        x = np.ascontiguousarray(x)
+        if x.dtype == BF16:
+            return paddle.to_tensor(x.astype(np.float32)).astype("bfloat16")  # exact: bf16 -> f32 -> bf16
+        return paddle.to_tensor(x)
+
+    def bf16_bits(t):
+        return t.astype("float32").numpy().astype(BF16).view(np.uint16)
+
+    out_p, lse_p = dense_call(dense, to_paddle)
+    assert isinstance(out_p, paddle.Tensor) and out_p.dtype == paddle.bfloat16
+    np.testing.assert_array_equal(bf16_bits(out_p), bits(out_np))
+    np.testing.assert_array_equal(lse_p.numpy(), lse_np)
+    c = prefill
+    res_np = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, c.sm_scale)
+    res_p = flash_mla.flash_mla_sparse_fwd(to_paddle(c.q), to_paddle(c.kv), to_paddle(c.indices), c.sm_scale)
+    assert all(isinstance(r, paddle.Tensor) for r in res_p)
+    np.testing.assert_array_equal(bf16_bits(res_p[0]), bits(res_np[0]))
+    np.testing.assert_array_equal(res_p[1].numpy(), res_np[1])
+    np.testing.assert_array_equal(res_p[2].numpy(), res_np[2])
