@@ -108,7 +108,7 @@ Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
   if (p.q.device.type == DeviceType::kCUDA) {
 #ifdef FLASHMLA_WITH_CUDA
     if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
-    return not_yet_on_gpu("flash_mla_with_kvcache (sparse FP8 decode)");
+    plan->workspace_bytes = sm90::sparse_decode_workspace_bytes(p, plan->num_sm_parts);
 #else
     return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
 #endif
@@ -122,6 +122,14 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16,
                                                          p.tile_scheduler_metadata, p.num_splits, plan,
                                                          p.workspace_bytes, p.workspace));
+  if (p.q.device.type != DeviceType::kCPU) {
+#ifdef FLASHMLA_WITH_CUDA
+    // Metadata (when not ready) is computed on the device, on the op's stream.
+    return sm90::sparse_decode(p, plan.num_sm_parts);
+#else
+    return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
+#endif
+  }
   if (!p.metadata_ready) {
     // Per-request work of spec §4.2, in tokens.
     const int64_t b = p.q.shape[0], topk = p.indices.shape[2];

@@ -17,4 +17,9 @@ int64_t dense_decode_workspace_bytes(const DenseDecodeParams& p, int64_t num_sm_
 /// Dense decode: scheduler metadata (unless metadata_ready), split-KV kernel, combine.
 Status dense_decode(const DenseDecodeParams& p, int64_t num_sm_parts);
 
+/// Workspace needed by sparse FP8 decode for the given plan (split-KV partials).
+int64_t sparse_decode_workspace_bytes(const SparseDecodeParams& p, int64_t num_sm_parts);
+/// Sparse FP8 decode: scheduler metadata (unless metadata_ready), split-KV kernel, combine.
+Status sparse_decode(const SparseDecodeParams& p, int64_t num_sm_parts);
+
 }  // namespace flashmla::sm90
