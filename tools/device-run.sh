@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
-# Usage: bash tools/device-run.sh [build|pytest|demo|bench|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,6 +25,10 @@ for step in "$@"; do
       python3 -m flash_mla demo 2>&1 | tee "$OUT/demo.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     bench)
       python3 bench/bench_dense_decode.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pytest-sparse)
+      python3 -m pytest tests/gpu/test_sparse_decode_gpu.py -q -rs -x 2>&1 | tee "$OUT/pytest-sparse-decode-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    bench-sparse)
+      python3 bench/bench_sparse_decode.py --out "$OUT" 2>&1 | tee "$OUT/bench-sparse-decode.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     cpp-gpu-tests)
       cmake -S . -B build/gpu-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=ON -DFLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" \
         -DFLASHMLA_BUILD_GPU_TESTS=ON >/dev/null && cmake --build build/gpu-tests 2>&1 | tail -5

@@ -1,0 +1,374 @@
+"""Sparse FP8 decode on the Hopper backend vs the CPU reference backend (same API, CPU tensors).
+
+Data follow FlashMLA's tests/lib.py (spec §5.2): q ~ randn clamped to [-1, 1], caches
+randn/10 with every token not referenced by a valid slot NaN-poisoned *before*
+quantization (flash_mla.quant.quantize_k_cache: NaN payloads and scales), padded block
+strides, non-contiguous q / indices (padding NaN / INT_MAX), garbage (INT_MAX, out-of-range,
+negative) past topk_length, sinks with random +-inf. Outputs are compared with spec §5.1
+tolerances (out abs 1e-3 / rel 2.01/128 / cos 5e-6; lse abs 1e-6 / rel 8.01/65536) and
+exact +-inf / NaN positions.
+
+Covered: a subset of the §5.2 correctness and corner grids (V32 and MODEL1, extra cache
+with its own page size, topk_length / extra_topk_length, page sizes 2..576, b up to 74,
+s_q 1 and 3, all-invalid rows, zero lengths, sinks) and regressions 1, 5 (b*s_q > 65535),
+6 (CUDA graph replay with new topk_length), 7 (h_q 8..128), 8 (topk not a multiple of 64,
+garbage past topk_length, whole rows of -1), 9 (views with storage offsets, unaligned cache).
+"""
+
+import math
+import random
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import flash_mla  # noqa: E402
+import flash_mla.quant as fq  # noqa: E402
+
+INT_MAX = 2147483647
+SENTINEL = 2147480000
+
+
+# ----------------------------------------------------------------------------- comparator
+def check_close(name, ans, ref, abs_tol, rel_tol, cos_tol):
+    """FlashMLA's kernelkit.check_is_allclose (spec §5.1)."""
+    assert ans.shape == ref.shape and ans.dtype == ref.dtype, (name, ans.shape, ref.shape, ans.dtype, ref.dtype)
+    a, r = ans.float().cpu().clone(), ref.float().cpu().clone()
+    for m_a, m_r, what in ((a == math.inf, r == math.inf, "+inf"), (a == -math.inf, r == -math.inf, "-inf"),
+                           (a.isnan(), r.isnan(), "nan")):
+        assert torch.equal(m_a, m_r), f"{name}: {what} positions differ ({int((m_a != m_r).sum())} mismatches)"
+        a[m_a] = 0
+        r[m_r] = 0
+    diff = (a - r).abs()
+    ok = (diff < abs_tol) | (diff / (r.abs() + 1e-6) < rel_tol)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: {int((~ok).sum())} of {ok.numel()} elements out of tolerance, max diff "
+                             f"{diff.max().item():.3e}; first at {bad}: ans={a[tuple(bad)].item()} "
+                             f"ref={r[tuple(bad)].item()}")
+    a64, r64 = a.double(), r.double()
+    denom = (a64 * a64 + r64 * r64).sum().item()
+    cos_diff = 0.0 if (r64 * r64).sum().item() < 1e-12 else 1 - 2 * (a64 * r64).sum().item() / denom
+    assert abs(cos_diff) <= cos_tol, f"{name}: cos_diff {cos_diff:.3e}"
+
+
+def compare(out, lse, ref_out, ref_lse):
+    assert out.is_cuda and lse.is_cuda
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_close("out", out, ref_out, 1e-3, 2.01 / 128, 5e-6)
+    check_close("lse", lse, ref_lse, 1e-6, 8.01 / 65536, 1e-7)
+
+
+# ----------------------------------------------------------------------------- data
+def non_contiguousify(t, device):
+    """FlashMLA's non_contiguousify: last dim +128, other dims +1, padding NaN / INT_MAX."""
+    big = [s + 1 for s in t.shape[:-1]] + [t.shape[-1] + 128]
+    fill = float("nan") if t.dtype.is_floating_point else INT_MAX
+    buf = torch.full(big, fill, dtype=t.dtype, device=device)
+    view = buf[tuple(slice(0, s) for s in t.shape)]
+    view.copy_(t)
+    return view
+
+
+def strided_to_cuda(t, extra_offset=0):
+    """Copy a strided CPU tensor (e.g. a packed cache with padded block stride) to the GPU
+    keeping its strides; `extra_offset` elements are added to the storage offset."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    flat = t.as_strided((n,), (1,), 0)
+    cu = torch.zeros(n + extra_offset, dtype=t.dtype, device="cuda")
+    cu[extra_offset:] = flat.cuda()
+    return cu.as_strided(t.shape, t.stride(), t.storage_offset() + extra_offset)
+
+
+class Scope:
+    """One FP8 KV cache with its indices (spec §5.2 'KV scope')."""
+
+    def __init__(self, packed, indices, topk_length):
+        self.packed, self.indices, self.topk_length = packed, indices, topk_length
+
+
+def gen_scope(rng, g, *, b, s_q, s_k, topk, pbs, d_qk, varlen=True, zero=False, all_invalid=False,
+              have_topk_length=False, topk_length=None, poison_beyond_length=True):
+    lens = [max(int(rng.normalvariate(s_k, s_k / 2)), s_q) if varlen else s_k for _ in range(b)]
+    if zero:
+        lens = [0 if rng.random() < 0.5 else l for l in lens]
+    max_pad = max(-(-max(lens) // (4 * pbs)), 1) * 4 * pbs
+    nb = b * max_pad // pbs
+    block_table = torch.randperm(nb, generator=g).reshape(b, -1)
+    cache = (torch.randn(nb, pbs, 1, d_qk, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+
+    abs_idx = torch.full((b, s_q, topk), -1, dtype=torch.int64)
+    for i in range(b):
+        for r in range(s_q):
+            k = min(topk, lens[i])
+            row = torch.full((topk,), -1, dtype=torch.int64)
+            if k:
+                row[:k] = torch.randperm(lens[i], generator=g)[:k]
+            abs_idx[i, r] = row[torch.randperm(topk, generator=g)]  # -1s scattered through the row
+    if all_invalid:
+        abs_idx[:] = -1
+    valid = abs_idx >= 0
+    t = abs_idx.clamp(min=0)
+    phys = torch.gather(block_table[:, None, :].expand(b, s_q, -1), 2, t // pbs)
+    indices = torch.where(valid, phys * pbs + t % pbs, torch.full_like(t, -1))
+
+    if topk_length is None and have_topk_length:
+        topk_length = torch.randint(0, topk + 1, (b,), generator=g)
+    beyond = torch.zeros_like(valid)
+    if topk_length is not None:
+        topk_length = torch.as_tensor(topk_length, dtype=torch.int32)
+        beyond = torch.arange(topk)[None, None, :] >= topk_length.long()[:, None, None]
+    masked = torch.where(beyond, torch.full_like(indices, -1), indices) if poison_beyond_length else indices
+
+    referenced = torch.zeros(nb * pbs, dtype=torch.bool)
+    referenced[masked[masked >= 0]] = True
+    cache.view(nb * pbs, d_qk)[~referenced] = float("nan")
+
+    if beyond.any() and poison_beyond_length:  # garbage past topk_length: never read
+        garbage = torch.tensor([INT_MAX, SENTINEL, -2, -123456, nb * pbs, -1], dtype=torch.int64)
+        pick = garbage[torch.randint(0, len(garbage), indices.shape, generator=g)]
+        use = beyond & (torch.rand(indices.shape, generator=g) < 0.5)
+        indices = torch.where(use, pick, indices)
+    packed = fq.quantize_k_cache(cache)  # CPU, padded block stride (V32 (pbs+1)*656, MODEL1 576-multiple)
+    return Scope(packed, indices.to(torch.int32), topk_length)
+
+
+def gen_sink(g, h_q):
+    sink = torch.randn(h_q, generator=g)
+    u = torch.randn(h_q, generator=g)
+    sink[u > 0.5] = math.inf
+    sink[u < -0.5] = -math.inf
+    return sink
+
+
+class Case:
+    def __init__(self, seed, *, b, s_q, h_q, d_qk, main, extra=None, topk_len=False, extra_topk_len=False,
+                 varlen=True, all_invalid=False, zero=False, sink=True, poison_beyond_length=True):
+        rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+        self.q = (torch.randn(b, s_q, h_q, d_qk, generator=g)).clamp(-1, 1).to(torch.bfloat16)
+        self.sink = gen_sink(g, h_q) if sink else None
+        s_k, topk, pbs = main
+        self.main = gen_scope(rng, g, b=b, s_q=s_q, s_k=s_k, topk=topk, pbs=pbs, d_qk=d_qk, varlen=varlen, zero=zero,
+                              all_invalid=all_invalid, have_topk_length=topk_len,
+                              poison_beyond_length=poison_beyond_length)
+        self.extra = None
+        if extra is not None:
+            s_k, topk, pbs = extra
+            self.extra = gen_scope(rng, g, b=b, s_q=s_q, s_k=s_k, topk=topk, pbs=pbs, d_qk=d_qk, varlen=varlen,
+                                   zero=zero, all_invalid=all_invalid, have_topk_length=extra_topk_len,
+                                   poison_beyond_length=poison_beyond_length)
+        self.scale = d_qk ** -0.55
+
+    def args(self, device, noncontig=True):
+        """Positional q, k_cache and keyword arguments for flash_mla_with_kvcache on `device`."""
+        cuda = device == "cuda"
+        nc = (lambda t: non_contiguousify(t, "cuda")) if (cuda and noncontig) else (lambda t: t.to(device))
+        kv = strided_to_cuda if cuda else (lambda t: t)
+        opt = lambda t: None if t is None else t.to(device)  # noqa: E731
+        kw = dict(softmax_scale=self.scale, is_fp8_kvcache=True, indices=nc(self.main.indices),
+                  attn_sink=opt(self.sink), topk_length=opt(self.main.topk_length))
+        if self.extra is not None:
+            kw.update(extra_k_cache=kv(self.extra.packed), extra_indices_in_kvcache=nc(self.extra.indices),
+                      extra_topk_length=opt(self.extra.topk_length))
+        return nc(self.q), kv(self.main.packed), kw
+
+
+def run_sparse(q, k, kw, sched=None):
+    sched = sched if sched is not None else flash_mla.get_mla_metadata()[0]
+    return flash_mla.flash_mla_with_kvcache(q, k, None, None, 512, sched, **kw)
+
+
+def reference(case):
+    q, k, kw = case.args("cpu")
+    return run_sparse(q, k, kw)
+
+
+def check_case(case, noncontig=True):
+    q, k, kw = case.args("cuda", noncontig)
+    out, lse = run_sparse(q, k, kw)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference(case)
+    compare(out, lse, ref_out, ref_lse)
+    return out, lse, ref_out, ref_lse
+
+
+# ----------------------------------------------------------------------------- §5.2 correctness subset
+# (d_qk, h_q, b, s_q, (s_k, topk, pbs), extra triple or None, topk_len, extra_topk_len, varlen)
+CORRECTNESS = [
+    (576, 64, 4, 1, (512, 64, 2), None, False, False, True),
+    (576, 128, 4, 3, (1024, 576, 61), None, False, False, True),
+    (576, 128, 74, 1, (2046, 2048, 64), None, False, False, True),
+    (576, 64, 74, 3, (512, 64, 69), None, False, False, False),
+    (576, 128, 4, 1, (2046, 2048, 576), None, False, False, True),
+    (512, 64, 4, 3, (512, 64, 2), None, True, False, True),
+    (512, 128, 74, 1, (1024, 576, 61), None, False, False, True),
+    (512, 64, 4, 1, (512, 64, 64), (1024, 576, 2), False, False, True),
+    (512, 128, 4, 3, (2046, 2048, 2), (512, 64, 69), True, True, True),
+    (512, 64, 74, 1, (512, 64, 69), (2046, 2048, 64), False, True, True),
+    (512, 128, 74, 1, (1024, 576, 61), (512, 64, 2), True, False, True),
+    (512, 64, 4, 1, (2046, 2048, 576), (1024, 576, 61), True, False, True),
+    (512, 128, 74, 3, (512, 64, 64), (512, 64, 69), False, False, False),
+]
+
+
+def _cid(c):
+    d, h, b, s_q, m, e, tl, etl, vl = c
+    return (f"d{d}-h{h}-b{b}-sq{s_q}-m{m[0]}_{m[1]}_{m[2]}" + (f"-x{e[0]}_{e[1]}_{e[2]}" if e else "") +
+            ("-tl" if tl else "") + ("-etl" if etl else "") + ("" if vl else "-fixed"))
+
+
+@pytest.mark.parametrize("c", CORRECTNESS, ids=[_cid(c) for c in CORRECTNESS])
+def test_correctness_grid(c):
+    d, h, b, s_q, m, e, tl, etl, vl = c
+    case = Case(zlib.crc32(_cid(c).encode()) % 100000, b=b, s_q=s_q, h_q=h, d_qk=d, main=m, extra=e, topk_len=tl,
+                extra_topk_len=etl, varlen=vl)
+    check_case(case)
+
+
+# ----------------------------------------------------------------------------- §5.2 corner subset
+CORNER_FLAGS = [(True, False, True), (False, True, True), (True, True, False), (False, True, False),
+                (True, False, False)]  # (all_invalid, zero_seqlen, sink)
+
+
+@pytest.mark.parametrize("flags", CORNER_FLAGS, ids=lambda f: f"inv{int(f[0])}-zero{int(f[1])}-sink{int(f[2])}")
+@pytest.mark.parametrize("fmt", ["v32", "model1", "model1-extra"])
+def test_corner_cases(fmt, flags):
+    all_invalid, zero, sink = flags
+    d = 576 if fmt == "v32" else 512
+    extra = (650, 576, 53) if fmt == "model1-extra" else None
+    case = Case(sum(map(ord, fmt)) * 7 + sum(flags), b=4, s_q=3, h_q=64 if fmt != "model1" else 128, d_qk=d,
+                main=(512, 64, 61), extra=extra, all_invalid=all_invalid, zero=zero, sink=sink,
+                topk_len=fmt != "v32", extra_topk_len=extra is not None)
+    out, lse, _, _ = check_case(case)
+    if all_invalid:
+        assert bool((out == 0).all()) and bool((lse == math.inf).all())
+
+
+@pytest.mark.parametrize("sink_value", [math.inf, -math.inf, 0.5], ids=["+inf", "-inf", "finite"])
+def test_sink_values(sink_value):
+    case = Case(11, b=3, s_q=2, h_q=64, d_qk=512, main=(300, 128, 64), extra=(200, 64, 2))
+    case.sink = torch.full((64,), sink_value)
+    out, lse, _, _ = check_case(case)
+    if sink_value == math.inf:
+        assert bool((out == 0).all()) and bool(torch.isfinite(lse).all())
+
+
+# ----------------------------------------------------------------------------- regressions
+def test_regression1_zero_lengths():
+    """topk_length = 0 for the first / last / all requests: out 0, lse +inf."""
+    for tl in ([0, 100, 0], [0, 0, 0]):
+        case = Case(21, b=3, s_q=2, h_q=16, d_qk=512, main=(400, 128, 64), topk_len=False)
+        case.main.topk_length = torch.tensor(tl, dtype=torch.int32)
+        out, lse, _, _ = check_case(case)
+        for i, l in enumerate(tl):
+            if l == 0:
+                assert bool((out[i] == 0).all()) and bool((lse[i] == math.inf).all())
+
+
+def test_regression5_huge_batch_times_sq():
+    """b * s_q > 65535 (grid-y limit): a small shared cache, many requests."""
+    g = torch.Generator().manual_seed(5)
+    b, s_q, h_q, topk, pbs, nb = 33000, 2, 2, 32, 64, 64
+    cache = (torch.randn(nb, pbs, 1, 512, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16)
+    packed = fq.quantize_k_cache(cache)
+    idx = torch.randint(0, nb * pbs, (b, s_q, topk), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < 0.2] = -1
+    q = torch.randn(b, s_q, h_q, 512, generator=g).clamp(-1, 1).to(torch.bfloat16)
+    tl = torch.randint(0, topk + 1, (b,), generator=g, dtype=torch.int32)
+    kw = dict(is_fp8_kvcache=True, softmax_scale=0.05)
+    out, lse = run_sparse(q.cuda(), strided_to_cuda(packed), dict(kw, indices=idx.cuda(), topk_length=tl.cuda()))
+    ref_out, ref_lse = run_sparse(q, packed, dict(kw, indices=idx, topk_length=tl))
+    compare(out, lse, ref_out, ref_lse)
+
+
+def test_regression6_cuda_graph_replay_with_new_topk_length():
+    b = 8
+    case = Case(6, b=b, s_q=2, h_q=64, d_qk=512, main=(600, 256, 64), extra=(300, 128, 2), topk_len=True,
+                extra_topk_len=True, poison_beyond_length=False)
+    q, k, kw = case.args("cuda")
+    run_sparse(q, k, kw)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run_sparse(q, k, kw)  # fresh metadata: the scheduler runs inside the captured work
+    gen = torch.Generator().manual_seed(66)
+    for it in range(3):
+        new_tl = torch.randint(0, 257, (b,), generator=gen, dtype=torch.int32)
+        new_etl = torch.randint(0, 129, (b,), generator=gen, dtype=torch.int32)
+        new_tl[b // 2:] = 0 if it != 1 else new_tl[b // 2:]
+        kw["topk_length"].copy_(new_tl)
+        kw["extra_topk_length"].copy_(new_etl)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = run_sparse(q, k, kw)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        case.main.topk_length, case.extra.topk_length = new_tl, new_etl
+        ref_out, ref_lse = reference(case)
+        compare(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 1), (32, 1), (8, 2), (16, 3), (32, 2), (64, 1), (128, 2)])
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_regression7_tensor_parallel_heads(h_q, s_q, d_qk):
+    extra = (300, 64, 16) if d_qk == 512 else None
+    case = Case(h_q * 10 + s_q + d_qk, b=5, s_q=s_q, h_q=h_q, d_qk=d_qk, main=(700, 192, 64), extra=extra,
+                topk_len=d_qk == 512)
+    check_case(case)
+
+
+@pytest.mark.parametrize("topk", [1, 37, 100, 200])
+def test_regression8_topk_not_multiple_of_64(topk):
+    case = Case(800 + topk, b=4, s_q=2, h_q=32, d_qk=512, main=(150, topk, 53), extra=(90, 45, 7), topk_len=True,
+                extra_topk_len=True)
+    case.main.indices[1, 0, :] = -1  # a whole row of -1
+    check_case(case)
+
+
+def test_regression8_v32_odd_topk_and_duplicates():
+    case = Case(81, b=3, s_q=1, h_q=64, d_qk=576, main=(120, 77, 64))
+    case.main.indices[0, 0, 1] = case.main.indices[0, 0, 0]  # duplicate index counts twice
+    check_case(case)
+
+
+def test_regression9_views_with_storage_offset():
+    case = Case(9, b=3, s_q=2, h_q=64, d_qk=576, main=(300, 128, 64))
+    q, k, kw = case.args("cuda", noncontig=False)
+    big_q = torch.zeros((4,) + tuple(q.shape[1:]), dtype=q.dtype, device="cuda")
+    big_q[1:] = q
+    qv = big_q[1:]
+    assert qv.storage_offset() > 0
+    big_i = torch.full((5,) + tuple(kw["indices"].shape[1:]), INT_MAX, dtype=torch.int32, device="cuda")
+    big_i[2:] = kw["indices"]
+    kw["indices"] = big_i[2:]
+    out, lse = run_sparse(qv, k, kw)
+    compare(out, lse, *reference(case))
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_regression9_unaligned_cache_and_q(d_qk):
+    """Cache base / block stride not 16-byte aligned and q rows not 16-byte aligned (slow paths)."""
+    case = Case(90 + d_qk, b=3, s_q=2, h_q=16, d_qk=d_qk, main=(200, 100, 5))
+    bpt = 656 if d_qk == 576 else 584
+    cache_bf16 = fq.dequantize_k_cache(case.main.packed, d_qk)
+    case.main.packed = fq.quantize_k_cache(cache_bf16, d_qk, block_stride=5 * bpt + 4)  # odd block stride
+    q, k, kw = case.args("cuda", noncontig=False)
+    k = strided_to_cuda(case.main.packed, extra_offset=4)
+    assert k.data_ptr() % 16 != 0
+    big_q = torch.zeros(q.numel() + 1, dtype=q.dtype, device="cuda")
+    big_q[1:] = q.reshape(-1)
+    qv = big_q[1:].view(q.shape)
+    out, lse = run_sparse(qv, k, kw)
+    compare(out, lse, *reference(case))
+
+
+def test_scheduler_reuse():
+    case = Case(31, b=6, s_q=2, h_q=128, d_qk=512, main=(500, 128, 64), extra=(400, 192, 2), topk_len=True)
+    q, k, kw = case.args("cuda")
+    sched, _ = flash_mla.get_mla_metadata()
+    out1, lse1 = run_sparse(q, k, kw, sched)
+    assert sched.tile_scheduler_metadata.is_cuda and sched.num_splits.shape == (7,)
+    out2, lse2 = run_sparse(q, k, kw, sched)
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    compare(out1, lse1, *reference(case))
