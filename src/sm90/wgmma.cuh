@@ -77,23 +77,4 @@ __device__ __forceinline__ void mma_m64n256k16_f16(float (&d)[128], uint64_t des
       : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTnspB));
 }
 
-// Same as mma_m64n32k16_* above, with compile-time byte offsets (>> 4) added to the two
-// descriptors inside the asm block: in a fully unrolled chain the compiler then cannot
-// hoist 2 x 36 loop-invariant 64-bit descriptors into registers.
-#define FLASHMLA_GMMA_M64N32K16_OFF(NAME, TYPE)                                                                     \
-  template <int kTnspB, int kOffA, int kOffB, int kScaleD>                                                          \
-  __device__ __forceinline__ void NAME(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {                          \
-    asm volatile(                                                                                                   \
-        "{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %18, 0;\n"                                          \
-        "add.s64 da, %16, %19;\nadd.s64 db, %17, %20;\n"                                                              \
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                              \
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, da, db, p, 1, 1, 0, %21;\n}\n"     \
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),           \
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])       \
-        : "l"(desc_a), "l"(desc_b), "n"(kScaleD), "n"(kOffA), "n"(kOffB), "n"(kTnspB));                             \
-  }
-FLASHMLA_GMMA_M64N32K16_OFF(mma_m64n32k16_off_bf16, "bf16")
-FLASHMLA_GMMA_M64N32K16_OFF(mma_m64n32k16_off_f16, "f16")
-#undef FLASHMLA_GMMA_M64N32K16_OFF
-
 }  // namespace flashmla::sm90::gmma

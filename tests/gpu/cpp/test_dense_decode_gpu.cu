@@ -1062,7 +1062,7 @@ int comparator_selftest(Stats& stats, Pools& P, int num_sms) {
 // ------------------------------------------------------------------ timing
 struct PerfRow {
   std::string name;
-  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_v3, ms_alt, ms_pf;
+  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_alt;
 };
 
 double median(std::vector<float> v) {
@@ -1103,14 +1103,10 @@ PerfRow time_case(const Case& c, const Generated& g, DenseDecodeParams p, int64_
   r.ms_v1 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(2);
   r.ms_v2 = timed(sm90::kStageMain);
-  sm90::set_dense_kernel_version(3);
-  r.ms_v3 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(0);
   const int tune = sm90::dense_tuning();
-  sm90::set_dense_tuning(tune ^ sm90::kTuneNoTma);
-  r.ms_alt = timed(sm90::kStageMain);
   sm90::set_dense_tuning(tune ^ sm90::kTuneL2Prefetch);
-  r.ms_pf = timed(sm90::kStageMain);
+  r.ms_alt = timed(sm90::kStageMain);
   sm90::set_dense_tuning(tune);
   double mean_len = 0;
   for (int x : g.seqlens) mean_len += x;
@@ -1235,16 +1231,13 @@ int main(int argc, char** argv) {
 
   if (!rows.empty()) {
     std::printf("\nTiming (median of 20, L2 flushed; main = split-KV kernel only, call = main + combine)\n");
-    std::printf("(v1/v2/v3 = main kernel forced to mma.sync / wgmma / TMA-fed wgmma; alt = main with the no-TMA "
-                "switch flipped (v3 gathering K with cp.async), default no-TMA=%d; pf = main with the L2-prefetch "
-                "switch flipped, default prefetch=%d)\n",
-                (sm90::dense_tuning() & sm90::kTuneNoTma) ? 1 : 0,
-                (sm90::dense_tuning() & sm90::kTuneL2Prefetch) ? 1 : 0);
-    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms",
-                "TFLOP/s", "GB/s", "v1_ms", "v2_ms", "v3_ms", "alt_ms", "pf_ms");
+    std::printf("(v1/v2 = main kernel forced to mma.sync / wgmma; alt = main with the L2-prefetch switch flipped, "
+                "default prefetch=%d)\n", (sm90::dense_tuning() & sm90::kTuneL2Prefetch) ? 1 : 0);
+    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
+                "GB/s", "v1_ms", "v2_ms", "alt_ms");
     for (auto& r : rows)
-      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f %9.4f %9.4f\n", r.name.c_str(),
-                  r.mean_len, r.ms_main, r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_v3, r.ms_alt, r.ms_pf);
+      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len, r.ms_main,
+                  r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_alt);
   }
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
