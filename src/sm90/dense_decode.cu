@@ -1,9 +1,11 @@
 // src/sm90/dense_decode.cu — host side of the sm90 backend: device queries and
 // the dense-decode entry points of src/sm90/sm90.h (scheduler -> split-KV main
 // kernel -> combine, all on the caller's stream, no synchronisation, no allocation).
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "sm90/dense_decode.h"
@@ -11,8 +13,10 @@
 
 namespace flashmla::sm90 {
 
-cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
-cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
+cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
+                                   cudaStream_t stream);
+cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
+                                   cudaStream_t stream);
 cudaError_t probe_sm90_image();
 
 namespace {
@@ -76,6 +80,56 @@ int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 int64_t lse_accum_bytes(const Dims& d, int64_t num_sm_parts) {
   return align_up((d.b + num_sm_parts) * d.h_kv * d.m_rows * static_cast<int64_t>(sizeof(float)));
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiledFn encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// Tensor map of k_cache for the v3 kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
+// box 64 dims x 1 head x min(pbs, 64) tokens x 1 page, 128-byte swizzle (= the kernels'
+// slab layout). False when the strides or the page size do not allow it.
+bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* map, int* box_tok) {
+  const TensorRef& k = p.k_cache;
+  const int64_t pbs = d.pbs;
+  if (!(pbs % 64 == 0 || (64 % pbs == 0 && pbs >= 16))) return false;  // <= 4 boxes per slab
+  if (d.d_qk != 576 && d.d_qk != 512) return false;
+  if (reinterpret_cast<uintptr_t>(k.data) % 16 != 0) return false;
+  const int64_t s_tok = k.stride[1], s_h = k.stride[2], s_blk = k.stride[0];
+  for (int64_t st : {s_tok, s_h, s_blk})
+    if (st <= 0 || (st * 2) % 16 != 0 || st * 2 >= (int64_t{1} << 40)) return false;
+  if (k.stride[3] != 1) return false;
+  if (k.shape[0] <= 0 || k.shape[0] > 0xFFFFFFFFLL) return false;
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr) return false;
+  const int bt = static_cast<int>(pbs < 64 ? pbs : 64);
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(d.d_qk), static_cast<cuuint64_t>(d.h_kv),
+                              static_cast<cuuint64_t>(pbs), static_cast<cuuint64_t>(k.shape[0])};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(s_h * 2), static_cast<cuuint64_t>(s_tok * 2),
+                                 static_cast<cuuint64_t>(s_blk * 2)};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(bt), 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  std::memset(map, 0, sizeof(*map));
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(k.data), dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  *box_tok = bt;
+  return true;
 }
 
 bool out_vec_ok(const TensorRef& out) {
@@ -189,8 +243,16 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
     kp.flags = g_dense_tuning;
-    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, static_cast<int>(num_sm_parts), stream)
-                                  : launch_dense_main_bf16(kp, static_cast<int>(num_sm_parts), stream);
+    alignas(64) CUtensorMap tmap;
+    int box_tok = 64;
+    const bool want = g_dense_kernel_version == 0 || g_dense_kernel_version >= 3;
+    const bool tma = want && !(g_dense_tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
+    if (!tma) std::memset(&tmap, 0, sizeof(tmap));
+    kp.tma_ok = tma ? 1 : 0;
+    kp.tma_box_tok = box_tok;
+    const CUtensorMap* tm = (tma || g_dense_kernel_version == 3) ? &tmap : nullptr;
+    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), stream)
+                                  : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);
   }
 

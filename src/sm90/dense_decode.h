@@ -35,10 +35,14 @@ struct DenseDecodeKernelParams {
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
   float scale_log2;  // softmax_scale * log2(e)
   int flags;         // DenseTuning bits
+  int tma_ok;        // v3: a K tensor map was encoded (strides / page size allow TMA)
+  int tma_box_tok;   // v3: tokens per TMA box = min(page_block_size, 64)
 };
 
 /// Tuning switches of the main kernels (benchmarks A/B them in one process).
-enum DenseTuning : int { kTuneL2Prefetch = 1 };
+/// kTuneL2Prefetch: v1/v2/v3 L2 prefetch two tiles ahead (slower on the H200, off by default);
+/// kTuneNoTma: no K tensor map (v3 gathers every K tile with cp.async; v4 is not used).
+enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2 };
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
 struct DenseCombineParams {
@@ -61,12 +65,13 @@ enum DenseDecodeStage : int { kStageScheduler = 1, kStageMain = 2, kStageCombine
 cudaError_t launch_tile_scheduler(const int32_t* seqlens, int b, int num_sm_parts, int32_t* metadata,
                                   int32_t* num_splits, cudaStream_t stream);
 
-cudaError_t launch_dense_main(const DenseDecodeKernelParams& kp, bool is_fp16, int num_sm_parts,
-                              cudaStream_t stream);
 cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
 
-/// Kernel choice for tests and benchmarks: 0 = automatic (default), 1 = force the
-/// mma.sync kernel (v1), 2 = force the wgmma kernel (v2, 64-row tiles).
+/// Kernel choice for tests and benchmarks: 0 = automatic (default: v4 when a K tensor
+/// map can be made, else v2 for M > 32 and v1 below), 1 = force the mma.sync kernel (v1),
+/// 2 = force the wgmma kernel (v2, 64-row tiles), 3 = force v3 (TMA-fed wgmma; without a
+/// tensor map it gathers K with cp.async), 4 = force v4 (seesaw; falls back as 0 without
+/// a tensor map).
 void set_dense_kernel_version(int version);
 int dense_kernel_version();
 void set_dense_tuning(int flags);

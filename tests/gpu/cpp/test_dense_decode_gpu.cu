@@ -1062,7 +1062,7 @@ int comparator_selftest(Stats& stats, Pools& P, int num_sms) {
 // ------------------------------------------------------------------ timing
 struct PerfRow {
   std::string name;
-  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_alt;
+  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_v3, ms_v4;
 };
 
 double median(std::vector<float> v) {
@@ -1099,15 +1099,16 @@ PerfRow time_case(const Case& c, const Generated& g, DenseDecodeParams p, int64_
   r.name = describe(c);
   r.ms_main = timed(sm90::kStageMain);
   r.ms_call = timed(sm90::kStageMain | sm90::kStageCombine);
+  const int version = sm90::dense_kernel_version();
   sm90::set_dense_kernel_version(1);
   r.ms_v1 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(2);
   r.ms_v2 = timed(sm90::kStageMain);
-  sm90::set_dense_kernel_version(0);
-  const int tune = sm90::dense_tuning();
-  sm90::set_dense_tuning(tune ^ sm90::kTuneL2Prefetch);
-  r.ms_alt = timed(sm90::kStageMain);
-  sm90::set_dense_tuning(tune);
+  sm90::set_dense_kernel_version(3);
+  r.ms_v3 = timed(sm90::kStageMain);
+  sm90::set_dense_kernel_version(4);
+  r.ms_v4 = timed(sm90::kStageMain);
+  sm90::set_dense_kernel_version(version);
   double mean_len = 0;
   for (int x : g.seqlens) mean_len += x;
   mean_len /= c.b;
@@ -1135,7 +1136,11 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--probe")) probe = true;
     else if (!std::strcmp(argv[i], "--only-perf") && i + 1 < argc) only_perf = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--max-cases") && i + 1 < argc) max_cases = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--version") && i + 1 < argc) sm90::set_dense_kernel_version(std::atoi(argv[++i]));
+    else if (!std::strcmp(argv[i], "--tune") && i + 1 < argc) sm90::set_dense_tuning(std::atoi(argv[++i]));
   }
+  std::printf("kernel version %d (0 = automatic), tuning flags %d\n", sm90::dense_kernel_version(),
+              sm90::dense_tuning());
   int ndev = 0;
   CUDA_CHECK(cudaGetDeviceCount(&ndev));
   cudaDeviceProp prop;
@@ -1231,13 +1236,13 @@ int main(int argc, char** argv) {
 
   if (!rows.empty()) {
     std::printf("\nTiming (median of 20, L2 flushed; main = split-KV kernel only, call = main + combine)\n");
-    std::printf("(v1/v2 = main kernel forced to mma.sync / wgmma; alt = main with the L2-prefetch switch flipped, "
-                "default prefetch=%d)\n", (sm90::dense_tuning() & sm90::kTuneL2Prefetch) ? 1 : 0);
-    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
-                "GB/s", "v1_ms", "v2_ms", "alt_ms");
+    std::printf("(v1/v2/v3/v4 = main kernel forced to mma.sync / wgmma / TMA-fed wgmma / seesaw; tuning flags %d)\n",
+                sm90::dense_tuning());
+    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
+                "GB/s", "v1_ms", "v2_ms", "v3_ms", "v4_ms");
     for (auto& r : rows)
-      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len, r.ms_main,
-                  r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_alt);
+      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len,
+                  r.ms_main, r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_v3, r.ms_v4);
   }
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();

@@ -1,0 +1,571 @@
+// src/sm90/dense_decode_kernel_v4.cuh — split-KV dense MLA decode, version 4:
+// FlashMLA's "seesaw" schedule (spec §7.1) on 64-row tiles, K fed by the tensor copy
+// engine. Two 64-token blocks per step, block 0 in stage 0 and block 1 in stage 1;
+// warpgroup 0 owns O[:, 0:256] (O_L), warpgroup 1 owns O[:, 256:512] (O_R), and the
+// running max m is shared through shared memory:
+//   WG0: S0 = Q K0^T (m64n64, 36 wgmma); m0 = max(m, rowmax S0); scale0 = 2^(m - m0);
+//        P0 = 2^(S0 - m0); O_L = O_L*scale0 + P0 V0_L (P0 from registers)
+//   WG1: S1 = Q K1^T; m1 = max(m0, rowmax S1); scale1 = 2^(m0 - m1); P1 = 2^(S1 - m1);
+//        O_R = O_R*scale0*scale1 + P1 V1_R (P1 from registers); P1 -> smem
+//   WG0: P0 *= scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
+//   WG1: O_R += P0 V0_R (P0 from smem)
+// so one warpgroup's softmax runs under the other's tensor-core work, and S uses
+// m64n64 (Q read once per 64 keys instead of once per 32 as in v2/v3).
+// Row sums: WG0 keeps the part of P0, WG1 the part of P1; added in the epilogue.
+// P0 / P1 live in slab 8 of their K stage (the RoPE dims, free once S is done; unused
+// for d_qk 512). The next pair's K slabs are issued as soon as their readers are done:
+// stage 0 slabs 0-3 after WG0's P0 V0_L, slabs 4-8 after WG1's P0 V0_R; stage 1 slabs
+// 4-7 after WG1's P1 V1_R, slabs 0-3 and 8 after WG0's P1 V1_L. Each slab completes on
+// its own mbarrier, so S of the next block starts slab by slab.
+// Partial blocks (tokens >= cache_seqlens): boxes that start past seqlen are not loaded
+// (their pages may not exist); the V rows past seqlen are zeroed in shared memory
+// before the P V products (they may hold NaN), and S masks those keys.
+// Requires a K tensor map (the host falls back to v3 / v2 / v1 otherwise).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/dense_decode.h"
+#include "sm90/dense_decode_tma.cuh"
+#include "sm90/utils.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace flashmla::sm90::dense_v4 {
+
+constexpr int kThreads = 256;
+constexpr int kBlockM = 64;
+constexpr int kBlockN = 64;
+constexpr int kDimV = 512;
+constexpr int kSlabBytes = 64 * 128;
+constexpr int kTileBytes = 9 * kSlabBytes;
+constexpr int kSmemQ = kTileBytes;
+constexpr int kSmemK = kTileBytes;
+constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
+constexpr int kSmemBar = 2 * 9 * 8;
+constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemBar;
+static_assert(kSmemBytes <= 232448, "shared memory");
+
+// Named barriers (0 is __syncthreads).
+enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWG0 = 5, kBarWG1 = 6 };
+
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  template <int kOff, int kScaleD>
+  __device__ __forceinline__ static void s(float (&d)[32], uint64_t a, uint64_t b) {
+    gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, kScaleD>(d, a, b);
+  }
+  template <int kOffB>
+  __device__ __forceinline__ static void pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    gmma::mma_m64n256k16_rs_bf16<1, kOffB>(d, a, b);
+  }
+  template <int kOffA, int kOffB>
+  __device__ __forceinline__ static void pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
+    gmma::mma_m64n256k16_off_bf16<1, kOffA, kOffB>(d, a, b);
+  }
+};
+template <>
+struct Mma<__half> {
+  template <int kOff, int kScaleD>
+  __device__ __forceinline__ static void s(float (&d)[32], uint64_t a, uint64_t b) {
+    gmma::mma_m64n64k16_off_f16<0, kOff, kOff, kScaleD>(d, a, b);
+  }
+  template <int kOffB>
+  __device__ __forceinline__ static void pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    gmma::mma_m64n256k16_rs_f16<1, kOffB>(d, a, b);
+  }
+  template <int kOffA, int kOffB>
+  __device__ __forceinline__ static void pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
+    gmma::mma_m64n256k16_off_f16<1, kOffA, kOffB>(d, a, b);
+  }
+};
+
+// S = Q K^T over all slabs, each slab after its TMA barrier; fully unrolled.
+template <typename T, int kSl, int kK>
+__device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db0) {
+  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
+  Mma<T>::template s<kOff, (kSl | kK) != 0 ? 1 : 0>(s, da0, db0);
+  if constexpr (kK + 1 < 4) s_step<T, kSl, kK + 1>(s, da0, db0);
+}
+template <typename T, int kSlabs, int kSl = 0>
+__device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
+  dense_tma::mbar_wait(bar0 + 8 * kSl, parity);
+  gmma::fence();
+  s_step<T, kSl, 0>(s, da0, db0);
+  if constexpr (kSl + 1 < kSlabs) s_chain<T, kSlabs, kSl + 1>(s, da0, db0, bar0, parity);
+}
+// O += P V over the 64 keys of a block, P from registers (A fragments), V = 4 slabs.
+template <typename T, int kK = 0>
+__device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
+  Mma<T>::template pv_rs<((kK * 16 * 128) >> 4)>(o, a[kK], db0);
+  if constexpr (kK + 1 < 4) pv_rs_chain<T, kK + 1>(o, a, db0);
+}
+// O += P V, P from shared memory (K-major slab).
+template <typename T, int kK = 0>
+__device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint64_t db0) {
+  Mma<T>::template pv_ss<((kK * 32) >> 4), ((kK * 16 * 128) >> 4)>(o, da0, db0);
+  if constexpr (kK + 1 < 4) pv_ss_chain<T, kK + 1>(o, da0, db0);
+}
+
+// Zeroes rows [valid, 64) of the 4 V slabs at `slab0` (128 threads of one warpgroup),
+// then makes the stores visible to the warpgroup's wgmma.
+__device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, int bar_id) {
+  for (int idx = t; idx < 4 * 64 * 8; idx += 128) {
+    const int sl = idx >> 9, row = (idx >> 3) & 63, ch = idx & 7;
+    if (row >= valid) *reinterpret_cast<uint4*>(slab0 + sl * kSlabBytes + row * 128 + ch * 16) = make_uint4(0, 0, 0, 0);
+  }
+  gmma::fence_proxy_async();
+  named_barrier_sync(bar_id, 128);
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_fwd_splitkv_mla_kernel_v4(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
+  constexpr int kSlabs = kD / 64;
+  constexpr int kChunks = kD / 8;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_u = smem_u32(smem_raw);
+  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
+  uint8_t* base = smem_raw + (base_u - raw_u);
+  const uint32_t sQ_u = base_u;
+  const uint32_t sK_u = sQ_u + kSmemQ;
+  uint8_t* sK = base + kSmemQ;
+  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  float* sM0 = sRed;
+  float* sS0 = sRed + 64;
+  float* sM1 = sRed + 128;
+  float* sS1 = sRed + 192;
+  float* sL = sRed + 256;
+  const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed;
+
+  const int m_tile = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
+  const int gq = lane / 4, tq = lane % 4;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 18; ++i) dense_tma::mbar_init(bar_u + 8 * i, 1);
+    dense_tma::fence_barrier_init();
+    dense_tma::prefetch_tensormap(&tmap_k);
+  }
+  __syncthreads();
+  uint32_t phase = 0;  // parity of the next phase of this warpgroup's stage (WG0: 0, WG1: 1)
+
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  const int pbs = p.page_block_size;
+  const int box_tok = p.tma_box_tok;  // min(pbs, 64)
+
+  int row_local[2], row_global[2], row_sq[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = wq * 16 + gq + 8 * hh;
+    row_global[hh] = m_tile * kBlockM + row_local[hh];
+    row_sq[hh] = row_global[hh] / p.group;
+  }
+
+  for (int req = begin_req; req <= end_req; ++req) {
+    const int seqlen = max(p.seqlens[req], 0);
+    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
+    const int blk_lo = req == begin_req ? begin_blk : 0;
+    int blk_hi = req == end_req ? end_blk : n_blk_req;
+    blk_hi = min(blk_hi, n_blk_req);
+    const int n_blk = max(blk_hi - blk_lo, 0);
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    int limit[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      int lim = seqlen;
+      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
+      limit[hh] = lim;
+    }
+    const int min_limit = min(limit[0], limit[1]);
+
+    cp_async_wait<0>();
+    __syncthreads();  // the previous request is done with all shared memory
+
+    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
+    // Boxes of block `blk` that start before seqlen (later ones are not loaded).
+    auto n_boxes = [&](int blk) {
+      const int valid = min(seqlen - blk * kBlockN, kBlockN);
+      return (valid + box_tok - 1) / box_tok;
+    };
+    auto page_of = [&](int blk, int j) {
+      return bt_row[static_cast<int64_t>((blk * kBlockN + j * box_tok) / pbs) * p.bt_stride_j];
+    };
+    // Slabs [lo, hi) of block `blk` into `stage` (one thread). pg0 = page of the first box
+    // (read ahead by the caller); with pages of 16/32 tokens the others are read here.
+    auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
+      const int nb = n_boxes(blk);
+      const uint32_t bar0 = bar_u + stage * (9 * 8);
+      const uint32_t dst = sK_u + stage * kSmemK;
+      const int s_hi = min(hi, kSlabs);
+#pragma unroll 1
+      for (int j = 0; j < nb; ++j) {
+        const int pg = j == 0 ? pg0 : page_of(blk, j);
+        const int tip = (blk * kBlockN + j * box_tok) % pbs;
+#pragma unroll 1
+        for (int s = lo; s < s_hi; ++s) {
+          if (j == 0) dense_tma::mbar_arrive_expect_tx(bar0 + 8 * s, static_cast<uint32_t>(nb * box_tok * 128));
+          dense_tma::tma_load_4d(dst + s * kSlabBytes + j * box_tok * 128, &tmap_k, bar0 + 8 * s, 64 * s, kv_head,
+                                 tip, pg);
+        }
+      }
+    };
+
+    if (n_blk > 0) {
+      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
+      for (int idx = tid; idx < kBlockM * kChunks; idx += kThreads) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int grow = m_tile * kBlockM + r;
+        const bool valid = grow < p.m_rows;
+        const T* src = static_cast<const T*>(p.q);
+        if (valid) {
+          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
+          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
+        }
+        cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      }
+      cp_async_commit();
+      if (tid == 0) {
+        issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
+        if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
+      }
+      cp_async_wait<0>();
+      gmma::fence_proxy_async();
+      __syncthreads();  // Q in shared memory, visible to wgmma
+    }
+
+    float o[128];
+#pragma unroll
+    for (int j = 0; j < 128; ++j) o[j] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
+
+    for (int j = 0; 2 * j < n_blk; ++j) {
+      const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
+      const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
+      const int tok0 = b0 * kBlockN, tok1 = tok0 + kBlockN;
+      const int valid0 = min(seqlen - tok0, kBlockN), valid1 = min(seqlen - tok1, kBlockN);
+      // Page ids of the next pair, read early by the two issuing threads.
+      int pgA = 0, pgB = 0;
+      if (t_wg == 0) {
+        if (nxt0) pgA = page_of(b0 + 2, 0);
+        if (nxt1) pgB = page_of(b1 + 2, 0);
+      }
+      float s[32];
+      if (wg == 0) {
+        // ---------------- warpgroup 0: block 0, O[:, 0:256]
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        gmma::reg_fence(s);
+        s_chain<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(s);
+        phase ^= 1u;
+
+        const bool need_mask = tok0 + kBlockN > min_limit;
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v = s[4 * t + e] * p.scale_log2;
+            if (need_mask && tok0 + 8 * t + 2 * tq + (e & 1) >= limit[e >> 1]) v = -INFINITY;
+            s[4 * t + e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+          }
+        float m0u[2], sc0[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+          mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+          const float m0 = fmaxf(m_run[hh], mx[hh]);
+          m0u[hh] = m0 == -INFINITY ? 0.f : m0;
+          sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
+          if (tq == 0) {
+            sM0[row_local[hh]] = m0;
+            sS0[row_local[hh]] = sc0[hh];
+          }
+        }
+        bar_arrive(kBarScale0, kThreads);
+
+        float rs[2] = {0.f, 0.f};
+        uint32_t a[4][4];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[4 * t + e] = exp2f(s[4 * t + e] - m0u[e >> 1]);
+            rs[e >> 1] += s[4 * t + e];
+          }
+          a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+          a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc0[hh] + rs[hh];
+        if (__any_sync(0xffffffffu, sc0[0] != 1.f || sc0[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            o[4 * i + 0] *= sc0[0];
+            o[4 * i + 1] *= sc0[0];
+            o[4 * i + 2] *= sc0[1];
+            o[4 * i + 3] *= sc0[1];
+          }
+        }
+        if (valid0 < kBlockN) zero_v_rows(sK, valid0, t_wg, kBarWG0);
+        gmma::reg_fence(o);
+        gmma::fence();
+        pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
+        gmma::commit();
+
+        named_barrier_sync(kBarScale1, kThreads);
+        float sc1[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          sc1[hh] = sS1[row_local[hh]];
+          m_run[hh] = sM1[row_local[hh]];
+        }
+        // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+        uint8_t* sP0 = sK + 8 * kSlabBytes;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const int key = 8 * t + 2 * tq;
+          *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+              HalfTraits<T>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
+          *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+              HalfTraits<T>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
+        }
+        gmma::fence_proxy_async();
+        bar_arrive(kBarP0, kThreads);
+
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
+        if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            o[4 * i + 0] *= sc1[0];
+            o[4 * i + 1] *= sc1[0];
+            o[4 * i + 2] *= sc1[1];
+            o[4 * i + 3] *= sc1[1];
+          }
+        }
+        named_barrier_sync(kBarP1, kThreads);
+        if (has1) {
+          if (valid1 < kBlockN) zero_v_rows(sK + kSmemK, valid1, t_wg, kBarWG0);
+          gmma::reg_fence(o);
+          gmma::fence();
+          pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
+                         gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
+          gmma::commit();
+          gmma::wait<0>();
+          gmma::reg_fence(o);
+          if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+            issue(b1 + 2, 1, 0, 4, pgB);
+            issue(b1 + 2, 1, 8, 9, pgB);
+          }
+        }
+      } else {
+        // ---------------- warpgroup 1: block 1, O[:, 256:512]
+        float mx[2] = {-INFINITY, -INFINITY};
+        if (has1) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) s[i] = 0.f;
+          gmma::reg_fence(s);
+          s_chain<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
+          gmma::commit();
+          gmma::wait<0>();
+          gmma::reg_fence(s);
+          phase ^= 1u;
+          const bool need_mask = tok1 + kBlockN > min_limit;
+#pragma unroll
+          for (int t = 0; t < 8; ++t)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float v = s[4 * t + e] * p.scale_log2;
+              if (need_mask && tok1 + 8 * t + 2 * tq + (e & 1) >= limit[e >> 1]) v = -INFINITY;
+              s[4 * t + e] = v;
+              mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+            mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+          }
+        }
+        named_barrier_sync(kBarScale0, kThreads);
+        float m1u[2], c[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const float m0 = sM0[row_local[hh]];
+          const float sc0 = sS0[row_local[hh]];
+          const float m1 = fmaxf(m0, mx[hh]);
+          m1u[hh] = m1 == -INFINITY ? 0.f : m1;
+          const float sc1 = exp2f(m0 - m1u[hh]);
+          if (tq == 0) {
+            sM1[row_local[hh]] = m1;
+            sS1[row_local[hh]] = sc1;
+          }
+          c[hh] = sc0 * sc1;
+          m_run[hh] = m1;
+        }
+        bar_arrive(kBarScale1, kThreads);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
+        if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) {
+            o[4 * i + 0] *= c[0];
+            o[4 * i + 1] *= c[0];
+            o[4 * i + 2] *= c[1];
+            o[4 * i + 3] *= c[1];
+          }
+        }
+        uint32_t a[4][4];
+        if (has1) {
+          float rs[2] = {0.f, 0.f};
+          uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
+              rs[e >> 1] += s[4 * t + e];
+            }
+            a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+            a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+            const int key = 8 * t + 2 * tq;
+            *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+                a[t >> 1][(t & 1) * 2 + 0];
+            *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+                a[t >> 1][(t & 1) * 2 + 1];
+          }
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+          gmma::fence_proxy_async();
+        }
+        bar_arrive(kBarP1, kThreads);
+        if (has1) {
+          if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+          gmma::reg_fence(o);
+          gmma::fence();
+          pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+          gmma::commit();
+        }
+        named_barrier_sync(kBarP0, kThreads);
+        if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
+        gmma::fence();
+        pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
+                       gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        if (tid == 128) {
+          if (nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
+          if (nxt1) issue(b1 + 2, 1, 4, 8, pgB);  // stage 1 slabs 4-7 are free
+        }
+      }
+    }
+
+    // ---- epilogue: L = WG0's part + WG1's part
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+    }
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
+      __syncthreads();
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int grow = row_global[hh];
+      if (grow >= p.m_rows) continue;
+      const bool empty = !(L[hh] > 0.f);
+      const float inv = empty ? 0.f : 1.f / L[hh];
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      const int sq = row_sq[hh];
+      const int h = kv_head * p.group + grow % p.group;
+      if (no_split) {
+        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int col = wg * 256 + j * 8 + 2 * tq;
+          const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
+          if (p.out_vec_ok) {
+            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
+          } else {
+            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
+            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
+          }
+        }
+        if (wg == 0 && tq == 0)
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+      } else {
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int col = wg * 256 + j * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+        }
+        if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+}
+
+template <typename T, int kD>
+cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
+                          cudaStream_t stream) {
+  auto kernel = flash_fwd_splitkv_mla_kernel_v4<T, kD>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
+  const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, tmap);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_main(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
+                        cudaStream_t stream) {
+  if (kp.d_qk == 512) return launch_main_d<T, 512>(kp, tmap, num_sm_parts, stream);
+  return launch_main_d<T, 576>(kp, tmap, num_sm_parts, stream);
+}
+
+}  // namespace flashmla::sm90::dense_v4
