@@ -7,8 +7,7 @@ the CPU reference backend otherwise):
 1. a DeepSeek-V3 dense decode step (h_q 128, d_qk 576, d_v 512, page 64, a
    batch with varied context lengths, one of them empty);
 2. a DeepSeek-V3.2 sparse FP8 decode step (V32 format, topk 2048, attn_sink);
-3. a sparse prefill (d_qk 576, topk 512, invalid indices) — on the CPU reference
-   backend until the Hopper sparse-prefill kernel exists.
+3. a sparse prefill (d_qk 576, h_q 128, topk 512 — 2048 on the GPU —, invalid indices).
 
 Each result is checked: GPU results against the CPU reference backend, CPU
 results against an independent float64 NumPy computation. A table gives
@@ -273,19 +272,26 @@ def sparse_decode_step(be: Backend, rng, big: bool, quick: bool) -> Result:
                   ms, 2 * h_q * n * (576 + 512), n * 656 + b * s_q * h_q * (576 + 512) * 2, err, err < 2e-2)
 
 
-def sparse_prefill_step(be: Backend, rng, quick: bool) -> Result:
-    s_q, h_q, topk, s_kv, d = (8 if quick else 16), 128, 512, 4096, 576
+def sparse_prefill_step(be: Backend, rng, big: bool, quick: bool) -> Result:
+    s_q, h_q, d = (64 if big else (8 if quick else 16)), 128, 576
+    topk, s_kv = (2048, 8192) if big else (512, 4096)
     q = (rng.standard_normal((s_q, h_q, d)) / 10).astype(BF16)
     kv = (rng.standard_normal((s_kv, 1, d)) / 10).astype(BF16)
     indices = np.stack([rng.choice(s_kv, topk, replace=False) for _ in range(s_q)]).astype(np.int32)[:, None, :]
     indices[0, 0, :5] = [-1, s_kv, 2147483647, -2147483648, 114514]  # invalid slots
-    run = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale=d ** -0.5)
+    scale = d ** -0.5
+    qt, kvt, it = be.tensor(q), be.tensor(kv), be.tensor(indices)
+    run = lambda: flash_mla.flash_mla_sparse_fwd(qt, kvt, it, sm_scale=scale)  # noqa: E731
     out, max_logits, lse = run()
-    ms = Backend.timed(be, run, 3)
-    ref_out, ref_lse = oracle_sparse_prefill(q, kv, indices, d ** -0.5)
-    err = max(_err(np.asarray(out, np.float64), ref_out), _err(lse, ref_lse))
+    ms = be.timed(run, 20 if big else 3)
+    if isinstance(be, TorchCudaBackend):  # check against the CPU reference backend
+        ref_out, _, ref_lse = flash_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale=scale)
+    else:
+        ref_out, ref_lse = oracle_sparse_prefill(q, kv, indices, scale)
+    err = max(_err(be.numpy(out).astype(np.float64), np.asarray(ref_out, np.float64)),
+              _err(be.numpy(lse), np.asarray(ref_lse, np.float64)))
     n = float(((indices >= 0) & (indices < s_kv)).sum())
-    return Result("sparse prefill", "reference (cpu)", f"s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv} d_qk={d}", ms,
+    return Result("sparse prefill", be.name, f"s_q={s_q} h_q={h_q} topk={topk} s_kv={s_kv} d_qk={d}", ms,
                   2 * h_q * n * (576 + 512), n * d * 2 + s_q * h_q * (576 + 512) * 2, err, err < 2e-2)
 
 
@@ -305,7 +311,7 @@ def main(argv: List[str] | None = None) -> int:
     steps = [
         ("dense decode", lambda: dense_step(be, rng, big, args.quick)),
         ("sparse FP8 decode", lambda: sparse_decode_step(be, rng, big, args.quick)),
-        ("sparse prefill", lambda: sparse_prefill_step(be, rng, args.quick)),
+        ("sparse prefill", lambda: sparse_prefill_step(be, rng, big, args.quick)),
     ]
     results: List[Result] = []
     console = Console() if sys.stdout.isatty() else Console(width=180)

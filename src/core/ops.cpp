@@ -155,7 +155,6 @@ Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_byte
   if (p.q.device.type == DeviceType::kCUDA) {
 #ifdef FLASHMLA_WITH_CUDA
     if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
-    return not_yet_on_gpu("flash_mla_sparse_fwd (sparse prefill)");
 #else
     return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
 #endif
@@ -167,6 +166,13 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p) {
   int64_t ws = 0;
   FLASHMLA_RETURN_IF_ERROR(sparse_prefill_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_outputs(p));
+  if (p.q.device.type != DeviceType::kCPU) {
+#ifdef FLASHMLA_WITH_CUDA
+    return sm90::sparse_prefill(p);
+#else
+    return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
+#endif
+  }
   return reference::sparse_prefill(p);
 }
 

@@ -22,4 +22,7 @@ int64_t sparse_decode_workspace_bytes(const SparseDecodeParams& p, int64_t num_s
 /// Sparse FP8 decode: scheduler metadata (unless metadata_ready), split-KV kernel, combine.
 Status sparse_decode(const SparseDecodeParams& p, int64_t num_sm_parts);
 
+/// Sparse prefill (`flash_mla_sparse_fwd`): one kernel, no workspace.
+Status sparse_prefill(const SparsePrefillParams& p);
+
 }  // namespace flashmla::sm90

@@ -1,0 +1,128 @@
+// src/sm90/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
+// spec §1.4, §2.4): one kernel launch on the caller's stream, no workspace, no
+// synchronisation, no allocation. Kernels in sparse_prefill_kernel.cuh.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "sm90/sm90.h"
+#include "sm90/sparse_prefill.h"
+
+namespace flashmla::sm90 {
+
+namespace {
+
+Status cuda_error(const char* what, cudaError_t e) {
+  return Status::Error(ErrorKind::kRuntime, std::string("flash_mla_sparse_fwd (sm90): ") + what + " failed: " +
+                                                cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+Status value_error(const std::string& what) {
+  return Status::Error(ErrorKind::kValue, "flash_mla_sparse_fwd (sm90): " + what);
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    err_ = cudaGetDevice(&prev_);
+    if (err_ == cudaSuccess && prev_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  cudaError_t error() const { return err_; }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+  cudaError_t err_ = cudaSuccess;
+};
+
+/// Base 16-byte aligned and every non-trivial stride of the leading `dims` dims a
+/// multiple of 16 bytes (bf16 elements): rows can be copied with 16-byte cp.async.
+bool rows_16b_aligned(const TensorRef& t, int dims) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i < dims; ++i)
+    if (t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) return false;
+  return true;
+}
+
+bool out_vec_ok(const TensorRef& out) {
+  if (out.stride[2] != 1) return false;
+  for (int i = 0; i < 2; ++i)
+    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
+  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
+}
+
+}  // namespace
+
+int sparse_prefill_kernel_choice() {
+  const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_KERNEL");
+  if (env != nullptr && std::strcmp(env, "mma") == 0) return 1;
+  return 0;
+}
+
+Status sparse_prefill(const SparsePrefillParams& p) {
+  const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
+  const int64_t s_kv = p.kv.shape[0], topk = p.indices.shape[2];
+  if (s_q == 0) return Status::Ok();
+  const int choice = sparse_prefill_kernel_choice();
+  const int bm = h_q <= 16 ? 16 : (h_q <= 32 ? 32 : 64);
+  const int64_t head_tiles = (h_q + bm - 1) / bm;
+  if (s_q * head_tiles > 2147483647LL) return value_error("s_q * ceil(h_q / 64) must be < 2^31");
+  if (topk > 2147483647LL - 64) return value_error("topk is too large");
+  if (s_kv > 2147483647LL) return value_error("s_kv must be < 2^31");
+
+  SparsePrefillKernelParams kp{};
+  kp.q = p.q.data;
+  kp.q_stride_s = p.q.stride[0];
+  kp.q_stride_h = p.q.stride[1];
+  kp.kv = p.kv.data;
+  kp.kv_stride_s = p.kv.stride[0];
+  kp.indices = static_cast<const int32_t*>(p.indices.data);
+  kp.idx_stride_s = p.indices.stride[0];
+  kp.idx_stride_k = p.indices.stride[2];
+  kp.topk_length = p.topk_length.defined ? static_cast<const int32_t*>(p.topk_length.data) : nullptr;
+  kp.tl_stride = p.topk_length.defined ? p.topk_length.stride[0] : 0;
+  kp.attn_sink = p.attn_sink.defined ? static_cast<const float*>(p.attn_sink.data) : nullptr;
+  kp.sink_stride = p.attn_sink.defined ? p.attn_sink.stride[0] : 0;
+  kp.out = p.out.data;
+  kp.o_stride_s = p.out.stride[0];
+  kp.o_stride_h = p.out.stride[1];
+  kp.o_stride_d = p.out.stride[2];
+  kp.max_logits = static_cast<float*>(p.max_logits.data);
+  kp.ml_stride_s = p.max_logits.stride[0];
+  kp.ml_stride_h = p.max_logits.stride[1];
+  kp.lse = static_cast<float*>(p.lse.data);
+  kp.lse_stride_s = p.lse.stride[0];
+  kp.lse_stride_h = p.lse.stride[1];
+  kp.s_q = static_cast<int>(s_q);
+  kp.h_q = static_cast<int>(h_q);
+  kp.s_kv = static_cast<int>(s_kv);
+  kp.topk = static_cast<int>(topk);
+  kp.num_head_tiles = static_cast<int>(head_tiles);
+  kp.q_vec = rows_16b_aligned(p.q, 2) ? 1 : 0;
+  kp.kv_vec = rows_16b_aligned(p.kv, 1) ? 1 : 0;
+  kp.out_vec_ok = out_vec_ok(p.out) ? 1 : 0;
+  kp.scale_log2 = p.sm_scale * 1.4426950408889634f;
+
+  DeviceGuard guard(p.q.device.id);
+  if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  cudaError_t e;
+  if (bm == 64 && choice == 0) {
+    e = d_qk == 576 ? launch_sparse_prefill_wgmma_576(kp, stream) : launch_sparse_prefill_wgmma_512(kp, stream);
+    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_kernel launch", e);
+  } else {
+    e = d_qk == 576 ? launch_sparse_prefill_mma_576(kp, bm, stream) : launch_sparse_prefill_mma_512(kp, bm, stream);
+    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_mma_kernel launch", e);
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashmla::sm90

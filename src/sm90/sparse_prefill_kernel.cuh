@@ -1,0 +1,666 @@
+// src/sm90/sparse_prefill_kernel.cuh — sparse MLA prefill, `flash_mla_sparse_fwd`
+// (spec §1.4, §2.4, §7.3), bf16 KV rows gathered by index.
+//
+// One CTA = (query token s, head tile of BM rows); grid x = s_q * head_tiles (no
+// 65535 limit: s_q up to 2^31 / head_tiles). Each CTA walks all of its row's top-k
+// slots in blocks of 64 (no split-KV): per block
+//   1. gather (one block ahead, double-buffered K tile): slot p of block b is valid iff
+//      p < min(topk, topk_length[s]) and 0 <= idx < s_kv; valid rows are copied with
+//      16-byte cp.async (or 2-byte loads when kv is not 16-byte aligned), invalid ones
+//      zero-filled WITHOUT reading memory (indices such as INT_MIN / INT_MAX /
+//      2147480000 are never dereferenced; addresses are built in int64 only for valid
+//      rows). The indices of the next block are loaded one gather ahead.
+//   2. S = Q K^T, validity mask -> -inf, online softmax in base 2 (running max, row sum
+//      of the un-rounded fp32 exponentials), P rounded to bf16, O += P V (V = first 512
+//      dims of the same K rows).
+// Epilogue: out = O / L * 1/(1 + 2^(sink*log2e - lse2)) (sink optional, +-inf safe),
+// max_logits = m * ln2, lse = lse2 * ln2 (natural units); rows without a valid slot get
+// out 0, max_logits -inf, lse +inf.
+//
+// Two kernels:
+//   * sparse_attn_fwd_kernel<d_qk>: 64-row head tiles (h_q > 32), 2 warpgroups on one
+//     64x64 block with wgmma (the dense-decode v3 schedule: WG c computes S for keys
+//     32c..32c+31 with m64n32k16 from 128B-swizzled smem slabs, row max exchanged
+//     between the two warps owning the same 16 rows, P through smem, WG c owns
+//     O[:, 256c..256c+255] via m64n256k16 with V read MN-major from the K tile).
+//   * sparse_attn_fwd_mma_kernel<d_qk, R>: 16/32/64-row tiles (R row groups of 16) with
+//     mma.sync m16n8k16 (the sparse-decode schedule), so h_q 16/32 are not padded to 64.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/sparse_prefill.h"
+#include "sm90/utils.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace flashmla::sm90::sparse_prefill {
+
+constexpr int kThreads = 256;
+constexpr int kBlockN = 64;  // top-k slots per block
+constexpr int kDimV = 512;
+
+__device__ __forceinline__ int row_limit(const SparsePrefillKernelParams& p, int s) {
+  int lim = p.topk;
+  if (p.topk_length != nullptr) lim = min(max(__ldg(p.topk_length + static_cast<int64_t>(s) * p.tl_stride), 0), p.topk);
+  return lim;
+}
+
+/// Index in slot `slot` of row `s`; -1 (invalid) at or past `lim` (never read there).
+__device__ __forceinline__ int fetch_index(const SparsePrefillKernelParams& p, int s, int slot, int lim) {
+  if (slot >= lim) return -1;
+  return __ldg(p.indices + static_cast<int64_t>(s) * p.idx_stride_s + static_cast<int64_t>(slot) * p.idx_stride_k);
+}
+
+/// 8 bf16 through 2-byte loads (sources that are not 16-byte aligned).
+__device__ __forceinline__ uint4 load8_u16(const __nv_bfloat16* src) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t w[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) w[e] = static_cast<uint32_t>(s[2 * e]) | (static_cast<uint32_t>(s[2 * e + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+/// sink factor 1/(1 + exp(sink - lse)) in base 2; +inf sink -> 0, -inf sink -> 1.
+__device__ __forceinline__ float sink_factor(const SparsePrefillKernelParams& p, int h, float lse2) {
+  if (p.attn_sink == nullptr) return 1.f;
+  const float sk = p.attn_sink[static_cast<int64_t>(h) * p.sink_stride];
+  return 1.f / (1.f + exp2f(sk * kLog2e - lse2));
+}
+
+// =====================================================================================
+// wgmma kernel (64-row head tiles)
+// =====================================================================================
+namespace wg {
+
+constexpr int kSlabBytes = 64 * 128;        // one [64 rows][64 dims] bf16 slab, 128B swizzle
+constexpr int kTileBytes = 9 * kSlabBytes;  // 64 x 576
+constexpr int kSmemQ = kTileBytes;
+constexpr int kSmemK = kTileBytes;
+constexpr int kSmemP = kSlabBytes;
+constexpr int kSmemRed = 64 * 2 * 4;
+constexpr int kSmemValid = 2 * kBlockN;
+constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemP + kSmemRed + kSmemValid;
+static_assert(kSmemBytes <= 232448, "shared memory");
+
+__device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// S chain fully unrolled through templates (descriptor offsets and scale-d as immediates;
+// a runtime loop makes ptxas serialise the wgmma chain, see bench/NOTES.md dense v3).
+template <int kSl, int kK>
+__device__ __forceinline__ void s_step(float (&s)[16], uint64_t da0, uint64_t db0) {
+  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
+  gmma::mma_m64n32k16_off_bf16<0, kOff, kOff, (kSl | kK) != 0 ? 1 : 0>(s, da0, db0);
+  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1>(s, da0, db0);
+}
+template <int kSlabs, int kSl = 0>
+__device__ __forceinline__ void s_chain(float (&s)[16], uint64_t da0, uint64_t db0) {
+  s_step<kSl, 0>(s, da0, db0);
+  if constexpr (kSl + 1 < kSlabs) s_chain<kSlabs, kSl + 1>(s, da0, db0);
+}
+
+template <int kD>
+__global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_kernel(const SparsePrefillKernelParams p) {
+  constexpr int kSlabs = kD / 64;  // 9 or 8
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_u = smem_u32(smem_raw);
+  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
+  uint8_t* base = smem_raw + (base_u - raw_u);
+  const uint32_t sQ_u = base_u;
+  const uint32_t sK_u = sQ_u + kSmemQ;
+  const uint32_t sP_u = sK_u + 2 * kSmemK;
+  uint8_t* sQ = base;
+  uint8_t* sK = base + kSmemQ;
+  uint8_t* sP = base + kSmemQ + 2 * kSmemK;
+  float* sRed = reinterpret_cast<float*>(sP + kSmemP);
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 64 * 2);  // [stage][64]
+
+  const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
+  const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wgi = warp / 4, wq = warp % 4;
+  const int gq = lane / 4, tq = lane % 4;
+
+  int row_local[2], head[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = wq * 16 + gq + 8 * hh;
+    head[hh] = ht * 64 + row_local[hh];
+  }
+  const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
+
+  const int lim = row_limit(p, sq);
+  const int n_blk = (lim + kBlockN - 1) / kBlockN;
+
+  // Gather mapping: 4 threads per slot.
+  const int t_local = tid / 4, q4 = tid % 4;
+  const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
+  int pf_idx = -1;  // index of the next block to gather (loaded one gather ahead)
+  auto issue_tile = [&](int blk, int stage) {
+    const int idx = pf_idx;
+    if (blk + 1 < n_blk) pf_idx = fetch_index(p, sq, (blk + 1) * kBlockN + t_local, lim);
+    const bool valid = idx >= 0 && idx < p.s_kv;
+    const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx) * p.kv_stride_s : kvb;
+    if (p.kv_vec) {
+      const uint32_t dst = sK_u + stage * kSmemK;
+#pragma unroll 1
+      for (int c = q4; c < kChunks; c += 4) cp_async_16(dst + slab_off(t_local, c), src + c * 8, valid);
+    } else {
+      uint8_t* dst = sK + stage * kSmemK;
+#pragma unroll 1
+      for (int c = q4; c < kChunks; c += 4)
+        *reinterpret_cast<uint4*>(dst + slab_off(t_local, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+    }
+    if (q4 == 0) sValid[stage * kBlockN + t_local] = valid ? 1 : 0;
+  };
+
+  if (n_blk > 0) {
+    pf_idx = fetch_index(p, sq, t_local, lim);
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
+    for (int id = tid; id < 64 * kChunks; id += kThreads) {
+      const int r = id / kChunks, c = id % kChunks;
+      const int h = ht * 64 + r;
+      const bool valid = h < p.h_q;
+      const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
+                                       : static_cast<const __nv_bfloat16*>(p.q);
+      if (p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      else *reinterpret_cast<uint4*>(sQ + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+    }
+    issue_tile(0, 0);
+    cp_async_commit();
+  }
+
+  float o[128];
+#pragma unroll
+  for (int j = 0; j < 128; ++j) o[j] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  for (int i = 0; i < n_blk; ++i) {
+    cp_async_wait<0>();
+    gmma::fence_proxy_async();  // cp.async / st.shared writes -> visible to wgmma (async proxy)
+    __syncthreads();            // block i landed; everyone is done with block i-1 (its stage, sP, sRed)
+
+    const int stage = i & 1;
+    const uint32_t sKs = sK_u + stage * kSmemK;
+
+    // ---- S = Q K^T, this warpgroup's 32 keys
+    float s[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) s[j] = 0.f;
+    gmma::reg_fence(s);
+    gmma::fence();
+    {
+      const uint64_t da0 = gmma::make_desc_sw128(sQ_u, 16, 1024);
+      const uint64_t db0 = gmma::make_desc_sw128(sKs + wgi * 32 * 128, 16, 1024);
+      s_chain<kSlabs>(s, da0, db0);
+    }
+    gmma::commit();
+    // While the tensor cores run S: gather the next block into the other stage (last
+    // read by the PV of block i-1, finished before the barrier above).
+    if (i + 1 < n_blk) issue_tile(i + 1, stage ^ 1);
+    cp_async_commit();
+    gmma::wait<0>();
+    gmma::reg_fence(s);
+
+    // ---- scale, validity mask, row max
+    const uint8_t* vf = sValid + stage * kBlockN;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int key = wgi * 32 + j * 8 + 2 * tq;
+      const uint32_t vv = *reinterpret_cast<const uint16_t*>(vf + key);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = (e & 1) ? (vv >> 8) != 0 : (vv & 0xFFu) != 0;
+        const float v = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+        s[4 * j + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+      if (tq == 0) sRed[row_local[hh] * 2 + wgi] = mx[hh];
+    }
+    named_barrier_sync(pair_bar, 64);
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float bm = fmaxf(sRed[row_local[hh] * 2], sRed[row_local[hh] * 2 + 1]);
+      const float m_new = fmaxf(m_run[hh], bm);
+      m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
+      m_run[hh] = m_new;
+    }
+
+    // ---- P -> smem (bf16), row sums, rescale O
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = exp2f(s[4 * j + 0] - m_use[0]);
+      const float p1 = exp2f(s[4 * j + 1] - m_use[0]);
+      const float p2 = exp2f(s[4 * j + 2] - m_use[1]);
+      const float p3 = exp2f(s[4 * j + 3] - m_use[1]);
+      rs[0] += p0 + p1;
+      rs[1] += p2 + p3;
+      const int key = wgi * 32 + j * 8 + 2 * tq;
+      *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+          HalfTraits<__nv_bfloat16>::pack(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+          HalfTraits<__nv_bfloat16>::pack(p2, p3);
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * alpha[hh] + rs[hh];
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+    gmma::fence_proxy_async();  // P stores -> visible to wgmma
+    __syncthreads();            // both warpgroups' halves of P are in smem
+
+    // ---- O[:, 256*wg ..] += P V
+    gmma::reg_fence(o);
+    gmma::fence();
+    {
+      const uint64_t da0 = gmma::make_desc_sw128(sP_u, 16, 1024);
+      const uint64_t db0 = gmma::make_desc_sw128(sKs + (4 * wgi) * kSlabBytes, kSlabBytes, 1024);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        gmma::mma_m64n256k16_bf16<1>(o, da0 + ((kk * 32) >> 4), db0 + ((kk * 16 * 128) >> 4), 1);
+    }
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(o);
+  }
+
+  // ---- epilogue
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+  }
+  float L[2] = {0.f, 0.f};
+  if (n_blk > 0) {
+    __syncthreads();  // every warp is past its last read of sRed
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      if (tq == 0) sRed[row_local[hh] * 2 + wgi] = l_run[hh];
+    named_barrier_sync(pair_bar, 64);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) L[hh] = sRed[row_local[hh] * 2] + sRed[row_local[hh] * 2 + 1];
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = head[hh];
+    if (h >= p.h_q) continue;
+    const bool empty = !(L[hh] > 0.f);  // no valid slot
+    const float lse2 = empty ? INFINITY : log2f(L[hh]) + m_run[hh];
+    const float inv = empty ? 0.f : sink_factor(p, h, lse2) / L[hh];
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
+                         static_cast<int64_t>(h) * p.o_stride_h;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = wgi * 256 + j * 8 + 2 * tq;
+      const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
+      if (p.out_vec_ok) {
+        *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+      } else {
+        out[col * p.o_stride_d] = __float2bfloat16_rn(v0);
+        out[(col + 1) * p.o_stride_d] = __float2bfloat16_rn(v1);
+      }
+    }
+    if (wgi == 0 && tq == 0) {
+      p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
+          empty ? INFINITY : lse2 * kLn2;
+      p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
+          empty ? -INFINITY : m_run[hh] * kLn2;
+    }
+  }
+}
+
+template <int kD>
+cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
+  auto kernel = sparse_attn_fwd_kernel<kD>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace wg
+
+// =====================================================================================
+// mma.sync kernel (16/32/64-row head tiles)
+// =====================================================================================
+namespace ms {
+
+constexpr int kRowBytes = 1152;  // smem bytes per Q/K row (576 bf16), also for d_qk 512
+
+template <int R>
+struct Cfg {
+  static constexpr int BM = 16 * R;       // heads per CTA tile
+  static constexpr int C = 8 / R;         // warps per row group
+  static constexpr int KW = kBlockN / C;  // keys per warp for S
+  static constexpr int NT_S = KW / 8;     // n-tiles of S per warp
+  static constexpr int VW = kDimV / C;    // V columns per warp
+  static constexpr int NT_O = VW / 8;     // n-tiles of O per warp
+  static constexpr int kSmemQ = BM * kRowBytes;
+  static constexpr int kSmemK = kBlockN * kRowBytes;
+  static constexpr int kSmemP = BM * kBlockN * 2;
+  static constexpr int kSmemRed = BM * C * 4;
+  static constexpr int kSmemValid = 2 * kBlockN;
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemK + kSmemP + kSmemRed + kSmemValid;
+  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+__device__ __forceinline__ uint32_t swz_p(int row, int chunk) {
+  return static_cast<uint32_t>(row * (kBlockN * 2) + ((chunk ^ (row & 7)) << 4));
+}
+
+template <int kD, int R>
+__global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const SparsePrefillKernelParams p) {
+  using CF = Cfg<R>;
+  constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
+  constexpr int kChunks = kD / 8;   // 16-byte chunks of a bf16 row
+  constexpr int K_STEPS = kD / 16;  // k-steps of S = Q K^T
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + CF::kSmemQ;
+  uint8_t* sP = sK + 2 * CF::kSmemK;
+  float* sRed = reinterpret_cast<float*>(sP + CF::kSmemP);
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed) + CF::kSmemRed;  // [stage][64]
+  const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sP_u = smem_u32(sP);
+
+  const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
+  const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp / C, cw = warp % C;
+  const int gq = lane / 4, tq = lane % 4;
+
+  int row_local[2], head[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    head[hh] = ht * BM + row_local[hh];
+  }
+
+  const int lim = row_limit(p, sq);
+  const int n_blk = (lim + kBlockN - 1) / kBlockN;
+
+  const int g_tok = tid / 4, g_q4 = tid % 4;  // gather: 4 threads per slot
+  const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
+  int pf_idx = -1;
+  auto issue_tile = [&](int blk, int stage) {
+    const int idx = pf_idx;
+    if (blk + 1 < n_blk) pf_idx = fetch_index(p, sq, (blk + 1) * kBlockN + g_tok, lim);
+    const bool valid = idx >= 0 && idx < p.s_kv;
+    const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx) * p.kv_stride_s : kvb;
+    if (p.kv_vec) {
+      const uint32_t dst = sK_u + stage * CF::kSmemK;
+#pragma unroll 1
+      for (int c = g_q4; c < kChunks; c += 4) cp_async_16(dst + swz(g_tok, c), src + c * 8, valid);
+    } else {
+      uint8_t* dst = sK + stage * CF::kSmemK;
+#pragma unroll 1
+      for (int c = g_q4; c < kChunks; c += 4)
+        *reinterpret_cast<uint4*>(dst + swz(g_tok, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+    }
+    if (g_q4 == 0) sValid[stage * kBlockN + g_tok] = valid ? 1 : 0;
+  };
+
+  if (n_blk > 0) {
+    pf_idx = fetch_index(p, sq, g_tok, lim);
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
+    for (int id = tid; id < BM * kChunks; id += kThreads) {
+      const int r = id / kChunks, c = id % kChunks;
+      const int h = ht * BM + r;
+      const bool valid = h < p.h_q;
+      const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
+                                       : static_cast<const __nv_bfloat16*>(p.q);
+      if (p.q_vec) cp_async_16(sQ_u + swz(r, c), src, valid);
+      else *reinterpret_cast<uint4*>(sQ + swz(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+    }
+    issue_tile(0, 0);
+    cp_async_commit();
+  }
+
+  float o[NT_O][4];
+#pragma unroll
+  for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  for (int i = 0; i < n_blk; ++i) {
+    const int stage = i & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // block i landed (all threads); everyone is done with block i-1
+    if (i + 1 < n_blk) issue_tile(i + 1, stage ^ 1);
+    cp_async_commit();
+
+    const uint32_t sKs_u = sK_u + stage * CF::kSmemK;
+    const uint8_t* vf = sValid + stage * kBlockN;
+
+    // ---- S = Q K^T for this warp's KW keys
+    constexpr int NACC = NT_S >= 4 ? 1 : 2;
+    float sacc[NACC][NT_S][4];
+#pragma unroll
+    for (int a = 0; a < NACC; ++a)
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) sacc[a][j][0] = sacc[a][j][1] = sacc[a][j][2] = sacc[a][j][3] = 0.f;
+    {
+      const int a_row = rg * 16 + (lane & 15);
+      const int a_cbit = lane >> 4;
+      const uint32_t a_base = sQ_u + a_row * kRowBytes;
+      const int a_x = a_row & 7;
+      const int b_key = cw * KW + (lane & 7) + (NT_S >= 2 ? ((lane >> 4) << 3) : 0);
+      const int b_cbit = (lane >> 3) & 1;
+      const uint32_t b_base = sKs_u + b_key * kRowBytes;
+      const int b_x = b_key & 7;
+      auto k_step = [&](int ks, float (&sa)[NT_S][4]) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
+        if constexpr (NT_S >= 2) {
+#pragma unroll
+          for (int np = 0; np < NT_S / 2; ++np) {
+            uint32_t bfr[4];
+            ldmatrix_x4(bfr, b_base + np * 16 * kRowBytes + (((ks * 2 + b_cbit) ^ b_x) << 4));
+            HalfTraits<__nv_bfloat16>::mma(sa[2 * np], a, bfr[0], bfr[1]);
+            HalfTraits<__nv_bfloat16>::mma(sa[2 * np + 1], a, bfr[2], bfr[3]);
+          }
+        } else {
+          uint32_t bfr[2];
+          ldmatrix_x2(bfr, b_base + (((ks * 2 + b_cbit) ^ b_x) << 4));
+          HalfTraits<__nv_bfloat16>::mma(sa[0], a, bfr[0], bfr[1]);
+        }
+      };
+#pragma unroll 2
+      for (int ks = 0; ks < K_STEPS; ks += 2) {
+        k_step(ks, sacc[0]);
+        k_step(ks + 1, sacc[NACC - 1]);
+      }
+    }
+    float s[NT_S][4];
+#pragma unroll
+    for (int j = 0; j < NT_S; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = NACC == 2 ? sacc[0][j][e] + sacc[1][j][e] : sacc[0][j][e];
+
+    // ---- scale, validity mask, row max (this warp's keys)
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT_S; ++j) {
+      const int key = cw * KW + j * 8 + 2 * tq;
+      const bool v0 = vf[key] != 0, v1 = vf[key + 1] != 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float v = ((e & 1) ? v1 : v0) ? s[j][e] * p.scale_log2 : -INFINITY;
+        s[j][e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+      if (tq == 0) sRed[row_local[hh] * C + cw] = mx[hh];
+    }
+    named_barrier_sync(1 + rg, 32 * C);
+    float m_use[2], alpha[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float bm = sRed[row_local[hh] * C];
+#pragma unroll
+      for (int c = 1; c < C; ++c) bm = fmaxf(bm, sRed[row_local[hh] * C + c]);
+      const float m_new = fmaxf(m_run[hh], bm);
+      m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
+      alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
+      m_run[hh] = m_new;
+    }
+
+    // ---- P = exp2(S - m), row sums, P -> smem (bf16)
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < NT_S; ++j) {
+      const float p0 = exp2f(s[j][0] - m_use[0]);
+      const float p1 = exp2f(s[j][1] - m_use[0]);
+      const float p2 = exp2f(s[j][2] - m_use[1]);
+      const float p3 = exp2f(s[j][3] - m_use[1]);
+      rs[0] += p0 + p1;
+      rs[1] += p2 + p3;
+      const int key = cw * KW + j * 8 + 2 * tq;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t pk =
+            hh == 0 ? HalfTraits<__nv_bfloat16>::pack(p0, p1) : HalfTraits<__nv_bfloat16>::pack(p2, p3);
+        *reinterpret_cast<uint32_t*>(sP + swz_p(row_local[hh], key >> 3) + (key & 7) * 2) = pk;
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * alpha[hh] + rs[hh];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+    named_barrier_sync(1 + rg, 32 * C);
+
+    // ---- O += P V for this warp's VW columns
+    {
+      const int a_row = rg * 16 + (lane & 15);
+      const int a_cbit = lane >> 4;
+      const uint32_t a_base = sP_u + a_row * (kBlockN * 2);
+      const int a_x = a_row & 7;
+      const int v_key = (lane & 7) + (((lane >> 3) & 1) << 3);
+      const int v_cbit = lane >> 4;
+      const int v_chunk0 = cw * (VW / 8);
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        uint32_t a[4];
+        ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
+        const int key = ks * 16 + v_key;
+        const uint32_t v_base = sKs_u + key * kRowBytes;
+        const int v_x = key & 7;
+#pragma unroll
+        for (int np = 0; np < NT_O / 2; ++np) {
+          uint32_t bfr[4];
+          ldmatrix_x4_trans(bfr, v_base + (((v_chunk0 + np * 2 + v_cbit) ^ v_x) << 4));
+          HalfTraits<__nv_bfloat16>::mma(o[2 * np], a, bfr[0], bfr[1]);
+          HalfTraits<__nv_bfloat16>::mma(o[2 * np + 1], a, bfr[2], bfr[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: total row sum across the row group's warps
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+  }
+  float L[2] = {0.f, 0.f};
+  if (n_blk > 0) {
+    __syncthreads();  // every warp is past its last read of sRed
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      if (tq == 0) sRed[row_local[hh] * C + cw] = l_run[hh];
+    named_barrier_sync(1 + rg, 32 * C);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float t = 0.f;
+#pragma unroll
+      for (int c = 0; c < C; ++c) t += sRed[row_local[hh] * C + c];
+      L[hh] = t;
+    }
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = head[hh];
+    if (h >= p.h_q) continue;
+    const bool empty = !(L[hh] > 0.f);
+    const float lse2 = empty ? INFINITY : log2f(L[hh]) + m_run[hh];
+    const float inv = empty ? 0.f : sink_factor(p, h, lse2) / L[hh];
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
+                         static_cast<int64_t>(h) * p.o_stride_h;
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) {
+      const int col = cw * VW + j * 8 + 2 * tq;
+      const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
+      if (p.out_vec_ok) {
+        *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+      } else {
+        out[col * p.o_stride_d] = __float2bfloat16_rn(v0);
+        out[(col + 1) * p.o_stride_d] = __float2bfloat16_rn(v1);
+      }
+    }
+    if (cw == 0 && tq == 0) {
+      p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
+          empty ? INFINITY : lse2 * kLn2;
+      p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
+          empty ? -INFINITY : m_run[hh] * kLn2;
+    }
+  }
+}
+
+template <int kD, int R>
+cudaError_t launch_r(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
+  constexpr int smem = Cfg<R>::kSmemBytes;
+  auto kernel = sparse_attn_fwd_mma_kernel<kD, R>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
+  kernel<<<grid, kThreads, smem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+template <int kD>
+cudaError_t launch(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {
+  if (bm == 16) return launch_r<kD, 1>(kp, stream);
+  if (bm == 32) return launch_r<kD, 2>(kp, stream);
+  return launch_r<kD, 4>(kp, stream);
+}
+
+}  // namespace ms
+
+}  // namespace flashmla::sm90::sparse_prefill
