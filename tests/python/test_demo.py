@@ -1,15 +1,34 @@
-"""`python -m flash_mla demo --quick` runs and reports the reference backend."""
+"""`python -m flash_mla demo` runs every step, checks each, and reports the backend it used."""
 
 import os
 import subprocess
 import sys
 
 
-def test_demo_quick_runs():
+def _demo(*args):
     env = dict(os.environ)
     env.setdefault("FLASHMLA_NUM_THREADS", "2")
-    env["COLUMNS"] = "200"  # rich wraps/truncates table cells ("referen...") at its 80-column non-tty default
-    proc = subprocess.run([sys.executable, "-m", "flash_mla", "demo", "--quick"], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run([sys.executable, "-m", "flash_mla", "demo", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_demo_quick_runs_and_checks_every_step():
+    proc = _demo("--quick")
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "reference" in proc.stdout.lower(), proc.stdout
+    out = proc.stdout
+    for step in ("dense decode", "sparse FP8 decode", "sparse prefill"):
+        assert step in out, out
+    assert out.count(" ok ") >= 3 and "FAILED" not in out, out
+    # The best backend present: sm90 kernels on a Hopper GPU with a CUDA build, else the CPU reference.
+    assert "reference (cpu)" in out or "sm90" in out, out
+
+
+def test_demo_cpu_backend_is_the_reference():
+    proc = _demo("--quick", "--backend", "cpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("reference (cpu)") == 3, proc.stdout
+
+
+def test_demo_rejects_unknown_command():
+    proc = subprocess.run([sys.executable, "-m", "flash_mla", "bogus"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "usage" in proc.stderr
