@@ -15,6 +15,12 @@ cmake -S . -B build/cpp-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUI
 cmake --build build/cpp-tests -j "$JOBS"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$JOBS"
 
+echo "== C++ user example: install the core, find_package(flashmla), link flashmla::core, run"
+cmake --install build/cpp-tests --prefix build/cpp-install >/dev/null
+cmake -S examples/cpp -B build/cpp-example -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/cpp-install" >/dev/null
+cmake --build build/cpp-example -j "$JOBS" >/dev/null
+./build/cpp-example/dense_decode_cpu
+
 echo "== Python tests"
 set +e
 $PY -m pytest tests/python tests/gpu -q -rs "$@"
