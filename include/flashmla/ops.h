@@ -15,6 +15,17 @@
 //   3. allocate them on the device of `q`, fill the output fields;
 //   4. call `<op>_fwd(params)`.
 //
+// Errors (every function returns a Status, never throws):
+//   kType           a tensor has the wrong dtype;
+//   kValue          wrong shape / rank / head dim, non-contiguous last dim, tensors on
+//                   different devices, h_q % h_kv != 0, non-finite scale, and — for CPU
+//                   tensors, where values are cheap to read — cache_seqlens / block_table /
+//                   index values out of range or a block table too short; outputs, metadata
+//                   or workspace that do not match the plan;
+//   kNotImplemented valid input on a device without a backend (no CUDA build, not sm_90);
+//   kRuntime        CUDA launch / runtime failures (fwd only).
+// Messages name the argument, what was expected and what was given.
+//
 // Semantics follow FlashMLA at commit 9241ae3 (shared/spec/flashmla-behaviour.md,
 // cited below as "spec §N").
 #pragma once
@@ -76,7 +87,10 @@ struct DenseDecodeParams {
   int64_t workspace_bytes = 0;
   void* stream = nullptr;       ///< cudaStream_t for CUDA tensors; ignored on CPU
 };
+/// Validates the inputs and fills `plan` (num_sm_parts from the device's SM count, spec §4.1).
 Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan);
+/// Validates inputs and outputs, computes the metadata unless `metadata_ready`, writes out/lse.
+/// Asynchronous on `p.stream` for CUDA tensors; synchronous on the CPU.
 Status dense_decode_fwd(const DenseDecodeParams& p);
 
 // ---------------------------------------------------------------------------
@@ -105,7 +119,9 @@ struct SparseDecodeParams {
   int64_t workspace_bytes = 0;
   void* stream = nullptr;
 };
+/// As dense_decode_plan; num_sm_parts per spec §4.1's sparse rule.
 Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan);
+/// As dense_decode_fwd; per-request work for the scheduler per spec §4.2.
 Status sparse_decode_fwd(const SparseDecodeParams& p);
 
 // ---------------------------------------------------------------------------
@@ -130,6 +146,7 @@ struct SparsePrefillParams {
 };
 /// Validates inputs; `*workspace_bytes` receives the workspace size needed.
 Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_bytes);
+/// Validates inputs and outputs, writes out / max_logits / lse (asynchronous on `p.stream` on the GPU).
 Status sparse_prefill_fwd(const SparsePrefillParams& p);
 
 // ---------------------------------------------------------------------------
