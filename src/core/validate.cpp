@@ -393,6 +393,9 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
   FLASHMLA_RETURN_IF_ERROR(check_contiguous(num_splits, "num_splits"));
   if (workspace_bytes < plan.workspace_bytes || (plan.workspace_bytes > 0 && workspace == nullptr))
     return value_error(cat("workspace: ", plan.workspace_bytes, " bytes required, got ", workspace_bytes));
+  // The split-KV partials are written / read as float2 / float4.
+  if (plan.workspace_bytes > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+    return value_error("workspace: the pointer must be 16-byte aligned");
   return Status::Ok();
 }
 

@@ -180,6 +180,11 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): invalid num_sm_parts");
   if (d.b * d.s_q > 2147483647LL || d.m_rows > 2147483647LL / 64)
     return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): b * s_q * h_q is too large");
+  // Grid y: the main kernels put h_kv there, the combine ceil(h_q / 8) (limit 65535).
+  if (d.h_kv > 65535 || d.h_q > 65535LL * 8)
+    return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): h_kv must be <= 65535 and h_q <= " +
+                                                std::to_string(65535LL * 8) + ", got h_kv = " +
+                                                std::to_string(d.h_kv) + ", h_q = " + std::to_string(d.h_q));
   const int64_t need = dense_decode_workspace_bytes(p, num_sm_parts);
   if (p.workspace_bytes < need || p.workspace == nullptr)
     return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): workspace of " + std::to_string(need) +

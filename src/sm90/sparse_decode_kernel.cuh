@@ -213,7 +213,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     // Index of slot g_tok of block `blk` (index within the request), -1 past the valid bound.
     auto fetch_idx = [&](int blk) -> int {
       const bool is_extra = p.has_extra && blk >= n_main;
-      const int slot = (is_extra ? blk - n_main : blk) * kBlockN + g_tok;
+      // int64: the block count comes from topk_length (not clamped to topk), so with a
+      // topk_length near INT32_MAX an int slot would wrap negative and pass the bound check.
+      const int64_t slot = static_cast<int64_t>(is_extra ? blk - n_main : blk) * kBlockN + g_tok;
       const int lim = is_extra ? lim_extra : lim_main;
       if (slot >= lim) return -1;
       const int32_t* ind = is_extra ? p.extra.indices : p.main.indices;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/scheduler.h"
+#include "core/validate.h"
 #include "flashmla/flashmla.h"
 
 namespace flashmla {
@@ -149,6 +150,25 @@ TEST(ValidationDense, MixedDevicesAndOutputs) {
   expect_error(dense_decode_fwd(d.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
   d.p.tile_scheduler_metadata.shape[0] = plan.num_sm_parts;
   EXPECT_TRUE(dense_decode_fwd(d.p).ok());
+}
+
+TEST(ValidationDense, MisalignedWorkspaceIsValueError) {
+  // The GPU kernels write / read the split-KV partials as float2 / float4.
+  DenseCase d;
+  DecodePlan plan;
+  ASSERT_TRUE(dense_decode_plan(d.p, &plan).ok());
+  std::vector<uint16_t> out(d.b * d.s_q * d.h_q * 512);
+  std::vector<float> lse(d.b * d.h_q * d.s_q);
+  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
+  const TensorRef o = make_tensor_ref(out.data(), DType::kBFloat16, {d.b, d.s_q, d.h_q, 512});
+  const TensorRef l = make_tensor_ref(lse.data(), DType::kFloat32, {d.b, d.h_q, d.s_q});
+  const TensorRef t = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
+  const TensorRef n = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  alignas(16) unsigned char ws[64 + 16];
+  plan.workspace_bytes = 64;  // as a GPU plan would ask for
+  EXPECT_TRUE(core::validate_decode_outputs(d.p.q, o, l, DType::kBFloat16, t, n, plan, 64, ws).ok());
+  expect_error(core::validate_decode_outputs(d.p.q, o, l, DType::kBFloat16, t, n, plan, 64, ws + 4),
+               ErrorKind::kValue, "workspace: the pointer must be 16-byte aligned");
 }
 
 struct SparseCase {
