@@ -48,9 +48,11 @@ class FlashMLASchedMeta:
 
     Reuse is legal only for calls with the same ``config`` and the same values of
     ``cache_seqlens`` (dense) / ``topk_length`` and ``extra_topk_length`` (sparse).
-    Changed shapes or flags raise :class:`SchedMetaMismatchError`; changed lengths
-    raise it too when the lengths live on the CPU (on the GPU they are not read
-    back, as that would synchronise the stream).
+    Changed shapes, flags or optional-length presence raise
+    :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too.
+    On the GPU every call recomputes the schedule on its stream (lengths are never
+    read back, which would synchronise), so stale metadata cannot occur there,
+    including inside CUDA graphs replayed with new lengths.
     """
 
     @dataclasses.dataclass
@@ -100,6 +102,14 @@ def _host_copy(x: Any) -> Optional[np.ndarray]:
         return np.array(np.from_dlpack(x), copy=True)
     except Exception:  # unsupported dtype etc.: the C++ validation reports it, naming the argument
         return None
+
+
+def _on_device(x: Any) -> bool:
+    """True for tensors in accelerator memory (DLPack device other than CPU / pinned host)."""
+    try:
+        return x.__dlpack_device__()[0] not in (1, 3)
+    except AttributeError:
+        return False
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
@@ -202,9 +212,13 @@ def flash_mla_with_kvcache(
                         "schedule would be stale. Call get_mla_metadata() again when lengths change"
                     )
     like = q
+    # On the GPU the schedule is recomputed on the stream by every call (a one-warp kernel,
+    # CUDA-graph capturable), so a reused FlashMLASchedMeta can never be stale there, whatever
+    # happened to the lengths (regression 6). On the CPU it is reused; changed lengths raise above.
+    reuse = sched.have_initialized and sched.tile_scheduler_metadata is not None and not _on_device(q)
     meta_in = (
         (_ffi.to_ffi(sched.tile_scheduler_metadata, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
-        if sched.have_initialized and sched.tile_scheduler_metadata is not None
+        if reuse
         else (None, None)
     )
     if topk is not None:
