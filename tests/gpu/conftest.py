@@ -1,7 +1,10 @@
 """GPU tests: run only with PyTorch, a CUDA build of flash_mla and a compute-capability-9.0 GPU.
 
-Everything here is skipped (not failed) elsewhere, e.g. in CI.
+Everything here is skipped (not failed) elsewhere, e.g. in CI. Exception: with
+FLASHMLA_GRID_DEVICE=cpu the full-grid files (*_grid_gpu.py) dry-run on the CPU (see grid_data.py).
 """
+
+import os
 
 import pytest
 
@@ -29,6 +32,9 @@ def pytest_collection_modifyitems(config, items):
     if _REASON is None:
         return
     skip = pytest.mark.skip(reason=f"GPU test: {_REASON}")
+    grid_cpu = os.environ.get("FLASHMLA_GRID_DEVICE") == "cpu"
     for item in items:
+        if grid_cpu and str(item.fspath).endswith("_grid_gpu.py"):
+            continue
         if "tests/gpu" in str(item.fspath):
             item.add_marker(skip)
