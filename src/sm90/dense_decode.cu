@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "sm90/host_utils.h"
 #include "sm90/dense_decode.h"
 #include "sm90/sm90.h"
 
@@ -32,31 +33,8 @@ int dense_kernel_version() { return g_dense_kernel_version; }
 
 namespace {
 
-Status cuda_error(const char* what, cudaError_t e) {
-  return Status::Error(ErrorKind::kRuntime, std::string("flash_mla dense decode (sm90): ") + what +
-                                                " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-}
+Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla dense decode", what, e); }
 
-/// Makes `device` current for the lifetime of the guard (tensors may live on any GPU).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    err_ = cudaGetDevice(&prev_);
-    if (err_ == cudaSuccess && prev_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(prev_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
-};
 
 struct Dims {
   int64_t b, s_q, h_q, d_qk, h_kv, pbs, group, m_rows;

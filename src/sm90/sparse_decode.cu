@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <string>
 
+#include "sm90/host_utils.h"
 #include "sm90/sm90.h"
 #include "sm90/sparse_decode.h"
 #include "sm90/utils.cuh"
@@ -103,33 +104,9 @@ cudaError_t launch_sparse_combine(const SparseCombineParams& cp, cudaStream_t st
 
 namespace {
 
-Status cuda_error(const char* what, cudaError_t e) {
-  return Status::Error(ErrorKind::kRuntime, std::string("flash_mla sparse decode (sm90): ") + what +
-                                                " failed: " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-}
-Status value_error(const std::string& what) {
-  return Status::Error(ErrorKind::kValue, "flash_mla sparse decode (sm90): " + what);
-}
+Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla sparse decode", what, e); }
+Status value_error(const std::string& what) { return value_error_status("flash_mla sparse decode", what); }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    err_ = cudaGetDevice(&prev_);
-    if (err_ == cudaSuccess && prev_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(prev_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
-};
 
 constexpr int64_t kAlign = 256;
 int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "sm90/host_utils.h"
 #include "sm90/sm90.h"
 #include "sm90/sparse_prefill.h"
 
@@ -15,33 +16,9 @@ namespace flashmla::sm90 {
 
 namespace {
 
-Status cuda_error(const char* what, cudaError_t e) {
-  return Status::Error(ErrorKind::kRuntime, std::string("flash_mla_sparse_fwd (sm90): ") + what + " failed: " +
-                                                cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
-}
-Status value_error(const std::string& what) {
-  return Status::Error(ErrorKind::kValue, "flash_mla_sparse_fwd (sm90): " + what);
-}
+Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla_sparse_fwd", what, e); }
+Status value_error(const std::string& what) { return value_error_status("flash_mla_sparse_fwd", what); }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    err_ = cudaGetDevice(&prev_);
-    if (err_ == cudaSuccess && prev_ != device) {
-      err_ = cudaSetDevice(device);
-      switched_ = err_ == cudaSuccess;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) cudaSetDevice(prev_);
-  }
-  cudaError_t error() const { return err_; }
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-  cudaError_t err_ = cudaSuccess;
-};
 
 /// Base 16-byte aligned and every non-trivial stride of the leading `dims` dims a
 /// multiple of 16 bytes (bf16 elements): rows can be copied with 16-byte cp.async.
