@@ -5,8 +5,12 @@ FLASHMLA_GRID_DEVICE=cpu the full-grid files (*_grid_gpu.py) dry-run on the CPU 
 """
 
 import os
+import sys
 
 import pytest
+
+# Shared helpers of the GPU tests (torch_reference.py, grid_*.py) import by module name.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _gpu_reason():

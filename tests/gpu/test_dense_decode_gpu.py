@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import flash_mla  # noqa: E402
+from torch_reference import check_close  # noqa: E402  (spec §5.1 comparator, shared by the GPU tests)
 
 SENTINEL = 2147480000
 
@@ -44,22 +45,6 @@ def run(q, k, bt, lens, causal, sched=None, scale=None):
     return flash_mla.flash_mla_with_kvcache(q, k, bt, lens, 512, sched, softmax_scale=scale, causal=causal)
 
 
-def check_close(name, ans, ref, abs_tol, rel_tol, cos_tol):
-    """FlashMLA's kernelkit.check_is_allclose (spec §5.1)."""
-    assert ans.shape == ref.shape and ans.dtype == ref.dtype, (name, ans.shape, ref.shape, ans.dtype, ref.dtype)
-    a, r = ans.float().cpu().clone(), ref.float().cpu().clone()
-    for m_a, m_r, what in ((a == math.inf, r == math.inf, "+inf"), (a == -math.inf, r == -math.inf, "-inf"),
-                           (a.isnan(), r.isnan(), "nan")):
-        assert torch.equal(m_a, m_r), f"{name}: {what} positions differ"
-        a[m_a] = 0
-        r[m_r] = 0
-    diff = (a - r).abs()
-    ok = (diff < abs_tol) | (diff / (r.abs() + 1e-6) < rel_tol)
-    assert bool(ok.all()), f"{name}: {int((~ok).sum())} elements out of tolerance, max diff {diff.max().item():.3e}"
-    a64, r64 = a.double(), r.double()
-    denom = (a64 * a64 + r64 * r64).sum().item()
-    cos_diff = 0.0 if (r64 * r64).sum().item() < 1e-12 else 1 - 2 * (a64 * r64).sum().item() / denom
-    assert abs(cos_diff) <= cos_tol, f"{name}: cos_diff {cos_diff:.3e}"
 
 
 def compare(q, k, bt, lens, causal, out, lse):

@@ -33,6 +33,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import flash_mla  # noqa: E402
+from torch_reference import check_close  # noqa: E402  (spec §5.1 comparator, shared by the GPU tests)
 
 INT_MAX = 2147483647
 MAX_REF_ROWS = 24
@@ -42,26 +43,6 @@ DEV = os.environ.get("FLASHMLA_PREFILL_TEST_DEVICE", "cuda")
 
 
 # ----------------------------------------------------------------------------- comparator
-def check_close(name, ans, ref, abs_tol, rel_tol, cos_tol):
-    """FlashMLA's kernelkit.check_is_allclose (spec §5.1)."""
-    assert ans.shape == ref.shape and ans.dtype == ref.dtype, (name, ans.shape, ref.shape, ans.dtype, ref.dtype)
-    a, r = ans.float().cpu().clone(), ref.float().cpu().clone()
-    for m_a, m_r, what in ((a == math.inf, r == math.inf, "+inf"), (a == -math.inf, r == -math.inf, "-inf"),
-                           (a.isnan(), r.isnan(), "nan")):
-        assert torch.equal(m_a, m_r), f"{name}: {what} positions differ ({int((m_a != m_r).sum())} mismatches)"
-        a[m_a] = 0
-        r[m_r] = 0
-    diff = (a - r).abs()
-    ok = (diff < abs_tol) | (diff / (r.abs() + 1e-6) < rel_tol)
-    if not bool(ok.all()):
-        bad = (~ok).nonzero()[0].tolist()
-        raise AssertionError(f"{name}: {int((~ok).sum())} of {ok.numel()} elements out of tolerance, max diff "
-                             f"{diff.max().item():.3e}; first at {bad}: ans={a[tuple(bad)].item()} "
-                             f"ref={r[tuple(bad)].item()}")
-    a64, r64 = a.double(), r.double()
-    denom = (a64 * a64 + r64 * r64).sum().item()
-    cos_diff = 0.0 if (r64 * r64).sum().item() < 1e-12 else 1 - 2 * (a64 * r64).sum().item() / denom
-    assert abs(cos_diff) <= cos_tol, f"{name}: cos_diff {cos_diff:.3e}"
 
 
 # ----------------------------------------------------------------------------- data
