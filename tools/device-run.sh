@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
-# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,13 @@ for step in "$@"; do
       cmake -S . -B build/gpu-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=ON -DFLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" \
         -DFLASHMLA_BUILD_GPU_TESTS=ON >/dev/null && cmake --build build/gpu-tests 2>&1 | tail -5
       for t in build/gpu-tests/tests/gpu/cpp/test_*; do [ -x "$t" ] && { "$t" 2>&1 | tee "$OUT/$(basename "$t").log"; rc=$((rc | ${PIPESTATUS[0]})); }; done ;;
+    grid-decode:*)   # grid-decode:START:END -> slice of the 4748-case spec §5.2 grid
+      sl=${step#grid-decode:}; FLASHMLA_FULL_GRID=1 FLASHMLA_GRID_SLICE=$sl python3 -m pytest tests/gpu/test_sparse_decode_grid_gpu.py -q -rs --tb=line \
+        2>&1 | tee "$OUT/grid-decode-${sl/:/-}.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    grid-prefill)    # the 617-case spec §5.3 grid
+      FLASHMLA_FULL_GRID=1 python3 -m pytest tests/gpu/test_sparse_prefill_grid_gpu.py -q -rs --tb=line 2>&1 | tee "$OUT/grid-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    bench-prefill)
+      python3 bench/bench_sparse_prefill.py --out "$OUT" 2>&1 | tee "$OUT/bench-sparse-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done
