@@ -5,6 +5,9 @@ FLASHMLA_GRID_DEVICE=cpu the full-grid files (*_grid_gpu.py) dry-run on the CPU 
 """
 
 import os
+
+# JAX must not grab 75% of GPU memory on import (it starves the torch tests that follow).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import sys
 
 import pytest

@@ -5,6 +5,9 @@ mla_test_utils.py and the float64 oracle in oracle.py; both are re-exported here
 """
 
 import os
+
+# JAX must not grab 75% of GPU memory on import (it starves the torch tests that follow).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import sys
 
 import numpy as np

@@ -11,6 +11,14 @@ from mla_test_utils import (BF16, LSE_TOL, check_allclose, check_lse, check_out,
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
+# These tests run on the CPU reference backend: pin JAX arrays to JAX's CPU device even where JAX
+# has a GPU (numpy vs JAX must then agree bit for bit). GPU JAX is covered in tests/gpu.
+_JAX_CPU = jax.devices("cpu")[0]
+
+
+def to_jax(x):
+    return jax.device_put(np.asarray(x), _JAX_CPU)
+
 
 
 def bits(x):
@@ -46,7 +54,7 @@ def test_dense_decode_numpy_vs_jax(dense):
     import oracle
     out_np, lse_np = dense_call(dense, np.asarray)
     sched = flash_mla.get_mla_metadata()[0]
-    out_j, lse_j = dense_call(dense, jnp.asarray, sched)
+    out_j, lse_j = dense_call(dense, to_jax, sched)
     assert isinstance(out_np, np.ndarray) and isinstance(lse_np, np.ndarray)
     assert isinstance(out_j, jax.Array) and isinstance(lse_j, jax.Array)
     assert out_j.dtype == jnp.bfloat16 and lse_j.dtype == jnp.float32
@@ -54,7 +62,7 @@ def test_dense_decode_numpy_vs_jax(dense):
     assert_same([out_np, lse_np], [out_j, lse_j])
     # The scheduler metadata lives in the caller's framework and can be reused from it.
     assert isinstance(sched.tile_scheduler_metadata, jax.Array) and isinstance(sched.num_splits, jax.Array)
-    assert_same([out_np, lse_np], dense_call(dense, jnp.asarray, sched))
+    assert_same([out_np, lse_np], dense_call(dense, to_jax, sched))
     ref_out, ref_lse = oracle.dense_decode(dense.q, dense.k_cache, dense.block_table, dense.cache_seqlens, True, 0.3)
     check_out("out", np.asarray(out_j), ref_out, BF16)
     check_lse("lse", np.asarray(lse_j), ref_lse)
@@ -63,13 +71,13 @@ def test_dense_decode_numpy_vs_jax(dense):
 def test_results_follow_the_framework_of_q(dense):
     out_np, _ = dense_call(dense, np.asarray)
     sched = flash_mla.get_mla_metadata()[0]
-    out, lse = flash_mla.flash_mla_with_kvcache(jnp.asarray(dense.q), np.asarray(dense.k_cache),
+    out, lse = flash_mla.flash_mla_with_kvcache(to_jax(dense.q), np.asarray(dense.k_cache),
                                                 np.asarray(dense.block_table), dense.cache_seqlens, 512, sched,
                                                 softmax_scale=0.3, causal=True)
     assert isinstance(out, jax.Array) and isinstance(lse, jax.Array)
     assert_same([out_np], [out])
-    out2, _ = flash_mla.flash_mla_with_kvcache(np.asarray(dense.q), jnp.asarray(dense.k_cache),
-                                               jnp.asarray(dense.block_table), jnp.asarray(dense.cache_seqlens), 512,
+    out2, _ = flash_mla.flash_mla_with_kvcache(np.asarray(dense.q), to_jax(dense.k_cache),
+                                               to_jax(dense.block_table), to_jax(dense.cache_seqlens), 512,
                                                flash_mla.get_mla_metadata()[0], softmax_scale=0.3, causal=True)
     assert isinstance(out2, np.ndarray)
     assert_same([out_np], [out2])
@@ -79,9 +87,9 @@ def test_sparse_prefill_numpy_vs_jax(prefill):
     c = prefill
     res_np = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, sm_scale=c.sm_scale, attn_sink=c.attn_sink,
                                             topk_length=c.topk_length)
-    res_j = flash_mla.flash_mla_sparse_fwd(jnp.asarray(c.q), jnp.asarray(c.kv), jnp.asarray(c.indices),
-                                           sm_scale=c.sm_scale, attn_sink=jnp.asarray(c.attn_sink),
-                                           topk_length=jnp.asarray(c.topk_length))
+    res_j = flash_mla.flash_mla_sparse_fwd(to_jax(c.q), to_jax(c.kv), to_jax(c.indices),
+                                           sm_scale=c.sm_scale, attn_sink=to_jax(c.attn_sink),
+                                           topk_length=to_jax(c.topk_length))
     assert isinstance(res_j, list) and len(res_j) == 3 and all(isinstance(r, jax.Array) for r in res_j)
     assert all(isinstance(r, np.ndarray) for r in res_np)
     assert_same(res_np, res_j)
@@ -96,9 +104,9 @@ def test_sparse_decode_numpy_vs_jax(rng):
                                noncontig=False)
     out_np, lse_np = flash_mla.flash_mla_with_kvcache(c.q, c.main.packed, None, None, 512,
                                                       flash_mla.get_mla_metadata()[0], **c.kwargs())
-    kw = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in c.kwargs().items()}
+    kw = {k: (to_jax(v) if isinstance(v, np.ndarray) else v) for k, v in c.kwargs().items()}
     # JAX arrays are dense: the padded block stride becomes pbs * 584 (still a valid layout).
-    out_j, lse_j = flash_mla.flash_mla_with_kvcache(jnp.asarray(c.q), jnp.asarray(c.main.packed), None, None, 512,
+    out_j, lse_j = flash_mla.flash_mla_with_kvcache(to_jax(c.q), to_jax(c.main.packed), None, None, 512,
                                                     flash_mla.get_mla_metadata()[0], **kw)
     assert isinstance(out_j, jax.Array)
     assert_same([out_np, lse_np], [out_j, lse_j])
