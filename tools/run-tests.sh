@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 JOBS=${JOBS:-$(nproc)}
 bash tools/install.sh
-$PY -m pip install -q "pytest>=7,<10" "jax[cpu]>=0.4.30,<1"
+$PY -m pip install -q "pytest>=7,<10" "jax[cpu]>=0.4.31,<1" "jax-tvm-ffi>=0.1.3,<0.2"
 # PaddlePaddle (CPU build from PyPI) for the framework tests; its tests skip if it cannot be installed.
 $PY -m pip install -q "paddlepaddle>=3,<4" || echo "paddlepaddle not installed: its tests will skip"
 

@@ -8,7 +8,8 @@
 //
 // Exported functions mirror FlashMLA's raw extension (spec §1.6):
 //   dense_decode_fwd, sparse_decode_fwd, sparse_prefill_fwd,
-// plus FP8 KV conversion helpers and backend queries.
+// plus FP8 KV conversion helpers and backend queries, and destination-passing
+// forms (*_dps, decode_plan_sizes) that XLA custom calls use under jax.jit.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -286,6 +287,104 @@ ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv
   return ffi::Array<ffi::Tensor>{out, max_logits, lse};
 }
 
+// ------------------------------------------------------------------ destination-passing forms
+// For XLA custom calls (jax.jit through jax-tvm-ffi): the caller preallocates every
+// result, sized by decode_plan_sizes (sparse prefill needs no workspace); the split
+// schedule is always recomputed (never reused), on the env stream XLA provides.
+// Argument order: inputs, then attributes, then results. Optional inputs are always
+// passed (any placeholder when absent) and `present` says which are real: bit 0
+// topk_length, 1 attn_sink, 2 extra_k_cache + extra_indices_in_kvcache, 3 extra_topk_length
+// (sparse decode); bit 0 attn_sink, 1 topk_length (sparse prefill).
+
+/// [num_sm_parts, num_splits_len, workspace_bytes] for a decode call of these shapes
+/// (sparse != 0: sparse decode, h_kv ignored) on device (device_type: 1 CPU, 2 CUDA).
+ffi::Array<int64_t> decode_plan_sizes(bool sparse, int64_t device_type, int64_t device_id, int64_t b, int64_t s_q,
+                                      int64_t h_q, int64_t h_kv) {
+  flashmla::Device dev{device_type == kDLCUDA ? flashmla::DeviceType::kCUDA : flashmla::DeviceType::kCPU,
+                       static_cast<int>(device_id)};
+  if (device_type != kDLCPU && device_type != kDLCUDA)
+    TVM_FFI_THROW(ValueError) << "device_type: expected 1 (CPU) or 2 (CUDA), got " << device_type;
+  flashmla::DecodePlan plan;
+  check(sparse ? flashmla::sparse_decode_plan_for_shapes(dev, b, s_q, h_q, &plan)
+               : flashmla::dense_decode_plan_for_shapes(dev, b, s_q, h_q, h_kv, &plan));
+  return ffi::Array<int64_t>{plan.num_sm_parts, plan.num_splits_len, plan.workspace_bytes};
+}
+
+template <typename Params>
+void bind_decode_results(Params& p, ffi::TensorView out, ffi::TensorView lse, ffi::TensorView tsm,
+                         ffi::TensorView num_splits, ffi::TensorView workspace) {
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.tile_scheduler_metadata = to_ref(tsm, "tile_scheduler_metadata");
+  p.num_splits = to_ref(num_splits, "num_splits");
+  p.metadata_ready = false;
+  p.workspace = workspace.data_ptr() == nullptr ? nullptr : static_cast<char*>(workspace.data_ptr()) + workspace.byte_offset();
+  p.workspace_bytes = workspace.numel();
+  p.stream = stream_for(p.q);
+}
+
+void dense_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView block_table,
+                          ffi::TensorView cache_seqlens, int64_t head_dim_v, double softmax_scale, bool causal,
+                          ffi::TensorView out, ffi::TensorView lse, ffi::TensorView tsm, ffi::TensorView num_splits,
+                          ffi::TensorView workspace) {
+  flashmla::DenseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.block_table = to_ref(block_table, "block_table");
+  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  bind_decode_results(p, out, lse, tsm, num_splits, workspace);
+  check(flashmla::dense_decode_fwd(p));
+}
+
+void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView indices,
+                           ffi::TensorView topk_length, ffi::TensorView attn_sink, ffi::TensorView extra_k_cache,
+                           ffi::TensorView extra_indices_in_kvcache, ffi::TensorView extra_topk_length,
+                           int64_t head_dim_v, double softmax_scale, int64_t present, ffi::TensorView out,
+                           ffi::TensorView lse, ffi::TensorView tsm, ffi::TensorView num_splits,
+                           ffi::TensorView workspace) {
+  flashmla::SparseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.indices = to_ref(indices, "indices");
+  if (present & 1) p.topk_length = to_ref(topk_length, "topk_length");
+  if (present & 2) p.attn_sink = to_ref(attn_sink, "attn_sink");
+  if (present & 4) {
+    p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
+    p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
+  }
+  if (present & 8) p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  bind_decode_results(p, out, lse, tsm, num_splits, workspace);
+  check(flashmla::sparse_decode_fwd(p));
+}
+
+void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
+                            ffi::TensorView attn_sink, ffi::TensorView topk_length, double sm_scale, int64_t d_v,
+                            int64_t present, ffi::TensorView out, ffi::TensorView max_logits, ffi::TensorView lse) {
+  flashmla::SparsePrefillParams p;
+  p.q = to_ref(q, "q");
+  p.kv = to_ref(kv, "kv");
+  p.indices = to_ref(indices, "indices");
+  if (present & 1) p.attn_sink = to_ref(attn_sink, "attn_sink");
+  if (present & 2) p.topk_length = to_ref(topk_length, "topk_length");
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.d_v = d_v;
+  int64_t ws_bytes = 0;
+  check(flashmla::sparse_prefill_plan(p, &ws_bytes));
+  if (ws_bytes != 0)
+    TVM_FFI_THROW(RuntimeError) << "sparse_prefill_fwd_dps: this build needs a " << ws_bytes
+                                << "-byte workspace, which the destination-passing form does not take";
+  p.out = to_ref(out, "out");
+  p.max_logits = to_ref(max_logits, "max_logits");
+  p.lse = to_ref(lse, "lse");
+  p.stream = stream_for(p.q);
+  check(flashmla::sparse_prefill_fwd(p));
+}
+
 flashmla::KVFormat to_format(int64_t format) {
   if (format != static_cast<int64_t>(flashmla::KVFormat::kFP8V32) &&
       format != static_cast<int64_t>(flashmla::KVFormat::kFP8Model1))
@@ -334,3 +433,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_kv_cache, dequantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reinterpret_dtype, reinterpret_dtype);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reference_num_threads, reference_num_threads);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_plan_sizes, decode_plan_sizes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd_dps, dense_decode_fwd_dps);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd_dps, sparse_decode_fwd_dps);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd_dps, sparse_prefill_fwd_dps);

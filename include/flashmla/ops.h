@@ -89,6 +89,12 @@ struct DenseDecodeParams {
 };
 /// Validates the inputs and fills `plan` (num_sm_parts from the device's SM count, spec §4.1).
 Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan);
+/// The same sizes from shapes alone, for callers that must allocate before they
+/// hold any tensor (XLA custom calls traced under jax.jit): b, s_q, h_q of q and
+/// h_kv of k_cache on `device`. Errors: kValue for non-positive sizes or
+/// h_q % h_kv != 0; kNotImplemented for a GPU without the sm90 backend.
+Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv,
+                                    DecodePlan* plan);
 /// Validates inputs and outputs, computes the metadata unless `metadata_ready`, writes out/lse.
 /// Asynchronous on `p.stream` for CUDA tensors; synchronous on the CPU.
 Status dense_decode_fwd(const DenseDecodeParams& p);
@@ -121,6 +127,8 @@ struct SparseDecodeParams {
 };
 /// As dense_decode_plan; num_sm_parts per spec §4.1's sparse rule.
 Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan);
+/// Shapes-only form of sparse_decode_plan (see dense_decode_plan_for_shapes).
+Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, DecodePlan* plan);
 /// As dense_decode_fwd; per-request work for the scheduler per spec §4.2.
 Status sparse_decode_fwd(const SparseDecodeParams& p);
 

@@ -7,6 +7,7 @@ the framework of the first tensor argument, zero-copy through DLPack.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -131,6 +132,23 @@ def from_ffi(t: Any, like: Any) -> Any:
 
         return paddle.from_dlpack(t)
     return t
+
+
+def stream_scope(x: Any):
+    """Context in which the C++ module launches on the current stream of `x`'s framework.
+
+    torch tensors need nothing (TVM-FFI reads torch's current stream itself) and JAX
+    goes through XLA (python/flash_mla/_jax.py). For a CuPy array on the GPU this sets
+    TVM-FFI's stream for that device to CuPy's current stream there. Other frameworks
+    run on the device's default stream."""
+    if framework_of(x) != "cupy":
+        return contextlib.nullcontext()
+    import cupy
+
+    dev_id = int(x.device.id)
+    with cupy.cuda.Device(dev_id):
+        ptr = int(cupy.cuda.get_current_stream().ptr)
+    return tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev_id), ptr)
 
 
 def has_cuda_backend() -> bool:

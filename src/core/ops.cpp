@@ -61,22 +61,41 @@ int num_sms(Device d) {
 }
 
 // ------------------------------------------------------------------ dense decode
-Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
-  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_decode_inputs(p));
-  const Device dev = p.q.device;
-  plan->num_splits_len = p.q.shape[0] + 1;
-  plan->num_sm_parts = core::dense_decode_num_sm_parts(num_sms(dev), p.q.shape[1], p.q.shape[2],
-                                                       p.k_cache.shape[2]);
+Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv,
+                                    DecodePlan* plan) {
+  if (b < 1 || s_q < 1 || h_kv < 1 || h_q < 1 || h_q % h_kv != 0)
+    return Status::Error(ErrorKind::kValue,
+                         "dense decode plan: expected b, s_q, h_q, h_kv >= 1 with h_q % h_kv == 0, got b=" +
+                             std::to_string(b) + " s_q=" + std::to_string(s_q) + " h_q=" + std::to_string(h_q) +
+                             " h_kv=" + std::to_string(h_kv));
+  plan->num_splits_len = b + 1;
+  plan->num_sm_parts = core::dense_decode_num_sm_parts(num_sms(device), s_q, h_q, h_kv);
   plan->workspace_bytes = 0;
-  if (dev.type == DeviceType::kCUDA) {
+  if (device.type == DeviceType::kCUDA) {
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(dev.id)) return no_gpu_backend("flash_mla_with_kvcache (dense)", dev);
-    plan->workspace_bytes = sm90::dense_decode_workspace_bytes(p, plan->num_sm_parts);
+    if (!sm90::device_supported(device.id)) return no_gpu_backend("flash_mla_with_kvcache (dense)", device);
+    // The sm90 sizing reads shapes only: q (b, s_q, h_q, ·) and k_cache (·, ·, h_kv, ·).
+    DenseDecodeParams shapes;
+    shapes.q.ndim = 4;
+    shapes.q.shape[0] = b;
+    shapes.q.shape[1] = s_q;
+    shapes.q.shape[2] = h_q;
+    shapes.q.shape[3] = 576;
+    shapes.k_cache.ndim = 4;
+    shapes.k_cache.shape[1] = 64;
+    shapes.k_cache.shape[2] = h_kv;
+    shapes.k_cache.shape[3] = 576;
+    plan->workspace_bytes = sm90::dense_decode_workspace_bytes(shapes, plan->num_sm_parts);
 #else
-    return no_gpu_backend("flash_mla_with_kvcache (dense)", dev);
+    return no_gpu_backend("flash_mla_with_kvcache (dense)", device);
 #endif
   }
   return Status::Ok();
+}
+
+Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_decode_inputs(p));
+  return dense_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], p.k_cache.shape[2], plan);
 }
 
 Status dense_decode_fwd(const DenseDecodeParams& p) {
@@ -100,20 +119,34 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
 }
 
 // ------------------------------------------------------------------ sparse decode
-Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
-  FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_decode_inputs(p));
-  plan->num_splits_len = p.q.shape[0] + 1;
-  plan->num_sm_parts = core::sparse_decode_num_sm_parts(num_sms(p.q.device), p.q.shape[1], p.q.shape[2]);
+Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, DecodePlan* plan) {
+  if (b < 1 || s_q < 1 || h_q < 1)
+    return Status::Error(ErrorKind::kValue, "sparse decode plan: expected b, s_q, h_q >= 1, got b=" +
+                                                std::to_string(b) + " s_q=" + std::to_string(s_q) +
+                                                " h_q=" + std::to_string(h_q));
+  plan->num_splits_len = b + 1;
+  plan->num_sm_parts = core::sparse_decode_num_sm_parts(num_sms(device), s_q, h_q);
   plan->workspace_bytes = 0;
-  if (p.q.device.type == DeviceType::kCUDA) {
+  if (device.type == DeviceType::kCUDA) {
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
-    plan->workspace_bytes = sm90::sparse_decode_workspace_bytes(p, plan->num_sm_parts);
+    if (!sm90::device_supported(device.id)) return no_gpu_backend("flash_mla_with_kvcache (sparse)", device);
+    SparseDecodeParams shapes;  // the sm90 sizing reads q's shape only
+    shapes.q.ndim = 4;
+    shapes.q.shape[0] = b;
+    shapes.q.shape[1] = s_q;
+    shapes.q.shape[2] = h_q;
+    shapes.q.shape[3] = 576;
+    plan->workspace_bytes = sm90::sparse_decode_workspace_bytes(shapes, plan->num_sm_parts);
 #else
-    return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
+    return no_gpu_backend("flash_mla_with_kvcache (sparse)", device);
 #endif
   }
   return Status::Ok();
+}
+
+Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_decode_inputs(p));
+  return sparse_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], plan);
 }
 
 Status sparse_decode_fwd(const SparseDecodeParams& p) {

@@ -271,6 +271,27 @@ TEST(ValidationGpu, NoCudaBackendIsNotImplemented) {
 }
 
 // ------------------------------------------------------------------ scheduler
+TEST(PlanForShapes, AgreesWithThePlanOfTensors) {
+  DenseCase c;
+  for (int64_t h_kv : {1, 2}) {
+    c.h_kv = h_kv;
+    c.build();
+    DecodePlan a, b;
+    ASSERT_TRUE(dense_decode_plan(c.p, &a).ok());
+    ASSERT_TRUE(dense_decode_plan_for_shapes(c.p.q.device, c.b, c.s_q, c.h_q, h_kv, &b).ok());
+    EXPECT_EQ(a.num_sm_parts, b.num_sm_parts);
+    EXPECT_EQ(a.num_splits_len, b.num_splits_len);
+    EXPECT_EQ(a.workspace_bytes, b.workspace_bytes);
+  }
+  DecodePlan p;
+  expect_error(dense_decode_plan_for_shapes(Device{}, 2, 1, 16, 3, &p), ErrorKind::kValue, "h_q % h_kv == 0");
+  expect_error(dense_decode_plan_for_shapes(Device{}, 0, 1, 16, 1, &p), ErrorKind::kValue, "got b=0");
+  expect_error(sparse_decode_plan_for_shapes(Device{}, 1, 0, 16, &p), ErrorKind::kValue, "s_q=0");
+  ASSERT_TRUE(sparse_decode_plan_for_shapes(Device{}, 3, 2, 64, &p).ok());
+  EXPECT_EQ(p.num_splits_len, 4);
+  EXPECT_GE(p.num_sm_parts, 1);
+}
+
 TEST(Scheduler, WorkedExampleOfSpec46) {
   // s' = [1000, 64, 0, 5000], 8 parts -> num_splits = [0, 2, 3, 4, 10] (spec §4.6).
   std::vector<int64_t> lens = {1000, 64, 0, 5000};

@@ -1,0 +1,114 @@
+"""flash_mla inside jax.jit (XLA custom calls through jax-tvm-ffi; python/flash_mla/_jax.py).
+
+On JAX's CPU device the custom calls run the reference backend, so a jitted call must give
+bit-for-bit the values of the eager NumPy call, and agree with the float64 oracle. The GPU
+version of these checks is tests/gpu/test_frameworks_gpu.py.
+"""
+
+import numpy as np
+import pytest
+
+import flash_mla
+import oracle
+from mla_test_utils import (BF16, LSE_TOL, check_allclose, check_lse, check_out, gen_dense_case, gen_prefill_case,
+                            gen_sparse_decode_case)
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("jax_tvm_ffi")
+jnp = jax.numpy
+CPU = jax.devices("cpu")[0]
+
+
+def to_jax(x):
+    return jax.device_put(np.asarray(x), CPU)
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
+def assert_same(a_list, b_list):
+    for a, b in zip(a_list, b_list):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def test_dense_decode_under_jit_matches_eager_and_oracle(rng):
+    c = gen_dense_case(rng, b=3, s_q=2, h_q=16, h_kv=2, d=576, s_k=150, varlen=True, zero=[False, True, False],
+                       causal=True, softmax_scale=0.3)
+    eager = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                             flash_mla.get_mla_metadata()[0], None, 0.3, True)
+    traces = []
+
+    @jax.jit
+    def step(q, k_cache, block_table, cache_seqlens):
+        traces.append(1)
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, sched, None, 0.3, True)
+
+    out, lse = step(to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(c.cache_seqlens))
+    assert isinstance(out, jax.Array) and out.dtype == jnp.bfloat16 and out.shape == (3, 2, 16, 512)
+    assert lse.dtype == jnp.float32 and lse.shape == (3, 16, 2)
+    assert_same(eager, [out, lse])
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, True, 0.3)
+    check_out("out", np.asarray(out), ref_out, BF16)
+    check_lse("lse", np.asarray(lse), ref_lse)
+
+    # New length values reuse the compiled function (no retrace) and the schedule follows them.
+    seqlens2 = (c.cache_seqlens // 2 + (c.cache_seqlens > 0)).astype(np.int32)  # same pages, new lengths
+    out2, lse2 = step(to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(seqlens2))
+    assert len(traces) == 1
+    eager2 = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, seqlens2, 512,
+                                              flash_mla.get_mla_metadata()[0], None, 0.3, True)
+    assert_same(eager2, [out2, lse2])
+    assert not np.array_equal(bits(out2), bits(out))
+
+
+def test_sparse_decode_under_jit_all_optionals(rng):
+    c = gen_sparse_decode_case(rng, b=2, s_q=2, h_q=16, d_qk=576, s_k=150, topk=64, pbs=64, have_topk_length=True,
+                               extra=dict(s_k=90, topk=64, pbs=32, have_topk_length=True), noncontig=False)
+    kw = c.kwargs()
+    assert kw.get("extra_k_cache") is not None and kw.get("attn_sink") is not None
+    eager = flash_mla.flash_mla_with_kvcache(c.q, c.main.packed, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                             **kw)
+    names = [k for k, v in kw.items() if isinstance(v, np.ndarray)]
+    flags = {k: v for k, v in kw.items() if not isinstance(v, np.ndarray)}
+
+    @jax.jit
+    def step(q, packed, *arrays):
+        return flash_mla.flash_mla_with_kvcache(q, packed, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                                **dict(zip(names, arrays)), **flags)
+
+    out, lse = step(to_jax(c.q), to_jax(c.main.packed), *[to_jax(kw[n]) for n in names])
+    assert_same(eager, [out, lse])
+    ref_out, ref_lse = c.reference()
+    check_out("out", np.asarray(out), ref_out, BF16)
+    check_lse("lse", np.asarray(lse), ref_lse)
+
+
+def test_sparse_prefill_under_jit(rng):
+    c = gen_prefill_case(rng, s_q=5, s_kv=300, topk=128, h_q=16, d_qk=512, sink=True, have_topk_length=True)
+    eager = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, c.sm_scale, attn_sink=c.attn_sink,
+                                           topk_length=c.topk_length)
+    step = jax.jit(lambda q, kv, idx, sink, tl: flash_mla.flash_mla_sparse_fwd(q, kv, idx, c.sm_scale,
+                                                                               attn_sink=sink, topk_length=tl))
+    res = step(*(to_jax(x) for x in (c.q, c.kv, c.indices, c.attn_sink, c.topk_length)))
+    assert isinstance(res, list) and len(res) == 3 and all(isinstance(r, jax.Array) for r in res)
+    assert_same(eager, res)
+    ref_out, ref_max, ref_lse = c.reference()
+    check_out("out", np.asarray(res[0]), ref_out, BF16)
+    check_allclose("max_logits", np.asarray(res[1]), ref_max, dtype=np.float32, **LSE_TOL)
+    check_allclose("lse", np.asarray(res[2]), ref_lse, dtype=np.float32, **LSE_TOL)
+
+
+def test_jit_errors_name_the_argument(rng):
+    c = gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
+    bad_seqlens = np.array([10, 9999], np.int32)  # needs more pages than block_table has
+    step = jax.jit(lambda *a: flash_mla.flash_mla_with_kvcache(*a, 512, flash_mla.get_mla_metadata()[0]))
+    with pytest.raises(Exception, match="block_table too short for cache_seqlens"):
+        jax.block_until_ready(step(to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(bad_seqlens)))
+    # Shape errors are raised at trace time, as the usual Python exceptions.
+    with pytest.raises(ValueError, match="head_dim_v"):
+        jax.jit(lambda q, k, bt, sl: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 256,
+                                                                      flash_mla.get_mla_metadata()[0]))(
+            to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(c.cache_seqlens))
