@@ -9,7 +9,7 @@
 // Exported functions mirror FlashMLA's raw extension (spec §1.6):
 //   dense_decode_fwd, sparse_decode_fwd, sparse_prefill_fwd,
 // plus FP8 KV conversion helpers and backend queries, and destination-passing
-// forms (*_dps, decode_plan_sizes) that XLA custom calls use under jax.jit.
+// forms (*_dps, decode_scratch_bytes) that XLA custom calls use under jax.jit.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -289,44 +289,72 @@ ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv
 
 // ------------------------------------------------------------------ destination-passing forms
 // For XLA custom calls (jax.jit through jax-tvm-ffi): the caller preallocates every
-// result, sized by decode_plan_sizes (sparse prefill needs no workspace); the split
-// schedule is always recomputed (never reused), on the env stream XLA provides.
-// Argument order: inputs, then attributes, then results. Optional inputs are always
-// passed (any placeholder when absent) and `present` says which are real: bit 0
-// topk_length, 1 attn_sink, 2 extra_k_cache + extra_indices_in_kvcache, 3 extra_topk_length
+// result. Decode calls also get one `scratch` byte buffer of at least
+// decode_scratch_bytes(...) bytes, carved here into the scheduler metadata and the
+// split-KV workspace. (Under jax.jit the platform is chosen after the shapes are
+// fixed, so the caller sizes scratch for every platform it may run on.) The split
+// schedule is always recomputed, on the env stream XLA provides. Argument order:
+// inputs, then attributes, then results. Optional inputs are always passed (any
+// placeholder when absent) and `present` says which are real: bit 0 topk_length,
+// 1 attn_sink, 2 extra_k_cache + extra_indices_in_kvcache, 3 extra_topk_length
 // (sparse decode); bit 0 attn_sink, 1 topk_length (sparse prefill).
 
-/// [num_sm_parts, num_splits_len, workspace_bytes] for a decode call of these shapes
-/// (sparse != 0: sparse decode, h_kv ignored) on device (device_type: 1 CPU, 2 CUDA).
-ffi::Array<int64_t> decode_plan_sizes(bool sparse, int64_t device_type, int64_t device_id, int64_t b, int64_t s_q,
-                                      int64_t h_q, int64_t h_kv) {
-  flashmla::Device dev{device_type == kDLCUDA ? flashmla::DeviceType::kCUDA : flashmla::DeviceType::kCPU,
-                       static_cast<int>(device_id)};
-  if (device_type != kDLCPU && device_type != kDLCUDA)
-    TVM_FFI_THROW(ValueError) << "device_type: expected 1 (CPU) or 2 (CUDA), got " << device_type;
+constexpr int64_t kScratchAlign = 256;
+int64_t scratch_align(int64_t x) { return (x + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+
+flashmla::DecodePlan plan_for_shapes(bool sparse, flashmla::Device dev, int64_t b, int64_t s_q, int64_t h_q,
+                                     int64_t h_kv) {
   flashmla::DecodePlan plan;
   check(sparse ? flashmla::sparse_decode_plan_for_shapes(dev, b, s_q, h_q, &plan)
                : flashmla::dense_decode_plan_for_shapes(dev, b, s_q, h_q, h_kv, &plan));
-  return ffi::Array<int64_t>{plan.num_sm_parts, plan.num_splits_len, plan.workspace_bytes};
+  return plan;
+}
+
+int64_t scratch_bytes(const flashmla::DecodePlan& plan) {
+  return scratch_align(plan.num_sm_parts * flashmla::kTileSchedulerMetadataWidth * 4) +
+         scratch_align(plan.num_splits_len * 4) + scratch_align(plan.workspace_bytes);
+}
+
+/// Bytes of `scratch` a destination-passing decode call of these shapes needs on the device
+/// (device_type 1 = CPU, 2 = CUDA; sparse != 0: sparse decode, h_kv ignored).
+int64_t decode_scratch_bytes(bool sparse, int64_t device_type, int64_t device_id, int64_t b, int64_t s_q,
+                             int64_t h_q, int64_t h_kv) {
+  if (device_type != kDLCPU && device_type != kDLCUDA)
+    TVM_FFI_THROW(ValueError) << "device_type: expected 1 (CPU) or 2 (CUDA), got " << device_type;
+  flashmla::Device dev{device_type == kDLCUDA ? flashmla::DeviceType::kCUDA : flashmla::DeviceType::kCPU,
+                       static_cast<int>(device_id)};
+  return scratch_bytes(plan_for_shapes(sparse, dev, b, s_q, h_q, h_kv));
 }
 
 template <typename Params>
-void bind_decode_results(Params& p, ffi::TensorView out, ffi::TensorView lse, ffi::TensorView tsm,
-                         ffi::TensorView num_splits, ffi::TensorView workspace) {
+void bind_decode_results(Params& p, bool sparse, int64_t h_kv, ffi::TensorView out, ffi::TensorView lse,
+                         ffi::TensorView scratch) {
   p.out = to_ref(out, "out");
   p.lse = to_ref(lse, "lse");
-  p.tile_scheduler_metadata = to_ref(tsm, "tile_scheduler_metadata");
-  p.num_splits = to_ref(num_splits, "num_splits");
+  const int64_t b = p.q.shape[0];
+  const flashmla::DecodePlan plan = plan_for_shapes(sparse, p.q.device, b, p.q.shape[1], p.q.shape[2], h_kv);
+  TensorRef s = to_ref(scratch, "scratch");
+  if (s.ndim != 1 || s.shape[0] < scratch_bytes(plan) || s.device != p.q.device)
+    TVM_FFI_THROW(ValueError) << "scratch: expected a 1-D byte buffer of at least " << scratch_bytes(plan)
+                              << " bytes on the device of q, got " << (s.ndim == 1 ? s.shape[0] : -1) << " bytes";
+  char* base = static_cast<char*>(s.data);
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
+    TVM_FFI_THROW(ValueError) << "scratch: the buffer must be 16-byte aligned";
+  const int64_t tsm_bytes = scratch_align(plan.num_sm_parts * flashmla::kTileSchedulerMetadataWidth * 4);
+  const int64_t splits_bytes = scratch_align(plan.num_splits_len * 4);
+  p.tile_scheduler_metadata = flashmla::make_tensor_ref(base, DType::kInt32,
+                                                        {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth},
+                                                        p.q.device);
+  p.num_splits = flashmla::make_tensor_ref(base + tsm_bytes, DType::kInt32, {plan.num_splits_len}, p.q.device);
   p.metadata_ready = false;
-  p.workspace = workspace.data_ptr() == nullptr ? nullptr : static_cast<char*>(workspace.data_ptr()) + workspace.byte_offset();
-  p.workspace_bytes = workspace.numel();
+  p.workspace = plan.workspace_bytes > 0 ? base + tsm_bytes + splits_bytes : nullptr;
+  p.workspace_bytes = plan.workspace_bytes;
   p.stream = stream_for(p.q);
 }
 
 void dense_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView block_table,
                           ffi::TensorView cache_seqlens, int64_t head_dim_v, double softmax_scale, bool causal,
-                          ffi::TensorView out, ffi::TensorView lse, ffi::TensorView tsm, ffi::TensorView num_splits,
-                          ffi::TensorView workspace) {
+                          ffi::TensorView out, ffi::TensorView lse, ffi::TensorView scratch) {
   flashmla::DenseDecodeParams p;
   p.q = to_ref(q, "q");
   p.k_cache = to_ref(k_cache, "k_cache");
@@ -335,7 +363,9 @@ void dense_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tenso
   p.head_dim_v = head_dim_v;
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.causal = causal;
-  bind_decode_results(p, out, lse, tsm, num_splits, workspace);
+  flashmla::DecodePlan checked;
+  check(flashmla::dense_decode_plan(p, &checked));  // validates the inputs before scratch is carved
+  bind_decode_results(p, false, p.k_cache.shape[2], out, lse, scratch);
   check(flashmla::dense_decode_fwd(p));
 }
 
@@ -343,8 +373,7 @@ void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tens
                            ffi::TensorView topk_length, ffi::TensorView attn_sink, ffi::TensorView extra_k_cache,
                            ffi::TensorView extra_indices_in_kvcache, ffi::TensorView extra_topk_length,
                            int64_t head_dim_v, double softmax_scale, int64_t present, ffi::TensorView out,
-                           ffi::TensorView lse, ffi::TensorView tsm, ffi::TensorView num_splits,
-                           ffi::TensorView workspace) {
+                           ffi::TensorView lse, ffi::TensorView scratch) {
   flashmla::SparseDecodeParams p;
   p.q = to_ref(q, "q");
   p.k_cache = to_ref(k_cache, "k_cache");
@@ -358,7 +387,9 @@ void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tens
   if (present & 8) p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
   p.head_dim_v = head_dim_v;
   p.softmax_scale = static_cast<float>(softmax_scale);
-  bind_decode_results(p, out, lse, tsm, num_splits, workspace);
+  flashmla::DecodePlan checked;
+  check(flashmla::sparse_decode_plan(p, &checked));
+  bind_decode_results(p, true, 1, out, lse, scratch);
   check(flashmla::sparse_decode_fwd(p));
 }
 
@@ -433,7 +464,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_kv_cache, dequantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reinterpret_dtype, reinterpret_dtype);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reference_num_threads, reference_num_threads);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_plan_sizes, decode_plan_sizes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_scratch_bytes, decode_scratch_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd_dps, dense_decode_fwd_dps);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd_dps, sparse_decode_fwd_dps);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd_dps, sparse_prefill_fwd_dps);

@@ -4,7 +4,7 @@ JAX arrays (concrete or traced) go through ``jax.ffi.ffi_call`` to the
 destination-passing functions of the TVM-FFI module (``*_fwd_dps`` in
 bindings/tvm_ffi/module.cpp), registered as XLA FFI targets with the
 ``jax-tvm-ffi`` package. XLA allocates every result (sized here from shapes via
-``decode_plan_sizes``) and gives the call its own stream, so the kernels run on
+``decode_scratch_bytes``) and gives the call its own stream, so the kernels run on
 JAX's stream and the call can sit inside ``jax.jit`` (and XLA's CUDA graphs).
 The split schedule is recomputed by every call (on the GPU by a small kernel on
 that stream), so nothing depends on values at trace time.
@@ -79,20 +79,34 @@ def use_xla(q: Any) -> bool:
     return _have_jax_tvm_ffi() or isinstance(q, jax.core.Tracer)
 
 
-def _device_of(q: Any) -> Tuple[int, int]:
-    """(DLPack device type, id) the call will run on: q's device, or JAX's default backend under tracing."""
+@functools.lru_cache(maxsize=None)
+def _candidate_devices() -> Tuple[Tuple[int, int], ...]:
+    """(DLPack device type, id) of every device a traced call may be placed on: the CPU and,
+    with the CUDA backend, each GPU JAX sees."""
     import jax
 
-    try:
-        dev = next(iter(q.devices()))
-    except Exception:  # a tracer: placement is decided at lowering, on the default backend
-        dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return 1, 0
-    if dev.platform in ("gpu", "cuda"):
-        hw = getattr(dev, "local_hardware_id", None)
-        return 2, int(hw if hw is not None else dev.id)  # the CUDA ordinal
-    raise NotImplementedError(f"q: JAX platform {dev.platform!r} is not supported (CPU and CUDA GPUs are)")
+    devs = [(1, 0)]
+    if _ffi.has_cuda_backend():
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            gpus = []
+        for d in gpus:
+            hw = getattr(d, "local_hardware_id", None)
+            devs.append((2, int(hw if hw is not None else d.id)))
+    return tuple(devs)
+
+
+def _scratch_bytes(sparse: bool, b: int, s_q: int, h_q: int, h_kv: int) -> int:
+    """Scratch for the decode custom call (metadata + split-KV workspace), sized for every
+    candidate device: under jax.jit the placement is decided after the shapes are fixed."""
+    sizes = []
+    for dev_type, dev_id in _candidate_devices():
+        try:
+            sizes.append(int(_ffi.lib.decode_scratch_bytes(sparse, dev_type, dev_id, b, s_q, h_q, h_kv)))
+        except NotImplementedError:  # a GPU without the sm90 kernels: calls placed there raise anyway
+            pass
+    return max(sizes)
 
 
 def _placeholder(dtype: Any) -> Any:
@@ -106,20 +120,16 @@ def _decode_results(q: Any, out_dtype: Any, sparse: bool, h_kv: int) -> List[Any
     import jax.numpy as jnp
 
     b, s_q, h_q = (int(s) for s in q.shape[:3])
-    dev_type, dev_id = _device_of(q)
-    num_sm_parts, num_splits_len, ws_bytes = (int(v) for v in _ffi.lib.decode_plan_sizes(
-        sparse, dev_type, dev_id, b, s_q, h_q, h_kv))
     return [
         jax.ShapeDtypeStruct((b, s_q, h_q, 512), out_dtype),
         jax.ShapeDtypeStruct((b, h_q, s_q), jnp.float32),
-        jax.ShapeDtypeStruct((num_sm_parts, 8), jnp.int32),
-        jax.ShapeDtypeStruct((num_splits_len,), jnp.int32),
-        jax.ShapeDtypeStruct((max(ws_bytes, 0),), jnp.uint8),
+        jax.ShapeDtypeStruct((_scratch_bytes(sparse, b, s_q, h_q, h_kv),), jnp.uint8),
     ]
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softmax_scale: float, causal: bool):
-    """Dense decode as an XLA custom call. Returns (out, lse, tile_scheduler_metadata, num_splits)."""
+    """Dense decode as an XLA custom call. Returns (out, lse, None, None): the scheduler metadata
+    lives in the call's scratch buffer and is recomputed by every call."""
     import jax
     import jax.numpy as jnp
 
@@ -137,12 +147,12 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softma
         q, k_cache, block_table, cache_seqlens,
         head_dim_v=np.int64(head_dim_v), softmax_scale=np.float64(softmax_scale), causal=np.bool_(causal),
     )
-    return res[0], res[1], res[2], res[3]
+    return res[0], res[1], None, None
 
 
 def sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                   extra_topk_length, head_dim_v: int, softmax_scale: float):
-    """Sparse FP8 decode as an XLA custom call. Returns (out, lse, tile_scheduler_metadata, num_splits)."""
+    """Sparse FP8 decode as an XLA custom call. Returns (out, lse, None, None) (see dense_decode)."""
     import jax
     import jax.numpy as jnp
 
@@ -168,7 +178,7 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ex
     res = jax.ffi.ffi_call("flash_mla.sparse_decode_fwd_dps", results)(
         *args, head_dim_v=np.int64(head_dim_v), softmax_scale=np.float64(softmax_scale), present=np.int64(present),
     )
-    return res[0], res[1], res[2], res[3]
+    return res[0], res[1], None, None
 
 
 def sparse_prefill(q, kv, indices, sm_scale: float, d_v: int, attn_sink: Optional[Any], topk_length: Optional[Any]):

@@ -52,7 +52,9 @@ class FlashMLASchedMeta:
     :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too.
     On the GPU every call recomputes the schedule on its stream (lengths are never
     read back, which would synchronise), so stale metadata cannot occur there,
-    including inside CUDA graphs replayed with new lengths.
+    including inside CUDA graphs replayed with new lengths. JAX calls (XLA custom calls,
+    also under ``jax.jit``) keep the metadata inside the call and recompute it every time,
+    so there ``tile_scheduler_metadata`` and ``num_splits`` stay None.
     """
 
     @dataclasses.dataclass
@@ -276,11 +278,7 @@ def flash_mla_with_kvcache(
                     float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
                 )
     if use_jax:
-        import jax
-
-        out, lse, tsm, splits = res
-        if isinstance(tsm, jax.core.Tracer):  # never keep tracers beyond the traced function
-            tsm = splits = None
+        out, lse, tsm, splits = res  # metadata stays inside the XLA call (tsm = splits = None)
     else:
         out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
     if not sched.have_initialized:
