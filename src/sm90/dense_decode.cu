@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -119,7 +120,14 @@ bool out_vec_ok(const TensorRef& out) {
 
 }  // namespace
 
-bool device_supported(int device_id) {
+namespace {
+// Per-device answers of the two queries below, computed once: every call plans with them
+// (host overhead budget of a tiny decode is a few µs; the probes cost more than that).
+constexpr int kMaxCachedDevices = 64;
+std::atomic<int> g_supported[kMaxCachedDevices];  // 0 unknown, 1 yes, 2 no
+std::atomic<int> g_num_sms[kMaxCachedDevices];    // 0 unknown
+
+bool probe_device_supported(int device_id) {
   int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device_id) != cudaSuccess ||
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device_id) != cudaSuccess) {
@@ -137,11 +145,32 @@ bool device_supported(int device_id) {
   return ok;
 }
 
-int num_sms(int device_id) {
+int probe_num_sms(int device_id) {
   int n = 0;
   if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_id) != cudaSuccess) {
     cudaGetLastError();
     return 1;
+  }
+  return n;
+}
+}  // namespace
+
+bool device_supported(int device_id) {
+  if (device_id < 0 || device_id >= kMaxCachedDevices) return probe_device_supported(device_id);
+  int v = g_supported[device_id].load(std::memory_order_relaxed);
+  if (v == 0) {
+    v = probe_device_supported(device_id) ? 1 : 2;
+    g_supported[device_id].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+int num_sms(int device_id) {
+  if (device_id < 0 || device_id >= kMaxCachedDevices) return probe_num_sms(device_id);
+  int n = g_num_sms[device_id].load(std::memory_order_relaxed);
+  if (n == 0) {
+    n = probe_num_sms(device_id);
+    g_num_sms[device_id].store(n, std::memory_order_relaxed);
   }
   return n;
 }
