@@ -29,6 +29,7 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" selects the v1 kernel (A/B column)
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -134,6 +135,17 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
     kt = t[KERNEL]
     ct = t[COMBINE] if not math.isnan(t[COMBINE]) else 0.0
     tt = kt + ct
+    # A/B in the same process on the same inputs: the v1 kernel (FLASHMLA_SPARSE_DECODE_KERNEL=v1)
+    old = os.environ.get(ENV)
+    os.environ[ENV] = "v1"
+    try:
+        t1 = common.kernel_times_us(fn, [KERNEL, COMBINE], reps=10)
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
+    kt1 = t1[KERNEL]
     case = {
         "name": name,
         "params": {"b": b, "s_q": s_q, **cfg},
@@ -144,6 +156,8 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
         "anchor_tflops": anchor,
         "ratio_to_anchor": None if anchor is None else flop / tt / 1e6 / anchor,
         "ratio_kernel_only": None if anchor is None else flop / kt / 1e6 / anchor,
+        "kernel_default": os.environ.get(ENV, "v2"),
+        "v1_kernel_us": kt1, "v1_tflops_kernel_only": flop / kt1 / 1e6, "speedup_kernel_vs_v1": kt1 / kt,
     }
     del cache, kw
     torch.cuda.empty_cache()
@@ -165,7 +179,8 @@ def main():
         r = c["ratio_to_anchor"]
         print(f"{c['name']:26s} kernel {c['kernel_us']:8.1f} us combine {c['combine_us']:6.1f} us "
               f"{c['tflops']:6.1f} TFLOP/s (kernel only {c['tflops_kernel_only']:6.1f}) {c['gbps']:6.0f} GB/s "
-              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}", flush=True)
+              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}  "
+              f"v1 kernel {c['v1_kernel_us']:8.1f} us (x{c['speedup_kernel_vs_v1']:.2f})", flush=True)
         cases.append(c)
 
     for b, a in V32_ANCHORS.items():
@@ -187,7 +202,9 @@ def main():
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]
     rk = [c["ratio_kernel_only"] for c in cases if c["ratio_kernel_only"]]
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
-    print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases")
+    sp = [c["speedup_kernel_vs_v1"] for c in cases]
+    print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases; "
+          f"kernel speedup vs v1: geomean {gm(sp):.3f}, min {min(sp):.3f}, max {max(sp):.3f}")
 
 
 if __name__ == "__main__":
