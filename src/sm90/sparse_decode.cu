@@ -150,11 +150,12 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   return s;
 }
 
-/// FLASHMLA_SPARSE_DECODE_KERNEL=v1 selects the v1 kernel (A/B and fallback); default v2.
+/// FLASHMLA_SPARSE_DECODE_KERNEL=v2 selects the warp-specialised v2 kernel (experimental:
+/// not yet run to completion on a GPU, see bench/NOTES.md); default and "v1": v1.
 int sparse_decode_kernel_version() {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
-  if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
-  return 2;
+  if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
+  return 1;
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 // two bf16 K buffers. Full / empty mbarriers per buffer (producer: 128 arrivals; the
 // consumers: 256) replace v1's two CTA-wide barriers per block, so the dequant and
 // gather of the next block run under the MMAs of the current one.
-// Register split with setmaxnreg: producers kProdRegs, consumers kConsRegs.
+// Register split with setmaxnreg (32- and 64-row tiles): producers kProdRegs, consumers kConsRegs.
 // Slot validity, the joint main/extra block order and the outputs are v1's.
 // Only for 16-byte aligned caches (v1 keeps the byte-copy path).
 #pragma once
@@ -24,8 +24,13 @@ namespace ws {
 
 constexpr int kThreads = 384;
 constexpr int kConsumers = 256;
-constexpr int kProdRegs = 96;
-constexpr int kConsRegs = 208;  // 2 * 128 * 208 + 128 * 96 = 65536
+// setmaxnreg moves registers within the CTA's own pool, which holds what the launch gave it:
+// 384 threads x 168 (65536 / 384 rounded down to 8) = 64512, not the 65536 of the SM. Asking
+// for more makes setmaxnreg.inc wait forever (the first device run of v2 hung on 96 + 2 x 208).
+constexpr int kLaunchRegs = 168;
+constexpr int kProdRegs = 88;
+constexpr int kConsRegs = 208;
+static_assert(128 * kProdRegs + 256 * kConsRegs <= kThreads * kLaunchRegs, "register pool of the CTA");
 constexpr int kBarConsumers = 5;  // named barrier of the 256 consumer threads (1..4: row groups)
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
 
   if (tid >= ws::kConsumers) {
     // ======================= producer warpgroup =======================
-    ws::reg_dealloc<ws::kProdRegs>();
+    if constexpr (R > 1) ws::reg_dealloc<ws::kProdRegs>();  // 16-row tiles fit the launch's 168
     const int ptid = tid - ws::kConsumers;
     const int tok = ptid >> 1, hf = ptid & 1;
     int kc = 0;  // blocks produced so far (buffer kc & 1, phase (kc >> 1) & 1)
@@ -243,7 +248,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
   }
 
   // ======================= consumer warpgroups (v1's compute) =======================
-  ws::reg_alloc<ws::kConsRegs>();
+  if constexpr (R > 1) ws::reg_alloc<ws::kConsRegs>();
   const int warp = tid / 32, lane = tid % 32;
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
@@ -501,11 +506,11 @@ cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_part
   return cudaGetLastError();
 }
 
-/// v2 (warp-specialised) unless kp.kernel_version == 1 or a cache is not 16-byte aligned.
+/// v2 (warp-specialised) when kp.kernel_version == 2 and both caches are 16-byte aligned, else v1.
 template <Fmt F>
 cudaError_t launch_main_auto(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   const bool vec_ok = kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
-  if (kp.kernel_version == 1 || !vec_ok) return launch_main<F>(kp, num_sm_parts, stream);
+  if (kp.kernel_version != 2 || !vec_ok) return launch_main<F>(kp, num_sm_parts, stream);
   const int bm = tile_rows_for(kp.h_q);
   if (bm == 16) return launch_main_ws_r<F, 1>(kp, num_sm_parts, stream);
   if (bm == 32) return launch_main_ws_r<F, 2>(kp, num_sm_parts, stream);
