@@ -1,6 +1,6 @@
 """Sparse FP8 MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
 
-Usage: python bench/bench_sparse_decode.py [--out bench/results] [--quick]
+Usage: python bench/bench_sparse_decode.py [--out bench/results] [--quick] [--ab]
 
 Cases: FlashMLA's sparse-decode perf cases (spec §5.2; s_q=2, varlen, sink on):
 V3.2 (h_q 128, topk 2048, page 64, b 2/64/74/128), MODEL1 configs 1-4 (b 2..256), the
@@ -29,6 +29,7 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" selects the v1 kernel (A/B column)
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -113,7 +114,7 @@ def counts(b, s_q, h_q, d_qk, scopes):
     return flop, nbytes
 
 
-def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
+def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     gen = random.Random(seed)
     torch.manual_seed(seed)
     h_q, d_qk = cfg["h_q"], cfg["d_qk"]
@@ -134,6 +135,21 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
     kt = t[KERNEL]
     ct = t[COMBINE] if not math.isnan(t[COMBINE]) else 0.0
     tt = kt + ct
+    alt = {}
+    if ab:  # A/B in the same process on the same inputs: the other kernel through FLASHMLA_SPARSE_DECODE_KERNEL
+        saved = os.environ.get(ENV)
+        default = saved or "v1"
+        other = "v1" if default == "v2" else "v2"
+        os.environ[ENV] = other
+        try:
+            ka = common.kernel_times_us(fn, [KERNEL, COMBINE], reps=10)[KERNEL]
+        finally:
+            if saved is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved
+        alt = {"kernel_default": default, "alt_kernel": other, "alt_kernel_us": ka,
+               "alt_tflops_kernel_only": flop / ka / 1e6, "speedup_alt_vs_default": kt / ka}
     case = {
         "name": name,
         "params": {"b": b, "s_q": s_q, **cfg},
@@ -144,6 +160,7 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
         "anchor_tflops": anchor,
         "ratio_to_anchor": None if anchor is None else flop / tt / 1e6 / anchor,
         "ratio_kernel_only": None if anchor is None else flop / kt / 1e6 / anchor,
+        **alt,
     }
     del cache, kw
     torch.cuda.empty_cache()
@@ -154,6 +171,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ab", action="store_true", help=f"also time the other kernel ({ENV}=v1|v2) per case")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
@@ -161,11 +179,13 @@ def main():
     cases = []
 
     def add(*a, **kw):
-        c = bench_case(*a, ceil=ceil, **kw)
+        c = bench_case(*a, ceil=ceil, ab=args.ab, **kw)
         r = c["ratio_to_anchor"]
         print(f"{c['name']:26s} kernel {c['kernel_us']:8.1f} us combine {c['combine_us']:6.1f} us "
               f"{c['tflops']:6.1f} TFLOP/s (kernel only {c['tflops_kernel_only']:6.1f}) {c['gbps']:6.0f} GB/s "
-              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}", flush=True)
+              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}" +
+              (f"  {c['alt_kernel']} kernel {c['alt_kernel_us']:8.1f} us (x{c['speedup_alt_vs_default']:.2f})"
+               if "alt_kernel" in c else ""), flush=True)
         cases.append(c)
 
     for b, a in V32_ANCHORS.items():
@@ -188,6 +208,10 @@ def main():
     rk = [c["ratio_kernel_only"] for c in cases if c["ratio_kernel_only"]]
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases")
+    if args.ab:
+        sp = [c["speedup_alt_vs_default"] for c in cases]
+        print(f"{cases[0]['alt_kernel']} kernel speedup over the default: geomean {gm(sp):.3f}, "
+              f"min {min(sp):.3f}, max {max(sp):.3f}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "sm90/host_utils.h"
@@ -148,6 +150,14 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   return s;
 }
 
+/// FLASHMLA_SPARSE_DECODE_KERNEL=v2 selects the warp-specialised v2 kernel (experimental:
+/// not yet run to completion on a GPU, see bench/NOTES.md); default and "v1": v1.
+int sparse_decode_kernel_version() {
+  const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
+  if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
+  return 1;
+}
+
 }  // namespace
 
 int64_t sparse_decode_workspace_bytes(const SparseDecodeParams& p, int64_t num_sm_parts) {
@@ -222,6 +232,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    kp.kernel_version = sparse_decode_kernel_version();
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
                                       : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);

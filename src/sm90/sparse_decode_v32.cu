@@ -1,12 +1,12 @@
 // src/sm90/sparse_decode_v32.cu — instantiations of the sparse FP8 decode kernel
 // for the V32 format (d_qk 576, 656 bytes/token). One file per format so the
 // two compile in parallel.
-#include "sm90/sparse_decode_kernel.cuh"
+#include "sm90/sparse_decode_kernel_v2.cuh"
 
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  return sparse::launch_main<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
+  return sparse::launch_main_auto<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90
