@@ -5,7 +5,8 @@
 #   2. tools/check-abi.py on that wheel (no CPython symbols, no unstable torch C++ symbols,
 #      cp310-abi3 tag), plus abi3audit when it can be installed;
 #   3. the SAME wheel is installed into venv A and into venv B (torch 2.11) and
-#      tests/python/test_torch_ops.py runs in both (opcheck, torch.compile, values, errors).
+#      tests/python/test_torch_ops.py runs in both (opcheck, torch.compile, values, errors);
+#   4. and into a small venv without torch: the TVM-FFI path works, test_torch_ops skips.
 # Two venvs only (torch from PyPI pulls ~3 GB of CUDA libraries each); pip's cache is reused.
 # Env: PYTHON (interpreter for the venvs), FLASHMLA_CI_TORCH_NEW (default "torch"),
 # FLASHMLA_CI_TORCH_OLD (default "torch==2.11.*"), FLASHMLA_CI_VENVS (default build/ci-venvs).
@@ -14,8 +15,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH_NEW=${FLASHMLA_CI_TORCH_NEW:-torch}
 TORCH_OLD=${FLASHMLA_CI_TORCH_OLD:-torch==2.11.*}
-VENVS=${FLASHMLA_CI_VENVS:-build/ci-venvs}
-WHEELDIR=build/ci-wheel
+VENVS=$(realpath -m "${FLASHMLA_CI_VENVS:-build/ci-venvs}")
+WHEELDIR=$PWD/build/ci-wheel
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 RUNTIME_DEPS=("apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "numpy>=1.24,<3" "ml_dtypes>=0.4,<1" "rich>=13,<16"
               "tqdm>=4.60,<5" "pytest>=7,<10")
@@ -64,4 +65,13 @@ run_tests "$A" "$TORCH_NEW"
 echo "== torch ABI: the same wheel under $TORCH_OLD"
 make_venv "$VENVS/torch-old" "$TORCH_OLD"
 run_tests "$VENVS/torch-old/bin/python" "$TORCH_OLD"
+
+echo "== torch ABI: the same wheel without torch (TVM-FFI path only; a small venv)"
+NT="$VENVS/no-torch"
+[ -x "$NT/bin/python" ] || "$PY" -m venv "$NT"
+"$NT/bin/python" -m pip install -q "${RUNTIME_DEPS[@]}"
+"$NT/bin/python" -m pip install -q --force-reinstall --no-deps "$WHL"
+(cd tests/python && "$NT/bin/python" -c \
+  'import importlib.util as u, flash_mla, flash_mla._torch_ops as t; assert u.find_spec("torch") is None; assert not t.available(); print("   no torch:", t.load_error())')
+"$NT/bin/python" -m pytest -q -p no:cacheprovider tests/python/test_dense_decode.py tests/python/test_torch_ops.py
 stamp "done"

@@ -64,6 +64,12 @@ def load() -> bool:
     return ok
 
 
+# torch.compile: Dynamo runs load() eagerly and treats its result as a constant (what
+# torch._dynamo.assume_constant_result does; set directly so torch need not be imported here).
+# So the first call of a public function may happen inside a compiled region, fullgraph included.
+load._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def available() -> bool:
     """True if torch is installed and the op library loads (``torch.ops.flash_mla`` exists)."""
     return load()
@@ -232,3 +238,7 @@ def dequantize_kv_cache(packed, kv_cache, fmt):
     import torch
 
     return call(torch.ops.flash_mla.dequantize_kv_cache.default, packed, kv_cache, fmt)
+
+
+if "torch" in sys.modules:  # torch imported first: register torch.ops.flash_mla right away
+    load()
