@@ -380,3 +380,27 @@ def test_meta_device_tensors_use_fake_kernels():
                                                                512, 0.1)
     assert out.shape == (4, 2, 64, 512) and out.dtype == torch.bfloat16 and lse.shape == (4, 64, 2)
     assert tsm.shape[1] == 8 and ns.shape == (5,) and out.device.type == "meta"
+
+
+def test_first_call_inside_torch_compile_fresh_process(tmp_path):
+    """flash_mla imported before torch, first call of the process inside torch.compile(fullgraph=True):
+    the op library is loaded during tracing (as a Dynamo constant) without a graph break."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_call.py"
+    script.write_text(
+        "import flash_mla, torch\n"
+        "q = torch.randn(2, 1, 16, 576).to(torch.bfloat16)\n"
+        "k = torch.randn(4, 64, 1, 576).to(torch.bfloat16)\n"
+        "bt = torch.arange(4, dtype=torch.int32).reshape(2, 2)\n"
+        "ln = torch.tensor([70, 100], dtype=torch.int32)\n"
+        "def f(q, k, bt, ln):\n"
+        "    s, _ = flash_mla.get_mla_metadata()\n"
+        "    return flash_mla.flash_mla_with_kvcache(q, k, bt, ln, 512, s)\n"
+        "out, lse = torch.compile(f, fullgraph=True, backend='eager')(q, k, bt, ln)\n"
+        "ref = f(q, k, bt, ln)\n"
+        "assert torch.equal(out.view(torch.int16), ref[0].view(torch.int16)) and torch.equal(lse, ref[1])\n"
+        "print('OK')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
