@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
-# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-torch|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,7 +16,12 @@ for step in "$@"; do
     build)
       python3 -m pip install -q --no-build-isolation --no-deps --no-index . \
         -C cmake.define.FLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" -C build-dir=build/device 2>&1 | tail -40 | tee "$OUT/build.log"
-      python3 -c "import flash_mla; assert flash_mla.has_cuda_backend(); print('flash_mla CUDA backend OK')" || exit 1 ;;
+      python3 -c "import flash_mla; assert flash_mla.has_cuda_backend(); print('flash_mla CUDA backend OK')" || exit 1
+      # torch.ops.flash_mla (stable-ABI op library, built because torch is importable here) + its ABI check.
+      python3 -c "import torch, flash_mla._torch_ops as t; assert t.available(), t.load_error(); print('torch', torch.__version__, 'torch.ops.flash_mla OK:', t.library_path())" || exit 1
+      python3 tools/check-abi.py "$(python3 -c 'import flash_mla._torch_ops as t; print(t.library_path())')" 2>&1 | tee "$OUT/check-abi.log" ;;
+    pytest-torch)    # the torch.ops path: CPU + GPU tests (opcheck, compile, CUDA graphs, streams, 2 GPUs)
+      FLASHMLA_REQUIRE_TORCH_OPS=1 python3 -m pytest tests/python/test_torch_ops.py tests/gpu/test_torch_ops_gpu.py -q -rs 2>&1 | tee "$OUT/pytest-torch-ops.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     pytest)
       python3 -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     pytest-all)

@@ -18,3 +18,5 @@ fi
 # --no-build-isolation: the build sees the packages installed above (CUTLASS headers).
 $PY -m pip install -q --no-build-isolation --no-deps . ${FLASHMLA_PIP_ARGS:-}
 $PY -c "import flash_mla; print('flash_mla', flash_mla.__version__, '| sm_90a kernels built:', flash_mla.has_cuda_backend(), '(used when a compute-capability 9.0 GPU is present)')"
+# torch.ops.flash_mla (stable-ABI op library) is built when torch is importable here; else torch tensors use TVM-FFI.
+$PY -c "import importlib.util as u, flash_mla._torch_ops as t; print('torch.ops.flash_mla:', 'available' if u.find_spec('torch') and t.available() else 'not built/loaded (%s)' % (t.load_error() or 'torch not installed'))"

@@ -27,4 +27,12 @@ $PY -m pytest tests/python tests/gpu -q -rs "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
+
+# One abi3 wheel with the torch op library (stable ABI), ABI-checked and tested under the
+# newest torch and torch 2.11 (two venvs; see the script). FLASHMLA_SKIP_TORCH_ABI=1 skips it.
+if [ "${FLASHMLA_SKIP_TORCH_ABI:-0}" = "0" ]; then
+  start=$SECONDS
+  bash tools/torch-abi-ci.sh || rc=1
+  echo "== torch ABI stage: $((SECONDS - start)) s"
+fi
 exit "$rc"

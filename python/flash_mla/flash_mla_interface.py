@@ -21,6 +21,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _ffi
+from . import _torch_ops
 
 __all__ = [
     "FlashMLASchedMeta",
@@ -191,12 +192,17 @@ def flash_mla_with_kvcache(
         int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k_cache.shape[1]), int(k_cache.shape[2]),
         bool(causal), bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
     )
-    use_jax = _ffi.framework_of(q) == "jax" and _jax_use_xla(q)  # XLA custom call (jax.jit): _jax.py
+    # torch tensors take the torch.ops path (flash_mla/_torch_ops.py), JAX arrays XLA custom calls
+    # (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
+    use_torch = _torch_ops.handles(q, k_cache, block_table, cache_seqlens, indices, attn_sink, extra_k_cache,
+                                   extra_indices_in_kvcache, topk_length, extra_topk_length)
+    use_jax = not use_torch and _ffi.framework_of(q) == "jax" and _jax_use_xla(q)
     if use_jax:
         lengths = (None,) if topk is None else (None, None)  # that path recomputes the schedule every call
     else:
+        host_copy = _torch_ops.host_copy if use_torch else _host_copy
         lengths = (
-            (_host_copy(cache_seqlens),) if topk is None else (_host_copy(topk_length), _host_copy(extra_topk_length))
+            (host_copy(cache_seqlens),) if topk is None else (host_copy(topk_length), host_copy(extra_topk_length))
         )
     presence = (topk_length is not None, extra_topk_length is not None)
     if sched.have_initialized:
@@ -227,19 +233,26 @@ def flash_mla_with_kvcache(
     # On the GPU the schedule is recomputed on the stream by every call (a one-warp kernel,
     # CUDA-graph capturable), so a reused FlashMLASchedMeta can never be stale there, whatever
     # happened to the lengths (regression 6). On the CPU it is reused; changed lengths raise above.
-    reuse = (not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None
-             and not _on_device(q))
-    meta_in = (
-        (_ffi.to_ffi(sched.tile_scheduler_metadata, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
-        if reuse
-        else (None, None)
-    )
+    reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and not (
+        _torch_ops.on_device(q) if use_torch else _on_device(q))
+    if use_torch:
+        meta_in = (sched.tile_scheduler_metadata, sched.num_splits) if reuse else (None, None)
+    else:
+        meta_in = (
+            (_ffi.to_ffi(sched.tile_scheduler_metadata, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
+            if reuse
+            else (None, None)
+        )
     if topk is not None:
         if causal:
             raise ValueError("causal: sparse decoding (indices given) does not support causal=True")
         if not is_fp8_kvcache:
             raise ValueError("is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
-        if use_jax:
+        if use_torch:
+            res = _torch_ops.sparse_decode_fwd(
+                q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
+                extra_indices_in_kvcache, extra_topk_length, int(head_dim_v), float(softmax_scale))
+        elif use_jax:
             from . import _jax
 
             res = _jax.sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
@@ -265,7 +278,11 @@ def flash_mla_with_kvcache(
             raise NotImplementedError(
                 "is_fp8_kvcache: dense decoding reads a BF16/FP16 cache; FP8 caches need indices (sparse decoding)"
             )
-        if use_jax:
+        if use_torch:
+            res = _torch_ops.dense_decode_fwd(
+                q, k_cache, int(head_dim_v), cache_seqlens, block_table, float(softmax_scale), bool(causal),
+                meta_in[0], meta_in[1])
+        elif use_jax:
             from . import _jax
 
             res = _jax.dense_decode(q, k_cache, block_table, cache_seqlens, int(head_dim_v), float(softmax_scale),
@@ -277,8 +294,8 @@ def flash_mla_with_kvcache(
                     _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
                     float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
                 )
-    if use_jax:
-        out, lse, tsm, splits = res  # metadata stays inside the XLA call (tsm = splits = None)
+    if use_torch or use_jax:
+        out, lse, tsm, splits = res  # (JAX: the metadata stays inside the XLA call, tsm = splits = None)
     else:
         out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
     if not sched.have_initialized:
@@ -313,6 +330,8 @@ def flash_mla_sparse_fwd(
     """
     if sm_scale is None or isinstance(sm_scale, (str, bytes)):
         raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
+    if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
+        return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length))
     if _ffi.framework_of(q) == "jax" and _jax_use_xla(q):  # XLA custom call (works under jax.jit): _jax.py
         from . import _jax
 

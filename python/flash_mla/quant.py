@@ -14,6 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _ffi
+from . import _torch_ops
 
 FORMAT_V32 = 2  # flashmla::KVFormat::kFP8V32  (d_qk = 576, 656 bytes/token)
 FORMAT_MODEL1 = 3  # flashmla::KVFormat::kFP8Model1 (d_qk = 512, 584 bytes/token)
@@ -73,7 +74,10 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     if stride < pbs * _BYTES[fmt]:
         raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {pbs * _BYTES[fmt]}, got {stride}")
     packed = _alloc_packed(x, nb, pbs, fmt, stride)
-    _ffi.lib.quantize_kv_cache(_ffi.to_ffi(x, "kv_cache"), _ffi.to_ffi(packed, "packed"), fmt)
+    if _torch_ops.handles(x, packed):  # torch tensors: torch.ops.flash_mla
+        _torch_ops.quantize_kv_cache(x, packed, fmt)
+    else:
+        _ffi.lib.quantize_kv_cache(_ffi.to_ffi(x, "kv_cache"), _ffi.to_ffi(packed, "packed"), fmt)
     return packed.to(device) if device is not None and str(device) != "cpu" else packed
 
 
@@ -91,5 +95,8 @@ def dequantize_k_cache(packed: Any, d_qk: int = 576):
         out = torch.empty((nb, pbs, 1, _DIM[fmt]), dtype=torch.bfloat16)
     else:
         out = np.empty((nb, pbs, 1, _DIM[fmt]), dtype=_ffi._NP_BF16)
-    _ffi.lib.dequantize_kv_cache(_ffi.to_ffi(p, "packed"), _ffi.to_ffi(out, "kv_cache"), fmt)
+    if _torch_ops.handles(p, out):  # torch tensors: torch.ops.flash_mla
+        _torch_ops.dequantize_kv_cache(p, out, fmt)
+    else:
+        _ffi.lib.dequantize_kv_cache(_ffi.to_ffi(p, "packed"), _ffi.to_ffi(out, "kv_cache"), fmt)
     return out.to(device) if device is not None and str(device) != "cpu" else out

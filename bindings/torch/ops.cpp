@@ -1,0 +1,317 @@
+// PyTorch op library of flash_mla, built on PyTorch's stable ABI only.
+//
+// Registers `torch.ops.flash_mla.<op>` (schemas below) with CPU kernels (the
+// reference backend) and, in CUDA builds, CUDA kernels (the sm90 backend), over
+// the framework-free core (include/flashmla/ops.h). Everything torch-specific
+// goes through torch/csrc/stable/* and torch/headeronly/* (the stable C shim:
+// aoti_torch_* / torch_*), compiled with TORCH_TARGET_VERSION, so one binary
+// loads under every torch >= the target. No CPython symbols are used at all:
+// python/flash_mla/_torch_ops.py loads it with torch.ops.load_library.
+//
+// Outputs, scheduler metadata and workspace are allocated through torch (the
+// caching allocator: CUDA-graph capture works); CUDA kernels run on torch's
+// current stream of q's device, under a device guard for that device.
+//
+// Errors: the core's Status becomes a C++ exception carrying the message; its
+// Python class is encoded as a "[flash_mla:<Class>] " prefix, because the
+// stable ABI has no way to pick the Python exception class (every std::exception
+// surfaces as RuntimeError). The Python layer re-raises with the right class.
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flashmla/flashmla.h"
+
+#include <dlfcn.h>
+
+namespace {
+
+using flashmla::DType;
+using flashmla::Status;
+using flashmla::TensorRef;
+using torch::headeronly::ScalarType;
+using Tensor = torch::stable::Tensor;
+using OptTensor = std::optional<torch::stable::Tensor>;
+
+[[noreturn]] void raise(const char* cls, const std::string& msg) {
+  throw std::runtime_error(std::string("[flash_mla:") + cls + "] " + msg);
+}
+
+void check(const Status& st) {
+  if (st.ok()) return;
+  raise(flashmla::error_kind_name(st.kind), st.message);
+}
+
+/// A dtype as Python spells it (torch.float64 -> "float64").
+std::string torch_dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Double: return "float64";
+    case ScalarType::Bool: return "bool";
+    case ScalarType::Short: return "int16";
+    case ScalarType::ComplexFloat: return "complex64";
+    case ScalarType::ComplexDouble: return "complex128";
+    case ScalarType::Float8_e5m2: return "float8_e5m2";
+    default: return torch::headeronly::toString(t);
+  }
+}
+
+DType to_dtype(ScalarType t, const char* name) {
+  switch (t) {
+    case ScalarType::BFloat16: return DType::kBFloat16;
+    case ScalarType::Half: return DType::kFloat16;
+    case ScalarType::Float: return DType::kFloat32;
+    case ScalarType::Int: return DType::kInt32;
+    case ScalarType::Long: return DType::kInt64;
+    case ScalarType::Byte: return DType::kUInt8;
+    case ScalarType::Char: return DType::kInt8;
+    case ScalarType::Float8_e4m3fn: return DType::kFloat8E4M3;
+    default: break;
+  }
+  raise("TypeError", std::string(name) + ": unsupported dtype " + torch_dtype_name(t) +
+                         "; flash_mla takes bfloat16/float16 q and KV, int32 indices, lengths and block tables, "
+                         "float32 attn_sink, and uint8/int8/float8_e4m3fn FP8 cache bytes");
+}
+
+ScalarType to_scalar_type(DType d) {
+  switch (d) {
+    case DType::kBFloat16: return ScalarType::BFloat16;
+    case DType::kFloat16: return ScalarType::Half;
+    case DType::kFloat32: return ScalarType::Float;
+    case DType::kInt32: return ScalarType::Int;
+    case DType::kInt64: return ScalarType::Long;
+    case DType::kUInt8: return ScalarType::Byte;
+    case DType::kInt8: return ScalarType::Char;
+    case DType::kFloat8E4M3: return ScalarType::Float8_e4m3fn;
+  }
+  return ScalarType::Float;
+}
+
+/// torch tensor -> core TensorRef (data pointer already includes the storage offset).
+TensorRef to_ref(const Tensor& t, const char* name) {
+  TensorRef r;
+  r.defined = true;
+  r.dtype = to_dtype(t.scalar_type(), name);
+  const int64_t ndim = t.dim();
+  if (ndim > flashmla::kMaxTensorDims)
+    raise("ValueError", std::string(name) + ": at most " + std::to_string(flashmla::kMaxTensorDims) +
+                            " dimensions, got " + std::to_string(ndim));
+  r.ndim = static_cast<int32_t>(ndim);
+  for (int64_t i = 0; i < ndim; ++i) {
+    r.shape[i] = t.size(i);
+    r.stride[i] = t.stride(i);
+  }
+  r.data = t.numel() == 0 ? nullptr : t.data_ptr();
+  if (t.is_cpu()) {
+    r.device = {flashmla::DeviceType::kCPU, 0};
+  } else if (t.is_cuda()) {
+    r.device = {flashmla::DeviceType::kCUDA, t.get_device_index()};
+  } else {
+    raise("ValueError", std::string(name) + ": unsupported device (expected a CPU or CUDA tensor)");
+  }
+  return r;
+}
+
+TensorRef to_ref(const OptTensor& t, const char* name) { return t.has_value() ? to_ref(*t, name) : TensorRef{}; }
+
+/// New uninitialised tensor on the device of `like`, through torch's allocator.
+Tensor alloc(const Tensor& like, std::vector<int64_t> shape, DType dtype) {
+  return torch::stable::new_empty(like, shape, to_scalar_type(dtype));
+}
+
+/// Sets the current device to q's for CUDA tensors (regression 9), no-op on the CPU.
+struct MaybeDeviceGuard {
+  std::optional<torch::stable::accelerator::DeviceGuard> guard;
+  explicit MaybeDeviceGuard(const TensorRef& q) {
+    if (q.device.type == flashmla::DeviceType::kCUDA) guard.emplace(q.device.id);
+  }
+};
+
+/// aoti_torch_get_current_cuda_stream of the stable C shim. It lives in libtorch_cuda, which a
+/// CPU-only torch lacks, so it is looked up in the already-loaded library instead of being linked:
+/// the op library then loads under every torch build.
+using GetStreamFn = int32_t (*)(int32_t, void**);
+GetStreamFn get_current_cuda_stream_fn() {
+  static const GetStreamFn fn = []() -> GetStreamFn {
+    void* h = dlopen("libtorch_cuda.so", RTLD_LAZY | RTLD_NOLOAD);
+    void* sym = h != nullptr ? dlsym(h, "aoti_torch_get_current_cuda_stream") : nullptr;
+    if (sym == nullptr) sym = dlsym(RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    return reinterpret_cast<GetStreamFn>(sym);
+  }();
+  return fn;
+}
+
+void* stream_for(const TensorRef& q) {
+  if (q.device.type != flashmla::DeviceType::kCUDA) return nullptr;
+  const GetStreamFn get_stream = get_current_cuda_stream_fn();
+  if (get_stream == nullptr)
+    raise("RuntimeError", "this torch has no CUDA support (aoti_torch_get_current_cuda_stream not found)");
+  void* s = nullptr;
+  if (get_stream(q.device.id, &s) != 0)
+    raise("RuntimeError", "cannot get the current CUDA stream of device " + std::to_string(q.device.id));
+  return s;
+}
+
+using DecodeResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+
+/// Shared tail of both decode ops: plan, allocate, run. Returns (out, lse, tile_scheduler_metadata, num_splits);
+/// the metadata outputs are always fresh tensors (copies of the given ones when the caller passes them).
+template <typename Params>
+DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTensor& tsm_in,
+                        const OptTensor& num_splits_in, Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
+                        Status (*fwd_fn)(const Params&)) {
+  MaybeDeviceGuard guard(p.q);
+  if (tsm_in.has_value() != num_splits_in.has_value())
+    raise("ValueError", "tile_scheduler_metadata and num_splits must be given together");
+  flashmla::DecodePlan plan;
+  check(plan_fn(p, &plan));
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
+  Tensor out = alloc(q, {b, s_q, h_q, p.head_dim_v}, out_dtype);
+  Tensor lse = alloc(q, {b, h_q, s_q}, DType::kFloat32);
+  Tensor tsm = alloc(q, {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
+  Tensor splits = alloc(q, {plan.num_splits_len}, DType::kInt32);
+  if (tsm_in.has_value()) {
+    // Validated by the core (shape / dtype / device) before the copy is read.
+    p.tile_scheduler_metadata = to_ref(*tsm_in, "tile_scheduler_metadata");
+    p.num_splits = to_ref(*num_splits_in, "num_splits");
+    p.metadata_ready = true;
+  } else {
+    p.tile_scheduler_metadata = to_ref(tsm, "tile_scheduler_metadata");
+    p.num_splits = to_ref(splits, "num_splits");
+    p.metadata_ready = false;
+  }
+  Tensor ws = alloc(q, {plan.workspace_bytes > 0 ? plan.workspace_bytes : 1}, DType::kUInt8);
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = plan.workspace_bytes;
+  p.stream = stream_for(p.q);
+  check(fwd_fn(p));
+  if (tsm_in.has_value()) {
+    torch::stable::copy_(tsm, *tsm_in);
+    torch::stable::copy_(splits, *num_splits_in);
+  }
+  return {out, lse, tsm, splits};
+}
+
+// ------------------------------------------------------------------ ops
+DecodeResult dense_decode_fwd(Tensor q, Tensor k_cache, int64_t head_dim_v, Tensor cache_seqlens, Tensor block_table,
+                              double softmax_scale, bool causal, OptTensor tile_scheduler_metadata,
+                              OptTensor num_splits) {
+  flashmla::DenseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.block_table = to_ref(block_table, "block_table");
+  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  return run_decode(p, q, p.q.dtype, tile_scheduler_metadata, num_splits, flashmla::dense_decode_plan,
+                    flashmla::dense_decode_fwd);
+}
+
+DecodeResult sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, OptTensor topk_length, OptTensor attn_sink,
+                               OptTensor tile_scheduler_metadata, OptTensor num_splits, OptTensor extra_k_cache,
+                               OptTensor extra_indices_in_kvcache, OptTensor extra_topk_length, int64_t head_dim_v,
+                               double softmax_scale) {
+  flashmla::SparseDecodeParams p;
+  p.q = to_ref(q, "q");
+  p.k_cache = to_ref(k_cache, "k_cache");
+  p.indices = to_ref(indices, "indices");
+  p.topk_length = to_ref(topk_length, "topk_length");
+  p.attn_sink = to_ref(attn_sink, "attn_sink");
+  p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
+  p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
+  p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  return run_decode(p, q, DType::kBFloat16, tile_scheduler_metadata, num_splits, flashmla::sparse_decode_plan,
+                    flashmla::sparse_decode_fwd);
+}
+
+std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, double sm_scale,
+                                                      int64_t d_v, OptTensor attn_sink, OptTensor topk_length) {
+  flashmla::SparsePrefillParams p;
+  p.q = to_ref(q, "q");
+  p.kv = to_ref(kv, "kv");
+  p.indices = to_ref(indices, "indices");
+  p.attn_sink = to_ref(attn_sink, "attn_sink");
+  p.topk_length = to_ref(topk_length, "topk_length");
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.d_v = d_v;
+  MaybeDeviceGuard guard(p.q);
+  int64_t ws_bytes = 0;
+  check(flashmla::sparse_prefill_plan(p, &ws_bytes));
+  const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1];
+  Tensor out = alloc(q, {s_q, h_q, d_v}, DType::kBFloat16);
+  Tensor max_logits = alloc(q, {s_q, h_q}, DType::kFloat32);
+  Tensor lse = alloc(q, {s_q, h_q}, DType::kFloat32);
+  Tensor ws = alloc(q, {ws_bytes > 0 ? ws_bytes : 1}, DType::kUInt8);
+  p.out = to_ref(out, "out");
+  p.max_logits = to_ref(max_logits, "max_logits");
+  p.lse = to_ref(lse, "lse");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::sparse_prefill_fwd(p));
+  return {out, max_logits, lse};
+}
+
+flashmla::KVFormat to_format(int64_t format) {
+  if (format != static_cast<int64_t>(flashmla::KVFormat::kFP8V32) &&
+      format != static_cast<int64_t>(flashmla::KVFormat::kFP8Model1))
+    raise("ValueError", "format: expected 2 (V32) or 3 (MODEL1), got " + std::to_string(format));
+  return static_cast<flashmla::KVFormat>(format);
+}
+
+/// Writes the FP8 bytes of `kv_cache` (bf16) into `packed` (CPU tensors).
+void quantize_kv_cache(Tensor kv_cache, Tensor packed, int64_t format) {
+  check(flashmla::quantize_kv_cache(to_format(format), to_ref(kv_cache, "kv_cache"), to_ref(packed, "packed")));
+}
+
+/// Writes the bf16 values of `packed` into `kv_cache` (CPU tensors).
+void dequantize_kv_cache(Tensor packed, Tensor kv_cache, int64_t format) {
+  check(flashmla::dequantize_kv_cache(to_format(format), to_ref(packed, "packed"), to_ref(kv_cache, "kv_cache")));
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY(flash_mla, m) {
+  m.def(
+      "dense_decode_fwd(Tensor q, Tensor k_cache, int head_dim_v, Tensor cache_seqlens, Tensor block_table, "
+      "float softmax_scale, bool causal, Tensor? tile_scheduler_metadata=None, Tensor? num_splits=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+      "Tensor? tile_scheduler_metadata, Tensor? num_splits, Tensor? extra_k_cache, Tensor? extra_indices_in_kvcache, "
+      "Tensor? extra_topk_length, int head_dim_v, float softmax_scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, "
+      "Tensor? topk_length=None) -> (Tensor, Tensor, Tensor)");
+  m.def("quantize_kv_cache(Tensor kv_cache, Tensor(a!) packed, int format) -> ()");
+  m.def("dequantize_kv_cache(Tensor packed, Tensor(a!) kv_cache, int format) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(flash_mla, CPU, m) {
+  m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
+  m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
+  m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
+  m.impl("quantize_kv_cache", TORCH_BOX(&quantize_kv_cache));
+  m.impl("dequantize_kv_cache", TORCH_BOX(&dequantize_kv_cache));
+}
+
+#ifdef FLASHMLA_WITH_CUDA
+STABLE_TORCH_LIBRARY_IMPL(flash_mla, CUDA, m) {
+  m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
+  m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
+  m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
+}
+#endif

@@ -1,0 +1,244 @@
+"""The PyTorch way in: ``torch.ops.flash_mla.*``, a native op library on torch's stable ABI.
+
+``libflashmla_torch.so`` (bindings/torch/ops.cpp) registers the ops below with CPU kernels
+(the reference backend) and, in CUDA builds, CUDA kernels (the sm90 backend). This module
+loads it, registers their fake (meta) kernels for torch.compile / FakeTensor, and offers
+the helpers that :mod:`flash_mla.flash_mla_interface` uses to send torch tensors here
+(everything else goes through TVM-FFI, :mod:`flash_mla._ffi`).
+
+Ops (schemas in ops.cpp):
+  dense_decode_fwd, sparse_decode_fwd -> (out, lse, tile_scheduler_metadata, num_splits)
+  sparse_prefill_fwd                  -> (out, max_logits, lse)
+  quantize_kv_cache, dequantize_kv_cache (write into their second argument; CPU tensors)
+
+The op library reports the core's error classes as a ``[flash_mla:<Class>]`` prefix of a
+RuntimeError (the stable ABI cannot choose Python exception classes); :func:`call` re-raises
+them as ValueError / TypeError / NotImplementedError with the plain message, so both ways in
+raise the same exceptions.
+
+Set ``FLASHMLA_DISABLE_TORCH_OPS=1`` to send torch tensors through TVM-FFI instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any, Optional
+
+_LIB_NAME = "libflashmla_torch.so"
+_state: dict = {"loaded": None, "error": None}
+_ERROR_CLASSES = {
+    "ValueError": ValueError,
+    "TypeError": TypeError,
+    "NotImplementedError": NotImplementedError,
+    "RuntimeError": RuntimeError,
+}
+_PREFIX = re.compile(r"\[flash_mla:(\w+)\] ")
+
+
+def library_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.environ.get("FLASHMLA_TORCH_LIB", os.path.join(here, _LIB_NAME))
+
+
+def load() -> bool:
+    """Load the op library once (needs torch); True if ``torch.ops.flash_mla`` is usable."""
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    ok = False
+    if os.environ.get("FLASHMLA_DISABLE_TORCH_OPS", "") not in ("", "0"):
+        _state["error"] = "disabled by FLASHMLA_DISABLE_TORCH_OPS"
+    elif not os.path.exists(library_path()):
+        _state["error"] = f"{library_path()} not found (package built without torch)"
+    else:
+        try:
+            import torch
+
+            torch.ops.load_library(library_path())
+            _register_fakes(torch)
+            ok = True
+        except Exception as e:  # an incompatible torch (older than the ABI target) etc.
+            _state["error"] = f"{type(e).__name__}: {e}"
+    _state["loaded"] = ok
+    return ok
+
+
+# torch.compile: Dynamo runs load() eagerly and treats its result as a constant (what
+# torch._dynamo.assume_constant_result does; set directly so torch need not be imported here).
+# So the first call of a public function may happen inside a compiled region, fullgraph included.
+load._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def available() -> bool:
+    """True if torch is installed and the op library loads (``torch.ops.flash_mla`` exists)."""
+    return load()
+
+
+def load_error() -> Optional[str]:
+    """Why :func:`available` is False (None when it is True or not tried yet)."""
+    return _state["error"]
+
+
+def handles(*tensors: Any) -> bool:
+    """True if every non-None argument is a torch.Tensor and the op library is loaded.
+
+    Only then does a public function take the torch.ops path; mixed frameworks, NumPy, JAX,
+    ... keep the TVM-FFI path. (torch is never imported here: a torch.Tensor implies it is.)
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    for t in tensors:
+        if t is not None and not isinstance(t, torch.Tensor):
+            return False
+    return load()
+
+
+def call(op: Any, *args: Any) -> Any:
+    """Run ``op(*args)``; a ``[flash_mla:<Class>]`` RuntimeError is re-raised as that class."""
+    import torch
+
+    if torch.compiler.is_compiling():
+        return op(*args)
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        m = _PREFIX.search(msg)
+        if m is None:
+            raise
+        cls = _ERROR_CLASSES.get(m.group(1), RuntimeError)
+        text = msg[m.end():]
+        # torch may append a C++ backtrace / "Exception raised from" trailer; keep the message line(s).
+        for marker in ("\nException raised from", "\nFrame "):
+            cut = text.find(marker)
+            if cut >= 0:
+                text = text[:cut]
+        raise cls(text.rstrip()) from None
+
+
+def host_copy(x: Any):
+    """NumPy copy of a small CPU int tensor (None for device tensors and while compiling)."""
+    import torch
+
+    if x is None or torch.compiler.is_compiling() or x.device.type != "cpu":
+        return None
+    try:
+        return x.detach().numpy().copy()
+    except Exception:  # unsupported dtype: the op reports it, naming the argument
+        return None
+
+
+def on_device(x: Any) -> bool:
+    return x.device.type != "cpu"
+
+
+# ----------------------------------------------------------------------------- fake kernels
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device: Any) -> int:
+    """SMs of a CUDA device; the reference backend's worker count on the CPU (as the core's num_sms)."""
+    key = (device.type, device.index)
+    if key not in _NUM_SMS:
+        if device.type == "cuda":
+            import torch
+
+            _NUM_SMS[key] = int(torch.cuda.get_device_properties(device).multi_processor_count)
+        else:
+            from . import _ffi
+
+            _NUM_SMS[key] = _ffi.reference_num_threads()
+    return _NUM_SMS[key]
+
+
+def _dense_num_sm_parts(torch, num_sms, s_q, h_q, h_kv):
+    rows = s_q * (h_q // h_kv)
+    return torch.sym_max(num_sms // h_kv // ((rows + 63) // 64), 1)
+
+
+def _sparse_num_sm_parts(torch, num_sms, s_q, h_q):
+    return torch.sym_max(num_sms // s_q // torch.sym_max(h_q // 64, 1), 1)
+
+
+def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts):
+    b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
+    return (
+        q.new_empty((b, s_q, h_q, head_dim_v), dtype=out_dtype),
+        q.new_empty((b, h_q, s_q), dtype=torch.float32),
+        q.new_empty((num_sm_parts, 8), dtype=torch.int32),
+        q.new_empty((b + 1,), dtype=torch.int32),
+    )
+
+
+def _register_fakes(torch) -> None:
+    lib = "flash_mla::"
+
+    @torch.library.register_fake(lib + "dense_decode_fwd")
+    def _dense_decode_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
+                           tile_scheduler_metadata=None, num_splits=None):
+        parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
+        return _decode_outputs(torch, q, q.dtype, head_dim_v, parts)
+
+    @torch.library.register_fake(lib + "sparse_decode_fwd")
+    def _sparse_decode_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                            extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+        parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
+        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts)
+
+    @torch.library.register_fake(lib + "sparse_prefill_fwd")
+    def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        s_q, h_q = q.shape[0], q.shape[1]
+        return (
+            q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
+            q.new_empty((s_q, h_q), dtype=torch.float32),
+            q.new_empty((s_q, h_q), dtype=torch.float32),
+        )
+
+    @torch.library.register_fake(lib + "quantize_kv_cache")
+    def _quantize_fake(kv_cache, packed, format):
+        return None
+
+    @torch.library.register_fake(lib + "dequantize_kv_cache")
+    def _dequantize_fake(packed, kv_cache, format):
+        return None
+
+
+# ----------------------------------------------------------------------------- entry points
+def dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm, num_splits):
+    import torch
+
+    return call(torch.ops.flash_mla.dense_decode_fwd.default, q, k_cache, head_dim_v, cache_seqlens, block_table,
+                softmax_scale, causal, tsm, num_splits)
+
+
+def sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                      extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+    import torch
+
+    return call(torch.ops.flash_mla.sparse_decode_fwd.default, q, k_cache, indices, topk_length, attn_sink, tsm,
+                num_splits, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+
+
+def sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
+    import torch
+
+    return call(torch.ops.flash_mla.sparse_prefill_fwd.default, q, kv, indices, sm_scale, d_v, attn_sink,
+                topk_length)
+
+
+def quantize_kv_cache(kv_cache, packed, fmt):
+    import torch
+
+    return call(torch.ops.flash_mla.quantize_kv_cache.default, kv_cache, packed, fmt)
+
+
+def dequantize_kv_cache(packed, kv_cache, fmt):
+    import torch
+
+    return call(torch.ops.flash_mla.dequantize_kv_cache.default, packed, kv_cache, fmt)
+
+
+if "torch" in sys.modules:  # torch imported first: register torch.ops.flash_mla right away
+    load()

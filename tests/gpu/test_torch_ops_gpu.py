@@ -1,0 +1,241 @@
+"""torch.ops.flash_mla on the GPU (sm90): opcheck on CUDA, torch.compile with inductor, CUDA
+graphs (regression 6: capture a decode step once, replay with new lengths and a smaller real
+batch), ordering on a non-default stream, and inputs on a second GPU (regression 9).
+
+Skipped without an sm90 GPU and a CUDA build (conftest.py); the 2-GPU tests also skip with
+fewer than two GPUs. CPU versions: tests/python/test_torch_ops.py.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import flash_mla  # noqa: E402
+from flash_mla import _torch_ops  # noqa: E402
+from torch_reference import check_close  # noqa: E402
+
+import test_dense_decode_gpu as dense_t  # noqa: E402  (data generator + CPU-reference comparator)
+import test_sparse_decode_gpu as sparse_t  # noqa: E402
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2 if torch.cuda.is_available() else True,
+                              reason="needs two GPUs")
+
+
+@pytest.fixture(autouse=True)
+def _need_ops():
+    assert _torch_ops.available(), _torch_ops.load_error()
+
+
+@pytest.fixture
+def count_torch_calls(monkeypatch):
+    calls = []
+    real = _torch_ops.call
+
+    def spy(op, *args):
+        calls.append(str(op))
+        return real(op, *args)
+
+    monkeypatch.setattr(_torch_ops, "call", spy)
+    return calls
+
+
+def dense_inputs(b=4, lens=(300, 0, 4000, 77), s_q=1, h_q=64, device="cuda", seed=3):
+    q, k, bt, ln = dense_t.make_case(b, s_q, h_q, 1, 576, list(lens), seed=seed)
+    return (q, k, bt, ln), tuple(t.to(device) for t in (q, k, bt, ln))
+
+
+def sparse_case(b=4, seed=5):
+    return sparse_t.Case(seed, b=b, s_q=2, h_q=64, d_qk=576, main=(600, 256, 64), extra=(300, 128, 2), topk_len=True,
+                         extra_topk_len=True, poison_beyond_length=False)
+
+
+def prefill_inputs(device, seed=7, s_q=33, s_kv=300, topk=128, h_q=64):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(s_q, h_q, 576, generator=g) / 10).to(torch.bfloat16)
+    kv = (torch.randn(s_kv, 1, 576, generator=g) / 10).to(torch.bfloat16)
+    idx = torch.randint(-1, s_kv, (s_q, 1, topk), generator=g, dtype=torch.int32)
+    sink = torch.randn(h_q, generator=g)
+    tl = torch.randint(0, topk + 1, (s_q,), generator=g, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, kv, idx, sink, tl))
+
+
+def prefill_check(res, cpu_args, sm_scale=0.1):
+    ref = flash_mla.flash_mla_sparse_fwd(cpu_args[0], cpu_args[1], cpu_args[2], sm_scale, 512, *cpu_args[3:])
+    # Tolerances of tests/gpu/test_sparse_prefill_gpu.py.
+    check_close("out", res[0].float(), ref[0].float(), 8e-4, 3.01 / 128, 7e-6)
+    check_close("max_logits", res[1], ref[1], 1e-6, 2.01 / 65536, 1e-7)
+    check_close("lse", res[2], ref[2], 1e-6, 2.01 / 65536, 1e-7)
+
+
+# ----------------------------------------------------------------------------- routing + values
+def test_public_functions_use_torch_ops_on_cuda(count_torch_calls):
+    cpu, cu = dense_inputs()
+    out, lse = dense_t.run(*cu, False)
+    dense_t.compare(*cpu, False, out, lse)
+    c = sparse_case()
+    q, k, kw = c.args("cuda")
+    out, lse = sparse_t.run_sparse(q, k, kw)
+    sparse_t.compare(out, lse, *sparse_t.reference(c))
+    res = flash_mla.flash_mla_sparse_fwd(*prefill_inputs("cuda")[:3], 0.1, 512, *prefill_inputs("cuda")[3:])
+    prefill_check(res, prefill_inputs("cpu"))
+    assert {"flash_mla.dense_decode_fwd.default", "flash_mla.sparse_decode_fwd.default",
+            "flash_mla.sparse_prefill_fwd.default"} <= set(count_torch_calls)
+
+
+# ----------------------------------------------------------------------------- opcheck
+def test_opcheck_cuda():
+    _, (q, k, bt, ln) = dense_inputs(b=2, lens=(100, 700))
+    torch.library.opcheck(torch.ops.flash_mla.dense_decode_fwd.default, (q, k, 512, ln, bt, 576**-0.5, False))
+    c = sparse_case(b=2)
+    sq, sk, kw = c.args("cuda")
+    torch.library.opcheck(torch.ops.flash_mla.sparse_decode_fwd.default,
+                          (sq, sk, kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), None, None,
+                           kw.get("extra_k_cache"), kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"),
+                           512, 0.05))
+    pq, pkv, pidx, sink, tl = prefill_inputs("cuda")
+    torch.library.opcheck(torch.ops.flash_mla.sparse_prefill_fwd.default, (pq, pkv, pidx, 0.1, 512, sink, tl))
+
+
+# ----------------------------------------------------------------------------- torch.compile (inductor)
+def test_compile_inductor_fullgraph():
+    torch._dynamo.reset()
+    cpu, cu = dense_inputs()
+
+    def dense_fn(q, k, bt, ln):
+        sched, _ = flash_mla.get_mla_metadata()
+        out, lse = flash_mla.flash_mla_with_kvcache(q * 1, k, bt, ln, 512, sched)
+        return out.float() + 1, lse
+
+    ref = dense_fn(*cu)
+    got = torch.compile(dense_fn, fullgraph=True)(*cu)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+    c = sparse_case()
+    q, k, kw = c.args("cuda")
+
+    def sparse_fn(q, k):
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, k, None, None, 512, sched, **kw)
+
+    ref = sparse_fn(q, k)
+    got = torch.compile(sparse_fn, fullgraph=True)(q, k)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+    pargs = prefill_inputs("cuda")
+
+    def prefill_fn(q, kv, idx, sink, tl):
+        out, ml, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.1, 512, sink, tl)
+        return out, ml.exp(), lse
+
+    ref = prefill_fn(*pargs)
+    got = torch.compile(prefill_fn, fullgraph=True)(*pargs)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs (regression 6)
+def test_cuda_graph_capture_once_replay_new_lengths_smaller_batch():
+    b_cap = 8
+    cpu, (q, k, bt, ln) = dense_inputs(b=b_cap, lens=[4096] * b_cap, h_q=128, seed=11)
+    sched, _ = flash_mla.get_mla_metadata()
+    dense_t.run(q, k, bt, ln, False, sched)  # warm-up (and scheduler object initialised) outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = dense_t.run(q, k, bt, ln, False, sched)
+    gen = torch.Generator().manual_seed(12)
+    for it in range(4):
+        new = torch.randint(0, 4097, (b_cap,), generator=gen, dtype=torch.int32)
+        real_b = b_cap - 1 - it  # the real batch shrinks: the tail requests are padding (length 0)
+        new[real_b:] = 0
+        ln.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_lse = dense_t.run(q, k, bt, ln, False)
+        assert torch.equal(out, eager_out) and torch.equal(lse, eager_lse)
+        dense_t.compare(cpu[0], cpu[1], cpu[2], new, False, out, lse)
+
+
+def test_cuda_graph_sparse_decode_replay():
+    b = 8
+    c = sparse_case(b=b, seed=21)
+    q, k, kw = c.args("cuda")
+    sparse_t.run_sparse(q, k, kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = sparse_t.run_sparse(q, k, kw)
+    gen = torch.Generator().manual_seed(22)
+    for _ in range(2):
+        tl = torch.randint(0, 257, (b,), generator=gen, dtype=torch.int32)
+        tl[b // 2:] = 0
+        kw["topk_length"].copy_(tl)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = sparse_t.run_sparse(q, k, kw)
+        assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+        c.main.topk_length = tl
+        sparse_t.compare(out, lse, *sparse_t.reference(c))
+
+
+# ----------------------------------------------------------------------------- streams
+def test_runs_on_the_current_non_default_stream():
+    cpu, (q, k, bt, ln) = dense_inputs(seed=31)
+    pq, pkv, pidx, sink, tl = prefill_inputs("cuda")
+    s = torch.cuda.Stream()
+    q_late, pq_late = torch.zeros_like(q), torch.zeros_like(pq)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(200_000_000)  # the copies below land long after the ops would run on another stream
+        q_late.copy_(q)
+        pq_late.copy_(pq)
+        out, lse = dense_t.run(q_late, k, bt, ln, False)
+        res = flash_mla.flash_mla_sparse_fwd(pq_late, pkv, pidx, 0.1, 512, sink, tl)
+    s.synchronize()
+    dense_t.compare(*cpu, False, out, lse)
+    prefill_check(res, prefill_inputs("cpu"))
+
+
+# ----------------------------------------------------------------------------- second GPU (regression 9)
+@two_gpus
+def test_inputs_on_second_gpu_run_there():
+    torch.cuda.set_device(0)
+    cpu, (q, k, bt, ln) = dense_inputs(device="cuda:1", seed=41)
+    out, lse = dense_t.run(q, k, bt, ln, False)
+    assert out.device == torch.device("cuda:1") and lse.device == torch.device("cuda:1")
+    assert torch.cuda.current_device() == 0  # the device guard restored the caller's device
+    torch.cuda.synchronize(1)
+    dense_t.compare(*cpu, False, out, lse)
+    c = sparse_case(seed=42)
+    sq, sk, kw = c.args("cpu")
+    sq, sk = sq.to("cuda:1"), sk.to("cuda:1")
+    kw = {n: v.to("cuda:1") if isinstance(v, torch.Tensor) else v for n, v in kw.items()}
+    sout, slse = sparse_t.run_sparse(sq, sk, kw)
+    assert sout.device == torch.device("cuda:1")
+    torch.cuda.synchronize(1)
+    sparse_t.compare(sout, slse, *sparse_t.reference(c))
+    res = flash_mla.flash_mla_sparse_fwd(*prefill_inputs("cuda:1")[:3], 0.1, 512, *prefill_inputs("cuda:1")[3:])
+    assert res[0].device == torch.device("cuda:1")
+    prefill_check(res, prefill_inputs("cpu"))
+
+
+@two_gpus
+def test_second_gpu_uses_its_current_stream():
+    torch.cuda.set_device(0)
+    cpu, (q, k, bt, ln) = dense_inputs(device="cuda:1", seed=43)
+    s1 = torch.cuda.Stream(device=1)
+    q_late = torch.zeros_like(q)
+    torch.cuda.synchronize(1)
+    prev = torch.cuda.current_stream(1)
+    torch.cuda.set_stream(s1)  # current stream of device 1 (the current device stays 0 below)
+    torch.cuda.set_device(0)
+    try:
+        with torch.cuda.device(1):
+            torch.cuda._sleep(200_000_000)
+            q_late.copy_(q)
+        assert torch.cuda.current_device() == 0 and torch.cuda.current_stream(1) == s1
+        out, lse = dense_t.run(q_late, k, bt, ln, False)
+    finally:
+        torch.cuda.set_stream(prev)
+        torch.cuda.set_device(0)
+    s1.synchronize()
+    dense_t.compare(*cpu, False, out, lse)

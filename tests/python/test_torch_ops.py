@@ -1,0 +1,406 @@
+"""torch.ops.flash_mla: the native PyTorch op library (stable ABI), on the CPU.
+
+Values against the float64 oracle and bit-identity with the TVM-FFI path, routing of the
+public functions, ``torch.library.opcheck`` on every op, ``torch.compile(fullgraph=True)``
+of every public function (backends eager / aot_eager), and error classes. GPU versions:
+tests/gpu/test_torch_ops_gpu.py.
+
+Skips without torch or without the op library (package built without torch), unless
+FLASHMLA_REQUIRE_TORCH_OPS=1 (CI), which turns a missing op library into a failure.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flash_mla  # noqa: E402
+import oracle  # noqa: E402
+from flash_mla import _torch_ops, quant  # noqa: E402
+from mla_test_utils import (BF16, FP16, check_lse, check_out, gen_dense_case, gen_prefill_case,  # noqa: E402
+                            gen_sparse_decode_case)
+
+if not _torch_ops.available():
+    if os.environ.get("FLASHMLA_REQUIRE_TORCH_OPS", "") not in ("", "0"):
+        raise RuntimeError(f"torch.ops.flash_mla is required but unavailable: {_torch_ops.load_error()}")
+    pytest.skip(f"torch.ops.flash_mla unavailable: {_torch_ops.load_error()}", allow_module_level=True)
+
+OPS = ["dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "quantize_kv_cache", "dequantize_kv_cache"]
+
+
+# ----------------------------------------------------------------------------- conversion helpers
+def T(x):
+    """NumPy -> torch (CPU), keeping strides (bf16 through an int16 view); None passes through."""
+    if x is None:
+        return None
+    x = np.asarray(x)
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(x)
+
+
+def N(t):
+    """torch -> NumPy (bf16 through ml_dtypes)."""
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+@pytest.fixture
+def count_torch_calls(monkeypatch):
+    """Counts the calls that go through torch.ops.flash_mla (via _torch_ops.call)."""
+    calls = []
+    real = _torch_ops.call
+
+    def spy(op, *args):
+        calls.append(str(op))
+        return real(op, *args)
+
+    monkeypatch.setattr(_torch_ops, "call", spy)
+    return calls
+
+
+# ----------------------------------------------------------------------------- cases
+def dense_case(rng, dtype=BF16, causal=False, s_q=1):
+    return gen_dense_case(rng, b=3, s_q=s_q, h_q=16, h_kv=1, d=576, s_k=150, dtype=dtype, varlen=True, causal=causal,
+                          zero=[False, True, False], noncontig=True)
+
+
+def dense_args(c, sched):
+    return (T(c.q), T(c.k_cache), T(c.block_table), T(c.cache_seqlens), 512, sched, None, c.softmax_scale, c.causal)
+
+
+def sparse_case(rng, d_qk=576, extra=True):
+    return gen_sparse_decode_case(rng, b=2, s_q=2, h_q=64, d_qk=d_qk, s_k=200, topk=64, pbs=64, have_topk_length=True,
+                                  extra=dict(s_k=100, topk=32, pbs=32, have_topk_length=True) if extra else None)
+
+
+def sparse_kwargs(c):
+    return {k: T(v) if isinstance(v, np.ndarray) else v for k, v in c.kwargs().items()}
+
+
+def prefill_case(rng):
+    return gen_prefill_case(rng, s_q=5, s_kv=90, topk=64, h_q=16, d_qk=576, sink=True, have_topk_length=True,
+                            invalid_frac=0.2)
+
+
+# ----------------------------------------------------------------------------- registration
+def test_every_op_registered_with_schema():
+    for name in OPS:
+        op = getattr(torch.ops.flash_mla, name).default
+        schema = str(op._schema)
+        assert schema.startswith(f"flash_mla::{name}("), schema
+    assert "Tensor(a!) packed" in str(torch.ops.flash_mla.quantize_kv_cache.default._schema)
+
+
+# ----------------------------------------------------------------------------- values
+@pytest.mark.parametrize("dtype,causal,s_q", [(BF16, False, 1), (FP16, True, 2), (BF16, True, 3)])
+def test_dense_decode_values(rng, count_torch_calls, dtype, causal, s_q):
+    c = dense_case(rng, dtype, causal, s_q)
+    out, lse = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
+    assert count_torch_calls == ["flash_mla.dense_decode_fwd.default"]
+    assert isinstance(out, torch.Tensor) and out.dtype == (torch.bfloat16 if dtype == BF16 else torch.float16)
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, causal=c.causal)
+    check_out("out", N(out), ref_out, dtype)
+    check_lse("lse", N(lse), ref_lse)
+    # Bit-identical to the TVM-FFI path (same core, same reference backend).
+    out_np, lse_np = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                                      flash_mla.get_mla_metadata()[0], None, c.softmax_scale, c.causal)
+    np.testing.assert_array_equal(bits(N(out)), bits(out_np))
+    np.testing.assert_array_equal(N(lse), lse_np)
+
+
+@pytest.mark.parametrize("d_qk,extra", [(576, True), (512, True), (576, False)])
+def test_sparse_decode_values(rng, count_torch_calls, d_qk, extra):
+    c = sparse_case(rng, d_qk, extra)
+    sched = flash_mla.get_mla_metadata()[0]
+    out, lse = flash_mla.flash_mla_with_kvcache(T(c.q), T(c.main.packed), None, None, 512, sched, **sparse_kwargs(c))
+    assert count_torch_calls == ["flash_mla.sparse_decode_fwd.default"]
+    ref_out, ref_lse = c.reference()
+    check_out("out", N(out), ref_out, BF16)
+    check_lse("lse", N(lse), ref_lse)
+    out_np, lse_np = flash_mla.flash_mla_with_kvcache(c.q, c.main.packed, None, None, 512,
+                                                      flash_mla.get_mla_metadata()[0], **c.kwargs())
+    np.testing.assert_array_equal(bits(N(out)), bits(out_np))
+    np.testing.assert_array_equal(N(lse), lse_np)
+    # Scheduler object: filled in the framework of q, reused by the next call (CPU: metadata passed back in).
+    assert sched.have_initialized and isinstance(sched.tile_scheduler_metadata, torch.Tensor)
+    assert sched.tile_scheduler_metadata.dtype == torch.int32 and sched.tile_scheduler_metadata.shape[1] == 8
+    tsm_before = sched.tile_scheduler_metadata.clone()
+    out2, lse2 = flash_mla.flash_mla_with_kvcache(T(c.q), T(c.main.packed), None, None, 512, sched, **sparse_kwargs(c))
+    assert count_torch_calls == ["flash_mla.sparse_decode_fwd.default"] * 2
+    assert torch.equal(out2.view(torch.int16), out.view(torch.int16)) and torch.equal(lse2, lse)
+    assert torch.equal(sched.tile_scheduler_metadata, tsm_before)
+
+
+def test_sparse_prefill_values(rng, count_torch_calls):
+    c = prefill_case(rng)
+    res = flash_mla.flash_mla_sparse_fwd(T(c.q), T(c.kv), T(c.indices), c.sm_scale, 512, T(c.attn_sink),
+                                         T(c.topk_length))
+    assert count_torch_calls == ["flash_mla.sparse_prefill_fwd.default"]
+    assert isinstance(res, list) and len(res) == 3
+    out, max_logits, lse = c.reference()
+    check_out("out", N(res[0]), out, BF16)
+    check_lse("max_logits", N(res[1]), max_logits)
+    check_lse("lse", N(res[2]), lse)
+    res_np = flash_mla.flash_mla_sparse_fwd(c.q, c.kv, c.indices, c.sm_scale, 512, c.attn_sink, c.topk_length)
+    for a, b in zip(res, res_np):
+        np.testing.assert_array_equal(bits(N(a)), bits(b))
+
+
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_quant_helpers_through_torch_ops(rng, count_torch_calls, d_qk):
+    kv = np.clip(rng.standard_normal((3, 16, 1, d_qk)) * 0.3, -2, 2).astype(np.float32).astype(BF16)
+    packed_t = quant.quantize_k_cache(T(kv))
+    dq_t = quant.dequantize_k_cache(packed_t, d_qk=d_qk)
+    assert count_torch_calls == ["flash_mla.quantize_kv_cache.default", "flash_mla.dequantize_kv_cache.default"]
+    packed_np = quant.quantize_k_cache(kv)
+    assert tuple(packed_t.stride()) == tuple(s // packed_np.itemsize for s in packed_np.strides)
+    np.testing.assert_array_equal(N(packed_t), np.asarray(packed_np))
+    np.testing.assert_array_equal(N(packed_t), oracle.quantize_cache(kv))
+    np.testing.assert_array_equal(bits(N(dq_t)), bits(quant.dequantize_k_cache(packed_np, d_qk=d_qk)))
+
+
+def test_disabled_torch_ops_fall_back_to_tvm_ffi(rng, count_torch_calls, monkeypatch):
+    c = dense_case(rng)
+    ref = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
+    monkeypatch.setattr(_torch_ops, "handles", lambda *a: False)
+    out, lse = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
+    assert count_torch_calls == ["flash_mla.dense_decode_fwd.default"]  # only the first call
+    assert isinstance(out, torch.Tensor) and torch.equal(out.view(torch.int16), ref[0].view(torch.int16))
+
+
+def test_mixed_frameworks_take_tvm_ffi(rng, count_torch_calls):
+    c = dense_case(rng)
+    out, _ = flash_mla.flash_mla_with_kvcache(T(c.q), c.k_cache, T(c.block_table), c.cache_seqlens, 512,
+                                              flash_mla.get_mla_metadata()[0], None, c.softmax_scale, c.causal)
+    assert count_torch_calls == [] and isinstance(out, torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- FlashMLASchedMeta semantics
+def test_sched_meta_changed_lengths_raise_on_cpu(rng):
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    flash_mla.flash_mla_with_kvcache(*dense_args(c, sched))
+    c.cache_seqlens = c.cache_seqlens.copy()
+    c.cache_seqlens[0] -= 1
+    with pytest.raises(flash_mla.SchedMetaMismatchError, match="cache_seqlens"):
+        flash_mla.flash_mla_with_kvcache(*dense_args(c, sched))
+    with pytest.raises(AssertionError):
+        flash_mla.flash_mla_with_kvcache(*dense_args(dense_case(rng, s_q=2), sched))
+
+
+# ----------------------------------------------------------------------------- opcheck
+def _op_samples(rng):
+    d = gen_dense_case(rng, b=2, s_q=2, h_q=16, h_kv=1, d=576, s_k=70, varlen=True, causal=True)
+    s = sparse_case(rng, 576, True)
+    m = sparse_case(rng, 512, False)
+    p = prefill_case(rng)
+    kv = np.clip(rng.standard_normal((2, 8, 1, 576)) * 0.3, -2, 2).astype(np.float32).astype(BF16)
+    packed = T(oracle.quantize_cache(kv)).clone()
+    sc = s.kwargs()
+    samples = {
+        "dense_decode_fwd": [
+            (T(d.q), T(d.k_cache), 512, T(d.cache_seqlens), T(d.block_table), 576**-0.5, True, None, None),
+        ],
+        "sparse_decode_fwd": [
+            (T(s.q), T(s.main.packed), T(s.main.indices), T(sc["topk_length"]), T(sc["attn_sink"]), None, None,
+             T(sc["extra_k_cache"]), T(sc["extra_indices_in_kvcache"]), T(sc["extra_topk_length"]), 512,
+             s.softmax_scale),
+            (T(m.q), T(m.main.packed), T(m.main.indices), T(m.main.topk_length), None, None, None, None, None, None,
+             512, 0.1),
+        ],
+        "sparse_prefill_fwd": [
+            (T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, T(p.attn_sink), T(p.topk_length)),
+            (T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, None, None),
+        ],
+        "quantize_kv_cache": [(T(kv), torch.zeros_like(packed), 2)],
+        "dequantize_kv_cache": [(packed, torch.empty(2, 8, 1, 576, dtype=torch.bfloat16), 2)],
+    }
+    # Metadata passed back in (the CPU reuse path): outputs are fresh copies, never aliases.
+    _, _, tsm, ns = torch.ops.flash_mla.dense_decode_fwd(*samples["dense_decode_fwd"][0])
+    samples["dense_decode_fwd"].append(samples["dense_decode_fwd"][0][:7] + (tsm, ns))
+    return samples
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck(rng, name):
+    for args in _op_samples(rng)[name]:
+        torch.library.opcheck(getattr(torch.ops.flash_mla, name).default, args)
+
+
+def test_fake_kernels_match_real_shapes(rng):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name, cases in _op_samples(rng).items():
+        if name.endswith("quantize_kv_cache"):
+            continue
+        op = getattr(torch.ops.flash_mla, name).default
+        for args in cases:
+            real = op(*args)
+            with FakeTensorMode() as mode:
+                fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+                fake = op(*fargs)
+            for r, f in zip(real, fake):
+                assert r.shape == f.shape and r.dtype == f.dtype and r.device == f.device, name
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_every_public_function(rng, backend):
+    torch._dynamo.reset()
+    dc, sc, pc = dense_case(rng), sparse_case(rng, 576, True), prefill_case(rng)
+    skw = sparse_kwargs(sc)
+
+    def dense_fn(q, k, bt, lens):
+        sched, _ = flash_mla.get_mla_metadata()
+        return flash_mla.flash_mla_with_kvcache(q, k, bt, lens, 512, sched, None, None, dc.causal)
+
+    def sparse_fn(q, k, sched):
+        return flash_mla.flash_mla_with_kvcache(q, k, None, None, 512, sched, **skw)
+
+    def prefill_fn(q, kv, idx, sink, lens):
+        out, max_logits, lse = flash_mla.flash_mla_sparse_fwd(q, kv, idx, pc.sm_scale, 512, sink, lens)
+        return out.float() * 2, max_logits, lse
+
+    def quant_fn(kv, packed):
+        torch.ops.flash_mla.quantize_kv_cache(kv, packed, 2)
+        out = torch.empty(kv.shape, dtype=torch.bfloat16)
+        torch.ops.flash_mla.dequantize_kv_cache(packed, out, 2)
+        return out
+
+    dargs = (T(dc.q), T(dc.k_cache), T(dc.block_table), T(dc.cache_seqlens))
+    ref = dense_fn(*dargs)
+    got = torch.compile(dense_fn, fullgraph=True, backend=backend)(*dargs)
+    for a, b in zip(got, ref):
+        assert torch.equal(a.float(), b.float())
+
+    sched_e, sched_c = flash_mla.get_mla_metadata()[0], flash_mla.get_mla_metadata()[0]
+    compiled = torch.compile(sparse_fn, fullgraph=True, backend=backend)
+    for _ in range(2):  # second call: the scheduler object is reused (metadata passed back in)
+        ref = sparse_fn(T(sc.q), T(sc.main.packed), sched_e)
+        got = compiled(T(sc.q), T(sc.main.packed), sched_c)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.float(), b.float())
+    assert sched_c.have_initialized and torch.equal(sched_c.tile_scheduler_metadata, sched_e.tile_scheduler_metadata)
+
+    pargs = (T(pc.q), T(pc.kv), T(pc.indices), T(pc.attn_sink), T(pc.topk_length))
+    ref = prefill_fn(*pargs)
+    got = torch.compile(prefill_fn, fullgraph=True, backend=backend)(*pargs)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+    kv = T(np.clip(rng.standard_normal((2, 8, 1, 576)) * 0.3, -2, 2).astype(np.float32).astype(BF16))
+    p1, p2 = torch.zeros(2, 8, 1, 656, dtype=torch.uint8), torch.zeros(2, 8, 1, 656, dtype=torch.uint8)
+    ref = quant_fn(kv, p1)
+    got = torch.compile(quant_fn, fullgraph=True, backend=backend)(kv, p2)
+    assert torch.equal(p1, p2) and torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+# ----------------------------------------------------------------------------- errors
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e), str(e)
+    return None, None
+
+
+@pytest.mark.parametrize("bad", ["q_dtype", "q_head_dim", "lens_dtype", "head_dim_v", "block_table_shape",
+                                 "noncontig_last"])
+def test_dense_errors_same_as_tvm_ffi(rng, bad, count_torch_calls):
+    c = dense_case(rng)
+    args = dict(q=c.q, k_cache=c.k_cache, block_table=c.block_table, cache_seqlens=c.cache_seqlens, head_dim_v=512)
+    if bad == "q_dtype":
+        args["q"] = c.q.astype(np.float32)
+    elif bad == "q_head_dim":
+        args["q"] = np.ascontiguousarray(c.q[..., :500])
+    elif bad == "lens_dtype":
+        args["cache_seqlens"] = c.cache_seqlens.astype(np.int64)
+    elif bad == "head_dim_v":
+        args["head_dim_v"] = 256
+    elif bad == "block_table_shape":
+        args["block_table"] = np.ascontiguousarray(c.block_table[:1])
+    elif bad == "noncontig_last":
+        args["k_cache"] = np.ascontiguousarray(np.swapaxes(c.k_cache, 0, 1)).swapaxes(0, 1)[..., ::1].copy()
+        args["q"] = np.zeros(c.q.shape[:-1] + (c.q.shape[-1] * 2,), c.q.dtype)[..., ::2]
+
+    def run(conv):
+        a = {k: conv(v) if isinstance(v, np.ndarray) else v for k, v in args.items()}
+        return lambda: flash_mla.flash_mla_with_kvcache(tile_scheduler_metadata=flash_mla.get_mla_metadata()[0], **a)
+
+    if bad == "noncontig_last":  # torch.from_numpy of a stride-2 bf16 view: build the torch tensor directly
+        tq = torch.zeros(c.q.shape[:-1] + (c.q.shape[-1] * 2,), dtype=torch.bfloat16)[..., ::2]
+        t_err = _error_of(lambda: flash_mla.flash_mla_with_kvcache(
+            tq, T(c.k_cache), T(c.block_table), T(c.cache_seqlens), 512, flash_mla.get_mla_metadata()[0]))
+    else:
+        t_err = _error_of(run(T))
+    n_err = _error_of(run(lambda x: x))
+    assert n_err[0] is not None and t_err[0] is n_err[0], (t_err, n_err)
+    assert t_err[1] == n_err[1]
+    assert not t_err[1].startswith("[flash_mla:")
+    assert count_torch_calls  # the torch call did reach torch.ops.flash_mla
+
+
+def test_prefill_and_sparse_errors(rng):
+    p = prefill_case(rng)
+    with pytest.raises(TypeError, match="indices"):
+        flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv), T(p.indices.astype(np.int64)), p.sm_scale)
+    with pytest.raises(ValueError, match="d_v"):
+        flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, d_v=256)
+    with pytest.raises(ValueError, match="attn_sink"):
+        flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, torch.zeros(3))
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    kw["indices"] = kw["indices"][:, :1]
+    with pytest.raises(ValueError, match="indices"):
+        flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, flash_mla.get_mla_metadata()[0],
+                                         **kw)
+    # The raw op carries the class as a prefix of a RuntimeError (the stable ABI cannot pick the class).
+    with pytest.raises(RuntimeError, match=r"^\[flash_mla:ValueError\] d_v"):
+        torch.ops.flash_mla.sparse_prefill_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 256)
+    with pytest.raises(RuntimeError, match=r"\[flash_mla:ValueError\] format"):
+        torch.ops.flash_mla.quantize_kv_cache(torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16),
+                                              torch.zeros(1, 1, 1, 656, dtype=torch.uint8), 7)
+
+
+def test_meta_device_tensors_use_fake_kernels():
+    q = torch.empty(4, 2, 64, 576, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(10, 64, 1, 656, dtype=torch.uint8, device="meta")
+    idx = torch.empty(4, 2, 128, dtype=torch.int32, device="meta")
+    out, lse, tsm, ns = torch.ops.flash_mla.sparse_decode_fwd(q, k, idx, None, None, None, None, None, None, None,
+                                                               512, 0.1)
+    assert out.shape == (4, 2, 64, 512) and out.dtype == torch.bfloat16 and lse.shape == (4, 64, 2)
+    assert tsm.shape[1] == 8 and ns.shape == (5,) and out.device.type == "meta"
+
+
+def test_first_call_inside_torch_compile_fresh_process(tmp_path):
+    """flash_mla imported before torch, first call of the process inside torch.compile(fullgraph=True):
+    the op library is loaded during tracing (as a Dynamo constant) without a graph break."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_call.py"
+    script.write_text(
+        "import flash_mla, torch\n"
+        "q = torch.randn(2, 1, 16, 576).to(torch.bfloat16)\n"
+        "k = torch.randn(4, 64, 1, 576).to(torch.bfloat16)\n"
+        "bt = torch.arange(4, dtype=torch.int32).reshape(2, 2)\n"
+        "ln = torch.tensor([70, 100], dtype=torch.int32)\n"
+        "def f(q, k, bt, ln):\n"
+        "    s, _ = flash_mla.get_mla_metadata()\n"
+        "    return flash_mla.flash_mla_with_kvcache(q, k, bt, ln, 512, s)\n"
+        "out, lse = torch.compile(f, fullgraph=True, backend='eager')(q, k, bt, ln)\n"
+        "ref = f(q, k, bt, ln)\n"
+        "assert torch.equal(out.view(torch.int16), ref[0].view(torch.int16)) and torch.equal(lse, ref[1])\n"
+        "print('OK')\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# CI stage "torch ABI" (called by tools/run-tests.sh): proves the abi3 / stable-ABI claims.
+#   1. venv A gets the newest torch from PyPI; ONE wheel is built there (CPU backend,
+#      torch op library compiled with TORCH_TARGET_VERSION = 2.10);
+#   2. tools/check-abi.py on that wheel (no CPython symbols, no unstable torch C++ symbols,
+#      cp310-abi3 tag), plus abi3audit when it can be installed;
+#   3. the SAME wheel is installed into venv A and into venv B (torch 2.11) and
+#      tests/python/test_torch_ops.py runs in both (opcheck, torch.compile, values, errors);
+#   4. and into a small venv without torch: the TVM-FFI path works, test_torch_ops skips.
+# Two venvs only (torch from PyPI pulls ~3 GB of CUDA libraries each); pip's cache is reused.
+# Env: PYTHON (interpreter for the venvs), FLASHMLA_CI_TORCH_NEW (default "torch"),
+# FLASHMLA_CI_TORCH_OLD (default "torch==2.11.*"), FLASHMLA_CI_VENVS (default build/ci-venvs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_NEW=${FLASHMLA_CI_TORCH_NEW:-torch}
+TORCH_OLD=${FLASHMLA_CI_TORCH_OLD:-torch==2.11.*}
+VENVS=$(realpath -m "${FLASHMLA_CI_VENVS:-build/ci-venvs}")
+WHEELDIR=$PWD/build/ci-wheel
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+RUNTIME_DEPS=("apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "numpy>=1.24,<3" "ml_dtypes>=0.4,<1" "rich>=13,<16"
+              "tqdm>=4.60,<5" "pytest>=7,<10")
+t0=$SECONDS
+stamp() { echo "   [torch-abi $((SECONDS - t0)) s] $*"; }
+
+make_venv() {  # make_venv DIR TORCH_SPEC
+  local dir=$1 spec=$2
+  [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade "pip>=23"
+  "$dir/bin/python" -m pip install -q "$spec" "${RUNTIME_DEPS[@]}"
+  stamp "$dir: $("$dir/bin/python" -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])')"
+}
+
+echo "== torch ABI: venv A ($TORCH_NEW), build one wheel"
+make_venv "$VENVS/torch-new" "$TORCH_NEW"
+A="$VENVS/torch-new/bin/python"
+"$A" -m pip install -q "scikit-build-core>=0.10,<2" "cmake>=3.28,<5" "ninja>=1.11,<2"
+rm -rf "$WHEELDIR" && mkdir -p "$WHEELDIR"
+"$A" -m pip wheel -q --no-build-isolation --no-deps . -w "$WHEELDIR" \
+  -C cmake.define.FLASHMLA_ENABLE_CUDA=OFF -C cmake.define.FLASHMLA_BUILD_TORCH=ON -C build-dir=build/ci-wheel-build
+WHL=$(ls "$WHEELDIR"/flash_mla-*.whl)
+stamp "built $(basename "$WHL")"
+
+echo "== torch ABI: check the wheel's libraries"
+"$A" tools/check-abi.py "$WHL"
+if "$A" -m pip install -q "abi3audit>=0.0.20" 2>/dev/null; then
+  "$VENVS/torch-new/bin/abi3audit" --strict --report "$WHL"
+else
+  echo "abi3audit could not be installed: skipped (tools/check-abi.py has checked the CPython symbols)"
+fi
+
+run_tests() {  # run_tests PYTHON LABEL
+  local py=$1
+  "$py" -m pip install -q --force-reinstall --no-deps "$WHL"
+  # From outside the source tree, so the installed wheel (not python/) is imported.
+  (cd tests/python && FLASHMLA_REQUIRE_TORCH_OPS=1 "$py" -c \
+    'import torch, flash_mla, flash_mla._torch_ops as t; assert t.available(), t.load_error(); print("   torch", torch.__version__, "loads", t.library_path())')
+  FLASHMLA_REQUIRE_TORCH_OPS=1 "$py" -m pytest -q -p no:cacheprovider tests/python/test_torch_ops.py \
+    tests/python/test_quant.py
+  stamp "tests passed under $2"
+}
+
+echo "== torch ABI: the same wheel under $TORCH_NEW"
+run_tests "$A" "$TORCH_NEW"
+echo "== torch ABI: the same wheel under $TORCH_OLD"
+make_venv "$VENVS/torch-old" "$TORCH_OLD"
+run_tests "$VENVS/torch-old/bin/python" "$TORCH_OLD"
+
+echo "== torch ABI: the same wheel without torch (TVM-FFI path only; a small venv)"
+NT="$VENVS/no-torch"
+[ -x "$NT/bin/python" ] || "$PY" -m venv "$NT"
+"$NT/bin/python" -m pip install -q "${RUNTIME_DEPS[@]}"
+"$NT/bin/python" -m pip install -q --force-reinstall --no-deps "$WHL"
+(cd tests/python && "$NT/bin/python" -c \
+  'import importlib.util as u, flash_mla, flash_mla._torch_ops as t; assert u.find_spec("torch") is None; assert not t.available(); print("   no torch:", t.load_error())')
+"$NT/bin/python" -m pytest -q -p no:cacheprovider tests/python/test_dense_decode.py tests/python/test_torch_ops.py
+stamp "done"
