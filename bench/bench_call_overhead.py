@@ -88,6 +88,9 @@ def main(argv=None) -> int:
                       "host_us_per_call": us, "target_us": 10.0, "met": us < 10.0, "note": note})
 
     sched = flash_mla.get_mla_metadata()[0]
+    from flash_mla import _torch_ops
+
+    _torch_ops.load()
     ops = getattr(torch.ops, "flash_mla", None)
     if ops is not None and hasattr(ops, "dense_decode_fwd"):
         add("torch.ops", lambda: ops.dense_decode_fwd(q, k, 512, sl, bt, scale, False, None, None))
