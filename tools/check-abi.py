@@ -31,6 +31,9 @@ SHIM = re.compile(r"^(aoti_torch_|torch_)[A-Za-z0-9_]+$")
 STD_MANGLED = re.compile(r"^_Z(N|NK)?(St|Sa|Ss|Si|So|Sd|9__gnu_cxx)|^_ZT[IVS]N?St|^_Z(dl|nw|na|da)[A-Za-z]")
 TORCH_MANGLED = re.compile(r"^_Z\w*?(3c10|2at|5torch|6caffe2)")
 WEAK_OK = {"_ITM_deregisterTMCloneTable", "_ITM_registerTMCloneTable", "__gmon_start__", "__cxa_finalize"}
+# C++ ABI / unwinder / transactional-memory runtime entry points (libstdc++, libgcc_s, libitm). CUDA builds
+# link cudart statically, which brings unversioned references to these (seen on the H200 build machine).
+CXX_RUNTIME = re.compile(r"^(_ITM_\w+|_ZGTt\w+|__cxa_\w+|__gxx_personality_v0|_Unwind_\w+)$")
 BAD_NEEDED = re.compile(r"libpython|libtorch_python")
 
 
@@ -68,7 +71,7 @@ def check_so(path: str) -> list[str]:
                 shim.append(base)
             elif RUNTIME_VERSIONS.search(sym) or STD_MANGLED.match(base):
                 continue
-            elif kind.lower() == "w" and base in WEAK_OK:
+            elif (kind.lower() == "w" and base in WEAK_OK) or CXX_RUNTIME.match(base):
                 continue
             elif TORCH_MANGLED.match(base):
                 errors.append(f"{name}: unstable torch C++ symbol {base}")

@@ -86,9 +86,14 @@ def handles(*tensors: Any) -> bool:
     Only then does a public function take the torch.ops path; mixed frameworks, NumPy, JAX,
     ... keep the TVM-FFI path. (torch is never imported here: a torch.Tensor implies it is.)
     """
-    torch = sys.modules.get("torch")
-    if torch is None:
+    # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
+    # sys.modules can fail ("dictionary changed size during iteration"). A torch tensor's type
+    # lives in a torch module, which is cheap to test without importing torch for other frameworks.
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or type(first).__module__.split(".")[0] != "torch":
         return False
+    import torch
+
     for t in tensors:
         if t is not None and not isinstance(t, torch.Tensor):
             return False
