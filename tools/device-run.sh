@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
-# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|grid-decode:A:B|grid-prefill|pytest-prefill|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,6 +38,9 @@ for step in "$@"; do
         2>&1 | tee "$OUT/grid-decode-${sl/:/-}.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     grid-prefill)    # the 617-case spec §5.3 grid
       FLASHMLA_FULL_GRID=1 python3 -m pytest tests/gpu/test_sparse_prefill_grid_gpu.py -q -rs --tb=line 2>&1 | tee "$OUT/grid-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pytest-prefill)  # tests/gpu/test_sparse_prefill_gpu.py; a hang (timeout) stops the whole run
+      timeout 150 python3 -m pytest tests/gpu/test_sparse_prefill_gpu.py -q -rs --tb=short 2>&1 | tee "$OUT/pytest-sparse-prefill-gpu.log"
+      r=${PIPESTATUS[0]}; rc=$((rc | r)); [ "$r" = 124 ] && { echo "pytest-prefill timed out"; exit 124; } ;;
     bench-prefill)
       python3 bench/bench_sparse_prefill.py --out "$OUT" 2>&1 | tee "$OUT/bench-sparse-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=1 ;;

@@ -37,12 +37,16 @@ struct SparsePrefillKernelParams {
   float scale_log2;  // sm_scale * log2(e)
 };
 
-/// Kernel choice (env FLASHMLA_SPARSE_PREFILL_KERNEL): 0 automatic (wgmma kernel for 64-row
-/// head tiles, mma.sync kernel for 16/32-row tiles), 1 = "mma" (mma.sync kernel for every tile).
+/// Kernel choice (env FLASHMLA_SPARSE_PREFILL_KERNEL): 0 automatic (64-row head tiles: the v2
+/// seesaw kernel when q and kv rows are 16-byte aligned, else the v1 wgmma kernel; mma.sync
+/// kernel for 16/32-row tiles), 1 = "mma" (mma.sync kernel for every tile), 2 = "v1" (v1 wgmma
+/// kernel for 64-row tiles, A/B against v2).
 int sparse_prefill_kernel_choice();
 
 cudaError_t launch_sparse_prefill_wgmma_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_wgmma_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_seesaw_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
 /// bm = rows per head tile (16, 32 or 64).
 cudaError_t launch_sparse_prefill_mma_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
