@@ -22,6 +22,14 @@
 // Consumers wait on the barrier and issue fence.proxy.async before their wgmma reads
 // (cp.async writes are generic-proxy writes).
 // Requires 16-byte aligned q rows and kv rows (the host uses v1 otherwise).
+//
+// kProd = true (v3): a third, producer warpgroup does every gather (FlashMLA's sm90 layout,
+// spec §7.3): 384 threads, setmaxnreg 240 for the two consumer warpgroups and 24 for the
+// producer; the consumers arrive on a "free" mbarrier per stage part (count 128) where v2
+// gathers, the producer waits on it and gathers the part of the next pair (order s0A, s1B,
+// s0B, s1A = the order in which they are freed), 16-byte cp.async with the L2::256B
+// prefetch hint. Unaligned q / kv rows are handled too (2-byte loads and st.shared,
+// published by the same release arrival), so results do not depend on alignment.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,11 +50,12 @@ constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
-constexpr int kSmemBar = 4 * 8;
+constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4 };
+enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
+constexpr int kThreadsProd = 384;
 
 __device__ __forceinline__ void bar_arrive(int id, int n) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
@@ -64,6 +73,20 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // Arrival once all prior cp.async of this thread have completed (count not incremented).
 __device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// 16-byte cp.async with a 256-byte L2 prefetch hint (src-size 0 zero-fills, no read).
+__device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
@@ -107,10 +130,21 @@ __device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint6
 
 // 16-byte chunks [kLo, kHi) of one slot row into a stage; thread half h2 copies chunks
 // kLo + h2, kLo + h2 + 2, ... (two threads cover one 32-byte sector per step).
-template <int kLo, int kHi>
+template <int kLo, int kHi, bool kProd = false>
 __device__ __forceinline__ void gather_chunks(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int h2) {
 #pragma unroll 4
-  for (int c = kLo + h2; c < kHi; c += 2) cp_async_16(dst + slab_off(row, c), src + c * 8, valid);
+  for (int c = kLo + h2; c < kHi; c += 2) {
+    if constexpr (kProd) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
+    else cp_async_16(dst + slab_off(row, c), src + c * 8, valid);
+  }
+}
+// Same with 2-byte loads and st.shared (kv rows not 16-byte aligned).
+template <int kLo, int kHi>
+__device__ __forceinline__ void gather_chunks_u16(uint8_t* dst, const __nv_bfloat16* src, bool valid, int row,
+                                                  int h2) {
+#pragma unroll 1
+  for (int c = kLo + h2; c < kHi; c += 2)
+    *reinterpret_cast<uint4*>(dst + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
 }
 
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
@@ -146,8 +180,9 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, f
   }
 }
 
-template <int kD>
-__global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
+template <int kD, bool kProd>
+__global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
+    sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -167,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   // barriers: bar_u + 8 * (2 * stage + part)
   auto bar = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
+  auto bar_free = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * stage + part); };
 
   const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
   const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
@@ -188,14 +224,25 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
     const bool valid = idx >= 0 && idx < p.s_kv;
     const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx) * p.kv_stride_s : kvb;
     const uint32_t dst = sK_u + stage * kSmemK;
-    if (part == 0) {
-      gather_chunks<0, 32>(dst, src, valid, g_row, g_h2);
-      if (stage == 1) gather_chunks<64, kChunks>(dst, src, valid, g_row, g_h2);
-      if (g_h2 == 0) sValid[stage * kBlockN + g_row] = valid ? 1 : 0;
+    if (!kProd || p.kv_vec) {
+      if (part == 0) {
+        gather_chunks<0, 32, kProd>(dst, src, valid, g_row, g_h2);
+        if (stage == 1) gather_chunks<64, kChunks, kProd>(dst, src, valid, g_row, g_h2);
+      } else {
+        if (stage == 0) gather_chunks<32, kChunks, kProd>(dst, src, valid, g_row, g_h2);
+        else gather_chunks<32, 64, kProd>(dst, src, valid, g_row, g_h2);
+      }
     } else {
-      if (stage == 0) gather_chunks<32, kChunks>(dst, src, valid, g_row, g_h2);
-      else gather_chunks<32, 64>(dst, src, valid, g_row, g_h2);
+      uint8_t* dsts = sK + stage * kSmemK;
+      if (part == 0) {
+        gather_chunks_u16<0, 32>(dsts, src, valid, g_row, g_h2);
+        if (stage == 1) gather_chunks_u16<64, kChunks>(dsts, src, valid, g_row, g_h2);
+      } else {
+        if (stage == 0) gather_chunks_u16<32, kChunks>(dsts, src, valid, g_row, g_h2);
+        else gather_chunks_u16<32, 64>(dsts, src, valid, g_row, g_h2);
+      }
     }
+    if (part == 0 && g_h2 == 0) sValid[stage * kBlockN + g_row] = valid ? 1 : 0;
     mbar_arrive_cp_async(bar(stage, part));
     mbar_arrive(bar(stage, part));
   };
@@ -206,10 +253,51 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
     fence_barrier_init();
   }
   // Slot indices of this thread's gather row for the next pair (read one pair ahead).
   int idx0 = -1, idx1 = -1;
+  if constexpr (kProd) {
+    __syncthreads();  // barriers initialised
+    if (wg == 2) {
+      // ================= producer warpgroup: every gather
+      setmaxnreg_dec<40>();
+      if (n_blk > 0) {
+        idx0 = idx_of(0);
+        idx1 = idx_of(1);
+        gather(0, 0, idx0);
+        gather(0, 1, idx0);
+        if (n_blk > 1) {
+          gather(1, 0, idx1);
+          gather(1, 1, idx1);
+        }
+#pragma unroll 1
+        for (int j = 1; 2 * j < n_blk; ++j) {
+          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+          const bool has1 = 2 * j + 1 < n_blk;
+          idx0 = idx_of(2 * j);
+          idx1 = idx_of(2 * j + 1);
+          mbar_wait(bar_free(0, 0), fph);
+          gather(0, 0, idx0);
+          if (has1) {
+            mbar_wait(bar_free(1, 1), fph);
+            gather(1, 1, idx1);
+          }
+          mbar_wait(bar_free(0, 1), fph);
+          gather(0, 1, idx0);
+          if (has1) {
+            mbar_wait(bar_free(1, 0), fph);
+            gather(1, 0, idx1);
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      }
+      return;
+    }
+    setmaxnreg_inc<232>();
+  }
   if (n_blk > 0) {
     const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
     for (int id = tid; id < 64 * kChunks; id += kThreads) {
@@ -218,21 +306,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
       const bool valid = h < p.h_q;
       const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
                                        : static_cast<const __nv_bfloat16*>(p.q);
-      cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      if (!kProd || p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      else *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
     }
     cp_async_commit();
-    idx0 = idx_of(0);
-    idx1 = idx_of(1);
+    if constexpr (!kProd) {
+      idx0 = idx_of(0);
+      idx1 = idx_of(1);
+    }
   }
-  __syncthreads();  // barriers initialised
+  if constexpr (!kProd) {
+    __syncthreads();  // barriers initialised
+    if (n_blk > 0) {
+      gather(0, wg, idx0);
+      if (n_blk > 1) gather(1, wg, idx1);
+      idx0 = idx_of(2);
+      idx1 = idx_of(3);
+    }
+  }
   if (n_blk > 0) {
-    gather(0, wg, idx0);
-    if (n_blk > 1) gather(1, wg, idx1);
-    idx0 = idx_of(2);
-    idx1 = idx_of(3);
     cp_async_wait<0>();
     gmma::fence_proxy_async();
-    __syncthreads();  // Q in shared memory, visible to wgmma
+    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
+    else __syncthreads();  // Q in shared memory, visible to wgmma
   }
 
   float o[128];
@@ -324,8 +420,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
       gmma::wait<0>();
       gmma::reg_fence(o);
       if (nxt0) {  // stage 0 slabs 0-3 are free: gather part A of block 2j+2
-        gather(0, 0, idx0);
-        idx0 = idx_of(2 * j + 4);
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(0, 0));
+        } else {
+          gather(0, 0, idx0);
+          idx0 = idx_of(2 * j + 4);
+        }
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
@@ -342,8 +442,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
         gmma::wait<0>();
         gmma::reg_fence(o);
         if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
-          gather(1, 0, idx1);
-          idx1 = idx_of(2 * j + 5);
+          if constexpr (kProd) {
+            mbar_arrive(bar_free(1, 0));
+          } else {
+            gather(1, 0, idx1);
+            idx1 = idx_of(2 * j + 5);
+          }
         }
       }
     } else {
@@ -428,14 +532,22 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
       gmma::commit();
       if (nxt1) {
         gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
-        gather(1, 1, idx1);
-        idx1 = idx_of(2 * j + 5);
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(1, 1));
+        } else {
+          gather(1, 1, idx1);
+          idx1 = idx_of(2 * j + 5);
+        }
       }
       gmma::wait<0>();
       gmma::reg_fence(o);
       if (nxt0) {  // stage 0 slabs 4-8 are free
-        gather(0, 1, idx0);
-        idx0 = idx_of(2 * j + 4);
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(0, 1));
+        } else {
+          gather(0, 1, idx0);
+          idx0 = idx_of(2 * j + 4);
+        }
       }
     }
   }
@@ -451,7 +563,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
       if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
-    __syncthreads();
+    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
+    else __syncthreads();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
   }
@@ -485,13 +598,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_seesaw_kernel(con
   }
 }
 
-template <int kD>
+template <int kD, bool kProd>
 cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
-  auto kernel = sparse_attn_fwd_seesaw_kernel<kD>;
+  auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
+  kernel<<<grid, kProd ? kThreadsProd : kThreads, kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
 }
 
