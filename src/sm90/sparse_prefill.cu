@@ -46,6 +46,7 @@ int sparse_prefill_kernel_choice() {
   if (std::strcmp(env, "v1") == 0) return 2;
   if (std::strcmp(env, "v2") == 0) return 3;
   if (std::strcmp(env, "v3") == 0) return 4;
+  if (std::strcmp(env, "v3w") == 0) return 5;
   return 0;
 }
 
@@ -97,10 +98,10 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e;
-  // 64-row tiles: automatic = v3 (seesaw + producer warpgroup, any alignment).
-  const bool v3 = choice == 0 || choice == 4;
+  // 64-row tiles: automatic = v3w (seesaw + producer warpgroup, any alignment).
+  const int v3 = choice == 0 || choice == 5 ? 2 : (choice == 4 ? 1 : 0);
   const bool v2 = choice == 3 && kp.q_vec && kp.kv_vec;
-  if (bm == 64 && (v3 || v2)) {
+  if (bm == 64 && (v3 > 0 || v2)) {
     e = d_qk == 576 ? launch_sparse_prefill_seesaw_576(kp, v3, stream) : launch_sparse_prefill_seesaw_512(kp, v3, stream);
     if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_seesaw_kernel launch", e);
   } else if (bm == 64 && choice != 1) {

@@ -138,6 +138,13 @@ __device__ __forceinline__ void gather_chunks(uint32_t dst, const __nv_bfloat16*
     else cp_async_16(dst + slab_off(row, c), src + c * 8, valid);
   }
 }
+// Producer "wide" mapping: 8 threads per row, so one warp instruction copies 4 whole 128-byte
+// slab rows; thread (rg = t / 8, c8 = t % 8) copies rows rg + 16 i (i < 4), chunks kLo + c8 + 8 k.
+template <int kLo, int kHi>
+__device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int c8) {
+#pragma unroll
+  for (int c = kLo + c8; c < kHi; c += 8) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
+}
 // Same with 2-byte loads and st.shared (kv rows not 16-byte aligned).
 template <int kLo, int kHi>
 __device__ __forceinline__ void gather_chunks_u16(uint8_t* dst, const __nv_bfloat16* src, bool valid, int row,
@@ -180,7 +187,7 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, f
   }
 }
 
-template <int kD, bool kProd>
+template <int kD, bool kProd, bool kWide = false>
 __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
   constexpr int kSlabs = kD / 64;  // 9 or 8
@@ -247,6 +254,45 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     mbar_arrive(bar(stage, part));
   };
 
+  // Wide producer mapping (kWide): 4 rows per thread, 8 threads per row.
+  const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
+  auto gather_w = [&](int stage, int part, const int (&idx)[4]) {
+    const uint32_t dst = sK_u + stage * kSmemK;
+    uint8_t* dsts = sK + stage * kSmemK;
+#pragma unroll 1
+    for (int i = 0; i < 4; ++i) {
+      const int row = w_rg + 16 * i;
+      const bool valid = idx[i] >= 0 && idx[i] < p.s_kv;
+      const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx[i]) * p.kv_stride_s : kvb;
+      if (p.kv_vec) {
+        if (part == 0) {
+          gather_chunks_w<0, 32>(dst, src, valid, row, w_c8);
+          if (stage == 1) gather_chunks_w<64, kChunks>(dst, src, valid, row, w_c8);
+        } else {
+          if (stage == 0) gather_chunks_w<32, kChunks>(dst, src, valid, row, w_c8);
+          else gather_chunks_w<32, 64>(dst, src, valid, row, w_c8);
+        }
+      } else {
+        const int lo = part == 0 ? 0 : 32, hi = part == 0 ? 32 : (stage == 0 ? kChunks : 64);
+#pragma unroll 1
+        for (int c = lo + w_c8; c < hi; c += 8)
+          *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+        if (part == 0 && stage == 1)
+#pragma unroll 1
+          for (int c = 64 + w_c8; c < kChunks; c += 8)
+            *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+      }
+      if (part == 0 && w_c8 == 0) sValid[stage * kBlockN + row] = valid ? 1 : 0;
+    }
+    mbar_arrive_cp_async(bar(stage, part));
+    mbar_arrive(bar(stage, part));
+  };
+  auto idx_w = [&](int blk, int (&idx)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      idx[i] = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
+  };
+
   // Index of this thread's gather row in block `blk` (-1 past the row's blocks; no int overflow).
   auto idx_of = [&](int blk) { return blk < n_blk ? fetch_index(p, sq, blk * kBlockN + g_row, lim) : -1; };
 
@@ -264,7 +310,37 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     if (wg == 2) {
       // ================= producer warpgroup: every gather
       setmaxnreg_dec<40>();
-      if (n_blk > 0) {
+      if (kWide && n_blk > 0) {
+        int ia[4], ib[4];
+        idx_w(0, ia);
+        idx_w(1, ib);
+        gather_w(0, 0, ia);
+        gather_w(0, 1, ia);
+        if (n_blk > 1) {
+          gather_w(1, 0, ib);
+          gather_w(1, 1, ib);
+        }
+#pragma unroll 1
+        for (int j = 1; 2 * j < n_blk; ++j) {
+          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+          const bool has1 = 2 * j + 1 < n_blk;
+          idx_w(2 * j, ia);
+          idx_w(2 * j + 1, ib);
+          mbar_wait(bar_free(0, 0), fph);
+          gather_w(0, 0, ia);
+          if (has1) {
+            mbar_wait(bar_free(1, 1), fph);
+            gather_w(1, 1, ib);
+          }
+          mbar_wait(bar_free(0, 1), fph);
+          gather_w(0, 1, ia);
+          if (has1) {
+            mbar_wait(bar_free(1, 0), fph);
+            gather_w(1, 0, ib);
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      } else if (n_blk > 0) {
         idx0 = idx_of(0);
         idx1 = idx_of(1);
         gather(0, 0, idx0);
@@ -598,9 +674,9 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
   }
 }
 
-template <int kD, bool kProd>
+template <int kD, bool kProd, bool kWide = false>
 cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
-  auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd>;
+  auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd, kWide>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
