@@ -7,7 +7,10 @@ Cases: FlashMLA's sparse-prefill perf cases (spec §5.3: s_q = 4096, attn_sink o
 valid): V3.2 d_qk 576 h_q 128 topk 2048, s_kv 8192..131072; MODEL1 CONFIG1 d_qk 512 h_q 64
 topk 512 and CONFIG2 d_qk 512 h_q 128 topk 1024, s_kv 8192..65536; plus tensor-parallel head
 counts h_q 16/32 (no anchor; the mma.sync kernel, 16/32-row tiles) and two A/B cases of the
-mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma).
+mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma). Every anchor case is
+also timed, on the same inputs, with the kernels in AB (FLASHMLA_SPARSE_PREFILL_KERNEL=v1, =v3):
+fields kernel_us_<k>, speedup_vs_<k> (= time of k / time of the automatic kernel), and ab_kernel,
+ab_kernel_us, ab_tflops, speedup_vs_ab for the first of them.
 FLOP and bytes as tests/lib.py::count_flop_and_mem_vol (spec §5.3):
 FLOP = 2 * s_q * topk * h_q * (d_qk + 512); bytes = valid * d_qk * 2 + s_q * h_q * (d_qk + 512) * 2.
 Time = the `sparse_attn_fwd` kernel alone (profiler, L2 flushed between calls).
@@ -28,6 +31,7 @@ import common  # noqa: E402
 import flash_mla  # noqa: E402
 
 KERNEL = "sparse_attn_fwd"
+AB = ("v1", "v3")  # kernels also timed on every anchor case (first one -> ab_* fields)
 KERNEL_ENV = "FLASHMLA_SPARSE_PREFILL_KERNEL"
 S_Q = 4096
 V32 = (dict(d_qk=576, h_q=128, topk=2048), {8192: 667, 32768: 615, 65536: 580, 98304: 561, 131072: 563})
@@ -49,16 +53,20 @@ def make_inputs(s_q, s_kv, topk, h_q, d_qk, seed=0):
     return q, kv, idx.to(torch.int32)[:, None, :].contiguous(), sink
 
 
-def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None):
-    d_qk, h_q, topk = cfg["d_qk"], cfg["h_q"], cfg["topk"]
-    q, kv, idx, sink = make_inputs(S_Q, s_kv, topk, h_q, d_qk)
-    fn = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, sm_scale=d_qk ** -0.5, attn_sink=sink)  # noqa: E731
+def _times(fn, kernel, reps):
     if kernel:
         os.environ[KERNEL_ENV] = kernel
     try:
-        t = common.kernel_times_us(fn, [KERNEL], reps=reps)
+        return common.kernel_times_us(fn, [KERNEL], reps=reps)
     finally:
         os.environ.pop(KERNEL_ENV, None)
+
+
+def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
+    d_qk, h_q, topk = cfg["d_qk"], cfg["h_q"], cfg["topk"]
+    q, kv, idx, sink = make_inputs(S_Q, s_kv, topk, h_q, d_qk)
+    fn = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, sm_scale=d_qk ** -0.5, attn_sink=sink)  # noqa: E731
+    t = _times(fn, kernel, reps)
     flop = 2 * S_Q * topk * h_q * (d_qk + 512)
     valid = S_Q * topk
     nbytes = valid * d_qk * 2 + S_Q * h_q * (d_qk + 512) * 2
@@ -71,6 +79,11 @@ def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None):
         "frac_matmul_ceiling": tflops / ceil["matmul_tflops"], "frac_copy_ceiling": nbytes / kt / 1e3 / ceil["copy_gbps"],
         "anchor_tflops": anchor, "ratio_to_anchor": None if anchor is None else tflops / anchor,
     }
+    for i, k in enumerate(ab or ()):
+        ta = _times(fn, k, reps)[KERNEL]
+        if i == 0:
+            case.update(ab_kernel=k, ab_kernel_us=ta, ab_tflops=flop / ta / 1e6, speedup_vs_ab=ta / kt)
+        case[f"kernel_us_{k}"], case[f"speedup_vs_{k}"] = ta, ta / kt
     del q, kv, idx, sink
     torch.cuda.empty_cache()
     return case
@@ -91,12 +104,14 @@ def main():
         r = c["ratio_to_anchor"]
         print(f"{c['name']:34s} kernel {c['kernel_us']:9.1f} us {c['tflops']:6.1f} TFLOP/s {c['gbps']:6.0f} GB/s "
               f"({c['frac_matmul_ceiling']:.2f} of matmul) anchor {c['anchor_tflops'] or '-'} "
-              f"ratio {'-' if r is None else f'{r:.3f}'}", flush=True)
+              f"ratio {'-' if r is None else f'{r:.3f}'}"
+              + "".join(f" | {k[10:]} {c[k]:8.1f} us x{c['speedup_vs_' + k[10:]]:.3f}"
+                        for k in c if k.startswith("kernel_us_")), flush=True)
         cases.append(c)
 
     for label, (cfg, anchors) in (("v32", V32), ("model1-c1", CONFIG1), ("model1-c2", CONFIG2)):
         for s_kv, a in anchors.items():
-            add(f"{label} skv{s_kv}", cfg, s_kv, a)
+            add(f"{label} skv{s_kv}", cfg, s_kv, a, ab=AB)
     for h_q in (16, 32):
         add(f"tp v32 h{h_q} skv32768", dict(V32[0], h_q=h_q), 32768, None)
         add(f"tp model1-c1 h{h_q} skv32768", dict(CONFIG1[0], h_q=h_q), 32768, None)
@@ -109,6 +124,12 @@ def main():
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]
     gm = math.exp(sum(map(math.log, rs)) / len(rs)) if rs else float("nan")
     print(f"wrote {path}; geomean ratio {gm:.3f} over {len(rs)} anchor cases")
+    for k in AB:
+        ab = [c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
+        if ab:
+            ra = [c["ratio_to_anchor"] / c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
+            print(f"A/B: geomean speedup vs {k} {math.exp(sum(map(math.log, ab)) / len(ab)):.3f} "
+                  f"(min {min(ab):.3f}, max {max(ab):.3f}); {k} geomean ratio {math.exp(sum(map(math.log, ra)) / len(ra)):.3f}")
 
 
 if __name__ == "__main__":

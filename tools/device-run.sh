@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include.
-# Usage: bash tools/device-run.sh [build|pytest|pytest-torch|pytest-all|pytest-sparse|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,6 +45,9 @@ for step in "$@"; do
       FLASHMLA_FULL_GRID=1 python3 -m pytest tests/gpu/test_sparse_prefill_grid_gpu.py -q -rs --tb=line 2>&1 | tee "$OUT/grid-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     bench-overhead)  # host µs per tiny decode call, by way in (issue 5)
       python3 bench/bench_call_overhead.py --out "$OUT" 2>&1 | tee "$OUT/bench-call-overhead.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pytest-prefill)  # tests/gpu/test_sparse_prefill_gpu.py; a hang (timeout) stops the whole run
+      timeout 60 python3 -m pytest tests/gpu/test_sparse_prefill_gpu.py -q -rs --tb=short 2>&1 | tee "$OUT/pytest-sparse-prefill-gpu.log"
+      r=${PIPESTATUS[0]}; rc=$((rc | r)); [ "$r" = 124 ] && { echo "pytest-prefill timed out"; exit 124; } ;;
     bench-prefill)
       python3 bench/bench_sparse_prefill.py --out "$OUT" 2>&1 | tee "$OUT/bench-sparse-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=1 ;;

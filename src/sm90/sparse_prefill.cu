@@ -1,6 +1,7 @@
 // src/sm90/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
 // spec §1.4, §2.4): one kernel launch on the caller's stream, no workspace, no
-// synchronisation, no allocation. Kernels in sparse_prefill_kernel.cuh.
+// synchronisation, no allocation. Kernels in sparse_prefill_kernel.cuh (v1, mma.sync) and
+// sparse_prefill_kernel_v2.cuh (v2 seesaw).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -40,7 +41,12 @@ bool out_vec_ok(const TensorRef& out) {
 
 int sparse_prefill_kernel_choice() {
   const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_KERNEL");
-  if (env != nullptr && std::strcmp(env, "mma") == 0) return 1;
+  if (env == nullptr) return 0;
+  if (std::strcmp(env, "mma") == 0) return 1;
+  if (std::strcmp(env, "v1") == 0) return 2;
+  if (std::strcmp(env, "v2") == 0) return 3;
+  if (std::strcmp(env, "v3") == 0) return 4;
+  if (std::strcmp(env, "v3w") == 0) return 5;
   return 0;
 }
 
@@ -92,7 +98,13 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e;
-  if (bm == 64 && choice == 0) {
+  // 64-row tiles: automatic = v3w (seesaw + producer warpgroup, any alignment).
+  const int v3 = choice == 0 || choice == 5 ? 2 : (choice == 4 ? 1 : 0);
+  const bool v2 = choice == 3 && kp.q_vec && kp.kv_vec;
+  if (bm == 64 && (v3 > 0 || v2)) {
+    e = d_qk == 576 ? launch_sparse_prefill_seesaw_576(kp, v3, stream) : launch_sparse_prefill_seesaw_512(kp, v3, stream);
+    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_seesaw_kernel launch", e);
+  } else if (bm == 64 && choice != 1) {
     e = d_qk == 576 ? launch_sparse_prefill_wgmma_576(kp, stream) : launch_sparse_prefill_wgmma_512(kp, stream);
     if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_kernel launch", e);
   } else {

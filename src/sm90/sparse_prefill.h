@@ -37,12 +37,19 @@ struct SparsePrefillKernelParams {
   float scale_log2;  // sm_scale * log2(e)
 };
 
-/// Kernel choice (env FLASHMLA_SPARSE_PREFILL_KERNEL): 0 automatic (wgmma kernel for 64-row
-/// head tiles, mma.sync kernel for 16/32-row tiles), 1 = "mma" (mma.sync kernel for every tile).
+/// Kernel choice (env FLASHMLA_SPARSE_PREFILL_KERNEL) for 64-row head tiles (16/32-row tiles
+/// always use the mma.sync kernel): 0 automatic (= v3w), 1 = "mma" (mma.sync kernel), 2 = "v1"
+/// (v1 wgmma kernel), 3 = "v2" (seesaw, gathers issued by the compute warpgroups; v1 when q or
+/// kv rows are not 16-byte aligned), 4 = "v3" (seesaw with a producer warpgroup, 2 threads per
+/// gathered row), 5 = "v3w" (same, 8 threads per gathered row).
 int sparse_prefill_kernel_choice();
 
 cudaError_t launch_sparse_prefill_wgmma_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_wgmma_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+/// variant 0: v2 (256 threads, aligned rows only); 1: v3 (producer warpgroup, 384 threads, 2 threads
+/// per gathered row); 2: v3 with 8 threads per gathered row (whole 128-byte lines per instruction).
+cudaError_t launch_sparse_prefill_seesaw_576(const SparsePrefillKernelParams& kp, int variant, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, int variant, cudaStream_t stream);
 /// bm = rows per head tile (16, 32 or 64).
 cudaError_t launch_sparse_prefill_mma_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);

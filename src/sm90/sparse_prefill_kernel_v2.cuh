@@ -1,0 +1,690 @@
+// src/sm90/sparse_prefill_kernel_v2.cuh — sparse MLA prefill v2 for 64-row head tiles:
+// dense-decode v4's "seesaw" schedule (spec §7.1, §7.3) fed by the cp.async gather of v1.
+//
+// Same semantics as v1 (sparse_prefill_kernel.cuh: slot validity, zero-filled invalid rows
+// that are never read, topk_length, sink, max_logits / lse conventions, grid x = s_q *
+// head_tiles). Two 64-slot blocks per step, block 2j in K stage 0 and 2j+1 in stage 1;
+// warpgroup 0 owns O[:, 0:256], warpgroup 1 O[:, 256:512]:
+//   WG0: S0 = Q K0^T (m64n64); m0, scale0, P0 (registers); O_L = O_L*scale0 + P0 V0_L
+//   WG1: S1 = Q K1^T; m1 = max(m0, .), scale1; O_R = O_R*scale0*scale1 + P1 V1_R; P1 -> smem
+//   WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
+//   WG1: O_R += P0 V0_R (P0 from smem)
+// P0 / P1 live in slab 8 of their stage (the RoPE dims of d576, free once S is done).
+// Gather: each stage is split in two parts, each completing on its own mbarrier:
+//   stage 0 part A = slabs 0-3, gathered by WG0 right after its P0 V0_L;
+//   stage 0 part B = slabs 4-8, gathered by WG1 after its P0 V0_R;
+//   stage 1 part A = slabs 0-3 and 8, gathered by WG0 after its P1 V1_L;
+//   stage 1 part B = slabs 4-7, gathered by WG1 after its P1 V1_R.
+// Two threads per slot (row), 16-byte cp.async whose completion arrives on the part's
+// mbarrier (cp.async.mbarrier.arrive.noinc), plus one ordinary (release) arrival per
+// thread that publishes the slot-validity bytes written by the part-A gatherers. Every
+// barrier completes once per processed pair, so the wait parity is the pair's parity.
+// Consumers wait on the barrier and issue fence.proxy.async before their wgmma reads
+// (cp.async writes are generic-proxy writes).
+// Requires 16-byte aligned q rows and kv rows (the host uses v1 otherwise).
+//
+// kProd = true (v3): a third, producer warpgroup does every gather (FlashMLA's sm90 layout,
+// spec §7.3): 384 threads, setmaxnreg 240 for the two consumer warpgroups and 24 for the
+// producer; the consumers arrive on a "free" mbarrier per stage part (count 128) where v2
+// gathers, the producer waits on it and gathers the part of the next pair (order s0A, s1B,
+// s0B, s1A = the order in which they are freed), 16-byte cp.async with the L2::256B
+// prefetch hint. Unaligned q / kv rows are handled too (2-byte loads and st.shared,
+// published by the same release arrival), so results do not depend on alignment.
+// kWide (v3w, the automatic kernel): the producer maps 8 threads to a gathered row, so one warp
+// instruction copies 4 whole 128-byte lines (v3: 2 threads per row, 16 rows x 32 B); 1.04x over
+// v3, 1.11x over v1 on the H200 (bench/NOTES.md "sparse prefill v3w").
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/sparse_prefill.h"
+#include "sm90/sparse_prefill_kernel.cuh"
+#include "sm90/utils.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace flashmla::sm90::sparse_prefill::ss {
+
+constexpr int kSlabBytes = 64 * 128;
+constexpr int kTileBytes = 9 * kSlabBytes;
+constexpr int kSmemQ = kTileBytes;
+constexpr int kSmemK = kTileBytes;
+constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
+constexpr int kSmemValid = 2 * kBlockN;
+constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
+constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
+static_assert(kSmemBytes <= 232448, "shared memory");
+
+enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
+constexpr int kThreadsProd = 384;
+
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrival (release) of this thread.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrival once all prior cp.async of this thread have completed (count not incremented).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// 16-byte cp.async with a 256-byte L2 prefetch hint (src-size 0 zero-fills, no read).
+__device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (ok == 0);
+}
+
+__device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// S (+)= Q K^T over slabs [kSl, kEnd), fully unrolled (immediate descriptor offsets).
+template <int kSl, int kK>
+__device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db0) {
+  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
+  gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, (kSl | kK) != 0 ? 1 : 0>(s, da0, db0);
+  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1>(s, da0, db0);
+}
+template <int kSl, int kEnd>
+__device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0) {
+  s_step<kSl, 0>(s, da0, db0);
+  if constexpr (kSl + 1 < kEnd) s_chain<kSl + 1, kEnd>(s, da0, db0);
+}
+template <int kK = 0>
+__device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
+  gmma::mma_m64n256k16_rs_bf16<1, ((kK * 16 * 128) >> 4)>(o, a[kK], db0);
+  if constexpr (kK + 1 < 4) pv_rs_chain<kK + 1>(o, a, db0);
+}
+template <int kK = 0>
+__device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint64_t db0) {
+  gmma::mma_m64n256k16_off_bf16<1, ((kK * 32) >> 4), ((kK * 16 * 128) >> 4)>(o, da0, db0);
+  if constexpr (kK + 1 < 4) pv_ss_chain<kK + 1>(o, da0, db0);
+}
+
+// 16-byte chunks [kLo, kHi) of one slot row into a stage; thread half h2 copies chunks
+// kLo + h2, kLo + h2 + 2, ... (two threads cover one 32-byte sector per step).
+template <int kLo, int kHi, bool kProd = false>
+__device__ __forceinline__ void gather_chunks(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int h2) {
+#pragma unroll 4
+  for (int c = kLo + h2; c < kHi; c += 2) {
+    if constexpr (kProd) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
+    else cp_async_16(dst + slab_off(row, c), src + c * 8, valid);
+  }
+}
+// Producer "wide" mapping: 8 threads per row, so one warp instruction copies 4 whole 128-byte
+// slab rows; thread (rg = t / 8, c8 = t % 8) copies rows rg + 16 i (i < 4), chunks kLo + c8 + 8 k.
+template <int kLo, int kHi>
+__device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int c8) {
+#pragma unroll
+  for (int c = kLo + c8; c < kHi; c += 8) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
+}
+// Same with 2-byte loads and st.shared (kv rows not 16-byte aligned).
+template <int kLo, int kHi>
+__device__ __forceinline__ void gather_chunks_u16(uint8_t* dst, const __nv_bfloat16* src, bool valid, int row,
+                                                  int h2) {
+#pragma unroll 1
+  for (int c = kLo + h2; c < kHi; c += 2)
+    *reinterpret_cast<uint4*>(dst + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
+  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[4 * i + 0] *= sc[0];
+      o[4 * i + 1] *= sc[0];
+      o[4 * i + 2] *= sc[1];
+      o[4 * i + 3] *= sc[1];
+    }
+  }
+}
+
+// Scale to base 2 and mask invalid slots (validity bytes of the stage) -> row maxima.
+__device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, float scale_log2, int tq,
+                                            float (&mx)[2]) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const uint32_t vv = *reinterpret_cast<const uint16_t*>(vf + 8 * t + 2 * tq);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = (e & 1) ? (vv >> 8) != 0 : (vv & 0xFFu) != 0;
+      const float v = ok ? s[4 * t + e] * scale_log2 : -INFINITY;
+      s[4 * t + e] = v;
+      mx[e >> 1] = fmaxf(mx[e >> 1], v);
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+  }
+}
+
+template <int kD, bool kProd, bool kWide = false>
+__global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
+    sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
+  constexpr int kSlabs = kD / 64;  // 9 or 8
+  constexpr int kChunks = kD / 8;  // 72 or 64
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_u = smem_u32(smem_raw);
+  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
+  uint8_t* base = smem_raw + (base_u - raw_u);
+  const uint32_t sQ_u = base_u;
+  const uint32_t sK_u = sQ_u + kSmemQ;
+  uint8_t* sK = base + kSmemQ;
+  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  float* sM0 = sRed;
+  float* sS0 = sRed + 64;
+  float* sM1 = sRed + 128;
+  float* sS1 = sRed + 192;
+  float* sL = sRed + 256;
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 6 * 64);  // [stage][64]
+  const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
+  // barriers: bar_u + 8 * (2 * stage + part)
+  auto bar = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
+  auto bar_free = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * stage + part); };
+
+  const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
+  const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
+  const int gq = lane / 4, tq = lane % 4;
+  const int g_row = t_wg >> 1, g_h2 = t_wg & 1;  // gather: slot row and thread half
+
+  int row_local[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
+
+  const int lim = row_limit(p, sq);
+  const int n_blk = (lim + kBlockN - 1) / kBlockN;
+  const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
+
+  // Gather of part `part` of block `blk` into `stage` by this warpgroup (idx = this thread's slot index).
+  auto gather = [&](int stage, int part, int idx) {
+    const bool valid = idx >= 0 && idx < p.s_kv;
+    const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx) * p.kv_stride_s : kvb;
+    const uint32_t dst = sK_u + stage * kSmemK;
+    if (!kProd || p.kv_vec) {
+      if (part == 0) {
+        gather_chunks<0, 32, kProd>(dst, src, valid, g_row, g_h2);
+        if (stage == 1) gather_chunks<64, kChunks, kProd>(dst, src, valid, g_row, g_h2);
+      } else {
+        if (stage == 0) gather_chunks<32, kChunks, kProd>(dst, src, valid, g_row, g_h2);
+        else gather_chunks<32, 64, kProd>(dst, src, valid, g_row, g_h2);
+      }
+    } else {
+      uint8_t* dsts = sK + stage * kSmemK;
+      if (part == 0) {
+        gather_chunks_u16<0, 32>(dsts, src, valid, g_row, g_h2);
+        if (stage == 1) gather_chunks_u16<64, kChunks>(dsts, src, valid, g_row, g_h2);
+      } else {
+        if (stage == 0) gather_chunks_u16<32, kChunks>(dsts, src, valid, g_row, g_h2);
+        else gather_chunks_u16<32, 64>(dsts, src, valid, g_row, g_h2);
+      }
+    }
+    if (part == 0 && g_h2 == 0) sValid[stage * kBlockN + g_row] = valid ? 1 : 0;
+    mbar_arrive_cp_async(bar(stage, part));
+    mbar_arrive(bar(stage, part));
+  };
+
+  // Wide producer mapping (kWide): 4 rows per thread, 8 threads per row.
+  const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
+  auto gather_w = [&](int stage, int part, const int (&idx)[4]) {
+    const uint32_t dst = sK_u + stage * kSmemK;
+    uint8_t* dsts = sK + stage * kSmemK;
+#pragma unroll 1
+    for (int i = 0; i < 4; ++i) {
+      const int row = w_rg + 16 * i;
+      const bool valid = idx[i] >= 0 && idx[i] < p.s_kv;
+      const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx[i]) * p.kv_stride_s : kvb;
+      if (p.kv_vec) {
+        if (part == 0) {
+          gather_chunks_w<0, 32>(dst, src, valid, row, w_c8);
+          if (stage == 1) gather_chunks_w<64, kChunks>(dst, src, valid, row, w_c8);
+        } else {
+          if (stage == 0) gather_chunks_w<32, kChunks>(dst, src, valid, row, w_c8);
+          else gather_chunks_w<32, 64>(dst, src, valid, row, w_c8);
+        }
+      } else {
+        const int lo = part == 0 ? 0 : 32, hi = part == 0 ? 32 : (stage == 0 ? kChunks : 64);
+#pragma unroll 1
+        for (int c = lo + w_c8; c < hi; c += 8)
+          *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+        if (part == 0 && stage == 1)
+#pragma unroll 1
+          for (int c = 64 + w_c8; c < kChunks; c += 8)
+            *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+      }
+      if (part == 0 && w_c8 == 0) sValid[stage * kBlockN + row] = valid ? 1 : 0;
+    }
+    mbar_arrive_cp_async(bar(stage, part));
+    mbar_arrive(bar(stage, part));
+  };
+  auto idx_w = [&](int blk, int (&idx)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      idx[i] = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
+  };
+
+  // Index of this thread's gather row in block `blk` (-1 past the row's blocks; no int overflow).
+  auto idx_of = [&](int blk) { return blk < n_blk ? fetch_index(p, sq, blk * kBlockN + g_row, lim) : -1; };
+
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
+    fence_barrier_init();
+  }
+  // Slot indices of this thread's gather row for the next pair (read one pair ahead).
+  int idx0 = -1, idx1 = -1;
+  if constexpr (kProd) {
+    __syncthreads();  // barriers initialised
+    if (wg == 2) {
+      // ================= producer warpgroup: every gather
+      setmaxnreg_dec<40>();
+      if (kWide && n_blk > 0) {
+        int ia[4], ib[4];
+        idx_w(0, ia);
+        idx_w(1, ib);
+        gather_w(0, 0, ia);
+        gather_w(0, 1, ia);
+        if (n_blk > 1) {
+          gather_w(1, 0, ib);
+          gather_w(1, 1, ib);
+        }
+#pragma unroll 1
+        for (int j = 1; 2 * j < n_blk; ++j) {
+          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+          const bool has1 = 2 * j + 1 < n_blk;
+          idx_w(2 * j, ia);
+          idx_w(2 * j + 1, ib);
+          mbar_wait(bar_free(0, 0), fph);
+          gather_w(0, 0, ia);
+          if (has1) {
+            mbar_wait(bar_free(1, 1), fph);
+            gather_w(1, 1, ib);
+          }
+          mbar_wait(bar_free(0, 1), fph);
+          gather_w(0, 1, ia);
+          if (has1) {
+            mbar_wait(bar_free(1, 0), fph);
+            gather_w(1, 0, ib);
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      } else if (n_blk > 0) {
+        idx0 = idx_of(0);
+        idx1 = idx_of(1);
+        gather(0, 0, idx0);
+        gather(0, 1, idx0);
+        if (n_blk > 1) {
+          gather(1, 0, idx1);
+          gather(1, 1, idx1);
+        }
+#pragma unroll 1
+        for (int j = 1; 2 * j < n_blk; ++j) {
+          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+          const bool has1 = 2 * j + 1 < n_blk;
+          idx0 = idx_of(2 * j);
+          idx1 = idx_of(2 * j + 1);
+          mbar_wait(bar_free(0, 0), fph);
+          gather(0, 0, idx0);
+          if (has1) {
+            mbar_wait(bar_free(1, 1), fph);
+            gather(1, 1, idx1);
+          }
+          mbar_wait(bar_free(0, 1), fph);
+          gather(0, 1, idx0);
+          if (has1) {
+            mbar_wait(bar_free(1, 0), fph);
+            gather(1, 0, idx1);
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      }
+      return;
+    }
+    setmaxnreg_inc<232>();
+  }
+  if (n_blk > 0) {
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
+    for (int id = tid; id < 64 * kChunks; id += kThreads) {
+      const int r = id / kChunks, c = id % kChunks;
+      const int h = ht * 64 + r;
+      const bool valid = h < p.h_q;
+      const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
+                                       : static_cast<const __nv_bfloat16*>(p.q);
+      if (!kProd || p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      else *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+    }
+    cp_async_commit();
+    if constexpr (!kProd) {
+      idx0 = idx_of(0);
+      idx1 = idx_of(1);
+    }
+  }
+  if constexpr (!kProd) {
+    __syncthreads();  // barriers initialised
+    if (n_blk > 0) {
+      gather(0, wg, idx0);
+      if (n_blk > 1) gather(1, wg, idx1);
+      idx0 = idx_of(2);
+      idx1 = idx_of(3);
+    }
+  }
+  if (n_blk > 0) {
+    cp_async_wait<0>();
+    gmma::fence_proxy_async();
+    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
+    else __syncthreads();  // Q in shared memory, visible to wgmma
+  }
+
+  float o[128];
+#pragma unroll
+  for (int j = 0; j < 128; ++j) o[j] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
+
+  for (int j = 0; 2 * j < n_blk; ++j) {
+    const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
+    const uint32_t ph = static_cast<uint32_t>(j & 1);
+    float s[32];
+    if (wg == 0) {
+      // ---------------- warpgroup 0: block 2j (stage 0), O[:, 0:256]
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      gmma::reg_fence(s);
+      {
+        const uint64_t db = gmma::make_desc_sw128(sK_u, 16, 1024);
+        mbar_wait(bar(0, 0), ph);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        s_chain<0, 4>(s, dq, db);
+        mbar_wait(bar(0, 1), ph);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        s_chain<4, kSlabs>(s, dq, db);
+      }
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+
+      float mx[2] = {-INFINITY, -INFINITY};
+      mask_rowmax(s, sValid, p.scale_log2, tq, mx);
+      float m0u[2], sc0[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float m0 = fmaxf(m_run[hh], mx[hh]);
+        m0u[hh] = m0 == -INFINITY ? 0.f : m0;
+        sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
+        if (tq == 0) {
+          sM0[row_local[hh]] = m0;
+          sS0[row_local[hh]] = sc0[hh];
+        }
+      }
+      bar_arrive(kBarScale0, kThreads);
+
+      float rs[2] = {0.f, 0.f};
+      uint32_t a[4][4];
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[4 * t + e] = exp2f(s[4 * t + e] - m0u[e >> 1]);
+          rs[e >> 1] += s[4 * t + e];
+        }
+        a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
+        a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc0[hh] + rs[hh];
+      scale_o(o, sc0);
+      gmma::reg_fence(o);
+      gmma::fence();
+      pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
+      gmma::commit();
+
+      named_barrier_sync(kBarScale1, kThreads);
+      float sc1[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        sc1[hh] = sS1[row_local[hh]];
+        m_run[hh] = sM1[row_local[hh]];
+      }
+      // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+      uint8_t* sP0 = sK + 8 * kSlabBytes;
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int key = 8 * t + 2 * tq;
+        *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+            HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
+        *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+            HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
+      }
+      gmma::fence_proxy_async();
+      bar_arrive(kBarP0, kThreads);
+
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      if (nxt0) {  // stage 0 slabs 0-3 are free: gather part A of block 2j+2
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(0, 0));
+        } else {
+          gather(0, 0, idx0);
+          idx0 = idx_of(2 * j + 4);
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
+      scale_o(o, sc1);
+      named_barrier_sync(kBarP1, kThreads);
+      if (has1) {
+        mbar_wait(bar(1, 0), ph);  // completed (WG1 waited for it); orders the cp.async writes
+        gmma::fence_proxy_async();
+        gmma::reg_fence(o);
+        gmma::fence();
+        pv_ss_chain(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
+                    gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
+          if constexpr (kProd) {
+            mbar_arrive(bar_free(1, 0));
+          } else {
+            gather(1, 0, idx1);
+            idx1 = idx_of(2 * j + 5);
+          }
+        }
+      }
+    } else {
+      // ---------------- warpgroup 1: block 2j+1 (stage 1), O[:, 256:512]
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (has1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        gmma::reg_fence(s);
+        {
+          const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
+          mbar_wait(bar(1, 0), ph);
+          gmma::fence_proxy_async();
+          gmma::fence();
+          s_chain<0, 4>(s, dq, db);
+          mbar_wait(bar(1, 1), ph);
+          gmma::fence_proxy_async();
+          gmma::fence();
+          s_chain<4, kSlabs>(s, dq, db);
+        }
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(s);
+        mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
+      }
+      named_barrier_sync(kBarScale0, kThreads);
+      float m1u[2], c[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float m0 = sM0[row_local[hh]];
+        const float sc0 = sS0[row_local[hh]];
+        const float m1 = fmaxf(m0, mx[hh]);
+        m1u[hh] = m1 == -INFINITY ? 0.f : m1;
+        const float sc1 = exp2f(m0 - m1u[hh]);
+        if (tq == 0) {
+          sM1[row_local[hh]] = m1;
+          sS1[row_local[hh]] = sc1;
+        }
+        c[hh] = sc0 * sc1;
+        m_run[hh] = m1;
+      }
+      bar_arrive(kBarScale1, kThreads);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
+      scale_o(o, c);
+      uint32_t a[4][4];
+      if (has1) {
+        float rs[2] = {0.f, 0.f};
+        uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
+            rs[e >> 1] += s[4 * t + e];
+          }
+          a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
+          a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+          const int key = 8 * t + 2 * tq;
+          *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+              a[t >> 1][(t & 1) * 2 + 0];
+          *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+              a[t >> 1][(t & 1) * 2 + 1];
+        }
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+        gmma::fence_proxy_async();
+      }
+      bar_arrive(kBarP1, kThreads);
+      if (has1) {
+        gmma::reg_fence(o);
+        gmma::fence();
+        pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+        gmma::commit();
+      }
+      named_barrier_sync(kBarP0, kThreads);
+      mbar_wait(bar(0, 1), ph);  // completed (WG0 waited for it); orders the cp.async writes
+      gmma::fence_proxy_async();
+      gmma::fence();
+      pv_ss_chain(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
+                  gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
+      gmma::commit();
+      if (nxt1) {
+        gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(1, 1));
+        } else {
+          gather(1, 1, idx1);
+          idx1 = idx_of(2 * j + 5);
+        }
+      }
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      if (nxt0) {  // stage 0 slabs 4-8 are free
+        if constexpr (kProd) {
+          mbar_arrive(bar_free(0, 1));
+        } else {
+          gather(0, 1, idx0);
+          idx0 = idx_of(2 * j + 4);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: L = WG0's part + WG1's part
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+  }
+  float L[2] = {0.f, 0.f};
+  if (n_blk > 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+      if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
+    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
+    else __syncthreads();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = ht * 64 + row_local[hh];
+    if (h >= p.h_q) continue;
+    const bool empty = !(L[hh] > 0.f);  // no valid slot
+    const float lse2 = empty ? INFINITY : log2f(L[hh]) + m_run[hh];
+    const float inv = empty ? 0.f : sink_factor(p, h, lse2) / L[hh];
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
+                         static_cast<int64_t>(h) * p.o_stride_h;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = wg * 256 + j * 8 + 2 * tq;
+      const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
+      if (p.out_vec_ok) {
+        *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+      } else {
+        out[col * p.o_stride_d] = __float2bfloat16_rn(v0);
+        out[(col + 1) * p.o_stride_d] = __float2bfloat16_rn(v1);
+      }
+    }
+    if (wg == 0 && tq == 0) {
+      p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
+          empty ? INFINITY : lse2 * kLn2;
+      p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
+          empty ? -INFINITY : m_run[hh] * kLn2;
+    }
+  }
+}
+
+template <int kD, bool kProd, bool kWide = false>
+cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
+  auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd, kWide>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
+  kernel<<<grid, kProd ? kThreadsProd : kThreads, kSmemBytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace flashmla::sm90::sparse_prefill::ss
