@@ -206,14 +206,15 @@ def flash_mla_with_kvcache(
         )
     presence = (topk_length is not None, extra_topk_length is not None)
     if sched.have_initialized:
-        for field in dataclasses.fields(config):
-            old, new = getattr(sched.config, field.name), getattr(config, field.name)
-            if old != new:
-                raise SchedMetaMismatchError(
-                    f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for {field.name}={old!r}, "
-                    f"got {new!r}; a FlashMLASchedMeta "
-                    "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
-                )
+        if sched.config != config:  # one dataclass comparison on the common path
+            for field in dataclasses.fields(config):
+                old, new = getattr(sched.config, field.name), getattr(config, field.name)
+                if old != new:
+                    raise SchedMetaMismatchError(
+                        f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for {field.name}={old!r}, "
+                        f"got {new!r}; a FlashMLASchedMeta "
+                        "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
+                    )
         if sched._presence is not None and sched._presence != presence:
             raise SchedMetaMismatchError(
                 "topk_length / extra_topk_length: this FlashMLASchedMeta was computed "
