@@ -1,6 +1,6 @@
 """Dense MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
 
-Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick]
+Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick] [--ab v4,v5,v5pdl] [--filter compute,memory]
 
 Cases: compute-bound anchors (b=128, h_q=128, s_q 1/2, varlen mean s_k 4k-32k,
 causal and not), memory-bound anchors (h_q 16/32/64, s_k=8192 fixed), the
@@ -10,6 +10,17 @@ the scheduler and combine kernels (as FlashMLA's harness reports); call time
 is the whole call (main + combine, metadata reused) captured in a CUDA graph and replayed with
 L2 flushed, as the anchors' "graph µs" column; the eager (plain Python call) time is kept as
 eager_call_us (host overhead leaks into it whenever the host is slower than the L2 flush).
+
+--ab V1,V2,...: A/B of kernel variants on the SAME inputs, in one process. Each variant is
+an environment setting read by the library on every call: "auto" (nothing set), "v1".."v5"
+(FLASHMLA_DENSE_DECODE_KERNEL), with the suffix "pdl" also FLASHMLA_DENSE_DECODE_PDL=1
+(Programmatic Dependent Launch of the combine, and of the v5 main kernel). Every case is
+timed once per variant (main kernel, CUDA-graph call) and the outputs of each variant are
+compared with the first one's (max |diff|); the first variant fills the usual fields, the
+others go to case["ab"]; results go to <date>-dense-decode-ab.json (the issue's JSON is
+not overwritten). With PDL the profiler's combine time includes its wait for the main
+kernel, so compare call_time_us there, not combine_us.
+--filter S1,S2: only cases whose name contains one of the substrings.
 """
 
 from __future__ import annotations
@@ -89,18 +100,57 @@ def graph_call_us(fn, reps: int = 20):
     return statistics.median(ts)
 
 
-def bench_case(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True):
+ENV_KERNEL = "FLASHMLA_DENSE_DECODE_KERNEL"
+ENV_PDL = "FLASHMLA_DENSE_DECODE_PDL"
+
+
+def set_variant(v):
+    """Environment of an A/B variant ("auto", "v4", "v5", "v5pdl", ...); None = leave as is."""
+    if v is None:
+        return
+    os.environ.pop(ENV_KERNEL, None)
+    os.environ.pop(ENV_PDL, None)
+    base = v[:-3] if v.endswith("pdl") else v
+    if base not in ("", "auto"):
+        os.environ[ENV_KERNEL] = base
+    if v.endswith("pdl"):
+        os.environ[ENV_PDL] = "1"
+
+
+def time_variant(fn, reuse_meta):
+    t = common.kernel_times_us(fn, [KERNEL, COMBINE, "get_mla_metadata", "scheduler"])
+    t["eager"] = t["call"]
+    g = graph_call_us(fn) if reuse_meta else None
+    if g is not None:
+        t["call"] = g
+    return t, g
+
+
+def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True, variants=None):
     q, k, bt, lens_t, lens = make_inputs(b, s_q, h_q, s_k, varlen)
     sched, _ = flash_mla.get_mla_metadata()
     fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, sched, causal=causal)
     if not reuse_meta:
         fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, flash_mla.get_mla_metadata()[0],
                                                       causal=causal)
-    t = common.kernel_times_us(fn, [KERNEL, COMBINE, "get_mla_metadata", "scheduler"])
-    t["eager"] = t["call"]
-    g = graph_call_us(fn) if reuse_meta else None
-    if g is not None:
-        t["call"] = g
+    ab = {}
+    ref_out = None
+    for v in (variants or [None]):
+        set_variant(v)
+        out = fn()[0].float()
+        torch.cuda.synchronize()
+        diff = 0.0 if ref_out is None else float((out - ref_out).abs().max())
+        nonfinite = int((~torch.isfinite(out)).sum())
+        if ref_out is None:
+            ref_out = out
+        tv, gv = time_variant(fn, reuse_meta)
+        ab[v] = {"time_us": tv[KERNEL], "call_time_us": tv["call"], "eager_call_us": tv["eager"],
+                 "combine_us": tv[COMBINE], "call_is_graph": gv is not None, "max_abs_diff_vs_first": diff,
+                 "nonfinite_outputs": nonfinite}
+        if v == (variants or [None])[0]:
+            t, g = tv, gv
+    if variants:
+        set_variant(variants[0])
     mean_len = sum(lens) / b
     flop = b * h_q * s_q * (2 * 576 * mean_len + 2 * mean_len * 512)
     nbytes = b * (s_q * h_q * 576 * 2 + mean_len * 576 * 2 + s_q * h_q * 512 * 2)
@@ -116,6 +166,10 @@ def bench_case(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=
         "frac_copy_ceiling": nbytes / kt / 1e3 / ceil["copy_gbps"],
         "anchor_tflops": None, "anchor_gbps": None, "anchor_call_us": None, "ratio_to_anchor": None,
     }
+    if variants:
+        case["ab_variants"] = list(variants)
+        case["ab"] = {v: dict(ab[v], tflops=flop / ab[v]["time_us"] / 1e6, gbps=nbytes / ab[v]["time_us"] / 1e3)
+                      for v in variants}
     if anchor is not None:
         metric, value = anchor
         if metric == "tflops":
@@ -131,32 +185,64 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ab", default=None, help="comma-separated variants, e.g. v4,v5,v5pdl (first = baseline)")
+    ap.add_argument("--filter", default=None, help="comma-separated substrings of case names to run")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.ab.split(",") if v.strip()] if args.ab else None
+    filters = [f.strip() for f in args.filter.split(",") if f.strip()] if args.filter else None
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
     print(f"{gpu}: ceilings {ceil}", flush=True)
     cases = []
+
+    def bench_case(name, *a, **kw):  # noqa: F811  (filter + variants for every case below)
+        if filters and not any(f in name for f in filters):
+            return None
+        return bench_case_impl(name, *a, variants=variants, **kw)
+
+    def keep(c):
+        if c is not None:
+            cases.append(c)
+
     sks = [4096, 8192, 16384, 32768]
     for (s_q, causal), anchors in COMPUTE.items():
         for s_k, a in zip(sks, anchors):
             if args.quick and s_k > 8192:
                 continue
-            cases.append(bench_case(f"compute sq{s_q} sk{s_k}{' causal' if causal else ''}", 128, s_q, 128, s_k,
-                                    causal, True, ("tflops", a), ceil))
+            keep(bench_case(f"compute sq{s_q} sk{s_k}{' causal' if causal else ''}", 128, s_q, 128, s_k,
+                            causal, True, ("tflops", a), ceil))
     for h_q, a in MEMORY.items():
-        cases.append(bench_case(f"memory hq{h_q} sk8192", 128, 1, h_q, 8192, False, False, ("gbps", a), ceil))
+        keep(bench_case(f"memory hq{h_q} sk8192", 128, 1, h_q, 8192, False, False, ("gbps", a), ceil))
     for b, s_q, h_q, s_k, us in CALL_GRAPH_US:
-        cases.append(bench_case(f"call b{b} sq{s_q} hq{h_q} sk{s_k}", b, s_q, h_q, s_k, False, False,
-                                ("call_us", us), ceil))
+        keep(bench_case(f"call b{b} sq{s_q} hq{h_q} sk{s_k}", b, s_q, h_q, s_k, False, False,
+                        ("call_us", us), ceil))
     for h_q in (8, 16, 32):
         for s_q in (1, 2, 4):
-            cases.append(bench_case(f"tp hq{h_q} sq{s_q} sk8192", 128, s_q, h_q, 8192, False, False, None, ceil))
+            keep(bench_case(f"tp hq{h_q} sq{s_q} sk8192", 128, s_q, h_q, 8192, False, False, None, ceil))
     for c in cases:
         r = c["ratio_to_anchor"]
         print(f"{c['name']:32s} kernel {c['time_us']:9.1f} us  call {c['call_time_us']:9.1f} us  "
               f"eager {c['eager_call_us']:9.1f} us  "
               f"{c['tflops']:7.1f} TFLOP/s {c['gbps']:7.0f} GB/s  ratio {'-' if r is None else f'{r:.3f}'}",
               flush=True)
+        if variants:
+            base = c["ab"][variants[0]]
+            for v in variants:
+                r = c["ab"][v]
+                print(f"    {v:8s} kernel {r['time_us']:9.1f} us ({base['time_us'] / r['time_us']:.3f}x)  "
+                      f"call {r['call_time_us']:9.1f} us ({base['call_time_us'] / r['call_time_us']:.3f}x)  "
+                      f"{r['tflops']:7.1f} TFLOP/s  max|diff| {r['max_abs_diff_vs_first']:.2e}  "
+                      f"nonfinite {r['nonfinite_outputs']}", flush=True)
+    if variants:
+        for v in variants[1:]:
+            for key in ("time_us", "call_time_us"):
+                rs = [c["ab"][variants[0]][key] / c["ab"][v][key] for c in cases]
+                print(f"A/B {v} vs {variants[0]}: {key} speedup geomean "
+                      f"{math.exp(sum(map(math.log, rs)) / len(rs)):.3f} over {len(rs)} cases "
+                      f"(min {min(rs):.3f}, max {max(rs):.3f})", flush=True)
+        path = common.write_results("dense-decode-ab", gpu, ceil, cases, args.out)
+        print(f"wrote {path}")
+        return
     path = common.write_results("dense-decode", gpu, ceil, cases, args.out)
     common.plot_ratios(cases, f"dense decode vs FlashMLA ({gpu})", path.replace(".json", ".png"))
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -16,9 +17,9 @@
 namespace flashmla::sm90 {
 
 cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   cudaStream_t stream);
+                                   int version, cudaStream_t stream);
 cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   cudaStream_t stream);
+                                   int version, cudaStream_t stream);
 cudaError_t probe_sm90_image();
 
 namespace {
@@ -31,6 +32,25 @@ int dense_tuning() { return g_dense_tuning; }
 
 void set_dense_kernel_version(int version) { g_dense_kernel_version = version; }
 int dense_kernel_version() { return g_dense_kernel_version; }
+
+// FLASHMLA_DENSE_DECODE_KERNEL=v1..v5 (read per call, so a benchmark can A/B kernels in
+// one process by changing the variable between captures); only used while the explicit
+// version is 0 (automatic).
+int dense_effective_kernel_version() {
+  if (g_dense_kernel_version != 0) return g_dense_kernel_version;
+  const char* env = std::getenv("FLASHMLA_DENSE_DECODE_KERNEL");
+  if (env == nullptr || env[0] != 'v' || env[1] < '1' || env[1] > '5' || env[2] != '\0') return 0;
+  return env[1] - '0';
+}
+
+namespace {
+// Tuning bits of this call: set_dense_tuning() | kTunePdl when FLASHMLA_DENSE_DECODE_PDL=1.
+int effective_tuning() {
+  const char* env = std::getenv("FLASHMLA_DENSE_DECODE_PDL");
+  const bool pdl = env != nullptr && env[0] == '1' && env[1] == '\0';
+  return g_dense_tuning | (pdl ? kTunePdl : 0);
+}
+}  // namespace
 
 namespace {
 
@@ -208,6 +228,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
   const bool vec = out_vec_ok(p.out);
+  const int tuning = effective_tuning();
 
   if ((stages & kStageScheduler) && !p.metadata_ready) {
     const cudaError_t e = launch_tile_scheduler(static_cast<const int32_t*>(p.cache_seqlens.data),
@@ -254,17 +275,18 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.causal = (p.causal && d.s_q > 1) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    kp.flags = g_dense_tuning;
+    kp.flags = tuning;
     alignas(64) CUtensorMap tmap;
     int box_tok = 64;
-    const bool want = g_dense_kernel_version == 0 || g_dense_kernel_version >= 3;
-    const bool tma = want && !(g_dense_tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
+    const int version = dense_effective_kernel_version();
+    const bool want = version == 0 || version >= 3;
+    const bool tma = want && !(tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
     if (!tma) std::memset(&tmap, 0, sizeof(tmap));
     kp.tma_ok = tma ? 1 : 0;
     kp.tma_box_tok = box_tok;
-    const CUtensorMap* tm = (tma || g_dense_kernel_version == 3) ? &tmap : nullptr;
-    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), stream)
-                                  : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), stream);
+    const CUtensorMap* tm = (tma || version == 3) ? &tmap : nullptr;
+    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), version, stream)
+                                  : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), version, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);
   }
 
@@ -289,7 +311,8 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     cp.group = static_cast<int>(d.group);
     cp.m_rows = static_cast<int>(d.m_rows);
     cp.out_vec_ok = vec ? 1 : 0;
-    const cudaError_t e = launch_dense_combine(cp, is_fp16, stream);
+    const cudaError_t e = (tuning & kTunePdl) ? launch_dense_combine_pdl(cp, is_fp16, stream)
+                                              : launch_dense_combine(cp, is_fp16, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel launch", e);
   }
   return Status::Ok();
