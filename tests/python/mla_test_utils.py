@@ -95,6 +95,28 @@ def check_lse(name, ans, ref):
     check_allclose(name, ans, ref, dtype=np.float32, **LSE_TOL)
 
 
+# ----------------------------------------------------------------------------- bitwise comparison / JAX placement
+
+
+def bits(x) -> np.ndarray:
+    """The raw bits of a 2- or 4-byte float array (NumPy, ml_dtypes or any np.asarray-able array)."""
+    x = np.asarray(x)
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+
+
+def assert_same(a_list, b_list) -> None:
+    """Bit-for-bit equality of two lists of results (two paths running the same backend)."""
+    for a, b in zip(a_list, b_list):
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+
+def to_jax_cpu(x):
+    """A JAX array on JAX's CPU device (the reference backend), even where JAX has a GPU."""
+    import jax
+
+    return jax.device_put(np.asarray(x), jax.devices("cpu")[0])
+
+
 # ----------------------------------------------------------------------------- layouts
 
 

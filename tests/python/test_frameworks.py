@@ -7,29 +7,14 @@ import pytest
 
 import flash_mla
 import flash_mla._jax
-from mla_test_utils import (BF16, LSE_TOL, check_allclose, check_lse, check_out, gen_dense_case, gen_prefill_case,
-                            gen_sparse_decode_case)
+from mla_test_utils import (BF16, LSE_TOL, assert_same, bits, check_allclose, check_lse, check_out, gen_dense_case,
+                            gen_prefill_case, gen_sparse_decode_case, to_jax_cpu)
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 # These tests run on the CPU reference backend: pin JAX arrays to JAX's CPU device even where JAX
 # has a GPU (numpy vs JAX must then agree bit for bit). GPU JAX is covered in tests/gpu.
-_JAX_CPU = jax.devices("cpu")[0]
-
-
-def to_jax(x):
-    return jax.device_put(np.asarray(x), _JAX_CPU)
-
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-
-
-def assert_same(a_list, b_list):
-    for a, b in zip(a_list, b_list):
-        np.testing.assert_array_equal(bits(a), bits(b))
+to_jax = to_jax_cpu
 
 
 def dense_call(case, conv, sched=None):

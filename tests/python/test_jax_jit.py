@@ -10,27 +10,13 @@ import pytest
 
 import flash_mla
 import oracle
-from mla_test_utils import (BF16, LSE_TOL, check_allclose, check_lse, check_out, gen_dense_case, gen_prefill_case,
-                            gen_sparse_decode_case)
+from mla_test_utils import (BF16, LSE_TOL, assert_same, bits, check_allclose, check_lse, check_out, gen_dense_case,
+                            gen_prefill_case, gen_sparse_decode_case, to_jax_cpu)
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("jax_tvm_ffi")
 jnp = jax.numpy
-CPU = jax.devices("cpu")[0]
-
-
-def to_jax(x):
-    return jax.device_put(np.asarray(x), CPU)
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
-
-
-def assert_same(a_list, b_list):
-    for a, b in zip(a_list, b_list):
-        np.testing.assert_array_equal(bits(a), bits(b))
+to_jax = to_jax_cpu
 
 
 def test_dense_decode_under_jit_matches_eager_and_oracle(rng):
