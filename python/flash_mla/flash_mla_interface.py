@@ -235,6 +235,10 @@ def flash_mla_with_kvcache(
     # happened to the lengths (regression 6). On the CPU it is reused; changed lengths raise above.
     reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and not (
         _torch_ops.on_device(q) if use_torch else _on_device(q))
+    if reuse and use_torch and _ffi.framework_of(sched.tile_scheduler_metadata) != "torch":
+        # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
+        # the CPU the lengths were checked above, so recomputing gives the same schedule.
+        reuse = False
     if use_torch:
         meta_in = (sched.tile_scheduler_metadata, sched.num_splits) if reuse else (None, None)
     else:
@@ -303,6 +307,10 @@ def flash_mla_with_kvcache(
         sched.config = config
         sched._lengths = lengths
         sched._presence = presence
+    elif sched._lengths is not None:
+        # A first call that could not read the lengths (JAX, GPU, torch.compile) leaves None; the first
+        # call that can read them becomes the reference, so later CPU reuse is still checked.
+        sched._lengths = tuple(new if old is None else old for old, new in zip(sched._lengths, lengths))
     sched.tile_scheduler_metadata = tsm
     sched.num_splits = splits
     return out, lse
