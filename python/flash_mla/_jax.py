@@ -116,15 +116,29 @@ def _have_jax_tvm_ffi() -> bool:
     return True
 
 
-def use_xla(q: Any) -> bool:
+def use_xla(q: Any, others: Tuple[Tuple[str, Any], ...] = ()) -> bool:
     """Whether a call with this `q` goes through XLA: every JAX array when jax-tvm-ffi is
     installed; otherwise concrete JAX arrays take the DLPack path and traced ones raise
-    ImportError (from _register) saying what to install."""
+    ImportError (from _register) saying what to install.
+
+    `others` are the other tensor arguments as (name, value). XLA takes JAX and NumPy arrays
+    only: with a tensor of another framework (torch, CuPy, ...) a concrete call takes the
+    DLPack path (as mixed calls of other frameworks do); a traced one raises TypeError naming
+    the argument."""
     if q is None or _ffi.framework_of(q) != "jax":
         return False
     import jax
 
-    return _have_jax_tvm_ffi() or isinstance(q, jax.core.Tracer)
+    traced = isinstance(q, jax.core.Tracer)
+    for name, t in others:
+        if t is None or isinstance(t, (jax.Array, np.ndarray)):
+            continue
+        if not traced and hasattr(t, "__dlpack__"):
+            return False
+        if traced or not hasattr(t, "shape"):
+            raise TypeError(f"{name}: expected a JAX or NumPy array inside a JAX transformation (jax.jit, "
+                            f"jax.vmap, ...), got {type(t).__module__}.{type(t).__name__}")
+    return _have_jax_tvm_ffi() or traced
 
 
 @functools.lru_cache(maxsize=None)

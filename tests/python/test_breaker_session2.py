@@ -394,3 +394,46 @@ def test_sparse_regressions_through_torch_ops_and_jax_jit(rng, path):
     o_ref, l_ref = c.reference()
     check_out("out", ref[0], o_ref, BF16)
     check_lse("lse", ref[1], l_ref)
+
+
+# ----------------------------------------------------------------------------- 6. mixed frameworks with a JAX q
+def test_jax_q_with_torch_cache(rng):
+    """DEFECT (MEDIUM). README: arguments that mix frameworks take the DLPack (TVM-FFI) path and results
+    come back in q's framework. A concrete JAX q with torch k_cache / block_table / cache_seqlens was sent
+    to the XLA custom call and failed inside JAX with an error about the torch value not being a JAX type
+    (torch q with a JAX cache worked). Now a concrete mixed call takes the DLPack path; inside jax.jit a
+    non-JAX tensor raises a TypeError naming the argument."""
+    torch = _torch()
+    jax = _jax()
+    d = _dense_np(rng)
+    ref = dense(d["q"], d["kc"], d["bt"], d["sl"])
+    out, lse = dense(J(d["q"]), T(d["kc"]), T(d["bt"]), T(d["sl"]))
+    assert isinstance(out, jax.Array) and isinstance(lse, jax.Array)
+    np.testing.assert_array_equal(bits(out), bits(ref[0]))
+    np.testing.assert_array_equal(bits(lse), bits(ref[1]))
+    p = _prefill_case(rng)
+    pref = prefill(p.q, p.kv, p.indices, 0.5)
+    pres = prefill(J(p.q), T(p.kv), J(p.indices), 0.5)
+    for a, r in zip(pres, pref):
+        assert isinstance(a, jax.Array)
+        np.testing.assert_array_equal(bits(a), bits(r))
+    kc, bt, sl = T(d["kc"]), T(d["bt"]), T(d["sl"])
+    with pytest.raises(TypeError, match="^k_cache: expected a JAX or NumPy array inside a JAX transformation"):
+        jax.jit(lambda q: dense(q, kc, bt, sl))(J(d["q"]))
+    assert isinstance(torch.zeros(1), torch.Tensor)
+
+
+# ----------------------------------------------------------------------------- 7. scalar arguments
+@pytest.mark.parametrize("fw", ["numpy", "torch", "jax"])
+def test_bad_scalar_arguments_name_the_argument(rng, fw):
+    """DEFECT (LOW). head_dim_v=None / softmax_scale='x' / d_v=None raised bare `int() argument must be ...`
+    / `could not convert string to float` errors that do not name the argument."""
+    conv = {"numpy": lambda x: x, "torch": lambda x: (_torch(), T(x))[1], "jax": lambda x: (_jax(), J(x))[1]}[fw]
+    d = {k: conv(v) for k, v in _dense_np(rng).items()}
+    with pytest.raises(TypeError, match="^head_dim_v: expected an int, got NoneType"):
+        dense(d["q"], d["kc"], d["bt"], d["sl"], head_dim_v=None)
+    with pytest.raises(TypeError, match="^softmax_scale: expected a float, got str"):
+        dense(d["q"], d["kc"], d["bt"], d["sl"], softmax_scale="x")
+    p = _prefill_case(rng)
+    with pytest.raises(TypeError, match="^d_v: expected an int, got NoneType"):
+        prefill(conv(p.q), conv(p.kv), conv(p.indices), 0.5, d_v=None)
