@@ -45,7 +45,10 @@ def _spec(*tensors: Any) -> Tuple[List[List[int]], List[str]]:
         if not hasattr(t, "shape") or not hasattr(t, "dtype"):
             raise TypeError(f"expected a tensor (JAX or NumPy array), got {type(t).__name__}")
         shapes.append([int(d) for d in t.shape])
-        dtypes.append(str(jax.dtypes.canonicalize_dtype(np.dtype(t.dtype))))
+        # A NumPy argument is checked with its own dtype (JAX would silently narrow an int64 block table
+        # or length array to int32 without jax_enable_x64; the NumPy path raises TypeError for it).
+        dt = t.dtype if isinstance(t, np.ndarray) else jax.dtypes.canonicalize_dtype(np.dtype(t.dtype))
+        dtypes.append(str(np.dtype(dt)))
     return shapes, dtypes
 
 

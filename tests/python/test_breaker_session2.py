@@ -437,3 +437,15 @@ def test_bad_scalar_arguments_name_the_argument(rng, fw):
     p = _prefill_case(rng)
     with pytest.raises(TypeError, match="^d_v: expected an int, got NoneType"):
         prefill(conv(p.q), conv(p.kv), conv(p.indices), 0.5, d_v=None)
+
+
+def test_jax_call_with_numpy_int64_lengths_is_rejected(rng):
+    """DEFECT (LOW). With a JAX q, NumPy int64 block_table / cache_seqlens were silently narrowed to int32 by
+    JAX (x64 off), where every other path raises TypeError (values >= 2^31 would wrap to other pages)."""
+    jax = _jax()
+    d = _dense_np(rng)
+    bt64, sl64 = d["bt"].astype(np.int64), d["sl"].astype(np.int64)
+    want = outcome(lambda: dense(d["q"], d["kc"], d["bt"], sl64))
+    assert want == ("TypeError", "cache_seqlens: expected dtype int32, got int64")
+    assert outcome(lambda: dense(J(d["q"]), J(d["kc"]), J(d["bt"]), sl64)) == want
+    assert outcome(lambda: jax.jit(lambda q: dense(q, J(d["kc"]), bt64, J(d["sl"])))(J(d["q"])))[0] == "TypeError"
