@@ -9,6 +9,12 @@ JAX's stream and the call can sit inside ``jax.jit`` (and XLA's CUDA graphs).
 The split schedule is recomputed by every call (on the GPU by a small kernel on
 that stream), so nothing depends on values at trace time.
 
+Errors: shapes and dtypes are checked while tracing, by the core's own validation
+(``*_check`` in module.cpp), so they raise the ValueError / TypeError of the other paths,
+also under ``jax.jit``. Value checks (CPU: lengths, pages, indices) run with the call:
+eagerly they raise the same class; inside ``jax.jit`` they surface as XLA's runtime error
+with a ``[flash_mla:ValueError]`` prefix. ``jax.vmap`` maps the call sequentially.
+
 Needs ``pip install jax-tvm-ffi`` (an ImportError saying so is raised otherwise).
 """
 
