@@ -246,7 +246,8 @@ def test_torch_outputs_do_not_require_grad(rng):
     """DEFECT (MEDIUM). With q.requires_grad, torch.ops outputs had requires_grad=True and a grad_fn; a
     backward through them only warned ('autograd kernel was not registered ... silently incorrect') and
     left q.grad None, i.e. silently no gradient. The TVM-FFI path (FLASHMLA_DISABLE_TORCH_OPS=1) returned
-    non-differentiable outputs, as FlashMLA's ops do. Now all paths agree: outputs never require grad."""
+    non-differentiable outputs, as FlashMLA's ops do. Now the public functions agree on every path: outputs
+    never require grad, also for a direct torch.ops.flash_mla call."""
     torch = _torch()
     d = _dense_np(rng)
     q = T(d["q"]).clone().requires_grad_()
@@ -257,7 +258,13 @@ def test_torch_outputs_do_not_require_grad(rng):
         direct = torch.ops.flash_mla.dense_decode_fwd(q, T(d["kc"]), 512, T(d["sl"]), T(d["bt"]), 0.1, False)
         assert not any(t.requires_grad for t in direct)
         p = _prefill_case(rng)
-        res = prefill(T(p.q).clone().requires_grad_(), T(p.kv).clone().requires_grad_(), T(p.indices), 0.5)
+        res = prefill(T(p.q).clone().requires_grad_(), T(p.kv).clone().requires_grad_(), T(p.indices), 0.5,
+                      attn_sink=T(p.attn_sink).clone().requires_grad_())
+        assert not any(t.requires_grad for t in res)
+        c = _sparse_case(rng)
+        kw = {k: T(v) for k, v in c.kwargs().items()}
+        kw["attn_sink"] = kw["attn_sink"].clone().requires_grad_()
+        res = sparse(T(c.q).clone().requires_grad_(), T(c.main.packed), **kw)
         assert not any(t.requires_grad for t in res)
     ref = dense(*(T(d[k]) for k in ("q", "kc", "bt", "sl")))
     np.testing.assert_array_equal(tbits(out), tbits(ref[0]))
