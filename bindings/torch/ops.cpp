@@ -60,6 +60,9 @@ std::string torch_dtype_name(ScalarType t) {
     case ScalarType::ComplexFloat: return "complex64";
     case ScalarType::ComplexDouble: return "complex128";
     case ScalarType::Float8_e5m2: return "float8_e5m2";
+    case ScalarType::UInt16: return "uint16";
+    case ScalarType::UInt32: return "uint32";
+    case ScalarType::UInt64: return "uint64";
     default: return torch::headeronly::toString(t);
   }
 }

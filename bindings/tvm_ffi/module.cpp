@@ -12,6 +12,7 @@
 // forms (*_dps, decode_scratch_bytes) that XLA custom calls use under jax.jit.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/dtype.h>
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/extra/c_env_api.h>
 #include <tvm/ffi/function.h>
@@ -48,6 +49,14 @@ void check(const Status& st) {
   if (!st.ok()) throw_status(st);
 }
 
+/// For the destination-passing forms (XLA custom calls): jax-tvm-ffi hands XLA the message only,
+/// so the Python class travels as a "[flash_mla:<Class>] " prefix that python/flash_mla/_jax.py
+/// turns back into that class (as the torch op library does).
+void check_tagged(const Status& st) {
+  if (!st.ok())
+    TVM_FFI_THROW(RuntimeError) << "[flash_mla:" << flashmla::error_kind_name(st.kind) << "] " << st.message;
+}
+
 DType to_dtype(DLDataType t, const char* name) {
   if (t.lanes == 1) {
     if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
@@ -63,6 +72,7 @@ DType to_dtype(DLDataType t, const char* name) {
   std::string given = t.code < 7 ? std::string(kCodeNames[t.code]) + std::to_string(t.bits)
                                  : "DLPack type code " + std::to_string(int(t.code)) + "/" + std::to_string(t.bits);
   if (t.code == kDLBfloat && t.bits == 16) given = "bfloat16";
+  if (t.code == kDLBool) given = "bool";  // as torch and NumPy spell it (the torch op library says the same)
   if (t.lanes != 1) given += "x" + std::to_string(t.lanes);
   TVM_FFI_THROW(TypeError) << name << ": unsupported dtype " << given
                            << "; flash_mla takes bfloat16/float16 q and KV, int32 indices, lengths and block tables, "
@@ -364,9 +374,9 @@ void dense_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tenso
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.causal = causal;
   flashmla::DecodePlan checked;
-  check(flashmla::dense_decode_plan(p, &checked));  // validates the inputs before scratch is carved
+  check_tagged(flashmla::dense_decode_plan(p, &checked));  // validates the inputs before scratch is carved
   bind_decode_results(p, false, p.k_cache.shape[2], out, lse, scratch);
-  check(flashmla::dense_decode_fwd(p));
+  check_tagged(flashmla::dense_decode_fwd(p));
 }
 
 void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView indices,
@@ -388,9 +398,9 @@ void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tens
   p.head_dim_v = head_dim_v;
   p.softmax_scale = static_cast<float>(softmax_scale);
   flashmla::DecodePlan checked;
-  check(flashmla::sparse_decode_plan(p, &checked));
+  check_tagged(flashmla::sparse_decode_plan(p, &checked));
   bind_decode_results(p, true, 1, out, lse, scratch);
-  check(flashmla::sparse_decode_fwd(p));
+  check_tagged(flashmla::sparse_decode_fwd(p));
 }
 
 void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
@@ -405,7 +415,7 @@ void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorVi
   p.sm_scale = static_cast<float>(sm_scale);
   p.d_v = d_v;
   int64_t ws_bytes = 0;
-  check(flashmla::sparse_prefill_plan(p, &ws_bytes));
+  check_tagged(flashmla::sparse_prefill_plan(p, &ws_bytes));
   if (ws_bytes != 0)
     TVM_FFI_THROW(RuntimeError) << "sparse_prefill_fwd_dps: this build needs a " << ws_bytes
                                 << "-byte workspace, which the destination-passing form does not take";
@@ -413,7 +423,84 @@ void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorVi
   p.max_logits = to_ref(max_logits, "max_logits");
   p.lse = to_ref(lse, "lse");
   p.stream = stream_for(p.q);
-  check(flashmla::sparse_prefill_fwd(p));
+  check_tagged(flashmla::sparse_prefill_fwd(p));
+}
+
+// ------------------------------------------------------------------ shape/dtype checks without data
+// The XLA path (python/flash_mla/_jax.py) runs these while tracing, where only shapes and dtypes
+// exist, so that a bad shape or dtype raises the same Python class and message as on the other
+// paths, also under jax.jit. Each tensor is (shape, dtype name); an empty dtype name = absent.
+// The refs have row-major strides and no data (the core then skips its value checks).
+TensorRef abstract_ref(const ffi::Array<ffi::Array<int64_t>>& shapes, const ffi::Array<ffi::String>& dtypes,
+                       size_t i, const char* name) {
+  if (i >= shapes.size() || i >= dtypes.size())
+    TVM_FFI_THROW(ValueError) << "internal: no shape/dtype given for " << name;
+  if (dtypes[i].empty()) return TensorRef{};
+  TensorRef r;
+  r.defined = true;
+  r.dtype = to_dtype(ffi::StringToDLDataType(dtypes[i]), name);
+  const ffi::Array<int64_t> shape = shapes[i];
+  if (static_cast<int64_t>(shape.size()) > flashmla::kMaxTensorDims)
+    TVM_FFI_THROW(ValueError) << name << ": at most " << flashmla::kMaxTensorDims << " dimensions, got "
+                              << shape.size();
+  r.ndim = static_cast<int32_t>(shape.size());
+  int64_t stride = 1;
+  for (int d = r.ndim - 1; d >= 0; --d) {
+    r.shape[d] = shape[d];
+    r.stride[d] = stride;
+    stride *= shape[d] > 1 ? shape[d] : 1;
+  }
+  r.data = nullptr;
+  r.device = {flashmla::DeviceType::kCPU, 0};
+  return r;
+}
+
+/// Tensors: q, k_cache, block_table, cache_seqlens.
+void dense_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, int64_t head_dim_v,
+                        double softmax_scale, bool causal) {
+  flashmla::DenseDecodeParams p;
+  p.q = abstract_ref(shapes, dtypes, 0, "q");
+  p.k_cache = abstract_ref(shapes, dtypes, 1, "k_cache");
+  p.block_table = abstract_ref(shapes, dtypes, 2, "block_table");
+  p.cache_seqlens = abstract_ref(shapes, dtypes, 3, "cache_seqlens");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+  flashmla::DecodePlan plan;
+  check(flashmla::dense_decode_plan(p, &plan));
+}
+
+/// Tensors: q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length.
+void sparse_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, int64_t head_dim_v,
+                         double softmax_scale) {
+  flashmla::SparseDecodeParams p;
+  p.q = abstract_ref(shapes, dtypes, 0, "q");
+  p.k_cache = abstract_ref(shapes, dtypes, 1, "k_cache");
+  p.indices = abstract_ref(shapes, dtypes, 2, "indices");
+  p.topk_length = abstract_ref(shapes, dtypes, 3, "topk_length");
+  p.attn_sink = abstract_ref(shapes, dtypes, 4, "attn_sink");
+  p.extra_k_cache = abstract_ref(shapes, dtypes, 5, "extra_k_cache");
+  p.extra_indices_in_kvcache = abstract_ref(shapes, dtypes, 6, "extra_indices_in_kvcache");
+  p.extra_topk_length = abstract_ref(shapes, dtypes, 7, "extra_topk_length");
+  p.head_dim_v = head_dim_v;
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  flashmla::DecodePlan plan;
+  check(flashmla::sparse_decode_plan(p, &plan));
+}
+
+/// Tensors: q, kv, indices, attn_sink, topk_length.
+void sparse_prefill_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, double sm_scale,
+                          int64_t d_v) {
+  flashmla::SparsePrefillParams p;
+  p.q = abstract_ref(shapes, dtypes, 0, "q");
+  p.kv = abstract_ref(shapes, dtypes, 1, "kv");
+  p.indices = abstract_ref(shapes, dtypes, 2, "indices");
+  p.attn_sink = abstract_ref(shapes, dtypes, 3, "attn_sink");
+  p.topk_length = abstract_ref(shapes, dtypes, 4, "topk_length");
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.d_v = d_v;
+  int64_t ws_bytes = 0;
+  check(flashmla::sparse_prefill_plan(p, &ws_bytes));
 }
 
 flashmla::KVFormat to_format(int64_t format) {
@@ -468,3 +555,6 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_scratch_bytes, decode_scratch_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd_dps, dense_decode_fwd_dps);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd_dps, sparse_decode_fwd_dps);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd_dps, sparse_prefill_fwd_dps);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_check, dense_decode_check);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_check, sparse_decode_check);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_check, sparse_prefill_check);

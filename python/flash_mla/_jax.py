@@ -9,12 +9,19 @@ JAX's stream and the call can sit inside ``jax.jit`` (and XLA's CUDA graphs).
 The split schedule is recomputed by every call (on the GPU by a small kernel on
 that stream), so nothing depends on values at trace time.
 
+Errors: shapes and dtypes are checked while tracing, by the core's own validation
+(``*_check`` in module.cpp), so they raise the ValueError / TypeError of the other paths,
+also under ``jax.jit``. Value checks (CPU: lengths, pages, indices) run with the call:
+eagerly they raise the same class; inside ``jax.jit`` they surface as XLA's runtime error
+with a ``[flash_mla:ValueError]`` prefix. ``jax.vmap`` maps the call sequentially.
+
 Needs ``pip install jax-tvm-ffi`` (an ImportError saying so is raised otherwise).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -24,6 +31,56 @@ from . import _ffi
 # Bits of the `present` attribute (module.cpp).
 _SD_TOPK_LENGTH, _SD_SINK, _SD_EXTRA, _SD_EXTRA_TOPK_LENGTH = 1, 2, 4, 8
 _SP_SINK, _SP_TOPK_LENGTH = 1, 2
+
+# Errors of the custom calls reach Python as XLA errors carrying the message only; module.cpp puts
+# the class in a "[flash_mla:<Class>] " prefix (see _ffi_call).
+_PREFIX = re.compile(r"\[flash_mla:(\w+)\] ")
+_ERROR_CLASSES = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def _spec(*tensors: Any) -> Tuple[List[List[int]], List[str]]:
+    """(shapes, dtype names) of the arguments as XLA will see them; None = absent (empty name)."""
+    import jax
+
+    shapes, dtypes = [], []
+    for t in tensors:
+        if t is None:
+            shapes.append([])
+            dtypes.append("")
+            continue
+        if not hasattr(t, "shape") or not hasattr(t, "dtype"):
+            raise TypeError(f"expected a tensor (JAX or NumPy array), got {type(t).__name__}")
+        shapes.append([int(d) for d in t.shape])
+        # A NumPy argument is checked with its own dtype (JAX would silently narrow an int64 block table
+        # or length array to int32 without jax_enable_x64; the NumPy path raises TypeError for it).
+        dt = t.dtype if isinstance(t, np.ndarray) else jax.dtypes.canonicalize_dtype(np.dtype(t.dtype))
+        dtypes.append(str(np.dtype(dt)))
+    return shapes, dtypes
+
+
+def _named(names: Tuple[str, ...], tensors: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """`tensors` with a TypeError naming the argument for anything that is not an array."""
+    for name, t in zip(names, tensors):
+        if t is not None and not (hasattr(t, "shape") and hasattr(t, "dtype")):
+            raise TypeError(f"{name}: expected a tensor (any DLPack framework), got {type(t).__name__}")
+    return tensors
+
+
+def _ffi_call(target: str, results: Any, *args: Any, **attrs: Any) -> Any:
+    """jax.ffi.ffi_call of one of our targets. Outside jax.jit, an error of the call is re-raised
+    with the class the other paths raise (ValueError / TypeError / NotImplementedError); inside
+    jax.jit it surfaces when the compiled function runs, as XLA's error with the prefixed message.
+    Under jax.vmap the call is applied sequentially, once per mapped element."""
+    import jax
+
+    try:
+        return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+    except Exception as e:  # noqa: BLE001 - only errors carrying our prefix are translated
+        msg = str(e)
+        m = _PREFIX.search(msg)
+        if m is None:
+            raise
+        raise _ERROR_CLASSES.get(m.group(1), RuntimeError)(msg[m.end():].rstrip()) from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,15 +125,29 @@ def _have_jax_tvm_ffi() -> bool:
     return True
 
 
-def use_xla(q: Any) -> bool:
+def use_xla(q: Any, others: Tuple[Tuple[str, Any], ...] = ()) -> bool:
     """Whether a call with this `q` goes through XLA: every JAX array when jax-tvm-ffi is
     installed; otherwise concrete JAX arrays take the DLPack path and traced ones raise
-    ImportError (from _register) saying what to install."""
+    ImportError (from _register) saying what to install.
+
+    `others` are the other tensor arguments as (name, value). XLA takes JAX and NumPy arrays
+    only: with a tensor of another framework (torch, CuPy, ...) a concrete call takes the
+    DLPack path (as mixed calls of other frameworks do); a traced one raises TypeError naming
+    the argument."""
     if q is None or _ffi.framework_of(q) != "jax":
         return False
     import jax
 
-    return _have_jax_tvm_ffi() or isinstance(q, jax.core.Tracer)
+    traced = isinstance(q, jax.core.Tracer)
+    for name, t in others:
+        if t is None or isinstance(t, (jax.Array, np.ndarray)):
+            continue
+        if not traced and hasattr(t, "__dlpack__"):
+            return False
+        if traced or not hasattr(t, "shape"):
+            raise TypeError(f"{name}: expected a JAX or NumPy array inside a JAX transformation (jax.jit, "
+                            f"jax.vmap, ...), got {type(t).__module__}.{type(t).__name__}")
+    return _have_jax_tvm_ffi() or traced
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,15 +206,13 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softma
 
     _register()
     q = jnp.asarray(q)
-    if int(head_dim_v) != 512:
-        raise ValueError(f"head_dim_v: must be 512, got {head_dim_v}")
-    if len(k_cache.shape) != 4 or int(k_cache.shape[2]) < 1:
-        raise ValueError(f"k_cache: expected (num_blocks, page_block_size, h_kv, d_qk), got shape {tuple(k_cache.shape)}")
+    tensors = _named(("q", "k_cache", "block_table", "cache_seqlens"), (q, k_cache, block_table, cache_seqlens))
+    # Shapes and dtypes are checked now, by the core's own validation (same classes and messages as
+    # the other paths, also while tracing under jax.jit); values (CPU) when the call runs.
+    _ffi.lib.dense_decode_check(*_spec(*tensors), int(head_dim_v), float(softmax_scale), bool(causal))
     h_kv = int(k_cache.shape[2])
-    if int(q.shape[2]) % h_kv != 0:
-        raise ValueError(f"h_q % h_kv != 0: q has h_q = {int(q.shape[2])} heads, k_cache has h_kv = {h_kv}")
     results = _decode_results(q, q.dtype, False, h_kv)
-    res = jax.ffi.ffi_call("flash_mla.dense_decode_fwd_dps", results)(
+    res = _ffi_call("flash_mla.dense_decode_fwd_dps", results,
         q, k_cache, block_table, cache_seqlens,
         head_dim_v=np.int64(head_dim_v), softmax_scale=np.float64(softmax_scale), causal=np.bool_(causal),
     )
@@ -158,10 +227,11 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ex
 
     _register()
     q = jnp.asarray(q)
-    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
-        raise ValueError("extra_k_cache and extra_indices_in_kvcache: must be given together")
-    if extra_topk_length is not None and extra_k_cache is None:
-        raise ValueError("extra_topk_length: given without extra_k_cache")
+    tensors = _named(("q", "k_cache", "indices", "topk_length", "attn_sink", "extra_k_cache",
+                      "extra_indices_in_kvcache", "extra_topk_length"),
+                     (q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                      extra_topk_length))
+    _ffi.lib.sparse_decode_check(*_spec(*tensors), int(head_dim_v), float(softmax_scale))  # see dense_decode
     present = ((_SD_TOPK_LENGTH if topk_length is not None else 0) | (_SD_SINK if attn_sink is not None else 0)
                | (_SD_EXTRA if extra_k_cache is not None else 0)
                | (_SD_EXTRA_TOPK_LENGTH if extra_topk_length is not None else 0))
@@ -175,7 +245,7 @@ def sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache, ex
         extra_topk_length if extra_topk_length is not None else _placeholder(i32),
     ]
     results = _decode_results(q, jnp.bfloat16, True, 1)
-    res = jax.ffi.ffi_call("flash_mla.sparse_decode_fwd_dps", results)(
+    res = _ffi_call("flash_mla.sparse_decode_fwd_dps", results,
         *args, head_dim_v=np.int64(head_dim_v), softmax_scale=np.float64(softmax_scale), present=np.int64(present),
     )
     return res[0], res[1], None, None
@@ -188,8 +258,8 @@ def sparse_prefill(q, kv, indices, sm_scale: float, d_v: int, attn_sink: Optiona
 
     _register()
     q = jnp.asarray(q)
-    if len(q.shape) != 3:
-        raise ValueError(f"q: expected a 3-D tensor (s_q, h_q, d_qk), got shape {tuple(q.shape)}")
+    tensors = _named(("q", "kv", "indices", "attn_sink", "topk_length"), (q, kv, indices, attn_sink, topk_length))
+    _ffi.lib.sparse_prefill_check(*_spec(*tensors), float(sm_scale), int(d_v))  # see dense_decode
     s_q, h_q = int(q.shape[0]), int(q.shape[1])
     present = (_SP_SINK if attn_sink is not None else 0) | (_SP_TOPK_LENGTH if topk_length is not None else 0)
     results = [
@@ -197,7 +267,7 @@ def sparse_prefill(q, kv, indices, sm_scale: float, d_v: int, attn_sink: Optiona
         jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
         jax.ShapeDtypeStruct((s_q, h_q), jnp.float32),
     ]
-    res = jax.ffi.ffi_call("flash_mla.sparse_prefill_fwd_dps", results)(
+    res = _ffi_call("flash_mla.sparse_prefill_fwd_dps", results,
         q, kv, indices,
         attn_sink if attn_sink is not None else _placeholder(jnp.float32),
         topk_length if topk_length is not None else _placeholder(jnp.int32),

@@ -201,6 +201,15 @@ def _register_fakes(torch) -> None:
             q.new_empty((s_q, h_q), dtype=torch.float32),
         )
 
+    # The attention ops have no backward and, as FlashMLA's, outputs that never require grad. Without an
+    # Autograd kernel torch's fallback gives them a grad_fn whose backward only warns ("silently
+    # incorrect") and leaves q.grad None. A fallthrough kernel (C++, no per-call cost; a Python autograd
+    # kernel from register_autograd costs ~3 us a call) skips autograd for them, as torch's warning advises.
+    impl = torch.library.Library("flash_mla", "IMPL")
+    for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd"):
+        impl.impl(name, torch.library.fallthrough_kernel, "Autograd")
+    _state["autograd_impl"] = impl  # the registrations live as long as this object
+
     @torch.library.register_fake(lib + "quantize_kv_cache")
     def _quantize_fake(kv_cache, packed, format):
         return None

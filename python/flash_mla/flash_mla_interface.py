@@ -115,10 +115,25 @@ def _on_device(x: Any) -> bool:
         return False
 
 
-def _jax_use_xla(q: Any) -> bool:
+def _jax_use_xla(q: Any, **others: Any) -> bool:
     from . import _jax
 
-    return _jax.use_xla(q)
+    return _jax.use_xla(q, tuple(others.items()))
+
+
+def _int_arg(name: str, value: Any) -> int:
+    """`int(value)`, with a TypeError naming the argument for None / non-numbers."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}") from None
+
+
+def _float_arg(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}") from None
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
@@ -179,6 +194,8 @@ def flash_mla_with_kvcache(
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+    head_dim_v = _int_arg("head_dim_v", head_dim_v)
+    softmax_scale = _float_arg("softmax_scale", softmax_scale)
     topk = int(indices.shape[-1]) if indices is not None else None
     extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
     extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None
@@ -196,7 +213,10 @@ def flash_mla_with_kvcache(
     # (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
     use_torch = _torch_ops.handles(q, k_cache, block_table, cache_seqlens, indices, attn_sink, extra_k_cache,
                                    extra_indices_in_kvcache, topk_length, extra_topk_length)
-    use_jax = not use_torch and _ffi.framework_of(q) == "jax" and _jax_use_xla(q)
+    use_jax = not use_torch and _ffi.framework_of(q) == "jax" and _jax_use_xla(
+        q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
+        attn_sink=attn_sink, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
+        topk_length=topk_length, extra_topk_length=extra_topk_length)
     if use_jax:
         lengths = (None,) if topk is None else (None, None)  # that path recomputes the schedule every call
     else:
@@ -236,6 +256,10 @@ def flash_mla_with_kvcache(
     # happened to the lengths (regression 6). On the CPU it is reused; changed lengths raise above.
     reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and not (
         _torch_ops.on_device(q) if use_torch else _on_device(q))
+    if reuse and use_torch and _ffi.framework_of(sched.tile_scheduler_metadata) != "torch":
+        # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
+        # the CPU the lengths were checked above, so recomputing gives the same schedule.
+        reuse = False
     if use_torch:
         meta_in = (sched.tile_scheduler_metadata, sched.num_splits) if reuse else (None, None)
     else:
@@ -304,6 +328,10 @@ def flash_mla_with_kvcache(
         sched.config = config
         sched._lengths = lengths
         sched._presence = presence
+    elif sched._lengths is not None:
+        # A first call that could not read the lengths (JAX, GPU, torch.compile) leaves None; the first
+        # call that can read them becomes the reference, so later CPU reuse is still checked.
+        sched._lengths = tuple(new if old is None else old for old, new in zip(sched._lengths, lengths))
     sched.tile_scheduler_metadata = tsm
     sched.num_splits = splits
     return out, lse
@@ -331,9 +359,12 @@ def flash_mla_sparse_fwd(
     """
     if sm_scale is None or isinstance(sm_scale, (str, bytes)):
         raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
+    sm_scale = _float_arg("sm_scale", sm_scale)
+    d_v = _int_arg("d_v", d_v)
     if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
         return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length))
-    if _ffi.framework_of(q) == "jax" and _jax_use_xla(q):  # XLA custom call (works under jax.jit): _jax.py
+    if _ffi.framework_of(q) == "jax" and _jax_use_xla(q, kv=kv, indices=indices, attn_sink=attn_sink,
+                                                       topk_length=topk_length):  # XLA custom call (works under jax.jit): _jax.py
         from . import _jax
 
         return _jax.sparse_prefill(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length)

@@ -164,7 +164,9 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   // Values: cheap on the host. On the GPU they stay on the device (reading them
   // would synchronise the stream); the kernels never index past a request's
   // last page, so only the user's own block_table contents can be wrong there.
-  if (p.q.device.type == DeviceType::kCPU) {
+  // (No data: a shapes-and-dtypes-only check, e.g. while JAX traces; a real cache_seqlens has b >= 1
+  // elements and so always has data.)
+  if (p.q.device.type == DeviceType::kCPU && p.cache_seqlens.data != nullptr) {
     const int64_t max_blocks = p.block_table.shape[1];
     const int32_t* seqlens = host_i32(p.cache_seqlens);
     for (int64_t i = 0; i < b; ++i) {
@@ -295,7 +297,8 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
                       {&p.extra_topk_length, "extra_topk_length"}})
     FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
 
-  if (p.q.device.type == DeviceType::kCPU) {
+  // (No data: a shapes-and-dtypes-only check; real indices have b * s_q * topk >= 1 elements.)
+  if (p.q.device.type == DeviceType::kCPU && p.indices.data != nullptr) {
     if (p.topk_length.defined)
       for (int64_t i = 0; i < b; ++i)
         if (host_i32(p.topk_length)[i] < 0)
@@ -355,7 +358,7 @@ Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   }
   if (p.kv.shape[0] > std::numeric_limits<int32_t>::max())
     return value_error("kv: s_kv must be < 2^31 (indices are int32)");
-  if (p.topk_length.defined && p.q.device.type == DeviceType::kCPU)
+  if (p.topk_length.defined && p.topk_length.data != nullptr && p.q.device.type == DeviceType::kCPU)
     for (int64_t s = 0; s < s_q; ++s) {
       const int32_t len = host_i32(p.topk_length)[s * p.topk_length.stride[0]];
       if (len < 0) return value_error(cat("topk_length[", s, "] = ", len, " is negative"));
