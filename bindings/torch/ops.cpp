@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "flashmla/flashmla.h"
+#include "../common/op_params.h"
 
 #include <dlfcn.h>
 
@@ -125,6 +126,9 @@ TensorRef to_ref(const Tensor& t, const char* name) {
 
 TensorRef to_ref(const OptTensor& t, const char* name) { return t.has_value() ? to_ref(*t, name) : TensorRef{}; }
 
+/// Converter handed to bindings/common/op_params.h.
+constexpr auto kRef = [](const auto& t, const char* name) { return to_ref(t, name); };
+
 /// New uninitialised tensor on the device of `like`, through torch's allocator.
 Tensor alloc(const Tensor& like, std::vector<int64_t> shape, DType dtype) {
   return torch::stable::new_empty(like, shape, to_scalar_type(dtype));
@@ -209,14 +213,8 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
 DecodeResult dense_decode_fwd(Tensor q, Tensor k_cache, int64_t head_dim_v, Tensor cache_seqlens, Tensor block_table,
                               double softmax_scale, bool causal, OptTensor tile_scheduler_metadata,
                               OptTensor num_splits) {
-  flashmla::DenseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.block_table = to_ref(block_table, "block_table");
-  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal;
+  auto p = flashmla::bindings::dense_decode_params(kRef, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                  softmax_scale, causal);
   return run_decode(p, q, p.q.dtype, tile_scheduler_metadata, num_splits, flashmla::dense_decode_plan,
                     flashmla::dense_decode_fwd);
 }
@@ -225,31 +223,16 @@ DecodeResult sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, OptTens
                                OptTensor tile_scheduler_metadata, OptTensor num_splits, OptTensor extra_k_cache,
                                OptTensor extra_indices_in_kvcache, OptTensor extra_topk_length, int64_t head_dim_v,
                                double softmax_scale) {
-  flashmla::SparseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.indices = to_ref(indices, "indices");
-  p.topk_length = to_ref(topk_length, "topk_length");
-  p.attn_sink = to_ref(attn_sink, "attn_sink");
-  p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
-  p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
-  p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  auto p = flashmla::bindings::sparse_decode_params(kRef, q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                                                   extra_indices_in_kvcache, extra_topk_length, head_dim_v,
+                                                   softmax_scale);
   return run_decode(p, q, DType::kBFloat16, tile_scheduler_metadata, num_splits, flashmla::sparse_decode_plan,
                     flashmla::sparse_decode_fwd);
 }
 
 std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, double sm_scale,
                                                       int64_t d_v, OptTensor attn_sink, OptTensor topk_length) {
-  flashmla::SparsePrefillParams p;
-  p.q = to_ref(q, "q");
-  p.kv = to_ref(kv, "kv");
-  p.indices = to_ref(indices, "indices");
-  p.attn_sink = to_ref(attn_sink, "attn_sink");
-  p.topk_length = to_ref(topk_length, "topk_length");
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.d_v = d_v;
+  auto p = flashmla::bindings::sparse_prefill_params(kRef, q, kv, indices, attn_sink, topk_length, sm_scale, d_v);
   MaybeDeviceGuard guard(p.q);
   int64_t ws_bytes = 0;
   check(flashmla::sparse_prefill_plan(p, &ws_bytes));

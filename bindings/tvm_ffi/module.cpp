@@ -23,6 +23,7 @@
 #include <string>
 
 #include "flashmla/flashmla.h"
+#include "../common/op_params.h"
 
 #ifdef FLASHMLA_WITH_CUDA
 #include <cuda_runtime.h>
@@ -123,6 +124,14 @@ TensorRef to_ref(const ffi::Optional<ffi::TensorView>& t, const char* name) {
 }
 
 TensorRef to_ref(const ffi::Tensor& t, const char* name) { return to_ref(ffi::TensorView(t), name); }
+
+/// Converter handed to bindings/common/op_params.h.
+constexpr auto kRef = [](const auto& t, const char* name) { return to_ref(t, name); };
+
+/// An always-passed destination-passing argument as an optional: absent unless `present`.
+ffi::Optional<ffi::TensorView> if_present(const ffi::TensorView& t, bool present) {
+  return present ? ffi::Optional<ffi::TensorView>(t) : ffi::Optional<ffi::TensorView>();
+}
 
 DLDevice to_dl(flashmla::Device d) {
   return d.type == flashmla::DeviceType::kCPU ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, d.id};
@@ -232,14 +241,8 @@ ffi::Array<ffi::Tensor> dense_decode_fwd(ffi::TensorView q, ffi::TensorView k_ca
                                          double softmax_scale, bool causal,
                                          ffi::Optional<ffi::Tensor> tile_scheduler_metadata,
                                          ffi::Optional<ffi::Tensor> num_splits) {
-  flashmla::DenseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.block_table = to_ref(block_table, "block_table");
-  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal;
+  auto p = flashmla::bindings::dense_decode_params(kRef, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                  softmax_scale, causal);
   return run_decode(p, p.q.dtype, tile_scheduler_metadata, num_splits, flashmla::dense_decode_plan,
                     flashmla::dense_decode_fwd);
 }
@@ -253,17 +256,9 @@ ffi::Array<ffi::Tensor> sparse_decode_fwd(ffi::TensorView q, ffi::TensorView k_c
                                           ffi::Optional<ffi::TensorView> extra_indices_in_kvcache,
                                           ffi::Optional<ffi::TensorView> extra_topk_length, int64_t head_dim_v,
                                           double softmax_scale) {
-  flashmla::SparseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.indices = to_ref(indices, "indices");
-  p.topk_length = to_ref(topk_length, "topk_length");
-  p.attn_sink = to_ref(attn_sink, "attn_sink");
-  p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
-  p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
-  p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  auto p = flashmla::bindings::sparse_decode_params(kRef, q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                                                   extra_indices_in_kvcache, extra_topk_length, head_dim_v,
+                                                   softmax_scale);
   return run_decode(p, DType::kBFloat16, tile_scheduler_metadata, num_splits, flashmla::sparse_decode_plan,
                     flashmla::sparse_decode_fwd);
 }
@@ -271,14 +266,7 @@ ffi::Array<ffi::Tensor> sparse_decode_fwd(ffi::TensorView q, ffi::TensorView k_c
 ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
                                            double sm_scale, int64_t d_v, ffi::Optional<ffi::TensorView> attn_sink,
                                            ffi::Optional<ffi::TensorView> topk_length) {
-  flashmla::SparsePrefillParams p;
-  p.q = to_ref(q, "q");
-  p.kv = to_ref(kv, "kv");
-  p.indices = to_ref(indices, "indices");
-  p.attn_sink = to_ref(attn_sink, "attn_sink");
-  p.topk_length = to_ref(topk_length, "topk_length");
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.d_v = d_v;
+  auto p = flashmla::bindings::sparse_prefill_params(kRef, q, kv, indices, attn_sink, topk_length, sm_scale, d_v);
   int64_t ws_bytes = 0;
   check(flashmla::sparse_prefill_plan(p, &ws_bytes));
   const auto dev = p.q.device;
@@ -365,14 +353,8 @@ void bind_decode_results(Params& p, bool sparse, int64_t h_kv, ffi::TensorView o
 void dense_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::TensorView block_table,
                           ffi::TensorView cache_seqlens, int64_t head_dim_v, double softmax_scale, bool causal,
                           ffi::TensorView out, ffi::TensorView lse, ffi::TensorView scratch) {
-  flashmla::DenseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.block_table = to_ref(block_table, "block_table");
-  p.cache_seqlens = to_ref(cache_seqlens, "cache_seqlens");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal;
+  auto p = flashmla::bindings::dense_decode_params(kRef, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                  softmax_scale, causal);
   flashmla::DecodePlan checked;
   check_tagged(flashmla::dense_decode_plan(p, &checked));  // validates the inputs before scratch is carved
   bind_decode_results(p, false, p.k_cache.shape[2], out, lse, scratch);
@@ -384,19 +366,10 @@ void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tens
                            ffi::TensorView extra_indices_in_kvcache, ffi::TensorView extra_topk_length,
                            int64_t head_dim_v, double softmax_scale, int64_t present, ffi::TensorView out,
                            ffi::TensorView lse, ffi::TensorView scratch) {
-  flashmla::SparseDecodeParams p;
-  p.q = to_ref(q, "q");
-  p.k_cache = to_ref(k_cache, "k_cache");
-  p.indices = to_ref(indices, "indices");
-  if (present & 1) p.topk_length = to_ref(topk_length, "topk_length");
-  if (present & 2) p.attn_sink = to_ref(attn_sink, "attn_sink");
-  if (present & 4) {
-    p.extra_k_cache = to_ref(extra_k_cache, "extra_k_cache");
-    p.extra_indices_in_kvcache = to_ref(extra_indices_in_kvcache, "extra_indices_in_kvcache");
-  }
-  if (present & 8) p.extra_topk_length = to_ref(extra_topk_length, "extra_topk_length");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  auto p = flashmla::bindings::sparse_decode_params(
+      kRef, q, k_cache, indices, if_present(topk_length, present & 1), if_present(attn_sink, present & 2),
+      if_present(extra_k_cache, present & 4), if_present(extra_indices_in_kvcache, present & 4),
+      if_present(extra_topk_length, present & 8), head_dim_v, softmax_scale);
   flashmla::DecodePlan checked;
   check_tagged(flashmla::sparse_decode_plan(p, &checked));
   bind_decode_results(p, true, 1, out, lse, scratch);
@@ -406,14 +379,8 @@ void sparse_decode_fwd_dps(ffi::TensorView q, ffi::TensorView k_cache, ffi::Tens
 void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorView indices,
                             ffi::TensorView attn_sink, ffi::TensorView topk_length, double sm_scale, int64_t d_v,
                             int64_t present, ffi::TensorView out, ffi::TensorView max_logits, ffi::TensorView lse) {
-  flashmla::SparsePrefillParams p;
-  p.q = to_ref(q, "q");
-  p.kv = to_ref(kv, "kv");
-  p.indices = to_ref(indices, "indices");
-  if (present & 1) p.attn_sink = to_ref(attn_sink, "attn_sink");
-  if (present & 2) p.topk_length = to_ref(topk_length, "topk_length");
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.d_v = d_v;
+  auto p = flashmla::bindings::sparse_prefill_params(kRef, q, kv, indices, if_present(attn_sink, present & 1),
+                                                    if_present(topk_length, present & 2), sm_scale, d_v);
   int64_t ws_bytes = 0;
   check_tagged(flashmla::sparse_prefill_plan(p, &ws_bytes));
   if (ws_bytes != 0)
@@ -458,14 +425,8 @@ TensorRef abstract_ref(const ffi::Array<ffi::Array<int64_t>>& shapes, const ffi:
 /// Tensors: q, k_cache, block_table, cache_seqlens.
 void dense_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, int64_t head_dim_v,
                         double softmax_scale, bool causal) {
-  flashmla::DenseDecodeParams p;
-  p.q = abstract_ref(shapes, dtypes, 0, "q");
-  p.k_cache = abstract_ref(shapes, dtypes, 1, "k_cache");
-  p.block_table = abstract_ref(shapes, dtypes, 2, "block_table");
-  p.cache_seqlens = abstract_ref(shapes, dtypes, 3, "cache_seqlens");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal;
+  auto ref = [&](int i, const char* name) { return abstract_ref(shapes, dtypes, i, name); };
+  auto p = flashmla::bindings::dense_decode_params(ref, 0, 1, 2, 3, head_dim_v, softmax_scale, causal);
   flashmla::DecodePlan plan;
   check(flashmla::dense_decode_plan(p, &plan));
 }
@@ -473,17 +434,8 @@ void dense_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::
 /// Tensors: q, k_cache, indices, topk_length, attn_sink, extra_k_cache, extra_indices_in_kvcache, extra_topk_length.
 void sparse_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, int64_t head_dim_v,
                          double softmax_scale) {
-  flashmla::SparseDecodeParams p;
-  p.q = abstract_ref(shapes, dtypes, 0, "q");
-  p.k_cache = abstract_ref(shapes, dtypes, 1, "k_cache");
-  p.indices = abstract_ref(shapes, dtypes, 2, "indices");
-  p.topk_length = abstract_ref(shapes, dtypes, 3, "topk_length");
-  p.attn_sink = abstract_ref(shapes, dtypes, 4, "attn_sink");
-  p.extra_k_cache = abstract_ref(shapes, dtypes, 5, "extra_k_cache");
-  p.extra_indices_in_kvcache = abstract_ref(shapes, dtypes, 6, "extra_indices_in_kvcache");
-  p.extra_topk_length = abstract_ref(shapes, dtypes, 7, "extra_topk_length");
-  p.head_dim_v = head_dim_v;
-  p.softmax_scale = static_cast<float>(softmax_scale);
+  auto ref = [&](int i, const char* name) { return abstract_ref(shapes, dtypes, i, name); };
+  auto p = flashmla::bindings::sparse_decode_params(ref, 0, 1, 2, 3, 4, 5, 6, 7, head_dim_v, softmax_scale);
   flashmla::DecodePlan plan;
   check(flashmla::sparse_decode_plan(p, &plan));
 }
@@ -491,14 +443,8 @@ void sparse_decode_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi:
 /// Tensors: q, kv, indices, attn_sink, topk_length.
 void sparse_prefill_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi::String> dtypes, double sm_scale,
                           int64_t d_v) {
-  flashmla::SparsePrefillParams p;
-  p.q = abstract_ref(shapes, dtypes, 0, "q");
-  p.kv = abstract_ref(shapes, dtypes, 1, "kv");
-  p.indices = abstract_ref(shapes, dtypes, 2, "indices");
-  p.attn_sink = abstract_ref(shapes, dtypes, 3, "attn_sink");
-  p.topk_length = abstract_ref(shapes, dtypes, 4, "topk_length");
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.d_v = d_v;
+  auto ref = [&](int i, const char* name) { return abstract_ref(shapes, dtypes, i, name); };
+  auto p = flashmla::bindings::sparse_prefill_params(ref, 0, 1, 2, 3, 4, sm_scale, d_v);
   int64_t ws_bytes = 0;
   check(flashmla::sparse_prefill_plan(p, &ws_bytes));
 }
