@@ -5,7 +5,12 @@ framework are accepted; CPU tensors use the reference backend, CUDA tensors on a
 Hopper GPU the sm90 kernels. See README.md for the architecture.
 """
 
-__version__ = "1.0.0"
+try:  # the installed distribution's version (pyproject.toml), one source of truth
+    from importlib.metadata import PackageNotFoundError as _NotFound, version as _version
+
+    __version__ = _version("flash_mla")
+except _NotFound:  # pragma: no cover - running from a source tree without installing
+    __version__ = "0.0.0+source"
 
 from .flash_mla_interface import (
     FlashMLASchedMeta,
