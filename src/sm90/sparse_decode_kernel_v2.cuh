@@ -498,6 +498,16 @@ template <Fmt F, int R>
 cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   constexpr int smem = ws::Cfg2<R>::kSmemBytes;
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_ws<F, R>;
+  if constexpr (R > 1) {
+    // The setmaxnreg split needs the CTA pool of the launch (registers of the compiled kernel x
+    // 384) to cover it; with fewer registers setmaxnreg.inc would wait forever. Refuse instead.
+    static const int regs = [] {
+      cudaFuncAttributes a{};
+      return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_ws<F, R>) == cudaSuccess ? a.numRegs
+                                                                                                       : 0;
+    }();
+    if (regs * ws::kThreads < 128 * ws::kProdRegs + ws::kConsumers * ws::kConsRegs) return cudaErrorInvalidConfiguration;
+  }
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
