@@ -10,7 +10,11 @@ counts h_q 16/32 (no anchor; the mma.sync kernel, 16/32-row tiles) and two A/B c
 mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma). Every anchor case is
 also timed, on the same inputs, with the kernels in AB (FLASHMLA_SPARSE_PREFILL_KERNEL=v1, =v3):
 fields kernel_us_<k>, speedup_vs_<k> (= time of k / time of the automatic kernel), and ab_kernel,
-ab_kernel_us, ab_tflops, speedup_vs_ab for the first of them.
+ab_kernel_us, ab_tflops, speedup_vs_ab for the first of them. --ab K1,K2,... replaces that list; a name
+with the suffix "+l2" runs kernel K with FLASHMLA_SPARSE_PREFILL_L2HINT=1 (e.g. --ab v3w,v3w+l2,v4p,v4p+l2);
+--main K times the anchor cases' primary numbers with K instead of the automatic kernel; --filter S
+keeps only the cases whose name starts with one of the comma-separated prefixes S (v32,model1 = the
+anchor cases only).
 FLOP and bytes as tests/lib.py::count_flop_and_mem_vol (spec §5.3):
 FLOP = 2 * s_q * topk * h_q * (d_qk + 512); bytes = valid * d_qk * 2 + s_q * h_q * (d_qk + 512) * 2.
 Time = the `sparse_attn_fwd` kernel alone (profiler, L2 flushed between calls).
@@ -53,13 +57,24 @@ def make_inputs(s_q, s_kv, topk, h_q, d_qk, seed=0):
     return q, kv, idx.to(torch.int32)[:, None, :].contiguous(), sink
 
 
+L2HINT_ENV = "FLASHMLA_SPARSE_PREFILL_L2HINT"
+
+
 def _times(fn, kernel, reps):
+    """kernel: None (automatic), a FLASHMLA_SPARSE_PREFILL_KERNEL value, optionally with "+l2"."""
     if kernel:
-        os.environ[KERNEL_ENV] = kernel
+        k, _, opt = kernel.partition("+")
+        if k:
+            os.environ[KERNEL_ENV] = k
+        if opt == "l2":
+            os.environ[L2HINT_ENV] = "1"
+        elif opt:
+            raise ValueError(f"unknown kernel option {opt!r} in {kernel!r}")
     try:
         return common.kernel_times_us(fn, [KERNEL], reps=reps)
     finally:
         os.environ.pop(KERNEL_ENV, None)
+        os.environ.pop(L2HINT_ENV, None)
 
 
 def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
@@ -93,13 +108,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ab", default=",".join(AB), help="kernels timed on every anchor case too (k or k+l2)")
+    ap.add_argument("--main", default=None, help="kernel of the primary anchor-case times (default: automatic)")
+    ap.add_argument("--filter", default=None, help="comma-separated prefixes of the case names to run")
     args = ap.parse_args()
+    ab_list = tuple(k for k in args.ab.split(",") if k)
+    filt = None if args.filter is None else [f for f in args.filter.split(",") if f]
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
     print(f"{gpu}: ceilings {ceil}", flush=True)
     cases = []
 
     def add(*a, **kw):
+        if filt is not None and not any(a[0].startswith(f) for f in filt):
+            return
         c = bench_case(*a, ceil=ceil, reps=args.reps, **kw)
         r = c["ratio_to_anchor"]
         print(f"{c['name']:34s} kernel {c['kernel_us']:9.1f} us {c['tflops']:6.1f} TFLOP/s {c['gbps']:6.0f} GB/s "
@@ -111,7 +133,7 @@ def main():
 
     for label, (cfg, anchors) in (("v32", V32), ("model1-c1", CONFIG1), ("model1-c2", CONFIG2)):
         for s_kv, a in anchors.items():
-            add(f"{label} skv{s_kv}", cfg, s_kv, a, ab=AB)
+            add(f"{label} skv{s_kv}", cfg, s_kv, a, ab=ab_list, kernel=args.main)
     for h_q in (16, 32):
         add(f"tp v32 h{h_q} skv32768", dict(V32[0], h_q=h_q), 32768, None)
         add(f"tp model1-c1 h{h_q} skv32768", dict(CONFIG1[0], h_q=h_q), 32768, None)
@@ -124,7 +146,7 @@ def main():
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]
     gm = math.exp(sum(map(math.log, rs)) / len(rs)) if rs else float("nan")
     print(f"wrote {path}; geomean ratio {gm:.3f} over {len(rs)} anchor cases")
-    for k in AB:
+    for k in ab_list:
         ab = [c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
         if ab:
             ra = [c["ratio_to_anchor"] / c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
