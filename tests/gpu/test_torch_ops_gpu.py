@@ -6,12 +6,18 @@ Skipped without an sm90 GPU and a CUDA build (conftest.py); the 2-GPU tests also
 fewer than two GPUs. CPU versions: tests/python/test_torch_ops.py.
 """
 
+import os
+import sys
+
 import pytest
 
 torch = pytest.importorskip("torch")
 import flash_mla  # noqa: E402
 from flash_mla import _torch_ops  # noqa: E402
 from torch_reference import check_close  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from mla_test_utils import count_torch_calls  # noqa: E402,F401  (fixture)
 
 import test_dense_decode_gpu as dense_t  # noqa: E402  (data generator + CPU-reference comparator)
 import test_sparse_decode_gpu as sparse_t  # noqa: E402
@@ -23,19 +29,6 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2 if torch.cuda.is_ava
 @pytest.fixture(autouse=True)
 def _need_ops():
     assert _torch_ops.available(), _torch_ops.load_error()
-
-
-@pytest.fixture
-def count_torch_calls(monkeypatch):
-    calls = []
-    real = _torch_ops.call
-
-    def spy(op, *args):
-        calls.append(str(op))
-        return real(op, *args)
-
-    monkeypatch.setattr(_torch_ops, "call", spy)
-    return calls
 
 
 def dense_inputs(b=4, lens=(300, 0, 4000, 77), s_q=1, h_q=64, device="cuda", seed=3):

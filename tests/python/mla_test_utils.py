@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
+import pytest
 
 import oracle
 from oracle import BF16, FP16
@@ -99,15 +100,32 @@ def check_lse(name, ans, ref):
 
 
 def bits(x) -> np.ndarray:
-    """The raw bits of a 2- or 4-byte float array (NumPy, ml_dtypes or any np.asarray-able array)."""
+    """The raw bits of a 1-, 2- or 4-byte array (NumPy, ml_dtypes or any np.asarray-able array)."""
     x = np.asarray(x)
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x.view(np.uint32)
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 def assert_same(a_list, b_list) -> None:
     """Bit-for-bit equality of two lists of results (two paths running the same backend)."""
     for a, b in zip(a_list, b_list):
         np.testing.assert_array_equal(bits(a), bits(b))
+
+
+@pytest.fixture
+def count_torch_calls(monkeypatch):
+    """Records the calls that go through torch.ops.flash_mla (via flash_mla._torch_ops.call).
+    Import it into a test module to use it there."""
+    from flash_mla import _torch_ops
+
+    calls = []
+    real = _torch_ops.call
+
+    def spy(op, *args):
+        calls.append(str(op))
+        return real(op, *args)
+
+    monkeypatch.setattr(_torch_ops, "call", spy)
+    return calls
 
 
 def to_jax_cpu(x):

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 import flash_mla  # noqa: E402
 import oracle  # noqa: E402
 from flash_mla import _torch_ops, quant  # noqa: E402
-from mla_test_utils import (BF16, FP16, check_lse, check_out, gen_dense_case, gen_prefill_case,  # noqa: E402
-                            gen_sparse_decode_case)
+from mla_test_utils import (BF16, FP16, bits, check_lse, check_out, count_torch_calls,  # noqa: E402,F401
+                            gen_dense_case, gen_prefill_case, gen_sparse_decode_case)
 
 if not _torch_ops.available():
     if os.environ.get("FLASHMLA_REQUIRE_TORCH_OPS", "") not in ("", "0"):
@@ -47,25 +47,6 @@ def N(t):
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BF16)
     return t.numpy()
-
-
-def bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-@pytest.fixture
-def count_torch_calls(monkeypatch):
-    """Counts the calls that go through torch.ops.flash_mla (via _torch_ops.call)."""
-    calls = []
-    real = _torch_ops.call
-
-    def spy(op, *args):
-        calls.append(str(op))
-        return real(op, *args)
-
-    monkeypatch.setattr(_torch_ops, "call", spy)
-    return calls
 
 
 # ----------------------------------------------------------------------------- cases
