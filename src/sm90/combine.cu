@@ -1,7 +1,8 @@
 // src/sm90/combine.cu — merges the split-KV partials of dense decode (spec §4.5).
 //
-// Grid (b*s_q, ceil(h_q/8)): b*s_q on x (no 65535 limit), one warp per query
-// head. Requests with a single split were written by the main kernel and are
+// Grid (b*s_q, ceil(h_q/8), 4/J): b*s_q on x (no 65535 limit), one warp per query
+// head and slice of 128*J output dims (J float4 per lane; small grids split the 512 dims
+// over z so that more SMs share the partials' bytes). Requests with a single split were written by the main kernel and are
 // skipped. Partials: lse_accum[k] = log2(L_k) + m_k (base 2, -inf if empty),
 // o_accum[k] = O_k / L_k. Result: lse = ln2 * log2(sum_k 2^lse_k) (+inf if
 // every split is empty), out = sum_k 2^(lse_k - lse2) * o_accum[k].
@@ -11,13 +12,14 @@
 #include <cmath>
 
 #include "sm90/dense_decode.h"
+#include "sm90/sm90.h"
 #include "sm90/utils.cuh"
 
 namespace flashmla::sm90 {
 
 namespace {
 
-template <typename T>
+template <typename T, int J>
 __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseCombineParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t bs = blockIdx.x;
@@ -42,19 +44,21 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
   s = warp_sum(s);
   const float lse2 = (s == 0.f || s != s) ? INFINITY : log2f(s) + mx;
-  if (lane == 0) {
+  if (lane == 0 && blockIdx.z == 0) {
     p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = lse2 == INFINITY ? INFINITY : lse2 * kLn2;
   }
 
-  float4 acc[4];
+  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
+  float4 acc[J];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int k = 0; k < n; ++k) {
+  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int k = 0; k < n; ++k) {  // unrolled: several splits' loads in flight
     const float w = exp2f(la[k * split_stride] - lse2);
     const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + k * split_stride) * 512);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 v = o[lane + 32 * j];
+    for (int j = 0; j < J; ++j) {
+      const float4 v = o[f4 + 32 * j];
       acc[j].x += w * v.x;
       acc[j].y += w * v.y;
       acc[j].z += w * v.z;
@@ -63,8 +67,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   }
   T* out = static_cast<T*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int d = (lane + 32 * j) * 4;
+  for (int j = 0; j < J; ++j) {
+    const int d = (f4 + 32 * j) * 4;
     if (p.out_vec_ok) {
       uint2 pk;
       pk.x = HalfTraits<T>::pack(acc[j].x, acc[j].y);
@@ -86,12 +90,27 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
 
 }  // namespace
 
+int combine_float4s_per_lane(int64_t ctas) {
+  int device = 0;
+  const int sms = cudaGetDevice(&device) == cudaSuccess ? num_sms(device) : 132;
+  if (ctas * 4 <= 2LL * sms) return 1;
+  if (ctas * 2 <= 2LL * sms) return 2;
+  return 4;
+}
+
 cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(cp.b) * cp.s_q), (cp.h_q + 7) / 8, 1);
+  const int64_t x = static_cast<int64_t>(cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
+  const int j = combine_float4s_per_lane(x * y);
+  const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
+  auto go = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(cp); };
   if (is_fp16) {
-    flash_fwd_mla_combine_kernel<__half><<<grid, 256, 0, stream>>>(cp);
+    if (j == 1) go(flash_fwd_mla_combine_kernel<__half, 1>);
+    else if (j == 2) go(flash_fwd_mla_combine_kernel<__half, 2>);
+    else go(flash_fwd_mla_combine_kernel<__half, 4>);
   } else {
-    flash_fwd_mla_combine_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(cp);
+    if (j == 1) go(flash_fwd_mla_combine_kernel<__nv_bfloat16, 1>);
+    else if (j == 2) go(flash_fwd_mla_combine_kernel<__nv_bfloat16, 2>);
+    else go(flash_fwd_mla_combine_kernel<__nv_bfloat16, 4>);
   }
   return cudaGetLastError();
 }

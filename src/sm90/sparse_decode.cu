@@ -25,9 +25,11 @@ namespace flashmla::sm90 {
 
 namespace sparse_combine {
 
-// Grid (b*s_q, ceil(h_q/8)): b*s_q on x (no 65535 limit), one warp per query head.
+// Grid (b*s_q, ceil(h_q/8), 4/J): b*s_q on x (no 65535 limit), one warp per query head and
+// slice of 128*J output dims (J float4 per lane; see combine_float4s_per_lane).
 // Requests with a single split were written by the main kernel and are skipped
 // (unless out is strided: then the main kernel writes partials for all requests).
+template <int J>
 __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const SparseCombineParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t bs = blockIdx.x;
@@ -51,21 +53,23 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Sparse
   s = warp_sum(s);
   const bool empty = !(s > 0.f);
   const float lse2 = empty ? INFINITY : log2f(s) + mx;
-  if (lane == 0) p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+  if (lane == 0 && blockIdx.z == 0)
+    p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
   float factor = empty ? 0.f : 1.f;
   if (p.attn_sink != nullptr && !empty) factor = 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
 
-  float4 acc[4];
+  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
+  float4 acc[J];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!empty) {
 #pragma unroll 4
     for (int k = 0; k < n; ++k) {  // unrolled: several splits' loads in flight
       const float w = exp2f(la[k * split_stride] - lse2) * factor;
       const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + k * split_stride) * 512);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 v = o[lane + 32 * j];
+      for (int j = 0; j < J; ++j) {
+        const float4 v = o[f4 + 32 * j];
         acc[j].x += w * v.x;
         acc[j].y += w * v.y;
         acc[j].z += w * v.z;
@@ -75,8 +79,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Sparse
   }
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int d = (lane + 32 * j) * 4;
+  for (int j = 0; j < J; ++j) {
+    const int d = (f4 + 32 * j) * 4;
     if (p.out_vec_ok) {
       uint2 pk;
       pk.x = HalfTraits<__nv_bfloat16>::pack(acc[j].x, acc[j].y);
@@ -99,8 +103,12 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Sparse
 }  // namespace sparse_combine
 
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(cp.b) * cp.s_q), (cp.h_q + 7) / 8, 1);
-  sparse_combine::flash_fwd_mla_combine_kernel<<<grid, 256, 0, stream>>>(cp);
+  const int64_t x = static_cast<int64_t>(cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
+  const int j = combine_float4s_per_lane(x * y);
+  const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
+  if (j == 1) sparse_combine::flash_fwd_mla_combine_kernel<1><<<grid, 256, 0, stream>>>(cp);
+  else if (j == 2) sparse_combine::flash_fwd_mla_combine_kernel<2><<<grid, 256, 0, stream>>>(cp);
+  else sparse_combine::flash_fwd_mla_combine_kernel<4><<<grid, 256, 0, stream>>>(cp);
   return cudaGetLastError();
 }
 
