@@ -85,20 +85,6 @@ DType to_dtype(ScalarType t, const char* name) {
                          "float32 attn_sink, and uint8/int8/float8_e4m3fn FP8 cache bytes");
 }
 
-ScalarType to_scalar_type(DType d) {
-  switch (d) {
-    case DType::kBFloat16: return ScalarType::BFloat16;
-    case DType::kFloat16: return ScalarType::Half;
-    case DType::kFloat32: return ScalarType::Float;
-    case DType::kInt32: return ScalarType::Int;
-    case DType::kInt64: return ScalarType::Long;
-    case DType::kUInt8: return ScalarType::Byte;
-    case DType::kInt8: return ScalarType::Char;
-    case DType::kFloat8E4M3: return ScalarType::Float8_e4m3fn;
-  }
-  return ScalarType::Float;
-}
-
 /// torch tensor -> core TensorRef (data pointer already includes the storage offset).
 TensorRef to_ref(const Tensor& t, const char* name) {
   TensorRef r;
@@ -129,9 +115,42 @@ TensorRef to_ref(const OptTensor& t, const char* name) { return t.has_value() ? 
 /// Converter handed to bindings/common/op_params.h.
 constexpr auto kRef = [](const auto& t, const char* name) { return to_ref(t, name); };
 
-/// New uninitialised tensor on the device of `like`, through torch's allocator.
-Tensor alloc(const Tensor& like, std::vector<int64_t> shape, DType dtype) {
-  return torch::stable::new_empty(like, shape, to_scalar_type(dtype));
+/// aoti_torch_dtype_* code of a core dtype (the stable C shim's dtype numbering).
+int32_t shim_dtype(DType d) {
+  switch (d) {
+    case DType::kBFloat16: return aoti_torch_dtype_bfloat16();
+    case DType::kFloat16: return aoti_torch_dtype_float16();
+    case DType::kFloat32: return aoti_torch_dtype_float32();
+    case DType::kInt32: return aoti_torch_dtype_int32();
+    case DType::kInt64: return aoti_torch_dtype_int64();
+    case DType::kUInt8: return aoti_torch_dtype_uint8();
+    case DType::kInt8: return aoti_torch_dtype_int8();
+    case DType::kFloat8E4M3: return aoti_torch_dtype_float8_e4m3fn();
+  }
+  return aoti_torch_dtype_float32();
+}
+
+/// New uninitialised contiguous tensor on `dev` (a core Device: CPU, or CUDA with its index),
+/// through torch's caching allocator. Calls the stable C shim's aoti_torch_empty_strided
+/// directly: torch::stable::new_empty goes through the boxed dispatcher (an operator lookup by
+/// name and an IValue stack per call, ~2-3 µs each; an op allocates 4-5 tensors).
+Tensor alloc(flashmla::Device dev, std::initializer_list<int64_t> shape_il, DType dtype) {
+  int64_t shape[flashmla::kMaxTensorDims], stride[flashmla::kMaxTensorDims];
+  const int64_t ndim = static_cast<int64_t>(shape_il.size());
+  int64_t i = 0;
+  for (int64_t v : shape_il) shape[i++] = v;
+  int64_t step = 1;
+  for (i = ndim - 1; i >= 0; --i) {
+    stride[i] = step;
+    step *= shape[i] > 1 ? shape[i] : 1;
+  }
+  const bool cuda = dev.type == flashmla::DeviceType::kCUDA;
+  AtenTensorHandle h = nullptr;
+  if (aoti_torch_empty_strided(ndim, shape, stride, shim_dtype(dtype),
+                               cuda ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
+                               cuda ? dev.id : 0, &h) != AOTI_TORCH_SUCCESS)
+    raise("RuntimeError", "torch could not allocate an output tensor of " + std::to_string(step) + " elements");
+  return Tensor(h);
 }
 
 /// Sets the current device to q's for CUDA tensors (regression 9), no-op on the CPU.
@@ -181,10 +200,10 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
   flashmla::DecodePlan plan;
   check(plan_fn(p, &plan));
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
-  Tensor out = alloc(q, {b, s_q, h_q, p.head_dim_v}, out_dtype);
-  Tensor lse = alloc(q, {b, h_q, s_q}, DType::kFloat32);
-  Tensor tsm = alloc(q, {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
-  Tensor splits = alloc(q, {plan.num_splits_len}, DType::kInt32);
+  Tensor out = alloc(p.q.device, {b, s_q, h_q, p.head_dim_v}, out_dtype);
+  Tensor lse = alloc(p.q.device, {b, h_q, s_q}, DType::kFloat32);
+  Tensor tsm = alloc(p.q.device, {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
+  Tensor splits = alloc(p.q.device, {plan.num_splits_len}, DType::kInt32);
   if (tsm_in.has_value()) {
     // Validated by the core (shape / dtype / device) before the copy is read.
     p.tile_scheduler_metadata = to_ref(*tsm_in, "tile_scheduler_metadata");
@@ -195,7 +214,7 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
     p.num_splits = to_ref(splits, "num_splits");
     p.metadata_ready = false;
   }
-  Tensor ws = alloc(q, {plan.workspace_bytes > 0 ? plan.workspace_bytes : 1}, DType::kUInt8);
+  Tensor ws = alloc(p.q.device, {plan.workspace_bytes > 0 ? plan.workspace_bytes : 1}, DType::kUInt8);
   p.out = to_ref(out, "out");
   p.lse = to_ref(lse, "lse");
   p.workspace = ws.data_ptr();
@@ -237,10 +256,10 @@ std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tenso
   int64_t ws_bytes = 0;
   check(flashmla::sparse_prefill_plan(p, &ws_bytes));
   const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1];
-  Tensor out = alloc(q, {s_q, h_q, d_v}, DType::kBFloat16);
-  Tensor max_logits = alloc(q, {s_q, h_q}, DType::kFloat32);
-  Tensor lse = alloc(q, {s_q, h_q}, DType::kFloat32);
-  Tensor ws = alloc(q, {ws_bytes > 0 ? ws_bytes : 1}, DType::kUInt8);
+  Tensor out = alloc(p.q.device, {s_q, h_q, d_v}, DType::kBFloat16);
+  Tensor max_logits = alloc(p.q.device, {s_q, h_q}, DType::kFloat32);
+  Tensor lse = alloc(p.q.device, {s_q, h_q}, DType::kFloat32);
+  Tensor ws = alloc(p.q.device, {ws_bytes > 0 ? ws_bytes : 1}, DType::kUInt8);
   p.out = to_ref(out, "out");
   p.max_logits = to_ref(max_logits, "max_logits");
   p.lse = to_ref(lse, "lse");

@@ -23,6 +23,7 @@
 
 #include "sm90/dense_decode.h"
 #include "sm90/utils.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::dense_v1 {
 
@@ -388,7 +389,7 @@ template <typename T, int R>
 cudaError_t launch_main_r(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   constexpr int smem = Cfg<R>::kSmemBytes;
   auto kernel = flash_fwd_splitkv_mla_kernel<T, R>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + Cfg<R>::BM - 1) / Cfg<R>::BM;
   const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);

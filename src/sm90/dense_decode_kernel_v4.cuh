@@ -34,6 +34,7 @@
 #include "sm90/dense_decode_tma.cuh"
 #include "sm90/utils.cuh"
 #include "sm90/wgmma.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::dense_v4 {
 
@@ -553,7 +554,7 @@ template <typename T, int kD>
 cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
                           cudaStream_t stream) {
   auto kernel = flash_fwd_splitkv_mla_kernel_v4<T, kD>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
   const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);

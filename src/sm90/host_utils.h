@@ -3,7 +3,10 @@
 
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "flashmla/status.h"
 
@@ -42,5 +45,34 @@ class DeviceGuard {
   bool switched_ = false;
   cudaError_t err_ = cudaSuccess;
 };
+
+/// cudaFuncSetAttribute(func, MaxDynamicSharedMemorySize, bytes), skipped when it was already done
+/// for this kernel on the current device with at least `bytes` (the attribute is per function and
+/// device and stays set). Saves a runtime call per launch on the decode hot path.
+inline cudaError_t set_max_dynamic_smem_cached(const void* func, int bytes) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static std::unordered_map<const void*, std::vector<int>> done;  // per kernel: bytes set, per device
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = done.find(func);
+    if (it != done.end() && device < static_cast<int>(it->second.size()) && it->second[device] >= bytes)
+      return cudaSuccess;
+  }
+  e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<int>& v = done[func];
+  if (device >= static_cast<int>(v.size())) v.resize(device + 1, 0);
+  v[device] = bytes > v[device] ? bytes : v[device];
+  return cudaSuccess;
+}
+
+template <class Kernel>
+cudaError_t set_max_dynamic_smem(Kernel* kernel, int bytes) {
+  return set_max_dynamic_smem_cached(reinterpret_cast<const void*>(kernel), bytes);
+}
 
 }  // namespace flashmla::sm90

@@ -18,10 +18,11 @@ __device__ __forceinline__ int64_t num_blocks_of(int64_t s) {
   return (s > 1 ? s - 1 : 0) / kBlockN + 1;
 }
 
-// Greedy partition of spec §4.3, run by one thread. `work(i)` returns s'_i
-// (tokens) of request i (spec §4.2); `total` is sum_i (num_blocks_i + overhead).
-template <class Work>
-__device__ void greedy_schedule(const Work& work, int b, int num_sm_parts, long long total,
+// Greedy partition of spec §4.3, run by one thread. `nb(i)` returns request i's block count
+// ceil(max(s_i - 1, 0) / 64) + 1 and `empty(i)` whether s_i == 0 (spec §4.2: s_i tokens);
+// `total` is sum_i (num_blocks_i + overhead).
+template <class Blocks, class Empty>
+__device__ void greedy_schedule(const Blocks& nb, const Empty& empty, int b, int num_sm_parts, long long total,
                                 int32_t* __restrict__ metadata, int32_t* __restrict__ num_splits) {
   const int64_t payload = (total + num_sm_parts - 1) / num_sm_parts + kOverhead;
   int64_t req = 0, block = 0, split = 0, cum = 0;
@@ -34,7 +35,7 @@ __device__ void greedy_schedule(const Work& work, int b, int num_sm_parts, long 
     row[5] = block != 0;
     int64_t remain = payload;
     while (req < b) {
-      const int64_t left = num_blocks_of(work(req)) - block;
+      const int64_t left = nb(req) - block;
       if (remain >= left + kOverhead) {
         cum += split + 1;
         num_splits[req + 1] = static_cast<int32_t>(cum);
@@ -55,16 +56,12 @@ __device__ void greedy_schedule(const Work& work, int b, int num_sm_parts, long 
     if (block > 0) {
       end_block = block;
     } else if (req >= 1) {
-      const int64_t s_prev = work(req - 1);
-      end_block = s_prev == 0 ? 0 : num_blocks_of(s_prev);
+      end_block = empty(req - 1) ? 0 : nb(req - 1);
     } else {
       end_block = 0;
     }
     bool last_splitted = false;
-    if (end_req >= 0 && end_req < b) {
-      const int64_t s_end = work(end_req);
-      last_splitted = end_block != num_blocks_of(s_end) && s_end != 0;
-    }
+    if (end_req >= 0 && end_req < b) last_splitted = end_block != nb(end_req) && !empty(end_req);
     row[1] = static_cast<int32_t>(end_req);
     row[3] = static_cast<int32_t>(end_block);
     row[6] = last_splitted;
@@ -79,17 +76,54 @@ __device__ void greedy_schedule(const Work& work, int b, int num_sm_parts, long 
   }
 }
 
-// One warp: the warp sums the work, lane 0 runs the greedy partition.
-__global__ void __launch_bounds__(32) get_mla_metadata_kernel(const int32_t* __restrict__ seqlens, int b,
-                                                              int num_sm_parts, int32_t* __restrict__ metadata,
-                                                              int32_t* __restrict__ num_splits) {
-  const int lane = threadIdx.x;
+// Requests whose block counts are staged in shared memory (4 bytes each, under the 48 KB default limit);
+// larger batches read their lengths from global memory inside the serial loop.
+constexpr int kSchedThreads = 256;
+constexpr int kSchedSmemRequests = 12000;
+
+// Encoded block count of one request: -1 when s == 0 (its block count is 1), else num_blocks_of(s).
+__device__ __forceinline__ int32_t encode_blocks(int64_t s) {
+  return s == 0 ? -1 : static_cast<int32_t>(num_blocks_of(s));
+}
+
+// One CTA. All threads read the lengths (coalesced, in parallel), stage their block counts in
+// shared memory and sum the work; thread 0 then runs the serial greedy partition out of shared
+// memory. (Run by one lane straight from global memory, the partition was a chain of dependent
+// loads: ~30-50 µs per call at b = 1..128, more than a short decode's main kernel.)
+template <class Work>
+__device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, int32_t* __restrict__ metadata,
+                                     int32_t* __restrict__ num_splits) {
+  extern __shared__ int32_t s_blocks[];
+  __shared__ long long s_warp_total[kSchedThreads / 32];
+  const bool staged = b <= kSchedSmemRequests;
   long long total = 0;
-  for (int i = lane; i < b; i += 32) total += num_blocks_of(seqlens[i]) + kOverhead;
+  for (int i = threadIdx.x; i < b; i += blockDim.x) {
+    const int32_t v = encode_blocks(work(i));
+    if (staged) s_blocks[i] = v;
+    total += (v < 0 ? 1 : v) + kOverhead;
+  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  if (lane != 0) return;
-  greedy_schedule([&](int64_t i) -> int64_t { return seqlens[i]; }, b, num_sm_parts, total, metadata, num_splits);
+  if ((threadIdx.x & 31) == 0) s_warp_total[threadIdx.x >> 5] = total;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += s_warp_total[w];
+  if (staged) {
+    greedy_schedule([&](int64_t i) -> int64_t { const int32_t v = s_blocks[i]; return v < 0 ? 1 : v; },
+                    [&](int64_t i) -> bool { return s_blocks[i] < 0; }, b, num_sm_parts, total, metadata,
+                    num_splits);
+  } else {
+    greedy_schedule([&](int64_t i) -> int64_t { return num_blocks_of(work(i)); },
+                    [&](int64_t i) -> bool { return work(i) == 0; }, b, num_sm_parts, total, metadata, num_splits);
+  }
+}
+
+__global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_kernel(const int32_t* __restrict__ seqlens, int b,
+                                                                         int num_sm_parts,
+                                                                         int32_t* __restrict__ metadata,
+                                                                         int32_t* __restrict__ num_splits) {
+  schedule_kernel_body([&](int64_t i) -> int64_t { return seqlens[i]; }, b, num_sm_parts, metadata, num_splits);
 }
 
 // Sparse decode work of spec §4.2: s = topk_length[i] (or topk), 0 -> 1; with an
@@ -107,21 +141,17 @@ __device__ __forceinline__ int64_t sparse_work(const int32_t* topk_length, const
   return s;
 }
 
-__global__ void __launch_bounds__(32) get_mla_metadata_sparse_kernel(const int32_t* __restrict__ topk_length,
-                                                                     const int32_t* __restrict__ extra_topk_length,
-                                                                     int topk, int extra_topk, int b,
-                                                                     int num_sm_parts, int32_t* __restrict__ metadata,
-                                                                     int32_t* __restrict__ num_splits) {
-  const int lane = threadIdx.x;
-  long long total = 0;
-  for (int i = lane; i < b; i += 32)
-    total += num_blocks_of(sparse_work(topk_length, extra_topk_length, topk, extra_topk, i)) + kOverhead;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-  if (lane != 0) return;
-  greedy_schedule(
+__global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_sparse_kernel(
+    const int32_t* __restrict__ topk_length, const int32_t* __restrict__ extra_topk_length, int topk,
+    int extra_topk, int b, int num_sm_parts, int32_t* __restrict__ metadata, int32_t* __restrict__ num_splits) {
+  schedule_kernel_body(
       [&](int64_t i) -> int64_t { return sparse_work(topk_length, extra_topk_length, topk, extra_topk, i); }, b,
-      num_sm_parts, total, metadata, num_splits);
+      num_sm_parts, metadata, num_splits);
+}
+
+/// Dynamic shared memory of a scheduler launch for batch size b.
+size_t sched_smem_bytes(int b) {
+  return b <= kSchedSmemRequests ? static_cast<size_t>(b > 0 ? b : 1) * sizeof(int32_t) : 0;
 }
 
 }  // namespace
@@ -133,7 +163,7 @@ cudaError_t probe_sm90_image() {
 
 cudaError_t launch_tile_scheduler(const int32_t* seqlens, int b, int num_sm_parts, int32_t* metadata,
                                   int32_t* num_splits, cudaStream_t stream) {
-  get_mla_metadata_kernel<<<1, 32, 0, stream>>>(seqlens, b, num_sm_parts, metadata, num_splits);
+  get_mla_metadata_kernel<<<1, kSchedThreads, sched_smem_bytes(b), stream>>>(seqlens, b, num_sm_parts, metadata, num_splits);
   return cudaGetLastError();
 }
 
@@ -144,7 +174,7 @@ namespace flashmla::sm90 {
 cudaError_t launch_sparse_tile_scheduler(const int32_t* topk_length, const int32_t* extra_topk_length, int topk,
                                          int extra_topk, int b, int num_sm_parts, int32_t* metadata,
                                          int32_t* num_splits, cudaStream_t stream) {
-  get_mla_metadata_sparse_kernel<<<1, 32, 0, stream>>>(topk_length, extra_topk_length, topk, extra_topk, b,
+  get_mla_metadata_sparse_kernel<<<1, kSchedThreads, sched_smem_bytes(b), stream>>>(topk_length, extra_topk_length, topk, extra_topk, b,
                                                        num_sm_parts, metadata, num_splits);
   return cudaGetLastError();
 }

@@ -32,6 +32,7 @@
 
 #include "sm90/sparse_decode.h"
 #include "sm90/utils.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::sparse {
 
@@ -528,7 +529,7 @@ template <Fmt F, int R, int NS>
 cudaError_t launch_main_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   constexpr int smem = Cfg<R, NS>::kSmemBytes;
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel<F, R, NS>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);

@@ -17,6 +17,7 @@
 #pragma once
 
 #include "sm90/sparse_decode_kernel.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::sparse {
 
@@ -508,7 +509,7 @@ cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_part
     }();
     if (regs * ws::kThreads < 128 * ws::kProdRegs + ws::kConsumers * ws::kConsRegs) return cudaErrorInvalidConfiguration;
   }
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);

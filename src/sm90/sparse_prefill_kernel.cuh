@@ -34,6 +34,7 @@
 #include "sm90/sparse_prefill.h"
 #include "sm90/utils.cuh"
 #include "sm90/wgmma.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::sparse_prefill {
 
@@ -373,7 +374,7 @@ template <int kD, int R>
 cudaError_t launch_r(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
   constexpr int smem = Cfg<R>::kSmemBytes;
   auto kernel = sparse_attn_fwd_mma_kernel<kD, R>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
   kernel<<<grid, kThreads, smem, stream>>>(kp);

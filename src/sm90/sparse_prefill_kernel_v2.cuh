@@ -49,6 +49,7 @@
 #include "sm90/sparse_prefill_kernel.cuh"
 #include "sm90/utils.cuh"
 #include "sm90/wgmma.cuh"
+#include "sm90/host_utils.h"
 
 namespace flashmla::sm90::sparse_prefill::ss {
 
@@ -686,7 +687,7 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
 template <int kD, bool kProd, bool kWide = false, bool kHint = false>
 cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
   auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd, kWide, kHint>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
   kernel<<<grid, kProd ? kThreadsProd : kThreads, kSmemBytes, stream>>>(kp);

@@ -45,3 +45,23 @@ def pytest_collection_modifyitems(config, items):
             continue
         if "tests/gpu" in str(item.fspath):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_current_cuda_device():
+    """Each GPU test starts on device 0 and leaves it so.
+
+    Another framework's call on the second GPU (JAX's runtime, a CuPy device context) may
+    leave the thread's current CUDA device at 1; torch then puts "cuda" tensors there while
+    torch.cuda.graph's shared capture stream lives on device 0 (run 10's one failure). Whether
+    flash_mla itself preserves the caller's device is tested on its own in
+    test_current_device_gpu.py, which checks the device right after each call.
+    """
+    if _REASON is not None:
+        yield
+        return
+    import torch
+
+    torch.cuda.set_device(0)
+    yield
+    torch.cuda.set_device(0)
