@@ -1,6 +1,6 @@
 """Dense MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
 
-Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick] [--ab v4,v5,v5pdl] [--filter compute,memory]
+Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick] [--ab auto,v1,v2] [--filter compute,memory]
 
 Cases: compute-bound anchors (b=128, h_q=128, s_q 1/2, varlen mean s_k 4k-32k,
 causal and not), memory-bound anchors (h_q 16/32/64, s_k=8192 fixed), the
@@ -12,14 +12,12 @@ L2 flushed, as the anchors' "graph µs" column; the eager (plain Python call) ti
 eager_call_us (host overhead leaks into it whenever the host is slower than the L2 flush).
 
 --ab V1,V2,...: A/B of kernel variants on the SAME inputs, in one process. Each variant is
-an environment setting read by the library on every call: "auto" (nothing set), "v1".."v5"
-(FLASHMLA_DENSE_DECODE_KERNEL), with the suffix "pdl" also FLASHMLA_DENSE_DECODE_PDL=1
-(Programmatic Dependent Launch of the combine, and of the v5 main kernel). Every case is
-timed once per variant (main kernel, CUDA-graph call) and the outputs of each variant are
-compared with the first one's (max |diff|); the first variant fills the usual fields, the
-others go to case["ab"]; results go to <date>-dense-decode-ab.json (the issue's JSON is
-not overwritten). With PDL the profiler's combine time includes its wait for the main
-kernel, so compare call_time_us there, not combine_us.
+an environment setting read by the library on every call: "auto" (nothing set), "v1", "v2"
+or "v4" (FLASHMLA_DENSE_DECODE_KERNEL; v4 is what "auto" picks whenever a K tensor map can be
+made). Every case is timed once per variant (main kernel, CUDA-graph call) and the outputs
+of each variant are compared with the first one's (max |diff|); the first variant fills the
+usual fields, the others go to case["ab"]; results go to <date>-dense-decode-ab.json (the
+issue's JSON is not overwritten).
 --filter S1,S2: only cases whose name contains one of the substrings.
 """
 
@@ -101,20 +99,16 @@ def graph_call_us(fn, reps: int = 20):
 
 
 ENV_KERNEL = "FLASHMLA_DENSE_DECODE_KERNEL"
-ENV_PDL = "FLASHMLA_DENSE_DECODE_PDL"
+VARIANTS = ("auto", "v1", "v2", "v4")
 
 
 def set_variant(v):
-    """Environment of an A/B variant ("auto", "v4", "v5", "v5pdl", ...); None = leave as is."""
+    """Environment of an A/B variant (one of VARIANTS); None = leave as is."""
     if v is None:
         return
     os.environ.pop(ENV_KERNEL, None)
-    os.environ.pop(ENV_PDL, None)
-    base = v[:-3] if v.endswith("pdl") else v
-    if base not in ("", "auto"):
-        os.environ[ENV_KERNEL] = base
-    if v.endswith("pdl"):
-        os.environ[ENV_PDL] = "1"
+    if v != "auto":
+        os.environ[ENV_KERNEL] = v
 
 
 def time_variant(fn, reuse_meta):
@@ -185,10 +179,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", default=None, help="comma-separated variants, e.g. v4,v5,v5pdl (first = baseline)")
+    ap.add_argument("--ab", default=None,
+                    help="comma-separated variants among auto,v1,v2,v4, e.g. auto,v2 (first = baseline)")
     ap.add_argument("--filter", default=None, help="comma-separated substrings of case names to run")
     args = ap.parse_args()
     variants = [v.strip() for v in args.ab.split(",") if v.strip()] if args.ab else None
+    if variants and any(v not in VARIANTS for v in variants):
+        ap.error(f"--ab: variants must be among {','.join(VARIANTS)}")
     filters = [f.strip() for f in args.filter.split(",") if f.strip()] if args.filter else None
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()

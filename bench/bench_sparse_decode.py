@@ -10,6 +10,10 @@ Time = split-KV kernel + combine kernel durations (summed, from the profiler), t
 metadata being reused as across layers; the kernel-only rate is reported too. The caches
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
+--ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
+(automatic choice: v2 for h_q <= 16, v1 above, src/sm90/sparse_decode.cu; or the one forced by
+FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2 when that is set): fields kernel_default, alt_kernel,
+alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
-ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" selects the v1 kernel (A/B column)
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" force that main kernel (A/B column)
+
+
+def default_kernel(h_q):
+    """Main kernel the library runs for h_q (mirrors sparse_decode_kernel_version() in
+    src/sm90/sparse_decode.cu; the benchmark's caches are 16-byte aligned, as v2 needs)."""
+    forced = os.environ.get(ENV)
+    if forced in ("v1", "v2"):
+        return forced
+    return "v2" if h_q <= 16 else "v1"
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -138,7 +151,7 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     alt = {}
     if ab:  # A/B in the same process on the same inputs: the other kernel through FLASHMLA_SPARSE_DECODE_KERNEL
         saved = os.environ.get(ENV)
-        default = saved or "v1"
+        default = default_kernel(h_q)
         other = "v1" if default == "v2" else "v2"
         os.environ[ENV] = other
         try:
@@ -209,9 +222,11 @@ def main():
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases")
     if args.ab:
-        sp = [c["speedup_alt_vs_default"] for c in cases]
-        print(f"{cases[0]['alt_kernel']} kernel speedup over the default: geomean {gm(sp):.3f}, "
-              f"min {min(sp):.3f}, max {max(sp):.3f}")
+        for alt in ("v1", "v2"):
+            sp = [c["speedup_alt_vs_default"] for c in cases if c["alt_kernel"] == alt]
+            if sp:
+                print(f"{alt} kernel speedup over the default ({'v2' if alt == 'v1' else 'v1'}): geomean "
+                      f"{gm(sp):.3f}, min {min(sp):.3f}, max {max(sp):.3f} over {len(sp)} cases")
 
 
 if __name__ == "__main__":

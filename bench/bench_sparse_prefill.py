@@ -1,20 +1,19 @@
 """Sparse MLA prefill (flash_mla_sparse_fwd) benchmark on an H200 vs the FlashMLA anchors
 (shared/anchors-h200.md).
 
-Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 5]
+Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 5] [--ab mma] [--main v3w|mma]
 
 Cases: FlashMLA's sparse-prefill perf cases (spec §5.3: s_q = 4096, attn_sink on, all indices
 valid): V3.2 d_qk 576 h_q 128 topk 2048, s_kv 8192..131072; MODEL1 CONFIG1 d_qk 512 h_q 64
 topk 512 and CONFIG2 d_qk 512 h_q 128 topk 1024, s_kv 8192..65536; plus tensor-parallel head
 counts h_q 16/32 (no anchor; the mma.sync kernel, 16/32-row tiles) and two A/B cases of the
-mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma). Every anchor case is
-also timed, on the same inputs, with the kernels in AB (FLASHMLA_SPARSE_PREFILL_KERNEL=v1, =v3):
-fields kernel_us_<k>, speedup_vs_<k> (= time of k / time of the automatic kernel), and ab_kernel,
-ab_kernel_us, ab_tflops, speedup_vs_ab for the first of them. --ab K1,K2,... replaces that list; a name
-with the suffix "+l2" runs kernel K with FLASHMLA_SPARSE_PREFILL_L2HINT=1 (e.g. --ab v3w,v3w+l2,v4p,v4p+l2);
---main K times the anchor cases' primary numbers with K instead of the automatic kernel; --filter S
-keeps only the cases whose name starts with one of the comma-separated prefixes S (v32,model1 = the
-anchor cases only).
+mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma). The 64-row kernels
+left are v3w (automatic) and mma (forced); --ab K1,... (each "v3w" or "mma", default none) also
+times every anchor case with those kernels on the same inputs: fields kernel_us_<k>, speedup_vs_<k>
+(= time of k / time of the primary kernel), and ab_kernel, ab_kernel_us, ab_tflops, speedup_vs_ab for
+the first of them; --main K times the anchor cases' primary numbers with K instead of the automatic
+kernel; --filter S keeps only the cases whose name starts with one of the comma-separated prefixes S
+(v32,model1 = the anchor cases only).
 FLOP and bytes as tests/lib.py::count_flop_and_mem_vol (spec §5.3):
 FLOP = 2 * s_q * topk * h_q * (d_qk + 512); bytes = valid * d_qk * 2 + s_q * h_q * (d_qk + 512) * 2.
 Time = the `sparse_attn_fwd` kernel alone (profiler, L2 flushed between calls).
@@ -35,7 +34,7 @@ import common  # noqa: E402
 import flash_mla  # noqa: E402
 
 KERNEL = "sparse_attn_fwd"
-AB = ("v1", "v3")  # kernels also timed on every anchor case (first one -> ab_* fields)
+KERNELS = ("v3w", "mma")  # values of FLASHMLA_SPARSE_PREFILL_KERNEL (v3w = the automatic kernel)
 KERNEL_ENV = "FLASHMLA_SPARSE_PREFILL_KERNEL"
 S_Q = 4096
 V32 = (dict(d_qk=576, h_q=128, topk=2048), {8192: 667, 32768: 615, 65536: 580, 98304: 561, 131072: 563})
@@ -57,24 +56,14 @@ def make_inputs(s_q, s_kv, topk, h_q, d_qk, seed=0):
     return q, kv, idx.to(torch.int32)[:, None, :].contiguous(), sink
 
 
-L2HINT_ENV = "FLASHMLA_SPARSE_PREFILL_L2HINT"
-
-
 def _times(fn, kernel, reps):
-    """kernel: None (automatic), a FLASHMLA_SPARSE_PREFILL_KERNEL value, optionally with "+l2"."""
+    """kernel: None (automatic) or one of KERNELS."""
     if kernel:
-        k, _, opt = kernel.partition("+")
-        if k:
-            os.environ[KERNEL_ENV] = k
-        if opt == "l2":
-            os.environ[L2HINT_ENV] = "1"
-        elif opt:
-            raise ValueError(f"unknown kernel option {opt!r} in {kernel!r}")
+        os.environ[KERNEL_ENV] = kernel
     try:
         return common.kernel_times_us(fn, [KERNEL], reps=reps)
     finally:
         os.environ.pop(KERNEL_ENV, None)
-        os.environ.pop(L2HINT_ENV, None)
 
 
 def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
@@ -108,11 +97,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--ab", default=",".join(AB), help="kernels timed on every anchor case too (k or k+l2)")
-    ap.add_argument("--main", default=None, help="kernel of the primary anchor-case times (default: automatic)")
+    ap.add_argument("--ab", default="", help="kernels timed on every anchor case too, among " + ",".join(KERNELS))
+    ap.add_argument("--main", default=None, choices=KERNELS,
+                    help="kernel of the primary anchor-case times (default: automatic)")
     ap.add_argument("--filter", default=None, help="comma-separated prefixes of the case names to run")
     args = ap.parse_args()
     ab_list = tuple(k for k in args.ab.split(",") if k)
+    if any(k not in KERNELS for k in ab_list):
+        ap.error(f"--ab: kernels must be among {','.join(KERNELS)}")
     filt = None if args.filter is None else [f for f in args.filter.split(",") if f]
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()

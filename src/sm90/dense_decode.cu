@@ -33,24 +33,18 @@ int dense_tuning() { return g_dense_tuning; }
 void set_dense_kernel_version(int version) { g_dense_kernel_version = version; }
 int dense_kernel_version() { return g_dense_kernel_version; }
 
-// FLASHMLA_DENSE_DECODE_KERNEL=v1..v5 (read per call, so a benchmark can A/B kernels in
+// FLASHMLA_DENSE_DECODE_KERNEL=v1|v2|v4 (read per call, so a benchmark can A/B kernels in
 // one process by changing the variable between captures); only used while the explicit
-// version is 0 (automatic).
+// version is 0 (automatic). Any other value = automatic.
 int dense_effective_kernel_version() {
-  if (g_dense_kernel_version != 0) return g_dense_kernel_version;
+  const int v = g_dense_kernel_version;
+  if (v == 1 || v == 2 || v == 4) return v;
+  if (v != 0) return 0;
   const char* env = std::getenv("FLASHMLA_DENSE_DECODE_KERNEL");
-  if (env == nullptr || env[0] != 'v' || env[1] < '1' || env[1] > '5' || env[2] != '\0') return 0;
-  return env[1] - '0';
+  if (env == nullptr || env[0] != 'v') return 0;
+  if ((env[1] == '1' || env[1] == '2' || env[1] == '4') && env[2] == '\0') return env[1] - '0';
+  return 0;
 }
-
-namespace {
-// Tuning bits of this call: set_dense_tuning() | kTunePdl when FLASHMLA_DENSE_DECODE_PDL=1.
-int effective_tuning() {
-  const char* env = std::getenv("FLASHMLA_DENSE_DECODE_PDL");
-  const bool pdl = env != nullptr && env[0] == '1' && env[1] == '\0';
-  return g_dense_tuning | (pdl ? kTunePdl : 0);
-}
-}  // namespace
 
 namespace {
 
@@ -99,7 +93,7 @@ EncodeTiledFn encode_tiled_fn() {
   return fn;
 }
 
-// Tensor map of k_cache for the v3 kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
+// Tensor map of k_cache for the v4 kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
 // box 64 dims x 1 head x min(pbs, 64) tokens x 1 page, 128-byte swizzle (= the kernels'
 // slab layout). False when the strides or the page size do not allow it.
 bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* map, int* box_tok) {
@@ -228,7 +222,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
   const bool vec = out_vec_ok(p.out);
-  const int tuning = effective_tuning();
+  const int tuning = g_dense_tuning;
 
   if ((stages & kStageScheduler) && !p.metadata_ready) {
     const cudaError_t e = launch_tile_scheduler(static_cast<const int32_t*>(p.cache_seqlens.data),
@@ -279,12 +273,12 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     alignas(64) CUtensorMap tmap;
     int box_tok = 64;
     const int version = dense_effective_kernel_version();
-    const bool want = version == 0 || version >= 3;
+    const bool want = version == 0 || version == 4;
     const bool tma = want && !(tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
     if (!tma) std::memset(&tmap, 0, sizeof(tmap));
     kp.tma_ok = tma ? 1 : 0;
     kp.tma_box_tok = box_tok;
-    const CUtensorMap* tm = (tma || version == 3) ? &tmap : nullptr;
+    const CUtensorMap* tm = tma ? &tmap : nullptr;
     const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), version, stream)
                                   : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), version, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);
@@ -311,8 +305,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     cp.group = static_cast<int>(d.group);
     cp.m_rows = static_cast<int>(d.m_rows);
     cp.out_vec_ok = vec ? 1 : 0;
-    const cudaError_t e = (tuning & kTunePdl) ? launch_dense_combine_pdl(cp, is_fp16, stream)
-                                              : launch_dense_combine(cp, is_fp16, stream);
+    const cudaError_t e = launch_dense_combine(cp, is_fp16, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel launch", e);
   }
   return Status::Ok();

@@ -35,18 +35,16 @@ struct DenseDecodeKernelParams {
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
   float scale_log2;  // softmax_scale * log2(e)
   int flags;         // DenseTuning bits
-  int tma_ok;        // v3: a K tensor map was encoded (strides / page size allow TMA)
-  int tma_box_tok;   // v3: tokens per TMA box = min(page_block_size, 64)
+  int tma_ok;        // v4: a K tensor map was encoded (strides / page size allow TMA)
+  int tma_box_tok;   // v4: tokens per TMA box = min(page_block_size, 64)
 };
 
 /// Tuning switches of the main kernels (benchmarks A/B them in one process).
-/// kTuneL2Prefetch: v1/v2/v3 L2 prefetch two tiles ahead (slower on the H200, off by default);
-/// kTuneNoTma: no K tensor map (v3 gathers every K tile with cp.async; v4 is not used).
-/// kTunePdl (opt-in, also set by FLASHMLA_DENSE_DECODE_PDL=1, read per call): Programmatic
-/// Dependent Launch — the combine is launched with the programmatic-serialization attribute
-/// (src/sm90/dense_decode_combine_pdl.cu), and so is the v5 main kernel (which executes
-/// griddepcontrol.wait before its first global read and then launch_dependents).
-enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2, kTunePdl = 4 };
+/// kTuneL2Prefetch: v1/v2 L2 prefetch two tiles ahead (slower on the H200, off by default);
+/// kTuneNoTma: no K tensor map (v4 is not used; the automatic choice falls back to v1/v2).
+/// (Bit 4 was kTunePdl, the Programmatic Dependent Launch combine, removed after its A/B:
+/// bench/NOTES.md "dense decode v5".)
+enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2 };
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
 struct DenseCombineParams {
@@ -70,18 +68,15 @@ cudaError_t launch_tile_scheduler(const int32_t* seqlens, int b, int num_sm_part
                                   int32_t* num_splits, cudaStream_t stream);
 
 cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
-/// The same combine launched with Programmatic Dependent Launch (kTunePdl).
-cudaError_t launch_dense_combine_pdl(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
 
 /// Kernel choice for tests and benchmarks: 0 = automatic (default: v4 when a K tensor
 /// map can be made, else v2 for M > 32 and v1 below), 1 = force the mma.sync kernel (v1),
-/// 2 = force the wgmma kernel (v2, 64-row tiles), 3 = force v3 (TMA-fed wgmma; without a
-/// tensor map it gathers K with cp.async), 4 = force v4 (seesaw; falls back as 0 without
-/// a tensor map), 5 = force v5 (v4 software-pipelined across block pairs; opt-in, same
-/// fallback as 4).
+/// 2 = force the wgmma kernel (v2, 64-row tiles), 4 = force v4 (seesaw; falls back as 0
+/// without a tensor map); any other number is treated as 0. (v3, TMA-fed wgmma, and v5, v4
+/// pipelined across block pairs, were removed: bench/NOTES.md.)
 /// With version 0 the environment variable FLASHMLA_DENSE_DECODE_KERNEL (read on every
-/// call: "v1".."v5") picks the kernel as the matching number would; unset or any other
-/// value = automatic. The explicit setting wins over the environment.
+/// call: "v1", "v2" or "v4") picks the kernel as the matching number would; unset or any
+/// other value = automatic. The explicit setting wins over the environment.
 void set_dense_kernel_version(int version);
 int dense_kernel_version();
 /// dense_kernel_version(), or the environment's choice when that is 0 (see above).

@@ -1,22 +1,18 @@
 // Instantiation of the dense-decode main kernels for fp16 (compiled in parallel with the other dtype).
 #include "sm90/dense_decode_kernel.cuh"
 #include "sm90/dense_decode_kernel_v2.cuh"
-#include "sm90/dense_decode_kernel_v3.cuh"
 #include "sm90/dense_decode_kernel_v4.cuh"
-#include "sm90/dense_decode_kernel_v5.cuh"
 
 namespace flashmla::sm90 {
 cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
                                    int version, cudaStream_t stream) {
   // Automatic choice: v4 (seesaw, TMA-fed wgmma) whenever the host could encode a K
   // tensor map; otherwise v2 (wgmma) when the rows of a KV head exceed 32 and v1
-  // (mma.sync, 16/32-row tiles) below. 3 / 4 / 5 force v3 / v4 / v5 (v4 and v5 need the
-  // tensor map). `version` = dense_effective_kernel_version() (explicit setting or
-  // FLASHMLA_DENSE_DECODE_KERNEL); v5 is opt-in only.
+  // (mma.sync, 16/32-row tiles) below. 1 / 2 / 4 force v1 / v2 / v4 (v4 needs the tensor
+  // map, else automatic). `version` = dense_effective_kernel_version() (explicit setting or
+  // FLASHMLA_DENSE_DECODE_KERNEL).
   const bool tma = tmap != nullptr && kp.tma_ok;
-  if (tma && version == 5) return dense_v5::launch_main<__half>(kp, *tmap, num_sm_parts, stream);
   if (tma && (version == 0 || version == 4)) return dense_v4::launch_main<__half>(kp, *tmap, num_sm_parts, stream);
-  if (tmap != nullptr && version == 3) return dense_v3::launch_main<__half>(kp, *tmap, num_sm_parts, stream);
   if (version == 2 || (version != 1 && kp.m_rows > 32)) return dense_v2::launch_main<__half>(kp, num_sm_parts, stream);
   return dense_v1::launch_main<__half>(kp, num_sm_parts, stream);
 }

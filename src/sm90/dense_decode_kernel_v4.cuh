@@ -10,7 +10,7 @@
 //   WG0: P0 *= scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
 //   WG1: O_R += P0 V0_R (P0 from smem)
 // so one warpgroup's softmax runs under the other's tensor-core work, and S uses
-// m64n64 (Q read once per 64 keys instead of once per 32 as in v2/v3).
+// m64n64 (Q read once per 64 keys instead of once per 32 as in v2 and the removed v3).
 // Row sums: WG0 keeps the part of P0, WG1 the part of P1; added in the epilogue.
 // P0 / P1 live in slab 8 of their K stage (the RoPE dims, free once S is done; unused
 // for d_qk 512). The next pair's K slabs are issued as soon as their readers are done:
@@ -20,7 +20,7 @@
 // Partial blocks (tokens >= cache_seqlens): boxes that start past seqlen are not loaded
 // (their pages may not exist); the V rows past seqlen are zeroed in shared memory
 // before the P V products (they may hold NaN), and S masks those keys.
-// Requires a K tensor map (the host falls back to v3 / v2 / v1 otherwise).
+// Requires a K tensor map (the host falls back to v2 / v1 otherwise).
 #pragma once
 
 #include <cuda.h>

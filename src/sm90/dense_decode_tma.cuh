@@ -1,5 +1,5 @@
 // src/sm90/dense_decode_tma.cuh — PTX wrappers for the bulk tensor copy engine (TMA)
-// and shared-memory mbarriers, used by the dense-decode v3 kernel. Own namespace so
+// and shared-memory mbarriers, used by the dense-decode v4 kernel. Own namespace so
 // that other sm90 kernels can define their own helpers without clashes.
 #pragma once
 

@@ -158,12 +158,19 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   return s;
 }
 
-/// FLASHMLA_SPARSE_DECODE_KERNEL=v2 selects the warp-specialised v2 kernel (experimental:
-/// not yet run to completion on a GPU, see bench/NOTES.md); default and "v1": v1.
-int sparse_decode_kernel_version() {
+/// Main-kernel choice by shape: v2 (warp-specialised producer) for h_q <= 16, v1 (mma.sync,
+/// all threads dequantize) above. From the H200 A/B of session 3
+/// (bench/results/2026-11-30-sparse-decode-v2-ab.log, "tp" lines, b = 128, kernel time of v2 /
+/// v1): h_q 8 V3.2 0.97, MODEL1 0.81; h_q 16 V3.2 0.94, MODEL1 0.82; but h_q 32 V3.2 1.19 (MODEL1
+/// 0.95), and over the whole A/B v1 was 1.20x faster in geomean (h_q 64/128 anchor cases: v2 1.13x
+/// to 1.51x slower), so v2 only where the heads fit one 16-row tile. v2 also needs 16-byte aligned
+/// caches (launch_main_auto in sparse_decode_kernel_v2.cuh falls back to v1 otherwise).
+/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2 (read per call) forces one for A/B runs.
+int sparse_decode_kernel_version(int64_t h_q) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
+  if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
   if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
-  return 1;
+  return h_q <= 16 ? 2 : 1;
 }
 
 }  // namespace
@@ -240,7 +247,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    kp.kernel_version = sparse_decode_kernel_version();
+    kp.kernel_version = sparse_decode_kernel_version(h_q);
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
                                       : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);

@@ -42,7 +42,8 @@ struct SparseDecodeKernelParams {
   int q_vec;       // q 16-byte aligned rows: cp.async
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
   float scale_log2;  // softmax_scale * log2(e)
-  int kernel_version;  // 1: v1 (mma.sync, all threads dequantize; default); 2: v2 (warp-specialised producer)
+  int kernel_version;  // 1: v1 (mma.sync, all threads dequantize); 2: v2 (warp-specialised producer);
+                       // chosen by shape in sparse_decode.cu (v2 for h_q <= 16)
 };
 
 struct SparseCombineParams {

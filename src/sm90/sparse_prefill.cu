@@ -1,7 +1,7 @@
 // src/sm90/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
 // spec §1.4, §2.4): one kernel launch on the caller's stream, no workspace, no
-// synchronisation, no allocation. Kernels in sparse_prefill_kernel.cuh (v1, mma.sync) and
-// sparse_prefill_kernel_v2.cuh (v2 seesaw, v3, v3w) and sparse_prefill_kernel_v4.cuh (v4p, opt-in).
+// synchronisation, no allocation. Kernels: sparse_prefill_kernel.cuh (mma.sync, h_q <= 32) and
+// sparse_prefill_kernel_v2.cuh (v3w, 64-row head tiles).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -41,19 +41,7 @@ bool out_vec_ok(const TensorRef& out) {
 
 int sparse_prefill_kernel_choice() {
   const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_KERNEL");
-  if (env == nullptr) return 0;
-  if (std::strcmp(env, "mma") == 0) return 1;
-  if (std::strcmp(env, "v1") == 0) return 2;
-  if (std::strcmp(env, "v2") == 0) return 3;
-  if (std::strcmp(env, "v3") == 0) return 4;
-  if (std::strcmp(env, "v3w") == 0) return 5;
-  if (std::strcmp(env, "v4p") == 0) return 6;
-  return 0;
-}
-
-bool sparse_prefill_l2_hint() {
-  const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_L2HINT");
-  return env != nullptr && std::strcmp(env, "1") == 0;
+  return env != nullptr && std::strcmp(env, "mma") == 0 ? 1 : 0;
 }
 
 Status sparse_prefill(const SparsePrefillParams& p) {
@@ -104,22 +92,10 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e;
-  // 64-row tiles: automatic = v3w (seesaw + producer warpgroup, any alignment).
-  const bool hint = sparse_prefill_l2_hint();
-  const int v3 = choice == 0 || choice == 5 ? (hint ? 3 : 2) : (choice == 4 ? 1 : 0);
-  const bool v2 = choice == 3 && kp.q_vec && kp.kv_vec;
-  if (bm == 64 && choice == 6) {  // opt-in persistent v3w
-    const int sms = num_sms(p.q.device.id);
-    if (sms <= 0) return value_error("could not read the SM count");
-    e = d_qk == 576 ? launch_sparse_prefill_persist_576(kp, hint, sms, stream)
-                    : launch_sparse_prefill_persist_512(kp, hint, sms, stream);
-    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_persist_kernel launch", e);
-  } else if (bm == 64 && (v3 > 0 || v2)) {
-    e = d_qk == 576 ? launch_sparse_prefill_seesaw_576(kp, v3, stream) : launch_sparse_prefill_seesaw_512(kp, v3, stream);
+  // 64-row tiles: v3w (seesaw + producer warpgroup, any alignment) unless "mma" is forced.
+  if (bm == 64 && choice == 0) {
+    e = d_qk == 576 ? launch_sparse_prefill_v3w_576(kp, stream) : launch_sparse_prefill_v3w_512(kp, stream);
     if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_seesaw_kernel launch", e);
-  } else if (bm == 64 && choice != 1) {
-    e = d_qk == 576 ? launch_sparse_prefill_wgmma_576(kp, stream) : launch_sparse_prefill_wgmma_512(kp, stream);
-    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_kernel launch", e);
   } else {
     e = d_qk == 576 ? launch_sparse_prefill_mma_576(kp, bm, stream) : launch_sparse_prefill_mma_512(kp, bm, stream);
     if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_mma_kernel launch", e);

@@ -37,30 +37,15 @@ struct SparsePrefillKernelParams {
   float scale_log2;  // sm_scale * log2(e)
 };
 
-/// Kernel choice (env FLASHMLA_SPARSE_PREFILL_KERNEL) for 64-row head tiles (16/32-row tiles
-/// always use the mma.sync kernel): 0 automatic (= v3w), 1 = "mma" (mma.sync kernel), 2 = "v1"
-/// (v1 wgmma kernel), 3 = "v2" (seesaw, gathers issued by the compute warpgroups; v1 when q or
-/// kv rows are not 16-byte aligned), 4 = "v3" (seesaw with a producer warpgroup, 2 threads per
-/// gathered row), 5 = "v3w" (same, 8 threads per gathered row), 6 = "v4p" (v3w made persistent:
-/// one CTA per SM loops over (token, head tile) tiles, loading the next tile's Q and first pair
-/// under the current tile's tail; opt-in, bench/NOTES.md "sparse prefill v4p").
+/// Kernel choice for 64-row head tiles (h_q > 32; 16/32-row tiles always use the mma.sync
+/// kernel), env FLASHMLA_SPARSE_PREFILL_KERNEL read per call: 0 automatic (= "v3w": seesaw with
+/// a producer warpgroup, 8 threads per gathered row, any alignment), 1 = "mma" (the mma.sync
+/// kernel on 64-row tiles too). Other values = automatic. (v1, v2, v3, v4p and the L2-hint
+/// variant were removed: bench/NOTES.md "sparse prefill ...".)
 int sparse_prefill_kernel_choice();
-/// Env FLASHMLA_SPARSE_PREFILL_L2HINT=1 (opt-in): the v3w / v4p producer's KV gathers carry an L2
-/// evict_last cache policy (v4p's Q loads evict_first).
-bool sparse_prefill_l2_hint();
 
-cudaError_t launch_sparse_prefill_wgmma_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-cudaError_t launch_sparse_prefill_wgmma_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-/// variant 0: v2 (256 threads, aligned rows only); 1: v3 (producer warpgroup, 384 threads, 2 threads
-/// per gathered row); 2: v3 with 8 threads per gathered row (whole 128-byte lines per instruction);
-/// 3: variant 2 with the L2 evict_last hint on the KV gathers.
-cudaError_t launch_sparse_prefill_seesaw_576(const SparsePrefillKernelParams& kp, int variant, cudaStream_t stream);
-cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, int variant, cudaStream_t stream);
-/// v4p (persistent v3w); grid = min(tiles, grid_cap) CTAs (grid_cap = SM count).
-cudaError_t launch_sparse_prefill_persist_576(const SparsePrefillKernelParams& kp, bool l2_hint, int grid_cap,
-                                              cudaStream_t stream);
-cudaError_t launch_sparse_prefill_persist_512(const SparsePrefillKernelParams& kp, bool l2_hint, int grid_cap,
-                                              cudaStream_t stream);
+cudaError_t launch_sparse_prefill_v3w_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_v3w_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
 /// bm = rows per head tile (16, 32 or 64).
 cudaError_t launch_sparse_prefill_mma_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);

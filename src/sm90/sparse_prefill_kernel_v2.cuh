@@ -21,7 +21,7 @@
 // barrier completes once per processed pair, so the wait parity is the pair's parity.
 // Consumers wait on the barrier and issue fence.proxy.async before their wgmma reads
 // (cp.async writes are generic-proxy writes).
-// Requires 16-byte aligned q rows and kv rows (the host uses v1 otherwise).
+// v2 requires 16-byte aligned q rows and kv rows.
 //
 // kProd = true (v3): a third, producer warpgroup does every gather (FlashMLA's sm90 layout,
 // spec §7.3): 384 threads, setmaxnreg 240 for the two consumer warpgroups and 24 for the
@@ -33,8 +33,11 @@
 // kWide (v3w, the automatic kernel): the producer maps 8 threads to a gathered row, so one warp
 // instruction copies 4 whole 128-byte lines (v3: 2 threads per row, 16 rows x 32 B); 1.04x over
 // v3, 1.11x over v1 on the H200 (bench/NOTES.md "sparse prefill v3w").
-// kHint (opt-in, FLASHMLA_SPARSE_PREFILL_L2HINT=1; only with kWide): the producer's KV gathers carry
-// an L2 evict_last cache policy (createpolicy + .L2::cache_hint), as FlashMLA's (spec §7.3).
+// Only kProd + kWide (v3w) is dispatched (src/sm90/sparse_prefill.cu); the kProd = false (v2) and
+// kWide = false (v3) paths stay as the steps that led to it but are not instantiated.
+// kHint must be false: the L2 evict_last variant of the producer's KV gathers was removed after its
+// H200 A/B showed no gain (bench/NOTES.md "sparse prefill v4p"); the parameter remains only because
+// `launch` below still names it (drop both together).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -94,25 +97,6 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
-// L2 cache policies (createpolicy): evict_last for the gathered KV rows (re-read by the other head
-// tile and by later query tokens), evict_first for data read once (Q).
-__device__ __forceinline__ uint64_t l2_policy_evict_last() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-// cp_async_16_l2pf with an L2 cache policy (.L2::cache_hint).
-__device__ __forceinline__ void cp_async_16_l2pf_hint(uint32_t dst, const void* src, bool valid, uint64_t pol) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(pol)
-               : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   do {
@@ -165,15 +149,10 @@ __device__ __forceinline__ void gather_chunks(uint32_t dst, const __nv_bfloat16*
 }
 // Producer "wide" mapping: 8 threads per row, so one warp instruction copies 4 whole 128-byte
 // slab rows; thread (rg = t / 8, c8 = t % 8) copies rows rg + 16 i (i < 4), chunks kLo + c8 + 8 k.
-// kHint: with the L2 cache policy `pol` (FLASHMLA_SPARSE_PREFILL_L2HINT=1).
-template <int kLo, int kHi, bool kHint = false>
-__device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int c8,
-                                                uint64_t pol = 0) {
+template <int kLo, int kHi>
+__device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int c8) {
 #pragma unroll
-  for (int c = kLo + c8; c < kHi; c += 8) {
-    if constexpr (kHint) cp_async_16_l2pf_hint(dst + slab_off(row, c), src + c * 8, valid, pol);
-    else cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
-  }
+  for (int c = kLo + c8; c < kHi; c += 8) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
 }
 // Same with 2-byte loads and st.shared (kv rows not 16-byte aligned).
 template <int kLo, int kHi>
@@ -220,6 +199,7 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, f
 template <int kD, bool kProd, bool kWide = false, bool kHint = false>
 __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
+  static_assert(!kHint, "the L2-hint variant was removed (see the header comment)");
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -286,7 +266,6 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
 
   // Wide producer mapping (kWide): 4 rows per thread, 8 threads per row.
   const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
-  uint64_t kv_pol = 0;  // kHint: evict_last policy of the producer's KV gathers
   auto gather_w = [&](int stage, int part, const int (&idx)[4]) {
     const uint32_t dst = sK_u + stage * kSmemK;
     uint8_t* dsts = sK + stage * kSmemK;
@@ -297,11 +276,11 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
       const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx[i]) * p.kv_stride_s : kvb;
       if (p.kv_vec) {
         if (part == 0) {
-          gather_chunks_w<0, 32, kHint>(dst, src, valid, row, w_c8, kv_pol);
-          if (stage == 1) gather_chunks_w<64, kChunks, kHint>(dst, src, valid, row, w_c8, kv_pol);
+          gather_chunks_w<0, 32>(dst, src, valid, row, w_c8);
+          if (stage == 1) gather_chunks_w<64, kChunks>(dst, src, valid, row, w_c8);
         } else {
-          if (stage == 0) gather_chunks_w<32, kChunks, kHint>(dst, src, valid, row, w_c8, kv_pol);
-          else gather_chunks_w<32, 64, kHint>(dst, src, valid, row, w_c8, kv_pol);
+          if (stage == 0) gather_chunks_w<32, kChunks>(dst, src, valid, row, w_c8);
+          else gather_chunks_w<32, 64>(dst, src, valid, row, w_c8);
         }
       } else {
         const int lo = part == 0 ? 0 : 32, hi = part == 0 ? 32 : (stage == 0 ? kChunks : 64);
@@ -341,7 +320,6 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     if (wg == 2) {
       // ================= producer warpgroup: every gather
       setmaxnreg_dec<40>();
-      if constexpr (kHint) kv_pol = l2_policy_evict_last();
       if (kWide && n_blk > 0) {
         int ia[4], ib[4];
         idx_w(0, ia);

@@ -1062,7 +1062,7 @@ int comparator_selftest(Stats& stats, Pools& P, int num_sms) {
 // ------------------------------------------------------------------ timing
 struct PerfRow {
   std::string name;
-  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_v3, ms_v4;
+  double ms_main, ms_call, tflops, gbps, mean_len, ms_v1, ms_v2, ms_v4;
 };
 
 double median(std::vector<float> v) {
@@ -1104,8 +1104,6 @@ PerfRow time_case(const Case& c, const Generated& g, DenseDecodeParams p, int64_
   r.ms_v1 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(2);
   r.ms_v2 = timed(sm90::kStageMain);
-  sm90::set_dense_kernel_version(3);
-  r.ms_v3 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(4);
   r.ms_v4 = timed(sm90::kStageMain);
   sm90::set_dense_kernel_version(version);
@@ -1236,13 +1234,13 @@ int main(int argc, char** argv) {
 
   if (!rows.empty()) {
     std::printf("\nTiming (median of 20, L2 flushed; main = split-KV kernel only, call = main + combine)\n");
-    std::printf("(v1/v2/v3/v4 = main kernel forced to mma.sync / wgmma / TMA-fed wgmma / seesaw; tuning flags %d)\n",
+    std::printf("(v1/v2/v4 = main kernel forced to mma.sync / wgmma / seesaw; tuning flags %d)\n",
                 sm90::dense_tuning());
-    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
-                "GB/s", "v1_ms", "v2_ms", "v3_ms", "v4_ms");
+    std::printf("%-100s %9s %9s %9s %9s %9s %9s %9s %9s\n", "case", "mean_len", "main_ms", "call_ms", "TFLOP/s",
+                "GB/s", "v1_ms", "v2_ms", "v4_ms");
     for (auto& r : rows)
-      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len,
-                  r.ms_main, r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_v3, r.ms_v4);
+      std::printf("%-100s %9.0f %9.4f %9.4f %9.1f %9.0f %9.4f %9.4f %9.4f\n", r.name.c_str(), r.mean_len,
+                  r.ms_main, r.ms_call, r.tflops, r.gbps, r.ms_v1, r.ms_v2, r.ms_v4);
   }
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
