@@ -188,8 +188,10 @@ void* stream_for(const TensorRef& q) {
 
 using DecodeResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 
-/// Shared tail of both decode ops: plan, allocate, run. Returns (out, lse, tile_scheduler_metadata, num_splits);
-/// the metadata outputs are always fresh tensors (copies of the given ones when the caller passes them).
+/// Shared tail of both decode ops: plan, allocate, run. Returns (out, lse, tile_scheduler_metadata, num_splits).
+/// Without given metadata the last two are the schedule this call computed (on the stream, for the caller to
+/// reuse); with given metadata they are empty tensors of shapes (0, 8) and (0,): the op's outputs never alias
+/// its inputs, and reusing a schedule costs neither an allocation of its size nor a copy kernel.
 template <typename Params>
 DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTensor& tsm_in,
                         const OptTensor& num_splits_in, Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
@@ -202,9 +204,10 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
   Tensor out = alloc(p.q.device, {b, s_q, h_q, p.head_dim_v}, out_dtype);
   Tensor lse = alloc(p.q.device, {b, h_q, s_q}, DType::kFloat32);
-  Tensor tsm = alloc(p.q.device, {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
-  Tensor splits = alloc(p.q.device, {plan.num_splits_len}, DType::kInt32);
-  if (tsm_in.has_value()) {
+  const bool reuse = tsm_in.has_value();
+  Tensor tsm = alloc(p.q.device, {reuse ? 0 : plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
+  Tensor splits = alloc(p.q.device, {reuse ? 0 : plan.num_splits_len}, DType::kInt32);
+  if (reuse) {
     // Validated by the core (shape / dtype / device) before the copy is read.
     p.tile_scheduler_metadata = to_ref(*tsm_in, "tile_scheduler_metadata");
     p.num_splits = to_ref(*num_splits_in, "num_splits");
@@ -221,10 +224,6 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
   p.workspace_bytes = plan.workspace_bytes;
   p.stream = stream_for(p.q);
   check(fwd_fn(p));
-  if (tsm_in.has_value()) {
-    torch::stable::copy_(tsm, *tsm_in);
-    torch::stable::copy_(splits, *num_splits_in);
-  }
   return {out, lse, tsm, splits};
 }
 

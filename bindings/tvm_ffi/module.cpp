@@ -489,12 +489,33 @@ int64_t reference_num_threads() { return flashmla::reference_num_threads(); }
 
 }  // namespace
 
+/// Unique id of the CUDA stream capture (CUDA graph) that the stream `stream` (a cudaStream_t
+/// as an integer) is in, 0 when it is not capturing or in builds without CUDA. The Python layer
+/// keys a reused split schedule by it: a schedule computed inside one capture is replayed with
+/// that graph, so only calls of the same capture may reuse it.
+int64_t stream_capture_id(int64_t stream) {
+#ifdef FLASHMLA_WITH_CUDA
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  const cudaError_t e = cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status, &id);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    TVM_FFI_THROW(RuntimeError) << "cudaStreamGetCaptureInfo failed: " << cudaGetErrorString(e);
+  }
+  return status == cudaStreamCaptureStatusActive ? static_cast<int64_t>(id) : 0;
+#else
+  (void)stream;
+  return 0;
+#endif
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd, dense_decode_fwd);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd, sparse_decode_fwd);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd, sparse_prefill_fwd);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(quantize_kv_cache, quantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_kv_cache, dequantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(stream_capture_id, stream_capture_id);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reinterpret_dtype, reinterpret_dtype);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reference_num_threads, reference_num_threads);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_scratch_bytes, decode_scratch_bytes);

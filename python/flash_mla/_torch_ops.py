@@ -8,6 +8,7 @@ the helpers that :mod:`flash_mla.flash_mla_interface` uses to send torch tensors
 
 Ops (schemas in ops.cpp):
   dense_decode_fwd, sparse_decode_fwd -> (out, lse, tile_scheduler_metadata, num_splits)
+      (the last two are the schedule the call computed, or empty when the caller passed one)
   sparse_prefill_fwd                  -> (out, max_logits, lse)
   quantize_kv_cache, dequantize_kv_cache (write into their second argument; CPU tensors)
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import weakref
 from typing import Any, Optional
 
 _LIB_NAME = "libflashmla_torch.so"
@@ -139,6 +141,47 @@ def on_device(x: Any) -> bool:
     return x.device.type != "cpu"
 
 
+def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
+    """Key under which a split schedule computed on the GPU may be reused, or None (never reuse).
+
+    A schedule depends on the values of the length tensors (``cache_seqlens``, or ``topk_length``
+    and ``extra_topk_length``), which live on the GPU and are never read back. Its key holds each
+    length tensor's identity (a weak reference, checked by :func:`same_schedule_key`) and
+    version counter (bumped by every in-place write through torch: ``copy_``, ``fill_``,
+    indexing), the device, and the id of the CUDA-graph capture in progress (0 outside one): a
+    schedule computed inside a capture is recomputed by every replay of that graph, so only
+    calls of the same capture reuse it, and one computed outside a capture is never baked into
+    a graph. Under torch.compile nothing is reused (the op stays functional).
+    """
+    import torch
+
+    if torch.compiler.is_compiling():
+        return None
+    capture = 0
+    if q.device.type == "cuda" and (q.device.index != torch.cuda.current_device()
+                                    or torch.cuda.is_current_stream_capturing()):
+        from . import _ffi  # (the fast check above only sees the current device's stream)
+
+        capture = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(q.device).cuda_stream))
+    return (q.device, capture) + tuple(
+        None if t is None else (weakref.ref(t), t._version) for t in lengths)
+
+
+def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
+    """True if two :func:`schedule_key` keys are both set and name the same tensors at the same versions."""
+    if a is None or b is None or len(a) != len(b) or a[:2] != b[:2]:
+        return False
+    for x, y in zip(a[2:], b[2:]):
+        if x is None or y is None:
+            if x is not y:
+                return False
+            continue
+        tx = x[0]()
+        if tx is None or tx is not y[0]() or x[1] != y[1]:
+            return False
+    return True
+
+
 # ----------------------------------------------------------------------------- fake kernels
 _NUM_SMS: dict = {}
 
@@ -167,13 +210,14 @@ def _sparse_num_sm_parts(torch, num_sms, s_q, h_q):
     return torch.sym_max(num_sms // s_q // torch.sym_max(h_q // 64, 1), 1)
 
 
-def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts):
+def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts, metadata_given):
+    """Output shapes of a decode op; given metadata is not returned again (empty (0, 8) and (0,))."""
     b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
     return (
         q.new_empty((b, s_q, h_q, head_dim_v), dtype=out_dtype),
         q.new_empty((b, h_q, s_q), dtype=torch.float32),
-        q.new_empty((num_sm_parts, 8), dtype=torch.int32),
-        q.new_empty((b + 1,), dtype=torch.int32),
+        q.new_empty((0 if metadata_given else num_sm_parts, 8), dtype=torch.int32),
+        q.new_empty((0 if metadata_given else b + 1,), dtype=torch.int32),
     )
 
 
@@ -184,13 +228,13 @@ def _register_fakes(torch) -> None:
     def _dense_decode_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
                            tile_scheduler_metadata=None, num_splits=None):
         parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
-        return _decode_outputs(torch, q, q.dtype, head_dim_v, parts)
+        return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None)
 
     @torch.library.register_fake(lib + "sparse_decode_fwd")
     def _sparse_decode_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
                             extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
         parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
-        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts)
+        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None)
 
     @torch.library.register_fake(lib + "sparse_prefill_fwd")
     def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):

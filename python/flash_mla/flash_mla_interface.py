@@ -51,9 +51,12 @@ class FlashMLASchedMeta:
     ``cache_seqlens`` (dense) / ``topk_length`` and ``extra_topk_length`` (sparse).
     Changed shapes, flags or optional-length presence raise
     :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too.
-    On the GPU every call recomputes the schedule on its stream (lengths are never
-    read back, which would synchronise), so stale metadata cannot occur there,
-    including inside CUDA graphs replayed with new lengths. JAX calls (XLA custom calls,
+    On the GPU lengths are never read back (that would synchronise): torch calls reuse
+    the schedule only while the length tensors are the same objects, unmodified since
+    (torch version counters), within the same CUDA-graph capture; otherwise, and for
+    every other framework, the call recomputes it on its stream. So stale metadata
+    cannot occur there, including inside CUDA graphs replayed with new lengths, while
+    the layers of one decoding step share one schedule as in FlashMLA. JAX calls (XLA custom calls,
     also under ``jax.jit``) keep the metadata inside the call and recompute it every time,
     so there ``tile_scheduler_metadata`` and ``num_splits`` stay None.
     """
@@ -77,6 +80,7 @@ class FlashMLASchedMeta:
     num_splits: Optional[Any] = None
     _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False)
     _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False)
+    _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
@@ -251,11 +255,18 @@ def flash_mla_with_kvcache(
                         "schedule would be stale. Call get_mla_metadata() again when lengths change"
                     )
     like = q
-    # On the GPU the schedule is recomputed on the stream by every call (a one-warp kernel,
-    # CUDA-graph capturable), so a reused FlashMLASchedMeta can never be stale there, whatever
-    # happened to the lengths (regression 6). On the CPU it is reused; changed lengths raise above.
-    reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and not (
-        _torch_ops.on_device(q) if use_torch else _on_device(q))
+    # On the CPU the schedule is reused (changed lengths raise above). On the GPU the lengths are
+    # never read back: torch calls reuse it only while the length tensors are the same objects at
+    # the same versions, in the same CUDA-graph capture (see _torch_ops.schedule_key); every other
+    # GPU call recomputes it on its stream (a one-CTA kernel, capturable). So a reused
+    # FlashMLASchedMeta is never stale there, even after the lengths changed (regression 6).
+    on_device = _torch_ops.on_device(q) if use_torch else _on_device(q)
+    gpu_key = None
+    if use_torch and on_device:
+        gpu_key = _torch_ops.schedule_key(
+            q, (cache_seqlens,) if topk is None else (topk_length, extra_topk_length))
+    reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and (
+        _torch_ops.same_schedule_key(sched._gpu_key, gpu_key) if on_device else True)
     if reuse and use_torch and _ffi.framework_of(sched.tile_scheduler_metadata) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
@@ -332,8 +343,10 @@ def flash_mla_with_kvcache(
         # A first call that could not read the lengths (JAX, GPU, torch.compile) leaves None; the first
         # call that can read them becomes the reference, so later CPU reuse is still checked.
         sched._lengths = tuple(new if old is None else old for old, new in zip(sched._lengths, lengths))
-    sched.tile_scheduler_metadata = tsm
-    sched.num_splits = splits
+    if not reuse:  # this call computed the schedule (a reusing call returns no metadata of its own)
+        sched.tile_scheduler_metadata = tsm
+        sched.num_splits = splits
+        sched._gpu_key = gpu_key
     return out, lse
 
 

@@ -6,12 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/tile_schedule_greedy.h"
 #include "flashmla/ops.h"
 
 namespace flashmla::core {
-
-constexpr int kSchedBlockSizeN = 64;            ///< tokens per scheduling block
-constexpr int kSchedFixedOverheadBlocks = 5;    ///< per-request overhead, in blocks
 
 /// num_sm_parts for dense decode on a device with `num_sms` SMs (spec §4.1).
 int64_t dense_decode_num_sm_parts(int num_sms, int64_t s_q, int64_t h_q, int64_t h_kv);

@@ -165,8 +165,9 @@ def test_regression10_mixed_devices_raise():
 
 
 def test_reused_sched_with_changed_lengths_is_never_stale():
-    """On the GPU each call recomputes the split schedule, so reusing a FlashMLASchedMeta after
-    cache_seqlens changed (FlashMLA's silent stale-metadata bug) still gives correct results."""
+    """Reusing a FlashMLASchedMeta after cache_seqlens changed in place (FlashMLA's silent
+    stale-metadata bug) still gives correct results: the write bumps the tensor's version, so
+    the call recomputes the split schedule."""
     q, k, bt, ln = make_case(6, 1, 128, 1, 576, [4000] * 6)  # pages for 4000 tokens each
     qc, kc, btc, lc = to_cuda(q, k, bt, ln)
     sched, _ = flash_mla.get_mla_metadata()
@@ -175,3 +176,57 @@ def test_reused_sched_with_changed_lengths_is_never_stale():
     lc.copy_(new_lens)  # same shapes, skewed lengths (each <= 4000): a stale schedule would mis-split
     out, lse = run(qc, kc, btc, lc, False, sched)
     compare(q, k, bt, new_lens, False, out, lse)
+
+
+def test_sched_shared_by_layers_until_lengths_change():
+    """Eager torch calls with one FlashMLASchedMeta share its schedule (as a step's layers do in
+    FlashMLA) while cache_seqlens is the same tensor, unmodified; an in-place write or another
+    tensor makes the next call recompute it (never a stale schedule)."""
+    q, k, bt, ln = make_case(4, 1, 64, 1, 576, [300, 2000, 0, 64])
+    qc, kc, btc, lc = to_cuda(q, k, bt, ln)
+    sched, _ = flash_mla.get_mla_metadata()
+    out1, lse1 = run(qc, kc, btc, lc, False, sched)
+    tsm = sched.tile_scheduler_metadata
+    out2, lse2 = run(qc, kc, btc, lc, False, sched)  # the next layer: reuses
+    assert sched.tile_scheduler_metadata is tsm
+    assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
+    compare(q, k, bt, ln, False, out2, lse2)
+    new_lens = torch.tensor([2000, 300, 64, 0], dtype=torch.int32)
+    lc.copy_(new_lens)  # in place: torch bumps the version counter
+    out3, lse3 = run(qc, kc, btc, lc, False, sched)
+    assert sched.tile_scheduler_metadata is not tsm
+    compare(q, k, bt, new_lens, False, out3, lse3)
+    tsm3 = sched.tile_scheduler_metadata
+    out4, lse4 = run(qc, kc, btc, lc.clone(), False, sched)  # same values, another tensor: recomputed
+    assert sched.tile_scheduler_metadata is not tsm3
+    assert torch.equal(out3, out4) and torch.equal(lse3, lse4)
+
+
+def test_sched_from_outside_a_capture_is_recomputed_inside_it():
+    """A schedule computed eagerly is not baked into a CUDA graph: the first captured call
+    recomputes it (so every replay does), later calls of the same capture share that one, and
+    replays with new lengths stay exact."""
+    b = 6
+    q, k, bt, ln = make_case(b, 1, 128, 1, 576, [4000] * b)
+    qc, kc, btc, lc = to_cuda(q, k, bt, ln)
+    sched, _ = flash_mla.get_mla_metadata()
+    run(qc, kc, btc, lc, False, sched)  # eager: computes the schedule
+    eager_tsm = sched.tile_scheduler_metadata
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_a, lse_a = run(qc, kc, btc, lc, False, sched)  # layer 1: recomputes inside the capture
+        captured_tsm = sched.tile_scheduler_metadata
+        out_b, lse_b = run(qc, kc, btc, lc, False, sched)  # layer 2: shares layer 1's schedule
+    assert captured_tsm is not eager_tsm and sched.tile_scheduler_metadata is captured_tsm
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        new_lens = torch.from_numpy(rng.integers(0, 4001, b).astype(np.int32))
+        lc.copy_(new_lens)
+        graph.replay()
+        torch.cuda.synchronize()
+        compare(q, k, bt, new_lens, False, out_a, lse_a)
+        assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    out_e, lse_e = run(qc, kc, btc, lc, False, sched)  # eager again after the capture: recomputed
+    assert sched.tile_scheduler_metadata is not captured_tsm
+    assert torch.equal(out_e, out_a) and torch.equal(lse_e, lse_a)

@@ -218,6 +218,32 @@ def test_opcheck(rng, name):
         torch.library.opcheck(getattr(torch.ops.flash_mla, name).default, args)
 
 
+def test_schedule_key_tracks_length_tensor_identity_and_version():
+    """The key under which GPU calls share a split schedule (flash_mla_interface, _torch_ops.schedule_key):
+    equal only for the same length tensors at the same versions, on the same device, outside captures."""
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    lens = torch.tensor([5, 7], dtype=torch.int32)
+    k1 = _torch_ops.schedule_key(q, (lens,))
+    assert _torch_ops.same_schedule_key(k1, _torch_ops.schedule_key(q, (lens,)))
+    lens.copy_(torch.tensor([5, 8], dtype=torch.int32))  # in-place write: new version
+    k2 = _torch_ops.schedule_key(q, (lens,))
+    assert not _torch_ops.same_schedule_key(k1, k2)
+    lens[0] = 6  # indexing writes bump it too
+    assert not _torch_ops.same_schedule_key(k2, _torch_ops.schedule_key(q, (lens,)))
+    other = lens.clone()  # equal values, another tensor
+    assert not _torch_ops.same_schedule_key(_torch_ops.schedule_key(q, (lens,)), _torch_ops.schedule_key(q, (other,)))
+    # optional lengths: None must match None only
+    kn = _torch_ops.schedule_key(q, (lens, None))
+    assert _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, None)))
+    assert not _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, other)))
+    assert not _torch_ops.same_schedule_key(None, kn) and not _torch_ops.same_schedule_key(kn, None)
+    # a dead tensor never matches (its memory may hold another tensor now)
+    tmp = lens.clone()
+    kt = _torch_ops.schedule_key(q, (tmp,))
+    del tmp
+    assert not _torch_ops.same_schedule_key(kt, kt)
+
+
 def test_fake_kernels_match_real_shapes(rng):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
