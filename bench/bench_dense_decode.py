@@ -7,8 +7,10 @@ causal and not), memory-bound anchors (h_q 16/32/64, s_k=8192 fixed), the
 whole-call table (uniform lengths, incl. tensor-parallel and short contexts)
 and extra TP shapes. FLOP/byte formulas: spec §5.4. Main-kernel time excludes
 the scheduler and combine kernels (as FlashMLA's harness reports); call time
-is the whole call (main + combine, metadata reused) captured in a CUDA graph and replayed with
-L2 flushed, as the anchors' "graph µs" column; the eager (plain Python call) time is kept as
+is the whole call captured in a CUDA graph and replayed with L2 flushed, as the anchors' "graph µs"
+column: for the whole-call table, as the anchors, eight calls over eight layer caches sharing one
+FlashMLASchedMeta (the first computes the split schedule inside the graph, the others reuse it),
+per call; the eager (plain Python call) time is kept as
 eager_call_us (host overhead leaks into it whenever the host is slower than the L2 flush).
 
 --ab V1,V2,...: A/B of kernel variants on the SAME inputs, in one process. Each variant is
@@ -111,19 +113,31 @@ def set_variant(v):
         os.environ[ENV_KERNEL] = v
 
 
-def time_variant(fn, reuse_meta):
+def time_variant(fn, reuse_meta, fn_layers=None, layers=1):
+    """Kernel times of one call (profiler); call time = the CUDA-graph time of `fn_layers` (`layers`
+    calls, one per layer cache, sharing one FlashMLASchedMeta as a step's layers do) per call."""
     t = common.kernel_times_us(fn, [KERNEL, COMBINE, "get_mla_metadata", "scheduler"])
     t["eager"] = t["call"]
-    g = graph_call_us(fn) if reuse_meta else None
+    g = graph_call_us(fn_layers or fn) if reuse_meta else None
     if g is not None:
+        g /= layers
         t["call"] = g
     return t, g
 
 
-def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True, variants=None):
+def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True, variants=None, layers=1):
     q, k, bt, lens_t, lens = make_inputs(b, s_q, h_q, s_k, varlen)
     sched, _ = flash_mla.get_mla_metadata()
     fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, sched, causal=causal)
+    fn_layers = None
+    if layers > 1:  # the anchors' whole-call method: one step over `layers` layer caches, one schedule
+        others = [make_inputs(b, s_q, h_q, s_k, varlen, seed=i)[:3] for i in range(1, layers)]
+
+        def fn_layers():
+            r = fn()
+            for qi, ki, bti in others:
+                flash_mla.flash_mla_with_kvcache(qi, ki, bti, lens_t, 512, sched, causal=causal)
+            return r
     if not reuse_meta:
         fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, flash_mla.get_mla_metadata()[0],
                                                       causal=causal)
@@ -137,7 +151,7 @@ def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_
         nonfinite = int((~torch.isfinite(out)).sum())
         if ref_out is None:
             ref_out = out
-        tv, gv = time_variant(fn, reuse_meta)
+        tv, gv = time_variant(fn, reuse_meta, fn_layers, layers)
         ab[v] = {"time_us": tv[KERNEL], "call_time_us": tv["call"], "eager_call_us": tv["eager"],
                  "combine_us": tv[COMBINE], "call_is_graph": gv is not None, "max_abs_diff_vs_first": diff,
                  "nonfinite_outputs": nonfinite}
@@ -212,7 +226,7 @@ def main():
         keep(bench_case(f"memory hq{h_q} sk8192", 128, 1, h_q, 8192, False, False, ("gbps", a), ceil))
     for b, s_q, h_q, s_k, us in CALL_GRAPH_US:
         keep(bench_case(f"call b{b} sq{s_q} hq{h_q} sk{s_k}", b, s_q, h_q, s_k, False, False,
-                        ("call_us", us), ceil))
+                        ("call_us", us), ceil, layers=8))
     for h_q in (8, 16, 32):
         for s_q in (1, 2, 4):
             keep(bench_case(f"tp hq{h_q} sq{s_q} sk8192", 128, s_q, h_q, 8192, False, False, None, ceil))

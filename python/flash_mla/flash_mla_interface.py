@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import _ffi
+from . import _cupy, _ffi
 from . import _torch_ops
 
 __all__ = [
@@ -323,6 +323,9 @@ def flash_mla_with_kvcache(
 
             res = _jax.dense_decode(q, k_cache, block_table, cache_seqlens, int(head_dim_v), float(softmax_scale),
                                     bool(causal))
+        elif _cupy.handles(q) and head_dim_v == 512:  # outputs from CuPy's memory pool (flash_mla/_cupy.py)
+            res = _cupy.dense_decode(q, k_cache, block_table, cache_seqlens, int(head_dim_v),
+                                     float(softmax_scale), bool(causal)) + (None, None)
         else:
             with _ffi.stream_scope(q):
                 res = _ffi.lib.dense_decode_fwd(
@@ -330,8 +333,8 @@ def flash_mla_with_kvcache(
                     _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
                     float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
                 )
-    if use_torch or use_jax:
-        out, lse, tsm, splits = res  # (JAX: the metadata stays inside the XLA call, tsm = splits = None)
+    if use_torch or use_jax or res[2] is None:
+        out, lse, tsm, splits = res  # (JAX, CuPy: the metadata stays inside the call, tsm = splits = None)
     else:
         out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
     if not sched.have_initialized:

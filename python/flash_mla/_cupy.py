@@ -1,0 +1,51 @@
+"""CuPy arrays on the GPU: outputs from CuPy's own memory pool, destination-passing calls.
+
+The plain TVM-FFI functions allocate their outputs themselves; with no framework allocator
+registered (CuPy registers none) that is a cudaMalloc per output and a cudaFree when it is
+released, and cudaFree synchronises the device: 140-200 µs per call on the H200
+(bench/results/2026-11-30-call-overhead.json). Here the outputs, and the one scratch
+buffer that holds the split schedule and the split-KV workspace, come from CuPy's memory
+pool on the data's device, and the ``*_fwd_dps`` functions of the C++ module write into
+them on CuPy's current stream. The split schedule is recomputed by every call (as on the
+XLA path), so FlashMLASchedMeta keeps no tensors for CuPy calls. Dense decode only: CuPy
+has no bfloat16, which sparse decode and prefill need (their CuPy calls keep the plain path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _ffi
+
+_SCRATCH: dict = {}  # (sparse, device, b, s_q, h_q, h_kv) -> bytes
+
+
+def handles(q: Any) -> bool:
+    """True for a CuPy array (the GPU is the only place CuPy arrays live)."""
+    return _ffi.framework_of(q) == "cupy"
+
+
+def _scratch(cp: Any, sparse: bool, dev: int, b: int, s_q: int, h_q: int, h_kv: int) -> Any:
+    key = (sparse, dev, b, s_q, h_q, h_kv)
+    n = _SCRATCH.get(key)
+    if n is None:
+        n = int(_ffi.lib.decode_scratch_bytes(sparse, 2, dev, b, s_q, h_q, h_kv))
+        _SCRATCH[key] = n
+    return cp.empty((max(n, 1),), dtype=cp.uint8)
+
+
+def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softmax_scale: float, causal: bool):
+    import cupy as cp
+
+    dev = int(q.device.id)
+    b, s_q, h_q = (int(x) for x in q.shape[:3])
+    with cp.cuda.Device(dev):
+        out = cp.empty((b, s_q, h_q, head_dim_v), dtype=q.dtype)
+        lse = cp.empty((b, h_q, s_q), dtype=cp.float32)
+        scratch = _scratch(cp, False, dev, b, s_q, h_q, int(k_cache.shape[2]))
+    with _ffi.stream_scope(q):
+        _ffi.lib.dense_decode_fwd_dps(
+            _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(block_table, "block_table"),
+            _ffi.to_ffi(cache_seqlens, "cache_seqlens"), head_dim_v, softmax_scale, causal,
+            _ffi.to_ffi(out), _ffi.to_ffi(lse), _ffi.to_ffi(scratch))
+    return out, lse
