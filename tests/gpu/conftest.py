@@ -65,3 +65,15 @@ def _restore_current_cuda_device():
     torch.cuda.set_device(0)
     yield
     torch.cuda.set_device(0)
+
+
+@pytest.fixture(scope="module")
+def jax_gpu():
+    """(jax, its GPU devices); skips without JAX's GPU backend or jax-tvm-ffi."""
+    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax_tvm_ffi")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("this JAX has no GPU backend")
+    return jax, gpus

@@ -80,15 +80,7 @@ def _dense_torch(c, causal=False, device=0):
 # ----------------------------------------------------------------------------- JAX
 
 
-@pytest.fixture(scope="module")
-def jax_gpu():
-    jax = pytest.importorskip("jax")
-    pytest.importorskip("jax_tvm_ffi")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        pytest.skip("this JAX has no GPU backend")
-    return jax, gpus
+# (the jax_gpu fixture lives in conftest.py)
 
 
 def test_jax_jit_dense_decode_gpu(jax_gpu, rng):
