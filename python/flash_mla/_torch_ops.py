@@ -151,11 +151,17 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     indexing), the device, and the id of the CUDA-graph capture in progress (0 outside one): a
     schedule computed inside a capture is recomputed by every replay of that graph, so only
     calls of the same capture reuse it, and one computed outside a capture is never baked into
-    a graph. Under torch.compile nothing is reused (the op stays functional).
+    a graph. Under torch.compile nothing is reused (the op stays functional), nor for length
+    tensors made under ``torch.inference_mode()`` (inference tensors have no version counter:
+    reading ``_version`` raises, and their in-place writes could not be seen). Writes that bypass
+    torch's dispatcher (Triton or other custom kernels, ``.data``, a DLPack alias, a CUDA-graph
+    replay) do not bump the version either: reuse then needs unchanged values, as in FlashMLA.
     """
     import torch
 
     if torch.compiler.is_compiling():
+        return None
+    if any(t is not None and t.is_inference() for t in lengths):
         return None
     capture = 0
     if q.device.type == "cuda" and (q.device.index != torch.cuda.current_device()

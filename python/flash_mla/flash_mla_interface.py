@@ -54,9 +54,11 @@ class FlashMLASchedMeta:
     On the GPU lengths are never read back (that would synchronise): torch calls reuse
     the schedule only while the length tensors are the same objects, unmodified since
     (torch version counters), within the same CUDA-graph capture; otherwise, and for
-    every other framework, the call recomputes it on its stream. So stale metadata
-    cannot occur there, including inside CUDA graphs replayed with new lengths, while
-    the layers of one decoding step share one schedule as in FlashMLA. JAX calls (XLA custom calls,
+    every other framework, the call recomputes it on its stream. So writes through torch
+    never leave stale metadata there, including inside CUDA graphs replayed with new
+    lengths, while the layers of one decoding step share one schedule as in FlashMLA.
+    Writes torch does not see (custom/Triton kernels, ``.data``, DLPack aliases, a graph
+    replay between eager calls) need a new ``get_mla_metadata()``, as in FlashMLA. JAX calls (XLA custom calls,
     also under ``jax.jit``) keep the metadata inside the call and recompute it every time,
     so there ``tile_scheduler_metadata`` and ``num_splits`` stay None.
     """

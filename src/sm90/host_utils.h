@@ -48,25 +48,22 @@ class DeviceGuard {
 
 /// cudaFuncSetAttribute(func, MaxDynamicSharedMemorySize, bytes), skipped when it was already done
 /// for this kernel on the current device with at least `bytes` (the attribute is per function and
-/// device and stays set). Saves a runtime call per launch on the decode hot path.
+/// device and stays set). Saves a runtime call per launch on the decode hot path. The set runs under
+/// the lock and never lowers the value: two threads asking for different sizes of one kernel must
+/// not leave the attribute below what the cache records (a later launch would then fail).
 inline cudaError_t set_max_dynamic_smem_cached(const void* func, int bytes) {
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return e;
   static std::mutex mu;
   static std::unordered_map<const void*, std::vector<int>> done;  // per kernel: bytes set, per device
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = done.find(func);
-    if (it != done.end() && device < static_cast<int>(it->second.size()) && it->second[device] >= bytes)
-      return cudaSuccess;
-  }
-  e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) return e;
   std::lock_guard<std::mutex> lock(mu);
   std::vector<int>& v = done[func];
   if (device >= static_cast<int>(v.size())) v.resize(device + 1, 0);
-  v[device] = bytes > v[device] ? bytes : v[device];
+  if (v[device] >= bytes) return cudaSuccess;
+  e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
+  v[device] = bytes;
   return cudaSuccess;
 }
 

@@ -169,3 +169,21 @@ def test_paddle_cpu_same_values(dense, prefill):
     np.testing.assert_array_equal(bf16_bits(res_p[0]), bits(res_np[0]))
     np.testing.assert_array_equal(res_p[1].numpy(), res_np[1])
     np.testing.assert_array_equal(res_p[2].numpy(), res_np[2])
+
+
+def test_cupy_scratch_for_rejected_shapes_defers_to_the_call_validation():
+    """flash_mla/_cupy.py sizes its scratch before the C++ call validates the inputs; for shapes
+    the plan rejects (b = 0, h_q % h_kv != 0, h_kv = 0) it must not raise the plan's generic
+    message but hand a placeholder to the call, whose validation names the argument."""
+    from flash_mla import _cupy
+
+    class _FakeCupy:
+        uint8 = "uint8"
+
+        @staticmethod
+        def empty(shape, dtype):
+            return ("empty", shape, dtype)
+
+    for b, h_q, h_kv in [(0, 16, 1), (2, 16, 3), (2, 16, 0)]:
+        assert _cupy._scratch(_FakeCupy, False, 0, b, 1, h_q, h_kv) == ("empty", (1,), "uint8")
+        assert (False, 0, b, 1, h_q, h_kv) not in _cupy._SCRATCH

@@ -411,3 +411,17 @@ def test_first_call_inside_torch_compile_fresh_process(tmp_path):
         "print('OK')\n")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_schedule_key_with_inference_mode_lengths_never_reuses():
+    """Length tensors made under torch.inference_mode() (how serving engines run decode) have no
+    version counter: reading t._version raises, so schedule_key must not read it and must never
+    allow reuse (an in-place write to such a tensor cannot be detected)."""
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        lens = torch.tensor([5, 7], dtype=torch.int32)
+        k1 = _torch_ops.schedule_key(q, (lens,))
+        k2 = _torch_ops.schedule_key(q, (lens,))
+        assert not _torch_ops.same_schedule_key(k1, k2)
+        lens.add_(1)  # invisible to any version check
+        assert not _torch_ops.same_schedule_key(k1, _torch_ops.schedule_key(q, (lens, None)))
