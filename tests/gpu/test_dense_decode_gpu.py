@@ -182,7 +182,7 @@ def test_sched_shared_by_layers_until_lengths_change():
     """Eager torch calls with one FlashMLASchedMeta share its schedule (as a step's layers do in
     FlashMLA) while cache_seqlens is the same tensor, unmodified; an in-place write or another
     tensor makes the next call recompute it (never a stale schedule)."""
-    q, k, bt, ln = make_case(4, 1, 64, 1, 576, [300, 2000, 0, 64])
+    q, k, bt, ln = make_case(4, 1, 64, 1, 576, [300, 2000, 900, 64])
     qc, kc, btc, lc = to_cuda(q, k, bt, ln)
     sched, _ = flash_mla.get_mla_metadata()
     out1, lse1 = run(qc, kc, btc, lc, False, sched)
@@ -191,7 +191,7 @@ def test_sched_shared_by_layers_until_lengths_change():
     assert sched.tile_scheduler_metadata is tsm
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
     compare(q, k, bt, ln, False, out2, lse2)
-    new_lens = torch.tensor([2000, 300, 64, 0], dtype=torch.int32)
+    new_lens = torch.tensor([1, 2000, 0, 33], dtype=torch.int32)  # each within its pages: another split schedule
     lc.copy_(new_lens)  # in place: torch bumps the version counter
     out3, lse3 = run(qc, kc, btc, lc, False, sched)
     assert sched.tile_scheduler_metadata is not tsm
