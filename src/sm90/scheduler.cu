@@ -17,30 +17,37 @@ using core::sched_num_blocks;
 constexpr int64_t kBlockN = core::kSchedBlockSizeN;
 constexpr int64_t kOverhead = core::kSchedFixedOverheadBlocks;
 constexpr int kSchedThreads = 256;
-/// Batches whose block counts, metadata rows and num_splits fit in this much shared memory are
-/// scheduled out of shared memory; larger ones (b beyond ~20000) straight from global memory.
+/// Batches whose per-request arrays (block counts, pe, ps, t, num_splits: 5b + 1 int32) fit in
+/// this much shared memory are scheduled request by request (b <= 8191); larger ones run the
+/// part-by-part greedy in one thread straight against global memory (slow, but exact).
 constexpr int64_t kSchedMaxSmemBytes = 160 * 1024;
 
-/// Shared memory of the staged path: b block counts, num_sm_parts rows, b + 1 num_splits.
-__host__ __device__ inline int64_t sched_smem_bytes(int64_t b, int64_t num_sm_parts) {
-  return 4 * b + 32 * num_sm_parts + 4 * (b + 1);
-}
+/// Shared memory of the staged path for a batch of b requests.
+__host__ __device__ inline int64_t sched_smem_bytes(int64_t b, int64_t /*num_sm_parts*/) { return 4 * (5 * b + 1); }
 
-// One CTA. All threads read the lengths (coalesced, in parallel) and sum the work; thread 0 runs
-// the serial greedy partition; the results are copied out by all threads. Staged path: block
-// counts (encoded -1 for an empty request), rows and num_splits all live in shared memory
-// while thread 0 works, so its loop touches no global memory: run by one lane against global
-// memory (session 2's kernel) each step waited on a global round trip, 22 µs at b = 1 and
-// 36 µs at b = 128 on the H200 (tools/profile_decode_call.py), more than a short decode's kernel.
+// One CTA, three phases (staged path):
+//  1. all threads read the lengths (coalesced), stage block counts in shared memory (-1 encodes
+//     an empty request: 1 block) and sum the work;
+//  2. thread 0 runs core::schedule_requests: one O(1) step per request (no loop over parts),
+//     recording where each request starts and ends and the num_splits prefix sums;
+//  3. every thread computes rows core::schedule_part_row for its parts (binary search over
+//     the requests' end parts) and copies num_splits out.
+// Equal to the greedy of spec §4.3 element for element (tests/cpp: RequestWisePassEqualsTheGreedy;
+// on the GPU, the C++ test program's device-vs-host scheduler check). Session 2's kernel ran the
+// part-by-part greedy in one lane: ~350 clk per part, 23 µs at b = 1 and 36 µs at b = 128 on the
+// H200 (bench/results/2026-11-30-profile-decode-call-run12.log), more than a short decode's kernel.
 template <class Work>
 __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, int32_t* __restrict__ metadata,
                                      int32_t* __restrict__ num_splits) {
   extern __shared__ int32_t smem[];
   __shared__ long long s_warp_total[kSchedThreads / 32];
+  __shared__ long long s_payload;
   const bool staged = sched_smem_bytes(b, num_sm_parts) <= kSchedMaxSmemBytes;
-  int32_t* s_blocks = smem;                                                    // b
-  auto* s_rows = reinterpret_cast<TileSchedulerMetadataRow*>(smem + b);       // num_sm_parts
-  int32_t* s_splits = smem + b + 8 * static_cast<int64_t>(num_sm_parts);      // b + 1
+  int32_t* s_blocks = smem;      // b
+  int32_t* s_pe = smem + b;      // b
+  int32_t* s_ps = s_pe + b;      // b
+  int32_t* s_t = s_ps + b;       // b
+  int32_t* s_splits = s_t + b;   // b + 1
   long long total = 0;
   for (int i = threadIdx.x; i < b; i += blockDim.x) {
     const int64_t s = work(i);
@@ -52,15 +59,13 @@ __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, 
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
   if ((threadIdx.x & 31) == 0) s_warp_total[threadIdx.x >> 5] = total;
   __syncthreads();
+  auto nb_staged = [&](int64_t i) -> int64_t { const int32_t v = s_blocks[i]; return v < 0 ? 1 : v; };
   if (threadIdx.x == 0) {
     total = 0;
     for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += s_warp_total[w];
     if (staged) {
-      core::greedy_tile_schedule(
-          b, num_sm_parts, total, [&](int64_t i) -> int64_t { const int32_t v = s_blocks[i]; return v < 0 ? 1 : v; },
-          [&](int64_t i) -> bool { return s_blocks[i] < 0; },
-          [&](int64_t part, const TileSchedulerMetadataRow& row) { s_rows[part] = row; },
-          [&](int64_t i, int32_t v) { s_splits[i] = v; });
+      s_payload = core::schedule_requests(b, num_sm_parts, total, nb_staged, s_pe, s_ps, s_t,
+                                          [&](int64_t i, int32_t v) { s_splits[i] = v; });
     } else {
       auto* rows = reinterpret_cast<TileSchedulerMetadataRow*>(metadata);
       core::greedy_tile_schedule(
@@ -72,9 +77,14 @@ __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, 
   }
   if (!staged) return;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < 8 * static_cast<int64_t>(num_sm_parts); i += blockDim.x)
-    metadata[i] = reinterpret_cast<const int32_t*>(s_rows)[i];
-  for (int64_t i = threadIdx.x; i <= b; i += blockDim.x) num_splits[i] = s_splits[i];
+  const int64_t payload = s_payload;
+  auto* rows = reinterpret_cast<TileSchedulerMetadataRow*>(metadata);
+  for (int q = threadIdx.x; q < num_sm_parts; q += blockDim.x) {
+    rows[q] = core::schedule_part_row(
+        q, b, payload, nb_staged, [&](int64_t i) -> bool { return s_blocks[i] < 0; },
+        [&](int64_t i) -> int64_t { return s_pe[i]; }, s_ps, s_t);
+  }
+  for (int i = threadIdx.x; i <= b; i += blockDim.x) num_splits[i] = s_splits[i];
 }
 
 __global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_kernel(const int32_t* __restrict__ seqlens, int b,

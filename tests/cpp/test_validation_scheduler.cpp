@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -342,6 +344,52 @@ TEST(Scheduler, CoversEveryBlockExactlyOnce) {
       EXPECT_EQ(splits[i + 1] - splits[i], pieces[i]) << "request " << i << " parts " << parts;
     }
   }
+}
+
+// The device scheduler (src/sm90/scheduler.cu) computes the partition request by request
+// (core::schedule_requests) and then each part's row independently (core::schedule_part_row);
+// both must give greedy_tile_schedule's rows and num_splits exactly.
+TEST(Scheduler, RequestWisePassEqualsTheGreedy) {
+  std::mt19937_64 rng(2026);
+  int cases = 0;
+  for (int64_t b : {1, 2, 3, 5, 8, 37, 128, 129, 1000, 3000})
+    for (int64_t parts : {1, 2, 3, 7, 33, 66, 78, 132, 264})
+      for (int mode = 0; mode < 5; ++mode) {
+        std::vector<int64_t> lens(b);
+        for (auto& x : lens) {
+          const uint64_t r = rng();
+          if (mode == 0) x = static_cast<int64_t>(r % 5000);
+          else if (mode == 1) x = (r % 100) < 40 ? 0 : static_cast<int64_t>(r % 5000);
+          else if (mode == 2) x = static_cast<int64_t>(r % 200000);
+          else if (mode == 3) x = static_cast<int64_t>(r % 70);  // one or two blocks each
+          else x = (r % 10) == 0 ? static_cast<int64_t>(r % 300000) : static_cast<int64_t>(r % 64);  // skewed
+        }
+        std::vector<int64_t> nb(b);
+        int64_t total = 0;
+        for (int64_t i = 0; i < b; ++i) total += (nb[i] = core::sched_num_blocks(lens[i])) + core::kSchedFixedOverheadBlocks;
+        std::vector<TileSchedulerMetadataRow> want(parts);
+        std::vector<int32_t> want_splits(b + 1, -7), got_splits(b + 1, -9);
+        core::compute_tile_schedule(lens, parts, want.data(), want_splits.data());
+        std::vector<int32_t> pe(b), ps(b), t(b);
+        auto num_blocks = [&](int64_t i) { return nb[i]; };
+        auto empty = [&](int64_t i) { return lens[i] == 0; };
+        const int64_t payload = core::schedule_requests(b, parts, total, num_blocks, pe.data(), ps.data(), t.data(),
+                                                        [&](int64_t i, int32_t v) { got_splits[i] = v; });
+        ASSERT_EQ(got_splits, want_splits) << "b=" << b << " parts=" << parts << " mode=" << mode;
+        for (int64_t q = 0; q < parts; ++q) {
+          const TileSchedulerMetadataRow got = core::schedule_part_row(
+              q, b, payload, num_blocks, empty, [&](int64_t i) { return pe[i]; }, ps.data(), t.data());
+          ASSERT_EQ(0, std::memcmp(&got, &want[q], sizeof(got)))
+              << "b=" << b << " parts=" << parts << " mode=" << mode << " part " << q << ": got ["
+              << got.begin_req_idx << " " << got.end_req_idx << " " << got.begin_block_idx << " " << got.end_block_idx
+              << " " << got.begin_split_idx << " " << got.is_first_req_splitted << " " << got.is_last_req_splitted
+              << "] want [" << want[q].begin_req_idx << " " << want[q].end_req_idx << " " << want[q].begin_block_idx
+              << " " << want[q].end_block_idx << " " << want[q].begin_split_idx << " "
+              << want[q].is_first_req_splitted << " " << want[q].is_last_req_splitted << "]";
+        }
+        ++cases;
+      }
+  EXPECT_EQ(cases, 10 * 9 * 5);
 }
 
 }  // namespace

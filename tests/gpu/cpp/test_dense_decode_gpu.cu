@@ -971,7 +971,7 @@ int scheduler_checks(Stats& stats) {
   std::mt19937_64 rng(12345);
   int failures = 0;
   DevBuf dl, dm, dn;
-  for (int b : {1, 2, 3, 5, 37, 128, 1000, 5000, 12000, 12001, 20000})  // 12000 = last staged in smem
+  for (int b : {1, 2, 3, 5, 37, 128, 1000, 5000, 8191, 8192, 20000})  // 8191 = last staged in smem
     for (int parts : {1, 2, 7, 33, 66, 132})
       for (int mode = 0; mode < 3; ++mode) {
         std::vector<int32_t> lens(b);
