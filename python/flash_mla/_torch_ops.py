@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import weakref
 from typing import Any, Optional
 
 _LIB_NAME = "libflashmla_torch.so"
@@ -138,7 +137,7 @@ def host_copy(x: Any):
 
 
 def on_device(x: Any) -> bool:
-    return x.device.type != "cpu"
+    return not x.is_cpu
 
 
 def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
@@ -146,44 +145,43 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
 
     A schedule depends on the values of the length tensors (``cache_seqlens``, or ``topk_length``
     and ``extra_topk_length``), which live on the GPU and are never read back. Its key holds each
-    length tensor's identity (a weak reference, checked by :func:`same_schedule_key`) and
-    version counter (bumped by every in-place write through torch: ``copy_``, ``fill_``,
-    indexing), the device, and the id of the CUDA-graph capture in progress (0 outside one): a
-    schedule computed inside a capture is recomputed by every replay of that graph, so only
-    calls of the same capture reuse it, and one computed outside a capture is never baked into
-    a graph. Under torch.compile nothing is reused (the op stays functional), nor for length
-    tensors made under ``torch.inference_mode()`` (inference tensors have no version counter:
-    reading ``_version`` raises, and their in-place writes could not be seen). Writes that bypass
-    torch's dispatcher (Triton or other custom kernels, ``.data``, a DLPack alias, a CUDA-graph
-    replay) do not bump the version either: reuse then needs unchanged values, as in FlashMLA.
+    length tensor itself (identity, compared with ``is``; the reference keeps it alive, so its
+    memory cannot be handed to another tensor meanwhile) and its version counter (bumped by every
+    in-place write through torch: ``copy_``, ``fill_``, indexing), q's device, and the id of the
+    CUDA-graph capture in progress (0 outside one): a schedule computed inside a capture is
+    recomputed by every replay of that graph, so only calls of the same capture reuse it, and
+    one computed outside a capture is never baked into a graph. Under torch.compile nothing is
+    reused (the op stays functional), nor for length tensors made under ``torch.inference_mode()``
+    (inference tensors have no version counter: reading ``_version`` raises, and their in-place
+    writes could not be seen). Writes that bypass torch's dispatcher (Triton or other custom
+    kernels, ``.data``, a DLPack alias, a CUDA-graph replay) do not bump the version either:
+    reuse then needs unchanged values, as in FlashMLA.
     """
     import torch
 
     if torch.compiler.is_compiling():
         return None
-    if any(t is not None and t.is_inference() for t in lengths):
-        return None
-    capture = 0
-    if q.device.type == "cuda" and (q.device.index != torch.cuda.current_device()
-                                    or torch.cuda.is_current_stream_capturing()):
+    key = [q.get_device(), 0]
+    for t in lengths:
+        if t is None:
+            key += (None, 0)
+        elif t.is_inference():
+            return None
+        else:
+            key += (t, t._version)
+    if key[0] >= 0 and (key[0] != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
-        capture = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(q.device).cuda_stream))
-    return (q.device, capture) + tuple(
-        None if t is None else (weakref.ref(t), t._version) for t in lengths)
+        key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(key[0]).cuda_stream))
+    return tuple(key)
 
 
 def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
     """True if two :func:`schedule_key` keys are both set and name the same tensors at the same versions."""
-    if a is None or b is None or len(a) != len(b) or a[:2] != b[:2]:
+    if a is None or b is None or len(a) != len(b) or a[0] != b[0] or a[1] != b[1]:
         return False
-    for x, y in zip(a[2:], b[2:]):
-        if x is None or y is None:
-            if x is not y:
-                return False
-            continue
-        tx = x[0]()
-        if tx is None or tx is not y[0]() or x[1] != y[1]:
+    for i in range(2, len(a), 2):
+        if a[i] is not b[i] or a[i + 1] != b[i + 1]:
             return False
     return True
 

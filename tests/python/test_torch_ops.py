@@ -237,11 +237,16 @@ def test_schedule_key_tracks_length_tensor_identity_and_version():
     assert _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, None)))
     assert not _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, other)))
     assert not _torch_ops.same_schedule_key(None, kn) and not _torch_ops.same_schedule_key(kn, None)
-    # a dead tensor never matches (its memory may hold another tensor now)
+    # the key keeps its tensors alive: their memory cannot pass to another tensor while it is held
+    import weakref
+
     tmp = lens.clone()
+    alive = weakref.ref(tmp)
     kt = _torch_ops.schedule_key(q, (tmp,))
     del tmp
-    assert not _torch_ops.same_schedule_key(kt, kt)
+    assert alive() is not None and _torch_ops.same_schedule_key(kt, _torch_ops.schedule_key(q, (alive(),)))
+    del kt
+    assert alive() is None
 
 
 def test_fake_kernels_match_real_shapes(rng):
