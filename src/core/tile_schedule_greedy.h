@@ -24,6 +24,32 @@ FLASHMLA_HOST_DEVICE inline int64_t sched_num_blocks(int64_t s) {
   return (s > 1 ? s - 1 : 0) / kSchedBlockSizeN + 1;
 }
 
+/// Fills the end fields of a part's row (its begin fields set) from the greedy's state (request
+/// `req`, block offset `block`) when the part is done, and applies spec §4.3's rule that a part
+/// holding one request marks it split at both ends if either is.
+template <class NumBlocks, class Empty>
+FLASHMLA_HOST_DEVICE void finish_tile_row(TileSchedulerMetadataRow& row, int64_t b, int64_t req, int64_t block,
+                                          const NumBlocks& num_blocks, const Empty& empty) {
+  const int64_t end_req = block > 0 ? req : req - 1;
+  int64_t end_block = 0;
+  if (block > 0) {
+    end_block = block;
+  } else if (req >= 1) {
+    end_block = empty(req - 1) ? 0 : num_blocks(req - 1);
+  }
+  bool last_splitted = false;
+  if (end_req >= 0 && end_req < b) last_splitted = end_block != num_blocks(end_req) && !empty(end_req);
+  row.end_req_idx = static_cast<int32_t>(end_req);
+  row.end_block_idx = static_cast<int32_t>(end_block);
+  row.is_last_req_splitted = last_splitted;
+  if (row.begin_req_idx == row.end_req_idx) {
+    const int32_t either = row.is_first_req_splitted || row.is_last_req_splitted;
+    row.is_first_req_splitted = either;
+    row.is_last_req_splitted = either;
+  }
+  row.pad = 0;
+}
+
 /// Greedy partition of b requests into num_sm_parts rows (spec §4.3). `num_blocks(i)` gives
 /// request i's block count (sched_num_blocks of its length), `empty(i)` whether its length is 0;
 /// `total` = sum_i (num_blocks(i) + overhead). Each part's row goes to `write_row(part, row)`,
@@ -61,24 +87,7 @@ FLASHMLA_HOST_DEVICE void greedy_tile_schedule(int64_t b, int64_t num_sm_parts, 
         break;
       }
     }
-    const int64_t end_req = block > 0 ? req : req - 1;
-    int64_t end_block = 0;
-    if (block > 0) {
-      end_block = block;
-    } else if (req >= 1) {
-      end_block = empty(req - 1) ? 0 : num_blocks(req - 1);
-    }
-    bool last_splitted = false;
-    if (end_req >= 0 && end_req < b) last_splitted = end_block != num_blocks(end_req) && !empty(end_req);
-    row.end_req_idx = static_cast<int32_t>(end_req);
-    row.end_block_idx = static_cast<int32_t>(end_block);
-    row.is_last_req_splitted = last_splitted;
-    if (row.begin_req_idx == row.end_req_idx) {
-      const int32_t either = row.is_first_req_splitted || row.is_last_req_splitted;
-      row.is_first_req_splitted = either;
-      row.is_last_req_splitted = either;
-    }
-    row.pad = 0;
+    finish_tile_row(row, b, req, block, num_blocks, empty);
     write_row(part, row);
   }
 }
@@ -164,25 +173,7 @@ FLASHMLA_HOST_DEVICE TileSchedulerMetadataRow schedule_part_row(int64_t q, int64
   row.begin_block_idx = static_cast<int32_t>(begin.block);
   row.begin_split_idx = static_cast<int32_t>(begin.split);
   row.is_first_req_splitted = begin.block != 0;
-  const int64_t req = end.req, block = end.block;
-  const int64_t end_req = block > 0 ? req : req - 1;
-  int64_t end_block = 0;
-  if (block > 0) {
-    end_block = block;
-  } else if (req >= 1) {
-    end_block = empty(req - 1) ? 0 : num_blocks(req - 1);
-  }
-  bool last_splitted = false;
-  if (end_req >= 0 && end_req < b) last_splitted = end_block != num_blocks(end_req) && !empty(end_req);
-  row.end_req_idx = static_cast<int32_t>(end_req);
-  row.end_block_idx = static_cast<int32_t>(end_block);
-  row.is_last_req_splitted = last_splitted;
-  if (row.begin_req_idx == row.end_req_idx) {
-    const int32_t either = row.is_first_req_splitted || row.is_last_req_splitted;
-    row.is_first_req_splitted = either;
-    row.is_last_req_splitted = either;
-  }
-  row.pad = 0;
+  finish_tile_row(row, b, end.req, end.block, num_blocks, empty);
   return row;
 }
 
