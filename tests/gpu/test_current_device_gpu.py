@@ -17,8 +17,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 import flash_mla  # noqa: E402
+import oracle  # noqa: E402
 from flash_mla import _ffi  # noqa: E402
-from mla_test_utils import gen_dense_case  # noqa: E402
+from mla_test_utils import BF16, check_lse, check_out, gen_dense_case  # noqa: E402
 
 SIDES = [(0, 1), (1, 0)]  # (caller's current device, data's device)
 
@@ -32,35 +33,48 @@ def torch_2gpu():
     return torch
 
 
-def _torch_case(torch, device, dtype=None):
-    c = gen_dense_case(np.random.default_rng(7), b=3, s_q=1, h_q=16, h_kv=1, d=576, s_k=200, varlen=True)
+def _torch_case(torch, device, seed):
+    c = gen_dense_case(np.random.default_rng(seed), b=3, s_q=1, h_q=16, h_kv=1, d=576, s_k=200, varlen=True)
     q = torch.from_numpy(c.q.view(np.uint16).copy()).view(torch.bfloat16).to(device)
     k = torch.from_numpy(c.k_cache.view(np.uint16).copy()).view(torch.bfloat16).to(device)
     bt = torch.from_numpy(c.block_table).to(device)
     sl = torch.from_numpy(c.cache_seqlens).to(device)
-    return q, k, bt, sl
+    return c, (q, k, bt, sl)
+
+
+def _check_values(c, out, lse):
+    """The call on the other device must also be right: against the float64 oracle (spec §5.1)."""
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, False, None)
+    check_out("out", out, ref_out, c.q.dtype)
+    check_lse("lse", lse, ref_lse)
+
+
+def _to_np(torch, t):
+    t = t.cpu()
+    return t.view(torch.uint16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 @pytest.mark.parametrize("current,data", SIDES)
 def test_torch_ops_path_keeps_current_device(torch_2gpu, current, data):
     torch = torch_2gpu
-    q, k, bt, sl = _torch_case(torch, f"cuda:{data}")
+    c, (q, k, bt, sl) = _torch_case(torch, f"cuda:{data}", 7 + current)
     torch.cuda.set_device(current)
     out, lse = flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, flash_mla.get_mla_metadata()[0])
     assert torch.cuda.current_device() == current
     assert out.device == torch.device(f"cuda:{data}")
-    torch.cuda.synchronize(data)
+    _check_values(c, _to_np(torch, out), _to_np(torch, lse))
 
 
 @pytest.mark.parametrize("current,data", SIDES)
 def test_tvm_ffi_path_keeps_current_device(torch_2gpu, current, data):
     torch = torch_2gpu
-    q, k, bt, sl = _torch_case(torch, f"cuda:{data}")
+    c, (q, k, bt, sl) = _torch_case(torch, f"cuda:{data}", 17 + current)
     torch.cuda.set_device(current)
     res = _ffi.lib.dense_decode_fwd(q, k, 512, sl, bt, 576 ** -0.5, False, None, None)
     assert torch.cuda.current_device() == current
     assert res[0].device.index == data  # outputs allocated on the data's GPU
-    torch.cuda.synchronize(data)
+    out, lse = (torch.from_dlpack(t) for t in res[:2])
+    _check_values(c, _to_np(torch, out), _to_np(torch, lse))
 
 
 @pytest.mark.parametrize("current,data", SIDES)
@@ -75,10 +89,13 @@ def test_cupy_path_keeps_current_device(current, data):
     prev = cp.cuda.runtime.getDevice()
     try:
         cp.cuda.runtime.setDevice(current)
-        out, _ = flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, flash_mla.get_mla_metadata()[0])
+        out, lse = flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, flash_mla.get_mla_metadata()[0])
         assert cp.cuda.runtime.getDevice() == current
         assert out.device.id == data
         cp.cuda.Device(data).synchronize()
+        ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, False, None)
+        check_out("out", cp.asnumpy(out), ref_out, c.q.dtype)
+        check_lse("lse", cp.asnumpy(lse), ref_lse)
     finally:
         cp.cuda.runtime.setDevice(prev)
 
@@ -98,6 +115,7 @@ def test_jax_path_keeps_current_device(torch_2gpu, jax_gpu):
     if torch.cuda.current_device() != 0:
         pytest.skip("JAX itself leaves device 1 current after a plain jitted op on it")
     step = jax.jit(lambda *a: flash_mla.flash_mla_with_kvcache(*a, 512, flash_mla.get_mla_metadata()[0]))
-    out, _ = step(*args)
+    out, lse = step(*args)
     jax.block_until_ready(out)
     assert torch.cuda.current_device() == 0
+    _check_values(c, np.asarray(out), np.asarray(lse))
