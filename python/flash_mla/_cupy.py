@@ -39,6 +39,10 @@ def _scratch(cp: Any, sparse: bool, dev: int, b: int, s_q: int, h_q: int, h_kv: 
 
 
 def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softmax_scale: float, causal: bool):
+    """Dense decode of CuPy arrays (spec §2.2; arguments as flash_mla_with_kvcache's, q float16 or
+    bfloat16 bits). Returns CuPy ``out`` ``(b, s_q, h_q, head_dim_v)`` in q's dtype and ``lse``
+    ``(b, h_q, s_q)`` float32 (natural log), on q's device. Bad input raises the core's
+    ValueError / TypeError naming the argument (validated by dense_decode_fwd_dps)."""
     import cupy as cp
 
     dev = int(q.device.id)
