@@ -50,10 +50,12 @@
 #include "sm90/utils.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/host_utils.h"
+#include "sm90/seesaw.cuh"
 
 namespace flashmla::sm90::sparse_prefill::ss {
 
-constexpr int kSlabBytes = 64 * 128;
+using namespace seesaw;  // slab layout, wgmma chains, barrier wrappers
+
 constexpr int kTileBytes = 9 * kSlabBytes;
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
@@ -66,77 +68,12 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 constexpr int kThreadsProd = 384;
 
-__device__ __forceinline__ void bar_arrive(int id, int n) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// Arrival (release) of this thread.
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Arrival once all prior cp.async of this thread have completed (count not incremented).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
 // 16-byte cp.async with a 256-byte L2 prefetch hint (src-size 0 zero-fills, no read).
 __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (ok == 0);
-}
-
-__device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
-  return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-// S (+)= Q K^T over slabs [kSl, kEnd), fully unrolled (immediate descriptor offsets).
-template <int kSl, int kK>
-__device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db0) {
-  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
-  gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, (kSl | kK) != 0 ? 1 : 0>(s, da0, db0);
-  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1>(s, da0, db0);
-}
-template <int kSl, int kEnd>
-__device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0) {
-  s_step<kSl, 0>(s, da0, db0);
-  if constexpr (kSl + 1 < kEnd) s_chain<kSl + 1, kEnd>(s, da0, db0);
-}
-template <int kK = 0>
-__device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
-  gmma::mma_m64n256k16_rs_bf16<1, ((kK * 16 * 128) >> 4)>(o, a[kK], db0);
-  if constexpr (kK + 1 < 4) pv_rs_chain<kK + 1>(o, a, db0);
-}
-template <int kK = 0>
-__device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint64_t db0) {
-  gmma::mma_m64n256k16_off_bf16<1, ((kK * 32) >> 4), ((kK * 16 * 128) >> 4)>(o, da0, db0);
-  if constexpr (kK + 1 < 4) pv_ss_chain<kK + 1>(o, da0, db0);
-}
-
 // 16-byte chunks [kLo, kHi) of one slot row into a stage; thread half h2 copies chunks
 // kLo + h2, kLo + h2 + 2, ... (two threads cover one 32-byte sector per step).
 template <int kLo, int kHi, bool kProd = false>
@@ -161,39 +98,6 @@ __device__ __forceinline__ void gather_chunks_u16(uint8_t* dst, const __nv_bfloa
 #pragma unroll 1
   for (int c = kLo + h2; c < kHi; c += 2)
     *reinterpret_cast<uint4*>(dst + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
-}
-
-__device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
-  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[4 * i + 0] *= sc[0];
-      o[4 * i + 1] *= sc[0];
-      o[4 * i + 2] *= sc[1];
-      o[4 * i + 3] *= sc[1];
-    }
-  }
-}
-
-// Scale to base 2 and mask invalid slots (validity bytes of the stage) -> row maxima.
-__device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, float scale_log2, int tq,
-                                            float (&mx)[2]) {
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    const uint32_t vv = *reinterpret_cast<const uint16_t*>(vf + 8 * t + 2 * tq);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = (e & 1) ? (vv >> 8) != 0 : (vv & 0xFFu) != 0;
-      const float v = ok ? s[4 * t + e] * scale_log2 : -INFINITY;
-      s[4 * t + e] = v;
-      mx[e >> 1] = fmaxf(mx[e >> 1], v);
-    }
-  }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-  }
 }
 
 template <int kD, bool kProd, bool kWide = false, bool kHint = false>
