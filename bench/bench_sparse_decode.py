@@ -11,8 +11,9 @@ metadata being reused as across layers; the kernel-only rate is reported too. Th
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
 --ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
-(automatic choice: v2 for h_q <= 16, v1 above, src/sm90/sparse_decode.cu; or the one forced by
-FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2 when that is set): fields kernel_default, alt_kernel,
+(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v1 for 16 < h_q <= 32, v3 above; or
+the one forced by FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3 when that is set; the alternative is v1,
+or v2 where v1 is the default): fields kernel_default, alt_kernel,
 alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
 """
 
@@ -33,7 +34,7 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
-ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" force that main kernel (A/B column)
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v3" force that main kernel (A/B column)
 
 
 def default_kernel(h_q):
@@ -42,7 +43,9 @@ def default_kernel(h_q):
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced
-    return "v2" if h_q <= 16 else "v1"
+    if forced == "v3":
+        return "v3" if h_q > 32 else "v1"
+    return "v2" if h_q <= 16 else ("v3" if h_q > 32 else "v1")
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -152,7 +155,7 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     if ab:  # A/B in the same process on the same inputs: the other kernel through FLASHMLA_SPARSE_DECODE_KERNEL
         saved = os.environ.get(ENV)
         default = default_kernel(h_q)
-        other = "v1" if default == "v2" else "v2"
+        other = "v2" if default == "v1" else "v1"
         os.environ[ENV] = other
         try:
             ka = common.kernel_times_us(fn, [KERNEL, COMBINE], reps=10)[KERNEL]
@@ -184,7 +187,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", action="store_true", help=f"also time the other kernel ({ENV}=v1|v2) per case")
+    ap.add_argument("--ab", action="store_true", help=f"also time another kernel ({ENV}=v1|v2) per case")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
@@ -222,11 +225,10 @@ def main():
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases")
     if args.ab:
-        for alt in ("v1", "v2"):
-            sp = [c["speedup_alt_vs_default"] for c in cases if c["alt_kernel"] == alt]
-            if sp:
-                print(f"{alt} kernel speedup over the default ({'v2' if alt == 'v1' else 'v1'}): geomean "
-                      f"{gm(sp):.3f}, min {min(sp):.3f}, max {max(sp):.3f} over {len(sp)} cases")
+        for dflt, alt in {(c["kernel_default"], c["alt_kernel"]) for c in cases}:
+            sp = [c["speedup_alt_vs_default"] for c in cases if (c["kernel_default"], c["alt_kernel"]) == (dflt, alt)]
+            print(f"{alt} kernel speedup over the default ({dflt}): geomean "
+                  f"{gm(sp):.3f}, min {min(sp):.3f}, max {max(sp):.3f} over {len(sp)} cases")
 
 
 if __name__ == "__main__":
