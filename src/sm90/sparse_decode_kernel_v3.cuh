@@ -13,18 +13,24 @@
 //       WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L;  WG1: O_R += P0 V0_R
 //     then the request's epilogue (out + lse with the sink factor, or fp32 partials for the combine).
 //   * warpgroup 2 (producer, setmaxnreg kProdRegs): walks the same (request, block) sequence; per
-//     block it reads the 64 slot indices (8 threads per slot row, 4 rows per thread), and per
-//     stage part (stage 0: A = slabs 0-3, B = slabs 4-8; stage 1: A = slabs 0-3 + 8, B = 4-7, the
-//     same parts and release points as the prefill kernel) it
-//       1. loads the part's FP8 bytes and scales into registers (ld.global.nc, 16 B per thread and
-//          row: a warp instruction reads 4 whole 128-byte lines) and prefetches the part's RoPE
-//          bytes to L2 — all before waiting for the part to be free, so the loads fly during the wait;
+//     pair it writes a table of the 128 slots' record / scale addresses to shared memory (one slot
+//     per thread, producer barrier), and per stage part (stage 0: A = slabs 0-3, B = slabs 4-8;
+//     stage 1: A = slabs 0-3 + 8, B = 4-7, the same parts and release points as the prefill
+//     kernel; 8 threads per slot row, 4 rows per thread) it
+//       1. loads the first two rows' FP8 bytes and scales into registers (ld.global.nc, 16 B per
+//          thread and row: a warp instruction reads 4 whole 128-byte lines) and prefetches the
+//          other two rows and every row's RoPE bytes to L2, before waiting for the part to be free;
 //       2. waits until the consumers have released the part (its previous use), copies the RoPE
-//          bf16 bytes with cp.async, dequantizes the FP8 bytes exactly as v1 (fp8 -> f16 -> f32 ->
-//          bf16, times the tile scale in bf16) into the 128B-swizzled slabs, writes the slot
-//          validity bytes (part A);
+//          bf16 bytes with cp.async, dequantizes exactly as v1 (fp8 -> f16 -> f32 -> bf16, times
+//          the tile scale in bf16) into the 128B-swizzled slabs, then loads and dequantizes the
+//          other two rows; writes the slot validity bytes (part A);
 //       3. arrives on the part's full barrier (128 plain arrivals after a proxy fence + 128
 //          cp.async noinc arrivals for the RoPE copies).
+// Status (H200, session 4): correct on the full §5.2 grid, but 1.24x SLOWER than v1 in geomean
+// (bench/NOTES.md "sparse FP8 decode v3"): the producer warpgroup (40 registers next to consumers
+// of 232, one warp per SM sub-partition) is too slow at gathering + dequantizing; opt-in only
+// (FLASHMLA_SPARSE_DECODE_KERNEL=v3). A variant staging the FP8 bytes with cp.async in the part's
+// own slabs (commit c5d995b) was slower still (1.39x).
 // Invalid slots (past min(topk, topk_length), negative or >= num_blocks * page_block_size) are
 // zero-filled without a read and masked to -inf. Stage uses are counted per stage across
 // requests (a pair without a second block leaves stage 1 unused), both roles derive the same
@@ -63,10 +69,8 @@ constexpr int kSmemValid = 2 * kBlockN;
 constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
 // Producer's per-pair table of record / scale addresses: [pair parity][block of the pair][row], 0 = invalid.
 constexpr int kSmemAddr = 2 * 2 * 2 * 64 * 8;
-// Scales of each stage part's rows as copied from the cache: [stage][part][row] x 8 bytes.
-constexpr int kSmemScale = 2 * 2 * 64 * 8;
 constexpr int kSmemBytes =
-    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr + kSmemScale;
+    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5, kBarProducer = 6 };
@@ -103,15 +107,6 @@ struct PartMap {
   static constexpr bool kRope = F == Fmt::kV32 ? ((S == 0) == (PT == 1)) : (PT == 1);
   static constexpr int kRopeChunk0 = FC::kNope / 8;  // 64 or 56
   static constexpr int kRecBytes = F == Fmt::kV32 ? 656 : 576;
-  // FP8 16-byte units of the part (16 or 12) and how they are dequantized: the raw bytes land
-  // (cp.async, row pitch 256 B) in slabs kStage .. kStage + 1 of the part's own region; units
-  // [0, kN1) are converted first into slabs that do not overlap that staging area, units
-  // [kN1, kUnits) are read into registers, then (after a producer barrier) written over it.
-  static constexpr int kUnits = (PT == 0 ? 16 : kNopeUnits - 16);
-  static constexpr int kN1 = (F == Fmt::kModel1 && PT == 1) ? 4 : 8;
-  static constexpr int kStage = PT == 0 ? 2 : (F == Fmt::kV32 ? 6 : 5);
-  static_assert(kUnits - kN1 == 8, "phase 2: one unit per thread and row");
-  static_assert(2 * (16 * (PT == 0 ? 0 : 1) + kN1) <= 8 * kStage, "phase 1 targets below the staging area");
 };
 
 /// Byte address of the record (and, MODEL1, of the 8-byte scale record) of cache token `idx`
@@ -131,6 +126,54 @@ __device__ __forceinline__ void row_addr(const SparseScope& sc, int idx, uint64_
   }
 }
 
+/// FP8 data and scales of one half of a stage part (rows rg + 16 i, i = 2 half + {0, 1}).
+struct HalfRegs {
+  uint4 u0[2], u1[2];
+  uint2 sc[2];  // V32: 2 fp32 scales (tiles lo/8, lo/8 + 1); MODEL1: the 8-byte e8m0 record
+};
+
+/// Load one half of the part into registers; `rec` / `scl`: the block's address table (0 = invalid slot).
+template <Fmt F, int S, int PT>
+__device__ __forceinline__ void half_load(HalfRegs& r, const uint64_t* rec, const uint64_t* scl, int rg, int c8,
+                                          int half) {
+  using M = PartMap<F, S, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = rg + 16 * (2 * half + i);
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(rec[row]);
+    r.u0[i] = make_uint4(0u, 0u, 0u, 0u);
+    r.u1[i] = make_uint4(0u, 0u, 0u, 0u);
+    r.sc[i] = make_uint2(0u, 0u);
+    if (a != nullptr) {
+      r.u0[i] = ldg16(a + 16 * (M::kLo + c8));
+      if (has_u1) r.u1[i] = ldg16(a + 16 * (M::kLo + 8 + c8));
+      const uint8_t* sa = reinterpret_cast<const uint8_t*>(scl[row]);
+      if constexpr (F == Fmt::kV32) r.sc[i] = ldg8(sa + 4 * (M::kLo / 8));
+      else r.sc[i] = ldg8(sa);
+    }
+  }
+}
+
+/// L2 prefetch of what this thread will read of the part: the second half's FP8 bytes and
+/// scales (loaded into registers after the part is free) and every row's RoPE bytes (cp.async).
+template <Fmt F, int S, int PT>
+__device__ __forceinline__ void part_prefetch(const uint64_t* rec, const uint64_t* scl, int rg, int c8) {
+  using M = PartMap<F, S, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(rec[rg + 16 * i]);
+    if (a == nullptr) continue;
+    if (i >= 2) {
+      prefetch_l2(a + 16 * (M::kLo + c8));
+      if (has_u1) prefetch_l2(a + 16 * (M::kLo + 8 + c8));
+      if (c8 == 0) prefetch_l2(reinterpret_cast<const uint8_t*>(scl[rg + 16 * i]));
+    }
+    if constexpr (M::kRope) prefetch_l2(a + FmtCfg<F>::kRopeRaw + 16 * c8);
+  }
+}
+
 template <Fmt F>
 __device__ __forceinline__ __nv_bfloat162 unit_scale(uint2 sc, int tile_v32_k, int unit) {
   if constexpr (F == Fmt::kV32) {
@@ -145,69 +188,60 @@ __device__ __forceinline__ __nv_bfloat162 unit_scale(uint2 sc, int tile_v32_k, i
   }
 }
 
-/// Copy one stage part (its previous use released): the FP8 bytes of the part's units into the
-/// staging slabs, the row's scales into the part's scale slot, the RoPE bf16 bytes (if the part
-/// holds them) straight to their slab; invalid slots zero-filled without a read. One commit group.
+/// After the part is free: RoPE of its rows by cp.async (bf16, no conversion).
 template <Fmt F, int S, int PT>
-__device__ __forceinline__ void part_issue(const uint64_t* rec, const uint64_t* scl, int rg, int c8,
-                                           uint32_t sK_stage_u, uint32_t sScale_u, const uint8_t* dummy) {
+__device__ __forceinline__ void part_rope(const uint64_t* rec, int rg, int c8, uint32_t sK_stage_u) {
   using M = PartMap<F, S, PT>;
-  const uint32_t stg = sK_stage_u + M::kStage * kSlabBytes;
+  if constexpr (M::kRope) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = rg + 16 * i;
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(rec[row]);
-    const bool valid = a != nullptr;
-    const uint8_t* src = valid ? a : dummy;
-    cp_async_16(stg + row * 256 + 16 * c8, src + 16 * (M::kLo + c8), valid);
-    if (8 + c8 < M::kUnits) cp_async_16(stg + row * 256 + 16 * (8 + c8), src + 16 * (M::kLo + 8 + c8), valid);
-    if (c8 == 0) {
-      const uint8_t* ss = valid ? reinterpret_cast<const uint8_t*>(scl[row]) : dummy;
-      if constexpr (F == Fmt::kV32) cp_async_8(sScale_u + row * 8, ss + 4 * (M::kLo / 8), valid);
-      else cp_async_8(sScale_u + row * 8, ss, valid);
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(rec[rg + 16 * i]);
+      cp_async_16(sK_stage_u + slab_off(rg + 16 * i, M::kRopeChunk0 + c8),
+                  a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c8 : reinterpret_cast<const uint8_t*>(rec), a != nullptr);
     }
-    if constexpr (M::kRope)
-      cp_async_16(sK_stage_u + slab_off(row, M::kRopeChunk0 + c8), src + FmtCfg<F>::kRopeRaw + 16 * c8, valid);
   }
-  cp_async_commit();
 }
 
+/// Dequantize one half into the stage (spec §2.7, v1's dequant8) and write its validity bytes (part A).
 template <Fmt F, int S, int PT>
-__device__ __forceinline__ void unit_store(uint8_t* sK_stage, int row, int u, uint4 raw, uint2 sc) {
+__device__ __forceinline__ void half_store(const HalfRegs& r, const uint64_t* rec, int rg, int c8, int half,
+                                           uint8_t* sK_stage, uint8_t* sValid_stage) {
   using M = PartMap<F, S, PT>;
-  const int U = M::kLo + u;  // unit within the row
-  const __nv_bfloat162 s2 = unit_scale<F>(sc, u / 8, U);
-  *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * U)) = dequant8(make_uint2(raw.x, raw.y), s2);
-  *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * U + 1)) = dequant8(make_uint2(raw.z, raw.w), s2);
-}
-
-/// Finish a part whose copies were issued: wait for them (cp.async groups: kPending of this
-/// thread's later groups may stay in flight), dequantize (spec §2.7, v1's dequant8) in two phases
-/// around the staging area, write the validity bytes (part A), fence, arrive (128 producers).
-template <Fmt F, int S, int PT, int kPending>
-__device__ __forceinline__ void part_finish(const uint64_t* rec, int rg, int c8, uint8_t* sK_stage,
-                                            const uint8_t* sScale, uint8_t* sValid_stage, uint32_t bar_full) {
-  using M = PartMap<F, S, PT>;
-  const uint8_t* stg = sK_stage + M::kStage * kSlabBytes;
-  cp_async_wait<kPending>();
-  named_barrier_sync(kBarProducer, 128);  // every producer thread's copies of the part have landed
-  uint4 raw2[4];
-  uint2 sc[4];
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = rg + 16 * i;
-    sc[i] = *reinterpret_cast<const uint2*>(sScale + row * 8);
-    if (c8 < M::kN1) unit_store<F, S, PT>(sK_stage, row, c8, *reinterpret_cast<const uint4*>(stg + row * 256 + 16 * c8), sc[i]);
-    raw2[i] = *reinterpret_cast<const uint4*>(stg + row * 256 + 16 * (M::kN1 + c8));
-  }
-  named_barrier_sync(kBarProducer, 128);  // nobody reads the staging area any more
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int row = rg + 16 * i;
-    unit_store<F, S, PT>(sK_stage, row, M::kN1 + c8, raw2[i], sc[i]);
+  for (int i = 0; i < 2; ++i) {
+    const int row = rg + 16 * (2 * half + i);
+    const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
+    const __nv_bfloat162 sa = unit_scale<F>(r.sc[i], 0, ua);
+    *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * ua)) = dequant8(make_uint2(r.u0[i].x, r.u0[i].y), sa);
+    *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * ua + 1)) = dequant8(make_uint2(r.u0[i].z, r.u0[i].w), sa);
+    if (has_u1) {
+      const __nv_bfloat162 sb = unit_scale<F>(r.sc[i], 1, ub);
+      *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * ub)) = dequant8(make_uint2(r.u1[i].x, r.u1[i].y), sb);
+      *reinterpret_cast<uint4*>(sK_stage + slab_off(row, 2 * ub + 1)) =
+          dequant8(make_uint2(r.u1[i].z, r.u1[i].w), sb);
+    }
     if (PT == 0 && c8 == 0) sValid_stage[row] = rec[row] != 0 ? 1 : 0;
   }
-  fence_proxy_async_shared();  // generic-proxy writes -> visible to the consumers' wgmma (async proxy)
+}
+
+/// One stage part: first half into registers and the rest prefetched to L2 before waiting for
+/// the part to be free (use `use` > 0: the consumers' release of use - 1), then RoPE cp.async,
+/// dequant of both halves, proxy fence, arrivals (128 plain + 128 cp.async noinc).
+template <Fmt F, int S, int PT>
+__device__ __forceinline__ void fill_part(const uint64_t* rec, const uint64_t* scl, int rg, int c8, uint8_t* sK_stage,
+                                          uint32_t sK_stage_u, uint8_t* sValid_stage, uint32_t bar_full,
+                                          uint32_t bar_free, int use) {
+  HalfRegs r;
+  half_load<F, S, PT>(r, rec, scl, rg, c8, 0);
+  part_prefetch<F, S, PT>(rec, scl, rg, c8);
+  if (use > 0) mbar_wait(bar_free, static_cast<uint32_t>((use - 1) & 1));
+  part_rope<F, S, PT>(rec, rg, c8, sK_stage_u);
+  half_store<F, S, PT>(r, rec, rg, c8, 0, sK_stage, sValid_stage);
+  half_load<F, S, PT>(r, rec, scl, rg, c8, 1);
+  half_store<F, S, PT>(r, rec, rg, c8, 1, sK_stage, sValid_stage);
+  fence_proxy_async_shared();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
+  mbar_arrive_cp_async(bar_full);
   mbar_arrive(bar_full);
 }
 
@@ -232,7 +266,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 6 * 64);  // [stage][64]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   uint64_t* sAddr = reinterpret_cast<uint64_t*>(base + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar);
-  uint8_t* sScale = reinterpret_cast<uint8_t*>(sAddr) + kSmemAddr;  // [stage][part][64] x 8 B
   auto bar_full = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
   auto bar_free = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * stage + part); };
 
@@ -250,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 128);  // full: the 128 producer threads
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);  // full: 128 plain + 128 cp.async noinc
 #pragma unroll
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);  // free: one consumer warpgroup
     fence_barrier_init();
@@ -307,38 +340,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         }
         named_barrier_sync(kBarProducer, 128);  // the pair's table is complete (and the one of pair - 2 unused)
         const uint64_t *rec0 = tab, *rec1 = tab + 64, *scl0 = tab + 128, *scl1 = tab + 192;
-        // Parts in the order the consumers release them: s0A (WG0 after P0 V0_L), s1B (WG1 after
-        // P1 V1_R), s0B (WG1 after P0 V0_R), s1A (WG0 after P1 V1_L). Each part's copies are issued
-        // as soon as it is free and finished (dequantized) after the next part's copies are issued,
-        // so one part's loads are always in flight. Not across pairs: the pair's first part (s0A)
-        // is released only after the consumers used the previous pair's parts, so everything is
-        // finished before waiting for it (no cycle).
-        const uint8_t* dummy = p.main.cache;
-        uint8_t* sK1 = sK + kSmemK;
-        const uint32_t sK1_u = sK_u + kSmemK;
-        const uint32_t sScale_u = smem_u32(sScale);
-        auto wait_free = [&](int stage, int part, int use) {
-          if (use > 0) mbar_wait(bar_free(stage, part), static_cast<uint32_t>((use - 1) & 1));
-        };
-        wait_free(0, 0, u0);
-        part_issue<F, 0, 0>(rec0, scl0, rg, c8, sK_u, sScale_u + 0 * 512, dummy);
-        if (has1) {
-          wait_free(1, 1, u1);
-          part_issue<F, 1, 1>(rec1, scl1, rg, c8, sK1_u, sScale_u + 3 * 512, dummy);
-          part_finish<F, 0, 0, 1>(rec0, rg, c8, sK, sScale + 0 * 512, sValid, bar_full(0, 0));
-          wait_free(0, 1, u0);
-          part_issue<F, 0, 1>(rec0, scl0, rg, c8, sK_u, sScale_u + 1 * 512, dummy);
-          part_finish<F, 1, 1, 1>(rec1, rg, c8, sK1, sScale + 3 * 512, sValid + kBlockN, bar_full(1, 1));
-          wait_free(1, 0, u1);
-          part_issue<F, 1, 0>(rec1, scl1, rg, c8, sK1_u, sScale_u + 2 * 512, dummy);
-          part_finish<F, 0, 1, 1>(rec0, rg, c8, sK, sScale + 1 * 512, sValid, bar_full(0, 1));
-          part_finish<F, 1, 0, 0>(rec1, rg, c8, sK1, sScale + 2 * 512, sValid + kBlockN, bar_full(1, 0));
-        } else {
-          wait_free(0, 1, u0);
-          part_issue<F, 0, 1>(rec0, scl0, rg, c8, sK_u, sScale_u + 1 * 512, dummy);
-          part_finish<F, 0, 0, 1>(rec0, rg, c8, sK, sScale + 0 * 512, sValid, bar_full(0, 0));
-          part_finish<F, 0, 1, 0>(rec0, rg, c8, sK, sScale + 1 * 512, sValid, bar_full(0, 1));
-        }
+        // Order of release by the consumers: s0A (WG0 after P0 V0_L), s1B (WG1 after P1 V1_R),
+        // s0B (WG1 after P0 V0_R), s1A (WG0 after P1 V1_L).
+        fill_part<F, 0, 0>(rec0, scl0, rg, c8, sK, sK_u, sValid, bar_full(0, 0), bar_free(0, 0), u0);
+        if (has1)
+          fill_part<F, 1, 1>(rec1, scl1, rg, c8, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 1),
+                             bar_free(1, 1), u1);
+        fill_part<F, 0, 1>(rec0, scl0, rg, c8, sK, sK_u, sValid, bar_full(0, 1), bar_free(0, 1), u0);
+        if (has1)
+          fill_part<F, 1, 0>(rec1, scl1, rg, c8, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 0),
+                             bar_free(1, 0), u1);
         ++u0;
         if (has1) ++u1;
       }
