@@ -52,17 +52,24 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   float4 acc[J];
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int k = 0; k < n; ++k) {  // unrolled: several splits' loads in flight
-    const float w = exp2f(la[k * split_stride] - lse2);
-    const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + k * split_stride) * 512);
+  // Splits in chunks of 32: lane k computes split c + k's weight once, the loop takes it with a
+  // shuffle, so the partials' loads do not wait for a per-split lse load and up to 16 / J of them
+  // are in flight per lane (b = 1 has ~33 splits per row: one memory latency per 4 splits before).
+  for (int c = 0; c < n; c += 32) {
+    const int m = min(32, n - c);
+    const float w_lane = lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) : 0.f;
+    const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + c * split_stride) * 512);
+#pragma unroll (16 / J)
+    for (int k = 0; k < m; ++k) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, k);
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
-      const float4 v = o[f4 + 32 * j];
-      acc[j].x += w * v.x;
-      acc[j].y += w * v.y;
-      acc[j].z += w * v.z;
-      acc[j].w += w * v.w;
+      for (int j = 0; j < J; ++j) {
+        const float4 v = o[k * split_stride * 128 + f4 + 32 * j];
+        acc[j].x += w * v.x;
+        acc[j].y += w * v.y;
+        acc[j].z += w * v.z;
+        acc[j].w += w * v.w;
+      }
     }
   }
   T* out = static_cast<T*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;

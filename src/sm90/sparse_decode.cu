@@ -63,17 +63,22 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Sparse
 #pragma unroll
   for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!empty) {
-#pragma unroll 4
-    for (int k = 0; k < n; ++k) {  // unrolled: several splits' loads in flight
-      const float w = exp2f(la[k * split_stride] - lse2) * factor;
-      const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + k * split_stride) * 512);
+    // Splits in chunks of 32, each lane computing one split's weight (as the dense combine).
+    for (int c = 0; c < n; c += 32) {
+      const int m = min(32, n - c);
+      const float w_lane = lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) * factor : 0.f;
+      const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + c * split_stride) * 512);
+#pragma unroll (16 / J)
+      for (int k = 0; k < m; ++k) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, k);
 #pragma unroll
-      for (int j = 0; j < J; ++j) {
-        const float4 v = o[f4 + 32 * j];
-        acc[j].x += w * v.x;
-        acc[j].y += w * v.y;
-        acc[j].z += w * v.z;
-        acc[j].w += w * v.w;
+        for (int j = 0; j < J; ++j) {
+          const float4 v = o[k * split_stride * 128 + f4 + 32 * j];
+          acc[j].x += w * v.x;
+          acc[j].y += w * v.y;
+          acc[j].z += w * v.z;
+          acc[j].w += w * v.w;
+        }
       }
     }
   }
