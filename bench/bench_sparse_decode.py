@@ -12,7 +12,8 @@ are filled with random valid FP8 bytes and power-of-two scales directly on the G
 (values do not affect the speed; the GPU tests check correctness).
 --ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
 (automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v1 above; or the one forced by
-FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2 when that is set; the alternative is the other of the two): fields kernel_default, alt_kernel,
+FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3 when that is set; the alternative is v1, or v2 where v1 is
+the default): fields kernel_default, alt_kernel,
 alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
 """
 
@@ -33,7 +34,7 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
-ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" force that main kernel (A/B column)
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v3" force that main kernel (A/B column)
 
 
 def default_kernel(h_q):
@@ -42,6 +43,8 @@ def default_kernel(h_q):
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced
+    if forced == "v3":  # opt-in (h_q > 32); v1 below
+        return "v3" if h_q > 32 else "v1"
     return "v2" if h_q <= 16 else "v1"
 BS = [2, 64, 74, 128, 148, 256]
 

@@ -175,6 +175,7 @@ int sparse_decode_kernel_version(int64_t h_q) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
   if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
   if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
+  if (env != nullptr && std::strcmp(env, "v3") == 0) return 3;
   return h_q <= 16 ? 2 : 1;
 }
 
