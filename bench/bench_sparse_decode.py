@@ -11,7 +11,7 @@ metadata being reused as across layers; the kernel-only rate is reported too. Th
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
 --ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
-(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v1 above; or the one forced by
+(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v3 for h_q > 32, v1 between; or the one forced by
 FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3 when that is set; the alternative is v1, or v2 where v1 is
 the default): fields kernel_default, alt_kernel,
 alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
@@ -43,9 +43,9 @@ def default_kernel(h_q):
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced
-    if forced == "v3":  # opt-in (h_q > 32); v1 below
+    if forced == "v3":  # h_q > 32 only; v1 below
         return "v3" if h_q > 32 else "v1"
-    return "v2" if h_q <= 16 else "v1"
+    return "v2" if h_q <= 16 else ("v3" if h_q > 32 else "v1")
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)

@@ -5,32 +5,32 @@
 // CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
 // num_sm_parts) as v1; it walks the (request, 64-slot block) range of its partition, a
 // request's blocks being its main top-k blocks then its extra-cache blocks (one joint softmax,
-// block counts as the scheduler's spec §4.2 work). 384 threads:
+// block counts as the scheduler's spec §4.2 work). 512 threads:
 //   * warpgroups 0 and 1 (consumers, setmaxnreg kConsRegs): per request, load Q (64 x d_qk)
 //     into shared memory, then two 64-slot blocks per step exactly as the prefill seesaw:
 //       WG0: S0 = Q K0^T; m0, scale0, P0 (registers); O_L = O_L*scale0 + P0 V0_L
 //       WG1: S1 = Q K1^T; m1 = max(m0, .), scale1; O_R = O_R*scale0*scale1 + P1 V1_R; P1 -> smem
 //       WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L;  WG1: O_R += P0 V0_R
-//     then the request's epilogue (out + lse with the sink factor, or fp32 partials for the combine).
-//   * warpgroup 2 (producer, setmaxnreg kProdRegs): walks the same (request, block) sequence; per
-//     pair it writes a table of the 128 slots' record / scale addresses to shared memory (one slot
-//     per thread, producer barrier), and per stage part (stage 0: A = slabs 0-3, B = slabs 4-8;
-//     stage 1: A = slabs 0-3 + 8, B = 4-7, the same parts and release points as the prefill
-//     kernel; 8 threads per slot row, 4 rows per thread) it
-//       1. loads the first two rows' FP8 bytes and scales into registers (ld.global.nc, 16 B per
-//          thread and row: a warp instruction reads 4 whole 128-byte lines) and prefetches the
-//          other two rows and every row's RoPE bytes to L2, before waiting for the part to be free;
+//     (P.V as pairs of m64n128k16: at 512 threads the launch bound is 128 registers, below the 158
+//     an m64n256 instruction needs), then the request's epilogue (out + lse with the sink factor,
+//     or fp32 partials for the combine).
+//   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): walk the same (request, block)
+//     sequence; per pair the first 128 producer threads write a table of the 128 slots' record /
+//     scale addresses to shared memory (producer barrier); per stage part (stage 0: A = slabs 0-3,
+//     B = slabs 4-8; stage 1: A = slabs 0-3 + 8, B = 4-7, the prefill kernel's parts and release
+//     points; 8 threads per slot row, each producer warpgroup two of the four 16-row groups) a
+//     thread
+//       1. loads its two rows' FP8 bytes and scales into registers (ld.global.nc, 16 B per thread
+//          and row: a warp instruction reads 4 whole 128-byte lines) before waiting for the part;
 //       2. waits until the consumers have released the part (its previous use), copies the RoPE
 //          bf16 bytes with cp.async, dequantizes exactly as v1 (fp8 -> f16 -> f32 -> bf16, times
-//          the tile scale in bf16) into the 128B-swizzled slabs, then loads and dequantizes the
-//          other two rows; writes the slot validity bytes (part A);
-//       3. arrives on the part's full barrier (128 plain arrivals after a proxy fence + 128
+//          the tile scale in bf16) into the 128B-swizzled slabs, writes the slot validity bytes
+//          (part A);
+//       3. arrives on the part's full barrier (256 plain arrivals after a proxy fence + 256
 //          cp.async noinc arrivals for the RoPE copies).
-// Status (H200, session 4): correct on the full §5.2 grid, but 1.24x SLOWER than v1 in geomean
-// (bench/NOTES.md "sparse FP8 decode v3"): the producer warpgroup (40 registers next to consumers
-// of 232, one warp per SM sub-partition) is too slow at gathering + dequantizing; opt-in only
-// (FLASHMLA_SPARSE_DECODE_KERNEL=v3). A variant staging the FP8 bytes with cp.async in the part's
-// own slabs (commit c5d995b) was slower still (1.39x).
+// The producers are bound by the dequant's dependent instruction chains, not by memory: one
+// producer warpgroup (session 4's first version) made v3 1.24x slower than v1; two make it 1.07x
+// faster (bench/NOTES.md "sparse FP8 decode v3").
 // Invalid slots (past min(topk, topk_length), negative or >= num_blocks * page_block_size) are
 // zero-filled without a read and masked to -inf. Stage uses are counted per stage across
 // requests (a pair without a second block leaves stage 1 unused), both roles derive the same
