@@ -43,6 +43,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "sm90/host_utils.h"
 #include "sm90/seesaw.cuh"
@@ -226,7 +227,108 @@ __device__ __forceinline__ void fill_part(const uint64_t* rec, const uint64_t* s
   mbar_arrive(bar_full);
 }
 
-template <Fmt F>
+// ---- 2-CTA cluster variant (h_q a multiple of 128): the two head-tile CTAs of a (token,
+// partition) see the same blocks; each dequantizes half of every block's rows (rows of 16-row
+// groups 2 rank, 2 rank + 1) into its own and its peer's slabs (st.shared::cluster), copies all
+// RoPE rows itself, and arrives on both CTAs' full barriers; consumers release a part on both
+// CTAs' free barriers, so a producer refills a part only when both CTAs' consumers are done.
+namespace cl {
+__device__ __forceinline__ uint32_t rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// Shared::cluster address of the same shared-memory offset in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st16(uint32_t addr, uint4 v) {
+  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ void st8(uint32_t addr, uint16_t v) {
+  asm volatile("st.shared::cluster.u8 [%0], %1;\n" ::"r"(addr), "h"(v) : "memory");
+}
+/// Arrival (release at cluster scope) on an mbarrier of the peer CTA.
+__device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+/// Wait (acquire at cluster scope: sees the peer's writes released by its arrivals).
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (ok == 0);
+}
+/// All threads of both CTAs (barrier.cluster, aligned).
+__device__ __forceinline__ void sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+}  // namespace cl
+
+/// Cluster variant of fill_part: this thread's one row (rg + 16 (2 rank + half)) into both CTAs,
+/// RoPE of two rows (rg + 16 (2 half + i)) into this CTA only. `r_*`: the peer's addresses.
+template <Fmt F, int S, int PT>
+__device__ __forceinline__ void fill_part_cluster(const uint64_t* rec, const uint64_t* scl, int rg, int c8, int half,
+                                                  int rank, uint8_t* sK_stage, uint32_t sK_stage_u,
+                                                  uint32_t r_sK_stage, uint8_t* sValid_stage,
+                                                  uint32_t r_sValid_stage, uint32_t bar_full, uint32_t r_bar_full,
+                                                  uint32_t bar_free, int use) {
+  using M = PartMap<F, S, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+  const int row = rg + 16 * (2 * rank + half);
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec[row]);
+  uint4 u0 = make_uint4(0u, 0u, 0u, 0u), u1 = make_uint4(0u, 0u, 0u, 0u);
+  uint2 sc = make_uint2(0u, 0u);
+  if (a != nullptr) {
+    u0 = ldg16(a + 16 * (M::kLo + c8));
+    if (has_u1) u1 = ldg16(a + 16 * (M::kLo + 8 + c8));
+    const uint8_t* sa = reinterpret_cast<const uint8_t*>(scl[row]);
+    if constexpr (F == Fmt::kV32) sc = ldg8(sa + 4 * (M::kLo / 8));
+    else sc = ldg8(sa);
+  }
+  if (use > 0) cl::wait(bar_free, static_cast<uint32_t>((use - 1) & 1));
+  part_rope<F, S, PT>(rec, rg, c8, half, sK_stage_u);
+  const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
+  {
+    const __nv_bfloat162 s2 = unit_scale<F>(sc, 0, ua);
+    const uint4 x0 = dequant8(make_uint2(u0.x, u0.y), s2), x1 = dequant8(make_uint2(u0.z, u0.w), s2);
+    const uint32_t o0 = slab_off(row, 2 * ua), o1 = slab_off(row, 2 * ua + 1);
+    *reinterpret_cast<uint4*>(sK_stage + o0) = x0;
+    *reinterpret_cast<uint4*>(sK_stage + o1) = x1;
+    cl::st16(r_sK_stage + o0, x0);
+    cl::st16(r_sK_stage + o1, x1);
+  }
+  if (has_u1) {
+    const __nv_bfloat162 s2 = unit_scale<F>(sc, 1, ub);
+    const uint4 x0 = dequant8(make_uint2(u1.x, u1.y), s2), x1 = dequant8(make_uint2(u1.z, u1.w), s2);
+    const uint32_t o0 = slab_off(row, 2 * ub), o1 = slab_off(row, 2 * ub + 1);
+    *reinterpret_cast<uint4*>(sK_stage + o0) = x0;
+    *reinterpret_cast<uint4*>(sK_stage + o1) = x1;
+    cl::st16(r_sK_stage + o0, x0);
+    cl::st16(r_sK_stage + o1, x1);
+  }
+  if (PT == 0 && c8 == 0) {
+    const uint16_t v = a != nullptr ? 1 : 0;
+    sValid_stage[row] = static_cast<uint8_t>(v);
+    cl::st8(r_sValid_stage + row, v);
+  }
+  fence_proxy_async_shared();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
+  mbar_arrive_cp_async(bar_full);
+  mbar_arrive(bar_full);
+  cl::arrive_remote(r_bar_full);
+}
+
+template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v3(const SparseDecodeKernelParams p) {
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
@@ -263,13 +365,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (begin_req >= p.b) return;
 
   if (tid == 0) {
+    // full: 256 plain + 256 cp.async noinc arrivals (+ 256 from the peer's producers in a cluster);
+    // free: one consumer warpgroup (+ the peer's).
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 2 * kProducers);  // full: 256 plain + 256 cp.async noinc
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, (kCluster ? 3 : 2) * kProducers);
 #pragma unroll
-    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);  // free: one consumer warpgroup
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, kCluster ? 256 : 128);
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
+  else __syncthreads();
+  const uint32_t peer = kCluster ? (cl::rank() ^ 1u) : 0u;
+  const uint32_t r_bar_u = kCluster ? cl::mapa(bar_u, peer) : 0u;  // the peer's barriers
 
   struct ReqInfo {
     int n_main, blk_lo, n_blk, lim_main, lim_extra;
@@ -325,24 +432,52 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const uint64_t *rec0 = tab, *rec1 = tab + 64, *scl0 = tab + 128, *scl1 = tab + 192;
         // Order of release by the consumers: s0A (WG0 after P0 V0_L), s1B (WG1 after P1 V1_R),
         // s0B (WG1 after P0 V0_R), s1A (WG0 after P1 V1_L).
-        fill_part<F, 0, 0>(rec0, scl0, rg, c8, half, sK, sK_u, sValid, bar_full(0, 0), bar_free(0, 0), u0);
-        if (has1)
-          fill_part<F, 1, 1>(rec1, scl1, rg, c8, half, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 1),
-                             bar_free(1, 1), u1);
-        fill_part<F, 0, 1>(rec0, scl0, rg, c8, half, sK, sK_u, sValid, bar_full(0, 1), bar_free(0, 1), u0);
-        if (has1)
-          fill_part<F, 1, 0>(rec1, scl1, rg, c8, half, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 0),
-                             bar_free(1, 0), u1);
+        if constexpr (kCluster) {
+          const int rank = static_cast<int>(peer ^ 1u);
+          const uint32_t rK = cl::mapa(sK_u, peer), rV = cl::mapa(smem_u32(sValid), peer);
+          fill_part_cluster<F, 0, 0>(rec0, scl0, rg, c8, half, rank, sK, sK_u, rK, sValid, rV, bar_full(0, 0),
+                                     r_bar_u + 8 * 0, bar_free(0, 0), u0);
+          if (has1)
+            fill_part_cluster<F, 1, 1>(rec1, scl1, rg, c8, half, rank, sK + kSmemK, sK_u + kSmemK, rK + kSmemK,
+                                       sValid + kBlockN, rV + kBlockN, bar_full(1, 1), r_bar_u + 8 * 3,
+                                       bar_free(1, 1), u1);
+          fill_part_cluster<F, 0, 1>(rec0, scl0, rg, c8, half, rank, sK, sK_u, rK, sValid, rV, bar_full(0, 1),
+                                     r_bar_u + 8 * 1, bar_free(0, 1), u0);
+          if (has1)
+            fill_part_cluster<F, 1, 0>(rec1, scl1, rg, c8, half, rank, sK + kSmemK, sK_u + kSmemK, rK + kSmemK,
+                                       sValid + kBlockN, rV + kBlockN, bar_full(1, 0), r_bar_u + 8 * 2,
+                                       bar_free(1, 0), u1);
+        } else {
+          fill_part<F, 0, 0>(rec0, scl0, rg, c8, half, sK, sK_u, sValid, bar_full(0, 0), bar_free(0, 0), u0);
+          if (has1)
+            fill_part<F, 1, 1>(rec1, scl1, rg, c8, half, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 1),
+                               bar_free(1, 1), u1);
+          fill_part<F, 0, 1>(rec0, scl0, rg, c8, half, sK, sK_u, sValid, bar_full(0, 1), bar_free(0, 1), u0);
+          if (has1)
+            fill_part<F, 1, 0>(rec1, scl1, rg, c8, half, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 0),
+                               bar_free(1, 0), u1);
+        }
         ++u0;
         if (has1) ++u1;
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
     return;
   }
 
   // ============================ consumer warpgroups ============================
   setmaxnreg_inc<kConsRegs>();
+  auto full_wait = [&](uint32_t bar, uint32_t parity) {
+    if constexpr (kCluster) cl::wait(bar, parity);  // also the peer producers' writes
+    else mbar_wait(bar, parity);
+  };
+  // Release a stage part: this CTA's free barrier and, in a cluster, the peer's (whose producer
+  // writes half of this part's rows here).
+  auto release = [&](int stage, int part) {
+    mbar_arrive(bar_free(stage, part));
+    if constexpr (kCluster) cl::arrive_remote(r_bar_u + 8u * static_cast<uint32_t>(4 + 2 * stage + part));
+  };
   int row_local[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
@@ -401,11 +536,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::reg_fence(s);
         {
           const uint64_t db = gmma::make_desc_sw128(sK_u, 16, 1024);
-          mbar_wait(bar_full(0, 0), ph0);
+          full_wait(bar_full(0, 0), ph0);
           gmma::fence_proxy_async();
           gmma::fence();
           s_chain<0, 4>(s, dq, db);
-          mbar_wait(bar_full(0, 1), ph0);
+          full_wait(bar_full(0, 1), ph0);
           gmma::fence_proxy_async();
           gmma::fence();
           s_chain<4, kSlabs>(s, dq, db);
@@ -471,13 +606,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free(0, 0));  // stage 0 slabs 0-3 are free
+        release(0, 0);  // stage 0 slabs 0-3 are free
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
         scale_o(o, sc1);
         named_barrier_sync(kBarP1, kConsumers);
         if (has1) {
-          mbar_wait(bar_full(1, 0), ph1);  // completed (WG1 waited for it); orders the producer's writes
+          full_wait(bar_full(1, 0), ph1);  // completed (WG1 waited for it); orders the producer's writes
           gmma::fence_proxy_async();
           gmma::reg_fence(o);
           gmma::fence();
@@ -486,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(o);
-          mbar_arrive(bar_free(1, 0));  // stage 1 slabs 0-3 and 8 are free
+          release(1, 0);  // stage 1 slabs 0-3 and 8 are free
         }
       } else {
         // ---------------- warpgroup 1: block 2j+1 (stage 1), O[:, 256:512]
@@ -497,11 +632,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::reg_fence(s);
           {
             const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
-            mbar_wait(bar_full(1, 0), ph1);
+            full_wait(bar_full(1, 0), ph1);
             gmma::fence_proxy_async();
             gmma::fence();
             s_chain<0, 4>(s, dq, db);
-            mbar_wait(bar_full(1, 1), ph1);
+            full_wait(bar_full(1, 1), ph1);
             gmma::fence_proxy_async();
             gmma::fence();
             s_chain<4, kSlabs>(s, dq, db);
@@ -562,7 +697,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::commit();
         }
         named_barrier_sync(kBarP0, kConsumers);
-        mbar_wait(bar_full(0, 1), ph0);  // completed (WG0 waited for it); orders the producer's writes
+        full_wait(bar_full(0, 1), ph0);  // completed (WG0 waited for it); orders the producer's writes
         gmma::fence_proxy_async();
         gmma::fence();
         pv_ss_chain_n128(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
@@ -570,11 +705,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::commit();
         if (has1) {
           gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
-          mbar_arrive(bar_free(1, 1));
+          release(1, 1);
         }
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free(0, 1));  // stage 0 slabs 4-8 are free
+        release(0, 1);  // stage 0 slabs 4-8 are free
       }
       ++u0;
       if (has1) ++u1;
@@ -628,6 +763,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     }
   }
+  if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
 }
 
 /// v3 serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; v1 / v2 the rest.
@@ -635,22 +771,84 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.h_q > 32 && kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
-template <Fmt F>
-cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v3<F>;
-  // The setmaxnreg split needs the launch's register pool (compiled registers x 384) to cover it;
+template <Fmt F, bool kCluster>
+cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v3<F, kCluster>;
+  // The setmaxnreg split needs the launch's register pool (compiled registers x 512) to cover it;
   // with fewer, setmaxnreg.inc would wait forever. Refuse instead.
   static const int regs = [] {
     cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v3<F>) == cudaSuccess ? a.numRegs : 0;
+    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v3<F, kCluster>) == cudaSuccess
+               ? a.numRegs
+               : 0;
   }();
   if (regs * kThreads < kProducers * kProdRegs + kConsumers * kConsRegs) return cudaErrorInvalidConfiguration;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
-  return cudaGetLastError();
+  if constexpr (!kCluster) {
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, kp);
+  }
+}
+
+/// Clusters of 2 CTAs that the current device keeps resident at once (0 if unknown), per kernel.
+template <Fmt F>
+int max_active_clusters() {
+  static int cache[64] = {};
+  static bool done[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (!done[dev]) {
+    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v3<F, true>;
+    int n = 0;
+    if (set_max_dynamic_smem(kernel, kSmemBytes) == cudaSuccess) {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(2, 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
+      cfg.dynamicSmemBytes = kSmemBytes;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 2;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+    (void)cudaGetLastError();
+    cache[dev] = n;
+    done[dev] = true;
+  }
+  return cache[dev];
+}
+
+/// The 2-CTA cluster variant when the head tiles pair up (h_q a multiple of 128 rows of tiles) and
+/// the device keeps every cluster of the grid resident at once (else a second wave would cost more
+/// than the shared dequant saves); FLASHMLA_SPARSE_DECODE_CLUSTER=0 (read per call) turns it off.
+template <Fmt F>
+cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER");
+  const bool off = env != nullptr && env[0] == '0';
+  const int64_t clusters = static_cast<int64_t>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
+  if (!off && kp.num_head_tiles % 2 == 0 && clusters <= max_active_clusters<F>())
+    return launch_k<F, true>(kp, num_sm_parts, stream);
+  return launch_k<F, false>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90::sparse::v3
