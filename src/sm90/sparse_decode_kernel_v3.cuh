@@ -30,7 +30,8 @@
 //          cp.async noinc arrivals for the RoPE copies).
 // The producers are bound by the dequant's dependent instruction chains, not by memory: one
 // producer warpgroup (session 4's first version) made v3 1.24x slower than v1; two make it 1.07x
-// faster (bench/NOTES.md "sparse FP8 decode v3").
+// faster (bench/NOTES.md "sparse FP8 decode v3"). An opt-in 2-CTA cluster variant (below,
+// FLASHMLA_SPARSE_DECODE_CLUSTER=1) shares each block's dequant between the two head-tile CTAs.
 // Invalid slots (past min(topk, topk_length), negative or >= num_blocks * page_block_size) are
 // zero-filled without a read and masked to -inf. Stage uses are counted per stage across
 // requests (a pair without a second block leaves stage 1 unused), both roles derive the same
@@ -838,15 +839,17 @@ int max_active_clusters() {
   return cache[dev];
 }
 
-/// The 2-CTA cluster variant when the head tiles pair up (h_q a multiple of 128 rows of tiles) and
-/// the device keeps every cluster of the grid resident at once (else a second wave would cost more
-/// than the shared dequant saves); FLASHMLA_SPARSE_DECODE_CLUSTER=0 (read per call) turns it off.
+/// The 2-CTA cluster variant is opt-in (FLASHMLA_SPARSE_DECODE_CLUSTER=1, read per call): on the
+/// H200 it was 1.09-1.11x faster than the plain v3 for MODEL1 (d_qk 512) with 128 heads but
+/// 0.93x for V3.2 (d_qk 576), and only 59 pytest cases + 54% of the §5.2 grid ran with it
+/// (bench/NOTES.md "sparse FP8 decode v3"). It needs paired head tiles and every cluster of the
+/// grid resident at once (else a second wave would cost more than the shared dequant saves).
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER");
-  const bool off = env != nullptr && env[0] == '0';
+  const bool on = env != nullptr && env[0] == '1';
   const int64_t clusters = static_cast<int64_t>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
-  if (!off && kp.num_head_tiles % 2 == 0 && clusters <= max_active_clusters<F>())
+  if (on && kp.num_head_tiles % 2 == 0 && clusters <= max_active_clusters<F>())
     return launch_k<F, true>(kp, num_sm_parts, stream);
   return launch_k<F, false>(kp, num_sm_parts, stream);
 }
