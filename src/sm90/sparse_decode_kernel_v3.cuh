@@ -58,7 +58,7 @@ using namespace seesaw;
 constexpr int kThreads = 512;
 constexpr int kConsumers = 256;
 constexpr int kProducers = 256;  // two producer warpgroups, two of the four row groups each
-// setmaxnreg moves registers inside the CTA's pool: 384 threads x 168 = 64512 (see v2).
+// setmaxnreg moves registers inside the CTA's pool: 512 threads x 128 = 65536 (see v2's note).
 constexpr int kLaunchRegs = 128;
 constexpr int kProdRegs = 40;
 constexpr int kConsRegs = 216;
@@ -89,9 +89,6 @@ __device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
   uint2 v;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
-}
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
 }
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -129,7 +126,7 @@ __device__ __forceinline__ void row_addr(const SparseScope& sc, int idx, uint64_
   }
 }
 
-/// FP8 data and scales of one half of a stage part (rows rg + 16 i, i = 2 half + {0, 1}).
+/// FP8 data and scales of one producer warpgroup's share of a stage part (rows rg + 16 i, i = 2 half + {0, 1}).
 struct HalfRegs {
   uint4 u0[2], u1[2];
   uint2 sc[2];  // V32: 2 fp32 scales (tiles lo/8, lo/8 + 1); MODEL1: the 8-byte e8m0 record
