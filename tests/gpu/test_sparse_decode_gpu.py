@@ -207,6 +207,25 @@ def test_correctness_grid(c):
     check_case(case)
 
 
+# The kernel choice is by shape (src/sm90/sparse_decode.cu: v3 for h_q > 32); the other kernels stay
+# reachable through environment switches read on every call, and each must stay correct: v1 forced on
+# the 64/128-head cases (it still serves 16 < h_q <= 32 and unaligned caches), and v3's opt-in 2-CTA
+# cluster variant (FLASHMLA_SPARSE_DECODE_CLUSTER=1; used where the head tiles pair up, h_q = 128).
+WIDE = [c for c in CORRECTNESS if c[1] > 32]
+
+
+@pytest.mark.parametrize("c", WIDE, ids=[_cid(c) for c in WIDE])
+@pytest.mark.parametrize("env", [{"FLASHMLA_SPARSE_DECODE_KERNEL": "v1"}, {"FLASHMLA_SPARSE_DECODE_CLUSTER": "1"}],
+                         ids=["v1-forced", "v3-cluster"])
+def test_other_kernels_on_wide_heads(c, env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    d, h, b, s_q, m, e, tl, etl, vl = c
+    case = Case(zlib.crc32(_cid(c).encode()) % 100000 + 7, b=b, s_q=s_q, h_q=h, d_qk=d, main=m, extra=e,
+                topk_len=tl, extra_topk_len=etl, varlen=vl)
+    check_case(case)
+
+
 # ----------------------------------------------------------------------------- §5.2 corner subset
 CORNER_FLAGS = [(True, False, True), (False, True, True), (True, True, False), (False, True, False),
                 (True, False, False)]  # (all_invalid, zero_seqlen, sink)
