@@ -1,5 +1,5 @@
-// src/sm90/sparse_prefill_kernel_v2.cuh — sparse MLA prefill v2 for 64-row head tiles:
-// dense-decode v4's "seesaw" schedule (spec §7.1, §7.3) fed by the cp.async gather of v1.
+// src/sm90/sparse_prefill_kernel_v2.cuh — sparse MLA prefill "v3w" for 64-row head tiles:
+// dense-decode v4's "seesaw" schedule (spec §7.1, §7.3) fed by a producer warpgroup's cp.async gather.
 //
 // Same semantics as v1 (sparse_prefill_kernel.cuh: slot validity, zero-filled invalid rows
 // that are never read, topk_length, sink, max_logits / lse conventions, grid x = s_q *
@@ -10,34 +10,26 @@
 //   WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
 //   WG1: O_R += P0 V0_R (P0 from smem)
 // P0 / P1 live in slab 8 of their stage (the RoPE dims of d576, free once S is done).
-// Gather: each stage is split in two parts, each completing on its own mbarrier:
-//   stage 0 part A = slabs 0-3, gathered by WG0 right after its P0 V0_L;
-//   stage 0 part B = slabs 4-8, gathered by WG1 after its P0 V0_R;
-//   stage 1 part A = slabs 0-3 and 8, gathered by WG0 after its P1 V1_L;
-//   stage 1 part B = slabs 4-7, gathered by WG1 after its P1 V1_R.
-// Two threads per slot (row), 16-byte cp.async whose completion arrives on the part's
-// mbarrier (cp.async.mbarrier.arrive.noinc), plus one ordinary (release) arrival per
-// thread that publishes the slot-validity bytes written by the part-A gatherers. Every
-// barrier completes once per processed pair, so the wait parity is the pair's parity.
-// Consumers wait on the barrier and issue fence.proxy.async before their wgmma reads
-// (cp.async writes are generic-proxy writes).
-// v2 requires 16-byte aligned q rows and kv rows.
-//
-// kProd = true (v3): a third, producer warpgroup does every gather (FlashMLA's sm90 layout,
-// spec §7.3): 384 threads, setmaxnreg 240 for the two consumer warpgroups and 24 for the
-// producer; the consumers arrive on a "free" mbarrier per stage part (count 128) where v2
-// gathers, the producer waits on it and gathers the part of the next pair (order s0A, s1B,
-// s0B, s1A = the order in which they are freed), 16-byte cp.async with the L2::256B
-// prefetch hint. Unaligned q / kv rows are handled too (2-byte loads and st.shared,
-// published by the same release arrival), so results do not depend on alignment.
-// kWide (v3w, the automatic kernel): the producer maps 8 threads to a gathered row, so one warp
-// instruction copies 4 whole 128-byte lines (v3: 2 threads per row, 16 rows x 32 B); 1.04x over
-// v3, 1.11x over v1 on the H200 (bench/NOTES.md "sparse prefill v3w").
-// Only kProd + kWide (v3w) is dispatched (src/sm90/sparse_prefill.cu); the kProd = false (v2) and
-// kWide = false (v3) paths stay as the steps that led to it but are not instantiated.
-// kHint must be false: the L2 evict_last variant of the producer's KV gathers was removed after its
-// H200 A/B showed no gain (bench/NOTES.md "sparse prefill v4p"); the parameter remains only because
-// `launch` below still names it (drop both together).
+// Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/sparse_prefill.cu): a third,
+// producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384 threads, setmaxnreg
+// 232 for the two consumer warpgroups and 40 for the producer. Each stage is split in two parts,
+// each completing on its own mbarrier (count 256: 128 cp.async.mbarrier.arrive.noinc arrivals for
+// the copies + 128 release arrivals that publish the slot-validity bytes):
+//   stage 0 part A = slabs 0-3 (freed by WG0 after its P0 V0_L);
+//   stage 0 part B = slabs 4-8 (freed by WG1 after its P0 V0_R);
+//   stage 1 part A = slabs 0-3 and 8 (freed by WG0 after its P1 V1_L);
+//   stage 1 part B = slabs 4-7 (freed by WG1 after its P1 V1_R).
+// The consumers arrive on a "free" mbarrier per stage part (count 128) when the next pair needs it;
+// the producer waits on it and gathers the part of the next pair (order s0A, s1B, s0B, s1A = the
+// order in which they are freed), 8 threads per gathered row so one warp instruction copies 4 whole
+// 128-byte lines, 16-byte cp.async with the L2::256B prefetch hint. Every barrier completes once per
+// processed pair, so the wait parity is the pair's parity. Consumers wait on the barrier and issue
+// fence.proxy.async before their wgmma reads (cp.async writes are generic-proxy writes). Unaligned
+// q / kv rows are handled too (2-byte loads and st.shared, published by the same release arrival),
+// so results do not depend on alignment. 1.11x the v1 kernel on the H200 (bench/NOTES.md "sparse
+// prefill v3w"). The steps that led here (v2: the consumer warpgroups gathering; v3: 2 producer
+// threads per row; an L2 evict_last hint) were removed after their H200 A/B runs (source at
+// commit 2bac17c).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -74,16 +66,6 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
-// 16-byte chunks [kLo, kHi) of one slot row into a stage; thread half h2 copies chunks
-// kLo + h2, kLo + h2 + 2, ... (two threads cover one 32-byte sector per step).
-template <int kLo, int kHi, bool kProd = false>
-__device__ __forceinline__ void gather_chunks(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int h2) {
-#pragma unroll 4
-  for (int c = kLo + h2; c < kHi; c += 2) {
-    if constexpr (kProd) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
-    else cp_async_16(dst + slab_off(row, c), src + c * 8, valid);
-  }
-}
 // Producer "wide" mapping: 8 threads per row, so one warp instruction copies 4 whole 128-byte
 // slab rows; thread (rg = t / 8, c8 = t % 8) copies rows rg + 16 i (i < 4), chunks kLo + c8 + 8 k.
 template <int kLo, int kHi>
@@ -91,19 +73,8 @@ __device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat1
 #pragma unroll
   for (int c = kLo + c8; c < kHi; c += 8) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
 }
-// Same with 2-byte loads and st.shared (kv rows not 16-byte aligned).
-template <int kLo, int kHi>
-__device__ __forceinline__ void gather_chunks_u16(uint8_t* dst, const __nv_bfloat16* src, bool valid, int row,
-                                                  int h2) {
-#pragma unroll 1
-  for (int c = kLo + h2; c < kHi; c += 2)
-    *reinterpret_cast<uint4*>(dst + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
-}
-
-template <int kD, bool kProd, bool kWide = false, bool kHint = false>
-__global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
-    sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
-  static_assert(!kHint, "the L2-hint variant was removed (see the header comment)");
+template <int kD>
+__global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -130,7 +101,6 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
   const int gq = lane / 4, tq = lane % 4;
-  const int g_row = t_wg >> 1, g_h2 = t_wg & 1;  // gather: slot row and thread half
 
   int row_local[2];
 #pragma unroll
@@ -140,35 +110,7 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
   const int n_blk = (lim + kBlockN - 1) / kBlockN;
   const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
 
-  // Gather of part `part` of block `blk` into `stage` by this warpgroup (idx = this thread's slot index).
-  auto gather = [&](int stage, int part, int idx) {
-    const bool valid = idx >= 0 && idx < p.s_kv;
-    const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx) * p.kv_stride_s : kvb;
-    const uint32_t dst = sK_u + stage * kSmemK;
-    if (!kProd || p.kv_vec) {
-      if (part == 0) {
-        gather_chunks<0, 32, kProd>(dst, src, valid, g_row, g_h2);
-        if (stage == 1) gather_chunks<64, kChunks, kProd>(dst, src, valid, g_row, g_h2);
-      } else {
-        if (stage == 0) gather_chunks<32, kChunks, kProd>(dst, src, valid, g_row, g_h2);
-        else gather_chunks<32, 64, kProd>(dst, src, valid, g_row, g_h2);
-      }
-    } else {
-      uint8_t* dsts = sK + stage * kSmemK;
-      if (part == 0) {
-        gather_chunks_u16<0, 32>(dsts, src, valid, g_row, g_h2);
-        if (stage == 1) gather_chunks_u16<64, kChunks>(dsts, src, valid, g_row, g_h2);
-      } else {
-        if (stage == 0) gather_chunks_u16<32, kChunks>(dsts, src, valid, g_row, g_h2);
-        else gather_chunks_u16<32, 64>(dsts, src, valid, g_row, g_h2);
-      }
-    }
-    if (part == 0 && g_h2 == 0) sValid[stage * kBlockN + g_row] = valid ? 1 : 0;
-    mbar_arrive_cp_async(bar(stage, part));
-    mbar_arrive(bar(stage, part));
-  };
-
-  // Wide producer mapping (kWide): 4 rows per thread, 8 threads per row.
+  // Producer mapping: 4 rows per thread, 8 threads per row.
   const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
   auto gather_w = [&](int stage, int part, const int (&idx)[4]) {
     const uint32_t dst = sK_u + stage * kSmemK;
@@ -207,9 +149,6 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
       idx[i] = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
   };
 
-  // Index of this thread's gather row in block `blk` (-1 past the row's blocks; no int overflow).
-  auto idx_of = [&](int blk) { return blk < n_blk ? fetch_index(p, sq, blk * kBlockN + g_row, lim) : -1; };
-
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
@@ -217,77 +156,44 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
     fence_barrier_init();
   }
-  // Slot indices of this thread's gather row for the next pair (read one pair ahead).
-  int idx0 = -1, idx1 = -1;
-  if constexpr (kProd) {
-    __syncthreads();  // barriers initialised
-    if (wg == 2) {
-      // ================= producer warpgroup: every gather
-      setmaxnreg_dec<40>();
-      if (kWide && n_blk > 0) {
-        int ia[4], ib[4];
-        idx_w(0, ia);
-        idx_w(1, ib);
+  __syncthreads();  // barriers initialised
+  if (wg == 2) {
+    // ================= producer warpgroup: every gather
+    setmaxnreg_dec<40>();
+    if (n_blk > 0) {
+      int ia[4], ib[4];
+      idx_w(0, ia);
+      idx_w(1, ib);
+      gather_w(0, 0, ia);
+      gather_w(0, 1, ia);
+      if (n_blk > 1) {
+        gather_w(1, 0, ib);
+        gather_w(1, 1, ib);
+      }
+#pragma unroll 1
+      for (int j = 1; 2 * j < n_blk; ++j) {
+        const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+        const bool has1 = 2 * j + 1 < n_blk;
+        idx_w(2 * j, ia);
+        idx_w(2 * j + 1, ib);
+        mbar_wait(bar_free(0, 0), fph);
         gather_w(0, 0, ia);
-        gather_w(0, 1, ia);
-        if (n_blk > 1) {
-          gather_w(1, 0, ib);
+        if (has1) {
+          mbar_wait(bar_free(1, 1), fph);
           gather_w(1, 1, ib);
         }
-#pragma unroll 1
-        for (int j = 1; 2 * j < n_blk; ++j) {
-          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
-          const bool has1 = 2 * j + 1 < n_blk;
-          idx_w(2 * j, ia);
-          idx_w(2 * j + 1, ib);
-          mbar_wait(bar_free(0, 0), fph);
-          gather_w(0, 0, ia);
-          if (has1) {
-            mbar_wait(bar_free(1, 1), fph);
-            gather_w(1, 1, ib);
-          }
-          mbar_wait(bar_free(0, 1), fph);
-          gather_w(0, 1, ia);
-          if (has1) {
-            mbar_wait(bar_free(1, 0), fph);
-            gather_w(1, 0, ib);
-          }
+        mbar_wait(bar_free(0, 1), fph);
+        gather_w(0, 1, ia);
+        if (has1) {
+          mbar_wait(bar_free(1, 0), fph);
+          gather_w(1, 0, ib);
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
-      } else if (n_blk > 0) {
-        idx0 = idx_of(0);
-        idx1 = idx_of(1);
-        gather(0, 0, idx0);
-        gather(0, 1, idx0);
-        if (n_blk > 1) {
-          gather(1, 0, idx1);
-          gather(1, 1, idx1);
-        }
-#pragma unroll 1
-        for (int j = 1; 2 * j < n_blk; ++j) {
-          const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
-          const bool has1 = 2 * j + 1 < n_blk;
-          idx0 = idx_of(2 * j);
-          idx1 = idx_of(2 * j + 1);
-          mbar_wait(bar_free(0, 0), fph);
-          gather(0, 0, idx0);
-          if (has1) {
-            mbar_wait(bar_free(1, 1), fph);
-            gather(1, 1, idx1);
-          }
-          mbar_wait(bar_free(0, 1), fph);
-          gather(0, 1, idx0);
-          if (has1) {
-            mbar_wait(bar_free(1, 0), fph);
-            gather(1, 0, idx1);
-          }
-        }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");
       }
-      return;
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
     }
-    setmaxnreg_inc<232>();
+    return;
   }
+  setmaxnreg_inc<232>();
   if (n_blk > 0) {
     const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
     for (int id = tid; id < 64 * kChunks; id += kThreads) {
@@ -296,29 +202,15 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
       const bool valid = h < p.h_q;
       const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
                                        : static_cast<const __nv_bfloat16*>(p.q);
-      if (!kProd || p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
+      if (p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
       else *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
     }
     cp_async_commit();
-    if constexpr (!kProd) {
-      idx0 = idx_of(0);
-      idx1 = idx_of(1);
-    }
-  }
-  if constexpr (!kProd) {
-    __syncthreads();  // barriers initialised
-    if (n_blk > 0) {
-      gather(0, wg, idx0);
-      if (n_blk > 1) gather(1, wg, idx1);
-      idx0 = idx_of(2);
-      idx1 = idx_of(3);
-    }
   }
   if (n_blk > 0) {
     cp_async_wait<0>();
     gmma::fence_proxy_async();
-    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
-    else __syncthreads();  // Q in shared memory, visible to wgmma
+    named_barrier_sync(kBarConsumers, kThreads);  // Q in shared memory, visible to wgmma
   }
 
   float o[128];
@@ -410,12 +302,7 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
       gmma::wait<0>();
       gmma::reg_fence(o);
       if (nxt0) {  // stage 0 slabs 0-3 are free: gather part A of block 2j+2
-        if constexpr (kProd) {
-          mbar_arrive(bar_free(0, 0));
-        } else {
-          gather(0, 0, idx0);
-          idx0 = idx_of(2 * j + 4);
-        }
+        mbar_arrive(bar_free(0, 0));
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
@@ -432,12 +319,7 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(o);
         if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
-          if constexpr (kProd) {
-            mbar_arrive(bar_free(1, 0));
-          } else {
-            gather(1, 0, idx1);
-            idx1 = idx_of(2 * j + 5);
-          }
+          mbar_arrive(bar_free(1, 0));
         }
       }
     } else {
@@ -522,22 +404,12 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
       gmma::commit();
       if (nxt1) {
         gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
-        if constexpr (kProd) {
-          mbar_arrive(bar_free(1, 1));
-        } else {
-          gather(1, 1, idx1);
-          idx1 = idx_of(2 * j + 5);
-        }
+        mbar_arrive(bar_free(1, 1));
       }
       gmma::wait<0>();
       gmma::reg_fence(o);
       if (nxt0) {  // stage 0 slabs 4-8 are free
-        if constexpr (kProd) {
-          mbar_arrive(bar_free(0, 1));
-        } else {
-          gather(0, 1, idx0);
-          idx0 = idx_of(2 * j + 4);
-        }
+        mbar_arrive(bar_free(0, 1));
       }
     }
   }
@@ -553,8 +425,7 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
       if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
-    if constexpr (kProd) named_barrier_sync(kBarConsumers, kThreads);
-    else __syncthreads();
+    named_barrier_sync(kBarConsumers, kThreads);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
   }
@@ -588,13 +459,13 @@ __global__ void __launch_bounds__(kProd ? kThreadsProd : kThreads, 1)
   }
 }
 
-template <int kD, bool kProd, bool kWide = false, bool kHint = false>
+template <int kD>
 cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
-  auto kernel = sparse_attn_fwd_seesaw_kernel<kD, kProd, kWide, kHint>;
+  auto kernel = sparse_attn_fwd_seesaw_kernel<kD>;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
-  kernel<<<grid, kProd ? kThreadsProd : kThreads, kSmemBytes, stream>>>(kp);
+  kernel<<<grid, kThreadsProd, kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
 }
 
