@@ -18,6 +18,7 @@
 
 #include "sm90/sparse_decode_kernel.cuh"
 #include "sm90/host_utils.h"
+#include "sm90/seesaw.cuh"
 
 namespace flashmla::sm90::sparse {
 
@@ -33,45 +34,6 @@ constexpr int kProdRegs = 88;
 constexpr int kConsRegs = 208;
 static_assert(128 * kProdRegs + 256 * kConsRegs <= kThreads * kLaunchRegs, "register pool of the CTA");
 constexpr int kBarConsumers = 5;  // named barrier of the 256 consumer threads (1..4: row groups)
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok = 0;
-  while (!ok) {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
-}
-template <int N>
-__device__ __forceinline__ void reg_dealloc() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void reg_alloc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 template <int R>
 struct Cfg2 {
@@ -126,11 +88,11 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
   if (begin_req >= p.b) return;
 
   if (tid == 0) {
-    ws::mbar_init(bar_full, 128);
-    ws::mbar_init(bar_full + 8, 128);
-    ws::mbar_init(bar_empty, ws::kConsumers);
-    ws::mbar_init(bar_empty + 8, ws::kConsumers);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    seesaw::mbar_init(bar_full, 128);
+    seesaw::mbar_init(bar_full + 8, 128);
+    seesaw::mbar_init(bar_empty, ws::kConsumers);
+    seesaw::mbar_init(bar_empty + 8, ws::kConsumers);
+    seesaw::fence_barrier_init();
   }
   __syncthreads();
 
@@ -154,7 +116,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
 
   if (tid >= ws::kConsumers) {
     // ======================= producer warpgroup =======================
-    if constexpr (R > 1) ws::reg_dealloc<ws::kProdRegs>();  // 16-row tiles fit the launch's 168
+    if constexpr (R > 1) seesaw::setmaxnreg_dec<ws::kProdRegs>();  // 16-row tiles fit the launch's 168
     const int ptid = tid - ws::kConsumers;
     const int tok = ptid >> 1, hf = ptid & 1;
     int kc = 0;  // blocks produced so far (buffer kc & 1, phase (kc >> 1) & 1)
@@ -198,20 +160,20 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
         for (int k = 0; k < 4; ++k) rope[k] = make_uint4(0u, 0u, 0u, 0u);
         if (valid) {
           if constexpr (F == Fmt::kV32) {
-            scl = ws::ldg16(rec + FC::kScaleRaw);
+            scl = ldg16(rec + FC::kScaleRaw);
           } else {
-            const uint2 s8 = ws::ldg8(block_base + static_cast<int64_t>(pbs) * 576 + row * 8);
+            const uint2 s8 = ldg8(block_base + static_cast<int64_t>(pbs) * 576 + row * 8);
             scl.x = s8.x;
             scl.y = s8.y;
           }
 #pragma unroll
-          for (int k = 0; k < PER_THR; ++k) raw[k] = ws::ldg16(rec + (2 * k + hf) * 16);
+          for (int k = 0; k < PER_THR; ++k) raw[k] = ldg16(rec + (2 * k + hf) * 16);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) rope[k] = ws::ldg16(rec + FC::kRopeRaw + (2 * k + hf) * 16);
+          for (int k = 0; k < 4; ++k) rope[k] = ldg16(rec + FC::kRopeRaw + (2 * k + hf) * 16);
         }
 
         const int buf = kc & 1;
-        ws::mbar_wait(bar_empty + 8 * buf, ((kc >> 1) & 1) ^ 1);
+        seesaw::mbar_wait(bar_empty + 8 * buf, ((kc >> 1) & 1) ^ 1);
         // Swizzled destinations (swz): unit u = 4k + 2hf + e has (u ^ x) = 8 (k >> 1) + ((4 (k & 1) + 2hf + e) ^ x),
         // x = tok & 7, so four row offsets plus immediates cover all stores (no hoisted per-k addresses).
         uint8_t* dK = sK + buf * C2::kSmemK + tok * kRowBytes;
@@ -242,14 +204,14 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
         for (int k = 0; k < 4; ++k)
           *reinterpret_cast<uint4*>(dK + NOPE_UNITS * 16 + (((2 * k + hf) ^ x7) << 4)) = rope[k];
         if (hf == 0) sValid[buf * kBlockN + tok] = valid ? 1 : 0;
-        ws::mbar_arrive(bar_full + 8 * buf);
+        seesaw::mbar_arrive(bar_full + 8 * buf);
       }
     }
     return;
   }
 
   // ======================= consumer warpgroups (v1's compute) =======================
-  if constexpr (R > 1) ws::reg_alloc<ws::kConsRegs>();
+  if constexpr (R > 1) seesaw::setmaxnreg_inc<ws::kConsRegs>();
   const int warp = tid / 32, lane = tid % 32;
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
@@ -303,7 +265,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
 
     for (int i = 0; i < n_blk; ++i, ++kc) {
       const int buf = kc & 1;
-      ws::mbar_wait(bar_full + 8 * buf, (kc >> 1) & 1);
+      seesaw::mbar_wait(bar_full + 8 * buf, (kc >> 1) & 1);
       const uint32_t sKb_u = sK_u + buf * C2::kSmemK;
       const uint8_t* sValidCur = sValid + buf * kBlockN;
 
@@ -437,7 +399,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
           }
         }
       }
-      ws::mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
+      seesaw::mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
     }
 
     // ---- epilogue (v1's): total row sum across the row group's warps

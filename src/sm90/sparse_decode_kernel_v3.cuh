@@ -78,21 +78,6 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5, kBarProducer = 6 };
 
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 /// Where stage part (S, PT) gets its data, per format. FP8 16-byte units u (16 dims, bf16 chunks
 /// 2u and 2u + 1): part A units 0-15, part B units 16..kNope/16 - 1. Each thread of a row (c8 =
@@ -220,7 +205,7 @@ __device__ __forceinline__ void fill_part(const uint64_t* rec, const uint64_t* s
   if (use > 0) mbar_wait(bar_free, static_cast<uint32_t>((use - 1) & 1));
   part_rope<F, S, PT>(rec, rg, c8, half, sK_stage_u);
   half_store<F, S, PT>(r, rec, rg, c8, half, sK_stage, sValid_stage);
-  fence_proxy_async_shared();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
+  gmma::fence_proxy_async();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
   mbar_arrive_cp_async(bar_full);
   mbar_arrive(bar_full);
 }
@@ -320,7 +305,7 @@ __device__ __forceinline__ void fill_part_cluster(const uint64_t* rec, const uin
     sValid_stage[row] = static_cast<uint8_t>(v);
     cl::st8(r_sValid_stage + row, v);
   }
-  fence_proxy_async_shared();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
+  gmma::fence_proxy_async();  // generic-proxy stores -> visible to the consumers' wgmma (async proxy)
   mbar_arrive_cp_async(bar_full);
   mbar_arrive(bar_full);
   cl::arrive_remote(r_bar_full);
