@@ -35,6 +35,7 @@ import flash_mla  # noqa: E402
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
 ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v3" force that main kernel (A/B column)
+CLUSTER_ENV = "FLASHMLA_SPARSE_DECODE_CLUSTER"  # "1" / "0": the 2-CTA cluster variant of v3 on / off
 
 
 def default_kernel(h_q):
@@ -152,18 +153,23 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     ct = t[COMBINE] if not math.isnan(t[COMBINE]) else 0.0
     tt = kt + ct
     alt = {}
-    if ab:  # A/B in the same process on the same inputs: the other kernel through FLASHMLA_SPARSE_DECODE_KERNEL
-        saved = os.environ.get(ENV)
+    if ab:  # A/B in the same process on the same inputs: the other kernel through an environment switch
         default = default_kernel(h_q)
-        other = "v2" if default == "v1" else "v1"
-        os.environ[ENV] = other
+        if ab == "cluster":  # the 2-CTA cluster variant of v3 against the plain v3 (or whatever is default)
+            env, other = CLUSTER_ENV, "v3-cluster"
+            value = "1"
+        else:
+            env, other = ENV, ("v2" if default == "v1" else "v1")
+            value = other
+        saved = os.environ.get(env)
+        os.environ[env] = value
         try:
             ka = common.kernel_times_us(fn, [KERNEL, COMBINE], reps=10)[KERNEL]
         finally:
             if saved is None:
-                os.environ.pop(ENV, None)
+                os.environ.pop(env, None)
             else:
-                os.environ[ENV] = saved
+                os.environ[env] = saved
         alt = {"kernel_default": default, "alt_kernel": other, "alt_kernel_us": ka,
                "alt_tflops_kernel_only": flop / ka / 1e6, "speedup_alt_vs_default": kt / ka}
     case = {
@@ -187,7 +193,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", action="store_true", help=f"also time another kernel ({ENV}=v1|v2) per case")
+    ap.add_argument("--ab", action="store_const", const="kernel", help=f"also time another kernel ({ENV}=v1|v2) per case")
+    ap.add_argument("--ab-cluster", dest="ab", action="store_const", const="cluster",
+                    help=f"also time the other side of {CLUSTER_ENV} per case (A/B of the cluster variant)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()

@@ -385,41 +385,74 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     const int t = tid - kConsumers;
     const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;  // rows rg + 16 (2 half + i), i < 2
     const int a_blk = (t >> 6) & 1, a_row = t & 63;  // address table entry (threads t < 128)
-    int u0 = 0, u1 = 0;                 // fills of stage 0 / stage 1 so far
-    int pair = 0;                       // pairs so far (address table parity)
-    for (int req = begin_req; req <= end_req; ++req) {
-      const ReqInfo ri = req_info(req);
-      for (int j = 0; 2 * j < ri.n_blk; ++j, ++pair) {
-        const bool has1 = 2 * j + 1 < ri.n_blk;
-        uint64_t* tab = sAddr + (pair & 1) * 256;  // [rec / scale][block][row]
-        {
-          // This thread's slot: block a_blk of the pair, row a_row -> record and scale addresses.
-          const int blk = ri.blk_lo + 2 * j + a_blk;
-          uint64_t rec = 0, scl = 0;
-          if (t < 128 && (a_blk == 0 || has1)) {
-            const bool is_extra = p.has_extra && blk >= ri.n_main;
-            const SparseScope& sc = is_extra ? p.extra : p.main;
-            const int lim = is_extra ? ri.lim_extra : ri.lim_main;
-            const int64_t slot = static_cast<int64_t>(is_extra ? blk - ri.n_main : blk) * kBlockN + a_row;
-            if (slot < lim) {
-              const int v = __ldg(sc.indices + (req * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
-              if (v >= 0 && v < sc.num_tokens) row_addr<F>(sc, v, rec, scl);
-            }
-          }
-          if (t < 128) {
-            tab[a_blk * 64 + a_row] = rec;
-            tab[128 + a_blk * 64 + a_row] = scl;
-          }
+    int u0 = 0, u1 = 0;  // fills of stage 0 / stage 1 so far
+    // Look-ahead over the pairs: (nreq, nj) is the next pair whose address table is written, one
+    // pair ahead of the fills, so its index loads and its records' L2 prefetch overlap the current
+    // pair's dequant (the fills of a pair otherwise start with a dependent index -> record load chain).
+    int nreq = begin_req, nj = 0;
+    ReqInfo nri = req_info(begin_req);
+    auto skip_empty = [&]() {  // advance (nreq, nj) to the next existing pair, nreq > end_req at the end
+      while (nreq <= end_req && 2 * nj >= nri.n_blk) {
+        ++nreq;
+        nj = 0;
+        if (nreq <= end_req) nri = req_info(nreq);
+      }
+    };
+    // This thread's slot of pair (nreq, nj) (threads t < 128: block a_blk, row a_row): its cache
+    // index, -1 if invalid or absent.
+    auto load_index = [&]() {
+      int v = -1;
+      const int blk = nri.blk_lo + 2 * nj + a_blk;
+      if (t < 128 && 2 * nj + a_blk < nri.n_blk) {
+        const bool is_extra = p.has_extra && blk >= nri.n_main;
+        const SparseScope& sc = is_extra ? p.extra : p.main;
+        const int lim = is_extra ? nri.lim_extra : nri.lim_main;
+        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + a_row;
+        if (slot < lim) {
+          v = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
+          if (v >= sc.num_tokens) v = -1;
         }
-        named_barrier_sync(kBarProducer, kProducers);  // the pair's table is complete (and the one of pair - 2 unused)
+      }
+      return v;
+    };
+    // Write the table entry of index v (from load_index) into table `parity`, prefetch its record to L2.
+    auto write_entry = [&](int v, int parity) {
+      if (t < 128) {
+        uint64_t rec = 0, scl = 0;
+        if (v >= 0) {
+          const bool is_extra = p.has_extra && nri.blk_lo + 2 * nj + a_blk >= nri.n_main;
+          row_addr<F>(is_extra ? p.extra : p.main, v, rec, scl);
+          prefetch_l2_bulk(reinterpret_cast<const void*>(rec), PartMap<F, 0, 0>::kRecBytes);
+          if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(scl));
+        }
+        uint64_t* tab = sAddr + parity * 256;  // [rec / scale][block][row]
+        tab[a_blk * 64 + a_row] = rec;
+        tab[128 + a_blk * 64 + a_row] = scl;
+      }
+    };
+    skip_empty();
+    if (nreq <= end_req) {
+      bool has1 = 2 * nj + 1 < nri.n_blk;
+      write_entry(load_index(), 0);
+      named_barrier_sync(kBarProducer, kProducers);  // the first pair's table is complete
+      for (int pair = 0;; ++pair) {
+        ++nj;
+        skip_empty();
+        const bool more = nreq <= end_req;
+        const bool has1_next = more && 2 * nj + 1 < nri.n_blk;
+        const int v_next = more ? load_index() : -1;
+        const uint64_t* tab = sAddr + (pair & 1) * 256;
         const uint64_t *rec0 = tab, *rec1 = tab + 64, *scl0 = tab + 128, *scl1 = tab + 192;
         // Order of release by the consumers: s0A (WG0 after P0 V0_L), s1B (WG1 after P1 V1_R),
-        // s0B (WG1 after P0 V0_R), s1A (WG0 after P1 V1_L).
+        // s0B (WG1 after P0 V0_R), s1A (WG0 after P1 V1_L). The next pair's table (the slot of
+        // pair - 1, whose fills every producer finished before this pair's barrier) is written
+        // after the first part.
         if constexpr (kCluster) {
           const int rank = static_cast<int>(peer ^ 1u);
           const uint32_t rK = cl::mapa(sK_u, peer), rV = cl::mapa(smem_u32(sValid), peer);
           fill_part_cluster<F, 0, 0>(rec0, scl0, rg, c8, half, rank, sK, sK_u, rK, sValid, rV, bar_full(0, 0),
                                      r_bar_u + 8 * 0, bar_free(0, 0), u0);
+          if (more) write_entry(v_next, (pair + 1) & 1);
           if (has1)
             fill_part_cluster<F, 1, 1>(rec1, scl1, rg, c8, half, rank, sK + kSmemK, sK_u + kSmemK, rK + kSmemK,
                                        sValid + kBlockN, rV + kBlockN, bar_full(1, 1), r_bar_u + 8 * 3,
@@ -432,6 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                                        bar_free(1, 0), u1);
         } else {
           fill_part<F, 0, 0>(rec0, scl0, rg, c8, half, sK, sK_u, sValid, bar_full(0, 0), bar_free(0, 0), u0);
+          if (more) write_entry(v_next, (pair + 1) & 1);
           if (has1)
             fill_part<F, 1, 1>(rec1, scl1, rg, c8, half, sK + kSmemK, sK_u + kSmemK, sValid + kBlockN, bar_full(1, 1),
                                bar_free(1, 1), u1);
@@ -442,6 +476,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         }
         ++u0;
         if (has1) ++u1;
+        if (!more) break;
+        named_barrier_sync(kBarProducer, kProducers);  // the next pair's table is complete
+        has1 = has1_next;
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
