@@ -155,9 +155,9 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     alt = {}
     if ab:  # A/B in the same process on the same inputs: the other kernel through an environment switch
         default = default_kernel(h_q)
-        if ab == "cluster":  # the 2-CTA cluster variant of v3 against the plain v3 (or whatever is default)
-            env, other = CLUSTER_ENV, "v3-cluster"
-            value = "1"
+        if ab == "cluster":  # v3's 2-CTA cluster variant against the plain v3, whichever is not automatic
+            auto_cluster = default == "v3" and d_qk == 512 and h_q % 128 == 0  # mirrors sparse::v3::launch
+            env, other, value = CLUSTER_ENV, ("v3-plain" if auto_cluster else "v3-cluster"), ("0" if auto_cluster else "1")
         else:
             env, other = ENV, ("v2" if default == "v1" else "v1")
             value = other

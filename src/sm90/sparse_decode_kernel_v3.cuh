@@ -30,8 +30,9 @@
 //          cp.async noinc arrivals for the RoPE copies).
 // The producers are bound by the dequant's dependent instruction chains, not by memory: one
 // producer warpgroup (session 4's first version) made v3 1.24x slower than v1; two make it 1.07x
-// faster (bench/NOTES.md "sparse FP8 decode v3"). An opt-in 2-CTA cluster variant (below,
-// FLASHMLA_SPARSE_DECODE_CLUSTER=1) shares each block's dequant between the two head-tile CTAs.
+// faster (bench/NOTES.md "sparse FP8 decode v3"). A 2-CTA cluster variant (below; automatic for
+// MODEL1 with 128 heads, FLASHMLA_SPARSE_DECODE_CLUSTER=0/1 overrides) shares each block's dequant
+// between the two head-tile CTAs.
 // Invalid slots (past min(topk, topk_length), negative or >= num_blocks * page_block_size) are
 // zero-filled without a read and masked to -inf. Stage uses are counted per stage across
 // requests (a pair without a second block leaves stage 1 unused), both roles derive the same
@@ -858,15 +859,16 @@ int max_active_clusters() {
   return cache[dev];
 }
 
-/// The 2-CTA cluster variant is opt-in (FLASHMLA_SPARSE_DECODE_CLUSTER=1, read per call): on the
-/// H200 it was 1.09-1.11x faster than the plain v3 for MODEL1 (d_qk 512) with 128 heads but
-/// 0.93x for V3.2 (d_qk 576), and only 59 pytest cases + 54% of the §5.2 grid ran with it
-/// (bench/NOTES.md "sparse FP8 decode v3"). It needs paired head tiles and every cluster of the
-/// grid resident at once (else a second wave would cost more than the shared dequant saves).
+/// The 2-CTA cluster variant is automatic for MODEL1 (d_qk 512) with paired head tiles (h_q 128):
+/// on the H200 it is 1.08-1.10x faster than the plain v3 there, but 0.92-0.93x for V3.2 (d_qk 576),
+/// whose records add 4 scales and a RoPE part each CTA still copies whole (bench/NOTES.md "sparse
+/// FP8 decode v3"; the full §5.2 grid passed with it forced, session 5). FLASHMLA_SPARSE_DECODE_CLUSTER
+/// (read per call) overrides: "1" on wherever the head tiles pair up, "0" off. It also needs every
+/// cluster of the grid resident at once (else a second wave would cost more than the shared dequant saves).
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER");
-  const bool on = env != nullptr && env[0] == '1';
+  const bool on = env != nullptr && (env[0] == '0' || env[0] == '1') ? env[0] == '1' : F == Fmt::kModel1;
   const int64_t clusters = static_cast<int64_t>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
   if (on && kp.num_head_tiles % 2 == 0 && clusters <= max_active_clusters<F>())
     return launch_k<F, true>(kp, num_sm_parts, stream);
