@@ -44,8 +44,8 @@ def default_kernel(h_q):
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced
-    if forced == "v3":  # h_q > 32 only; v1 below
-        return "v3" if h_q > 32 else "v1"
+    if forced in ("v3", "v4"):  # h_q > 32 only; v1 below
+        return forced if h_q > 32 else "v1"
     return "v2" if h_q <= 16 else ("v3" if h_q > 32 else "v1")
 BS = [2, 64, 74, 128, 148, 256]
 
@@ -158,6 +158,9 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
         if ab == "cluster":  # v3's 2-CTA cluster variant against the plain v3, whichever is not automatic
             auto_cluster = default == "v3" and d_qk == 512 and h_q % 128 == 0  # mirrors sparse::v3::launch
             env, other, value = CLUSTER_ENV, ("v3-plain" if auto_cluster else "v3-cluster"), ("0" if auto_cluster else "1")
+        elif ab in ("v1", "v2", "v3", "v4"):  # an explicit other kernel (v3 / v4 only for h_q > 32)
+            env, other = ENV, (ab if h_q > 32 or ab in ("v1", "v2") else "v1")
+            value = other
         else:
             env, other = ENV, ("v2" if default == "v1" else "v1")
             value = other
@@ -193,7 +196,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", action="store_const", const="kernel", help=f"also time another kernel ({ENV}=v1|v2) per case")
+    ap.add_argument("--ab", nargs="?", const="kernel", choices=["kernel", "v1", "v2", "v3", "v4"],
+                    help=f"also time another kernel per case through {ENV}: v1 (or v2 where v1 is the default), "
+                         "or the one named")
     ap.add_argument("--ab-cluster", dest="ab", action="store_const", const="cluster",
                     help=f"also time the other side of {CLUSTER_ENV} per case (A/B of the cluster variant)")
     args = ap.parse_args()

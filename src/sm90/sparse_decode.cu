@@ -171,13 +171,14 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 /// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v3 vs v1 over
 /// the 32 anchor cases (h_q 64 / 128; ...-sparse-decode-v3-2wg-ab.log): 1.07x faster in geomean,
 /// V3.2 1.21x at b >= 64, MODEL1 0.93-1.11x (v1 slightly ahead only at b = 2).
-/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3 (read per call) forces one for A/B runs (v3 only
-/// applies to h_q > 32; below it v1 runs).
+/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3|v4 (read per call) forces one for A/B runs (v3 and v4
+/// only apply to h_q > 32; below it v1 runs).
 int sparse_decode_kernel_version(int64_t h_q) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
   if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
   if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
   if (env != nullptr && std::strcmp(env, "v3") == 0) return 3;
+  if (env != nullptr && std::strcmp(env, "v4") == 0) return 4;
   return h_q <= 16 ? 2 : (h_q > 32 ? 3 : 1);
 }
 

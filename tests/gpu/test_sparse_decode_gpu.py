@@ -217,8 +217,8 @@ WIDE = [c for c in CORRECTNESS if c[1] > 32]
 
 @pytest.mark.parametrize("c", WIDE, ids=[_cid(c) for c in WIDE])
 @pytest.mark.parametrize("env", [{"FLASHMLA_SPARSE_DECODE_KERNEL": "v1"}, {"FLASHMLA_SPARSE_DECODE_CLUSTER": "1"},
-                                 {"FLASHMLA_SPARSE_DECODE_CLUSTER": "0"}],
-                         ids=["v1-forced", "v3-cluster", "v3-plain"])
+                                 {"FLASHMLA_SPARSE_DECODE_CLUSTER": "0"}, {"FLASHMLA_SPARSE_DECODE_KERNEL": "v4"}],
+                         ids=["v1-forced", "v3-cluster", "v3-plain", "v4-forced"])
 def test_other_kernels_on_wide_heads(c, env, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -1,0 +1,422 @@
+// src/sm90/sparse_decode_kernel_v4.cuh — sparse FP8 MLA decode v4 for 64-row head tiles: one
+// 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1 while
+// the consumers work on block g (v3's seesaw keeps both buffers busy in every step and exposes each
+// part's refill; bench/NOTES.md "sparse FP8 decode v4").
+//
+// CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
+// num_sm_parts) as v1 / v3, walking the same (request, 64-slot block) range; the CTA's blocks are
+// numbered g = 0, 1, ... across its requests, block g uses buffer g & 1. 512 threads:
+//   * warpgroup 0 (setmaxnreg kWg0Regs): per block S = Q K^T (m64n64k16 chains over the 9 or 8
+//     slabs; two parts: slabs 0-3, slabs 4-8), masking (spec §2.7 invalid slots), the online
+//     softmax (m, l for whole rows), P (bf16) into registers and into slab 8 of the block's buffer
+//     (for d_qk 576 that is the RoPE slab S is done with; d_qk 512 leaves slab 8 free), the row
+//     rescale factor into sScale[buffer]; then O[:, 0:256] = O * scale + P V[:, 0:256] and the release
+//     of part A (slabs 0-3).
+//   * warpgroup 1 (setmaxnreg kWg1Regs): per block, after warpgroup 0's P barrier, O[:, 256:512] =
+//     O * scale + P V[:, 256:512] from slab 8 and slabs 4-7, then the release of part B (slabs 4-8).
+//   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): v3's exact dequant (spec §2.7) and RoPE
+//     copies (v3::fill_part, stage mapping 0 for both buffers: the RoPE slab belongs to part B), one
+//     block at a time, with the next block's address table written after the first part (and its
+//     records prefetched to L2).
+// Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
+// then out + lse (attention sink) or fp32 partials for the combine, as v3.
+// Only for 16-byte aligned caches, h_q > 32 (as v3).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "sm90/sparse_decode_kernel_v3.cuh"
+
+namespace flashmla::sm90::sparse::v4 {
+
+using namespace seesaw;
+using v3::kConsumers;
+using v3::kProducers;
+using v3::kThreads;
+using v3::kTileBytes;
+
+// Register split of the CTA's pool (512 x 128): S + softmax + half of O / half of O / producers.
+constexpr int kWg0Regs = 232;
+constexpr int kWg1Regs = 176;
+constexpr int kProdRegs = 40;
+static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * v3::kLaunchRegs,
+              "register pool of the CTA");
+
+constexpr int kSmemQ = kTileBytes;
+constexpr int kSmemK = kTileBytes;
+constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
+constexpr int kSmemValid = 2 * kBlockN;
+constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
+constexpr int kSmemAddr = 2 * 2 * 64 * 8;  // [block parity][rec / scale][row]
+constexpr int kSmemBytes =
+    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr;
+static_assert(kSmemBytes <= 232448, "shared memory");
+
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducer = 4 };
+
+template <Fmt F>
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
+  constexpr int kD = FmtCfg<F>::kDQK;
+  constexpr int kSlabs = kD / 64;  // 9 or 8
+  constexpr int kChunks = kD / 8;  // 72 or 64
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const uint32_t raw_u = smem_u32(smem_raw);
+  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
+  uint8_t* base = smem_raw + (base_u - raw_u);
+  const uint32_t sQ_u = base_u;
+  const uint32_t sK_u = sQ_u + kSmemQ;
+  uint8_t* sK = base + kSmemQ;
+  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  float* sM = sRed;
+  float* sL = sRed + 64;
+  float* sScale = sRed + 128;  // [buffer][64]
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
+  const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
+  uint64_t* sAddr = reinterpret_cast<uint64_t*>(base + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar);
+  auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
+  auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
+
+  const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
+  const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
+  const int part_id = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int wg = warp / 4, wq = warp % 4;
+  const int gq = lane / 4, tq = lane % 4;
+
+  const int32_t* meta = p.tile_scheduler_metadata + part_id * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  if (tid == 0) {
+    // full: 256 plain + 256 cp.async noinc producer arrivals; free: the part's consumer warpgroup.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 2 * kProducers);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  struct ReqInfo {
+    int n_main, blk_lo, n_blk, lim_main, lim_extra;
+  };
+  auto req_info = [&](int req) {
+    ReqInfo r;
+    int n_total;
+    request_blocks(p, req, r.n_main, n_total);
+    r.blk_lo = req == begin_req ? begin_blk : 0;
+    const int blk_hi = min(req == end_req ? end_blk : n_total, n_total);
+    r.n_blk = max(blk_hi - r.blk_lo, 0);
+    r.lim_main = p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
+    r.lim_extra = 0;
+    if (p.has_extra)
+      r.lim_extra =
+          p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+    return r;
+  };
+
+  if (wg >= 2) {
+    // ============================ producer warpgroups ============================
+    setmaxnreg_dec<kProdRegs>();
+    const int t = tid - kConsumers;
+    const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;  // rows rg + 16 (2 half + i), i < 2
+    const int a_row = t & 63;                                  // address table entry (threads t < 64)
+    // Look-ahead: (nreq, nb) is the block whose address table is written next, one block ahead of the fills.
+    int nreq = begin_req, nb = 0;
+    ReqInfo nri = req_info(begin_req);
+    auto skip_empty = [&]() {
+      while (nreq <= end_req && nb >= nri.n_blk) {
+        ++nreq;
+        nb = 0;
+        if (nreq <= end_req) nri = req_info(nreq);
+      }
+    };
+    auto load_index = [&]() {  // this thread's slot of block (nreq, nb): cache index, -1 if invalid
+      int v = -1;
+      const int blk = nri.blk_lo + nb;
+      if (t < 64) {
+        const bool is_extra = p.has_extra && blk >= nri.n_main;
+        const SparseScope& sc = is_extra ? p.extra : p.main;
+        const int lim = is_extra ? nri.lim_extra : nri.lim_main;
+        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + a_row;
+        if (slot < lim) {
+          v = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
+          if (v >= sc.num_tokens) v = -1;
+        }
+      }
+      return v;
+    };
+    auto write_entry = [&](int v, int parity) {  // table entry + L2 prefetch of the record
+      if (t < 64) {
+        uint64_t rec = 0, scl = 0;
+        if (v >= 0) {
+          const bool is_extra = p.has_extra && nri.blk_lo + nb >= nri.n_main;
+          v3::row_addr<F>(is_extra ? p.extra : p.main, v, rec, scl);
+          prefetch_l2_bulk(reinterpret_cast<const void*>(rec), v3::PartMap<F, 0, 0>::kRecBytes);
+          if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(scl));
+        }
+        uint64_t* tab = sAddr + parity * 128;  // [rec / scale][row]
+        tab[a_row] = rec;
+        tab[64 + a_row] = scl;
+      }
+    };
+    skip_empty();
+    if (nreq <= end_req) {
+      write_entry(load_index(), 0);
+      named_barrier_sync(kBarProducer, kProducers);  // the first block's table is complete
+      for (int g = 0;; ++g) {
+        ++nb;
+        skip_empty();
+        const bool more = nreq <= end_req;
+        const int v_next = more ? load_index() : -1;
+        const uint64_t* tab = sAddr + (g & 1) * 128;
+        const int x = g & 1, use = g >> 1;
+        uint8_t* sKx = sK + x * kSmemK;
+        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
+        // The next block's table goes into the slot of block g - 1, whose fills every producer
+        // finished before this block's barrier.
+        v3::fill_part<F, 0, 0>(tab, tab + 64, rg, c8, half, sKx, sKx_u, sValid + x * kBlockN, bar_full(x, 0),
+                               bar_free(x, 0), use);
+        if (more) write_entry(v_next, (g + 1) & 1);
+        v3::fill_part<F, 0, 1>(tab, tab + 64, rg, c8, half, sKx, sKx_u, sValid + x * kBlockN, bar_full(x, 1),
+                               bar_free(x, 1), use);
+        if (!more) break;
+        named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  // ============================ consumer warpgroups ============================
+  // Each consumer warpgroup runs its own copy of the request loop (kWg a constant), so that ptxas
+  // compiles each under its own setmaxnreg budget.
+  auto consumer = [&](auto wg_c) {
+  constexpr int kWg = decltype(wg_c)::value;
+  int row_local[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
+  const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
+  int g = 0;  // the CTA's block counter (same sequence as the producers')
+
+  for (int req = begin_req; req <= end_req; ++req) {
+    const ReqInfo ri = req_info(req);
+    const int n_blk = ri.n_blk;
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    if (!p.out_vec_ok) no_split = false;
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    if (n_blk > 0) {
+      named_barrier_sync(kBarConsumers, kConsumers);  // S of the previous request done, its sM / sL read
+      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
+      for (int id = tid; id < 64 * kChunks; id += kConsumers) {
+        const int r = id / kChunks, c = id % kChunks;
+        const int h = ht * 64 + r;
+        const bool valid = h < p.h_q;
+        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
+        if (p.q_vec) {
+          cp_async_16(sQ_u + slab_off(r, c), src, valid);
+        } else {
+          uint16_t v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
+          *reinterpret_cast<uint4*>(base + slab_off(r, c)) =
+              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
+                         v[6] | (uint32_t(v[7]) << 16));
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      gmma::fence_proxy_async();
+      named_barrier_sync(kBarConsumers, kConsumers);  // Q in shared memory, visible to wgmma
+    }
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    if constexpr (kWg == 0) {
+      for (int j = 0; j < n_blk; ++j, ++g) {
+        const int x = g & 1;
+        const uint32_t ph = static_cast<uint32_t>((g >> 1) & 1);
+        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
+        float s[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        gmma::reg_fence(s);
+        {
+          const uint64_t db = gmma::make_desc_sw128(sKx_u, 16, 1024);
+          mbar_wait(bar_full(x, 0), ph);
+          gmma::fence_proxy_async();
+          gmma::fence();
+          s_chain<0, 4>(s, dq, db);
+          mbar_wait(bar_full(x, 1), ph);
+          gmma::fence_proxy_async();
+          gmma::fence();
+          s_chain<4, kSlabs>(s, dq, db);
+        }
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(s);
+
+        float mx[2] = {-INFINITY, -INFINITY};
+        mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
+        float mu[2], sc[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const float m_new = fmaxf(m_run[hh], mx[hh]);
+          mu[hh] = m_new == -INFINITY ? 0.f : m_new;
+          sc[hh] = exp2f(m_run[hh] - mu[hh]);
+          m_run[hh] = m_new;
+          if (tq == 0) sScale[x * 64 + row_local[hh]] = sc[hh];
+        }
+        float rs[2] = {0.f, 0.f};
+        uint32_t a[4][4];
+        uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[4 * t + e] = exp2f(s[4 * t + e] - mu[e >> 1]);
+            rs[e >> 1] += s[4 * t + e];
+          }
+          a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
+          a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+          const int key = 8 * t + 2 * tq;
+          *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+              a[t >> 1][(t & 1) * 2 + 0];
+          *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+              a[t >> 1][(t & 1) * 2 + 1];
+        }
+        gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
+        bar_arrive(kBarP0 + x, kConsumers);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
+        scale_o(o, sc);
+        gmma::reg_fence(o);
+        gmma::fence();
+        pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        mbar_arrive(bar_free(x, 0));  // slabs 0-3 of the buffer are free
+      }
+    } else {
+      for (int j = 0; j < n_blk; ++j, ++g) {
+        const int x = g & 1;
+        const uint32_t ph = static_cast<uint32_t>((g >> 1) & 1);
+        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
+        named_barrier_sync(kBarP0 + x, kConsumers);  // P and the rescale factors of block g
+        float sc[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) sc[hh] = sScale[x * 64 + row_local[hh]];
+        scale_o(o, sc);
+        mbar_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
+        gmma::fence_proxy_async();
+        gmma::reg_fence(o);
+        gmma::fence();
+        pv_ss_chain_n128(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
+                         gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        mbar_arrive(bar_free(x, 1));  // slabs 4-8 of the buffer are free
+      }
+    }
+
+    // ---- epilogue: warpgroup 0 holds the rows' m and l; warpgroup 1 reads them from shared memory
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+      if constexpr (kWg == 0) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
+          l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
+          if (tq == 0) {
+            sL[row_local[hh]] = l_run[hh];
+            sM[row_local[hh]] = m_run[hh];
+          }
+        }
+      }
+      named_barrier_sync(kBarConsumers, kConsumers);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        L[hh] = sL[row_local[hh]];
+        m_run[hh] = sM[row_local[hh]];
+      }
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = ht * 64 + row_local[hh];
+      if (h >= p.h_q) continue;
+      const bool empty = !(L[hh] > 0.f);  // no valid key (or NaN)
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      if (no_split) {
+        float inv = empty ? 0.f : 1.f / L[hh];
+        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+        __nv_bfloat16* out =
+            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) {
+          const int col = kWg * 256 + jj * 8 + 2 * tq;
+          *reinterpret_cast<uint32_t*>(out + col) =
+              HalfTraits<__nv_bfloat16>::pack(o[4 * jj + 2 * hh] * inv, o[4 * jj + 2 * hh + 1] * inv);
+        }
+        if (kWg == 0 && tq == 0)
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+      } else {
+        const float inv = empty ? 0.f : 1.f / L[hh];
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int jj = 0; jj < 32; ++jj) {
+          const int col = kWg * 256 + jj * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * jj + 2 * hh] * inv, o[4 * jj + 2 * hh + 1] * inv);
+        }
+        if (kWg == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+  };
+  if (wg == 0) {
+    setmaxnreg_inc<kWg0Regs>();
+    consumer(std::integral_constant<int, 0>{});
+  } else {
+    setmaxnreg_inc<kWg1Regs>();
+    consumer(std::integral_constant<int, 1>{});
+  }
+}
+
+/// v4 serves the same shapes as v3 (64-row head tiles, 16-byte aligned caches).
+inline bool usable(const SparseDecodeKernelParams& kp) { return v3::usable(kp); }
+
+template <Fmt F>
+cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>;
+  // The setmaxnreg split needs the launch's register pool (compiled registers x 512); refuse otherwise.
+  static const int regs = [] {
+    cudaFuncAttributes a{};
+    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>) == cudaSuccess ? a.numRegs : 0;
+  }();
+  if (regs * kThreads < 128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs)
+    return cudaErrorInvalidConfiguration;
+  cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
+                  static_cast<unsigned>(num_sm_parts), 1);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+}  // namespace flashmla::sm90::sparse::v4
