@@ -40,9 +40,9 @@ using v3::kThreads;
 using v3::kTileBytes;
 
 // Register split of the CTA's pool (512 x 128): S + softmax + half of O / half of O / producers.
-constexpr int kWg0Regs = 232;
-constexpr int kWg1Regs = 176;
-constexpr int kProdRegs = 40;
+constexpr int kWg0Regs = 216;
+constexpr int kWg1Regs = 160;
+constexpr int kProdRegs = 64;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * v3::kLaunchRegs,
               "register pool of the CTA");
 
@@ -178,13 +178,24 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        // The next block's table goes into the slot of block g - 1, whose fills every producer
-        // finished before this block's barrier.
-        v3::fill_part<F, 0, 0>(tab, tab + 64, rg, c8, half, sKx, sKx_u, sValid + x * kBlockN, bar_full(x, 0),
-                               bar_free(x, 0), use);
+        // Both parts' FP8 bytes and scales are loaded before the first wait (twice the bytes in
+        // flight per thread of v3's part-by-part fill); the next block's table goes into the slot
+        // of block g - 1, whose fills every producer finished before this block's barrier.
+        v3::HalfRegs ra, rb;
+        v3::half_load<F, 0, 0>(ra, tab, tab + 64, rg, c8, half);
+        v3::half_load<F, 0, 1>(rb, tab, tab + 64, rg, c8, half);
+        if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
+        v3::half_store<F, 0, 0>(ra, tab, rg, c8, half, sKx, sValid + x * kBlockN);
+        gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
+        mbar_arrive_cp_async(bar_full(x, 0));
+        mbar_arrive(bar_full(x, 0));
         if (more) write_entry(v_next, (g + 1) & 1);
-        v3::fill_part<F, 0, 1>(tab, tab + 64, rg, c8, half, sKx, sKx_u, sValid + x * kBlockN, bar_full(x, 1),
-                               bar_free(x, 1), use);
+        if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+        v3::part_rope<F, 0, 1>(tab, rg, c8, half, sKx_u);
+        v3::half_store<F, 0, 1>(rb, tab, rg, c8, half, sKx, sValid + x * kBlockN);
+        gmma::fence_proxy_async();
+        mbar_arrive_cp_async(bar_full(x, 1));
+        mbar_arrive(bar_full(x, 1));
         if (!more) break;
         named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
       }
