@@ -11,8 +11,8 @@ metadata being reused as across layers; the kernel-only rate is reported too. Th
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
 --ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
-(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v3 for h_q > 32, v1 between; or the one forced by
-FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3 when that is set; the alternative is v1, or v2 where v1 is
+(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v4 for h_q > 32, v1 between; or the one forced by
+FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v4 when that is set; the alternative is v1, or v2 where v1 is
 the default): fields kernel_default, alt_kernel,
 alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
 """
@@ -34,8 +34,7 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
-ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v3" force that main kernel (A/B column)
-CLUSTER_ENV = "FLASHMLA_SPARSE_DECODE_CLUSTER"  # "1" / "0": the 2-CTA cluster variant of v3 on / off
+ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v4" force that main kernel (A/B column)
 
 
 def default_kernel(h_q):
@@ -44,9 +43,9 @@ def default_kernel(h_q):
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced
-    if forced in ("v3", "v4"):  # h_q > 32 only; v1 below
-        return forced if h_q > 32 else "v1"
-    return "v2" if h_q <= 16 else ("v3" if h_q > 32 else "v1")
+    if forced == "v4":  # h_q > 32 only; v1 below
+        return "v4" if h_q > 32 else "v1"
+    return "v2" if h_q <= 16 else ("v4" if h_q > 32 else "v1")
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -155,11 +154,8 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     alt = {}
     if ab:  # A/B in the same process on the same inputs: the other kernel through an environment switch
         default = default_kernel(h_q)
-        if ab == "cluster":  # v3's 2-CTA cluster variant against the plain v3, whichever is not automatic
-            auto_cluster = default == "v3" and d_qk == 512 and h_q % 128 == 0  # mirrors sparse::v3::launch
-            env, other, value = CLUSTER_ENV, ("v3-plain" if auto_cluster else "v3-cluster"), ("0" if auto_cluster else "1")
-        elif ab in ("v1", "v2", "v3", "v4"):  # an explicit other kernel (v3 / v4 only for h_q > 32)
-            env, other = ENV, (ab if h_q > 32 or ab in ("v1", "v2") else "v1")
+        if ab in ("v1", "v2", "v4"):  # an explicit other kernel (v4 only for h_q > 32)
+            env, other = ENV, (ab if h_q > 32 or ab != "v4" else "v1")
             value = other
         else:
             env, other = ENV, ("v2" if default == "v1" else "v1")
@@ -196,11 +192,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", nargs="?", const="kernel", choices=["kernel", "v1", "v2", "v3", "v4"],
+    ap.add_argument("--ab", nargs="?", const="kernel", choices=["kernel", "v1", "v2", "v4"],
                     help=f"also time another kernel per case through {ENV}: v1 (or v2 where v1 is the default), "
                          "or the one named")
-    ap.add_argument("--ab-cluster", dest="ab", action="store_const", const="cluster",
-                    help=f"also time the other side of {CLUSTER_ENV} per case (A/B of the cluster variant)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()

@@ -2,7 +2,7 @@
 // consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
 // over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
 // mbarrier / named-barrier / setmaxnreg wrappers. Used by the sparse prefill kernel
-// (sparse_prefill_kernel_v2.cuh) and the sparse FP8 decode v3 kernel (sparse_decode_kernel_v3.cuh).
+// (sparse_prefill_kernel_v2.cuh) and the sparse FP8 decode v4 kernel (sparse_decode_kernel_v4.cuh).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -164,22 +164,21 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 }
 
 /// Main-kernel choice by shape: v2 (warp-specialised producer, mma.sync consumers) for h_q <= 16,
-/// v3 (two producer warpgroups dequantizing into 128B-swizzled slabs + seesaw wgmma consumers,
-/// 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads dequantize) for 16 < h_q <= 32 and
-/// for caches that are not 16-byte aligned (the v2 / v3 launchers fall back to v1 there).
+/// v4 (two producer warpgroups dequantizing into two whole-block 128B-swizzled K buffers + two
+/// wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads
+/// dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte aligned (the v2 / v4
+/// launchers fall back to v1 there).
 /// H200 A/B runs: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
-/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v3 vs v1 over
-/// the 32 anchor cases (h_q 64 / 128; ...-sparse-decode-v3-2wg-ab.log): 1.07x faster in geomean,
-/// V3.2 1.21x at b >= 64, MODEL1 0.93-1.11x (v1 slightly ahead only at b = 2).
-/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v3|v4 (read per call) forces one for A/B runs (v3 and v4
-/// only apply to h_q > 32; below it v1 runs).
+/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against
+/// session 4's v3 (seesaw over block pairs, now deleted) and v1: bench/NOTES.md "sparse FP8 decode v4".
+/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v4 (read per call) forces one for A/B runs (v4 only applies
+/// to h_q > 32; below it v1 runs).
 int sparse_decode_kernel_version(int64_t h_q) {
   const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
   if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
   if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
-  if (env != nullptr && std::strcmp(env, "v3") == 0) return 3;
   if (env != nullptr && std::strcmp(env, "v4") == 0) return 4;
-  return h_q <= 16 ? 2 : (h_q > 32 ? 3 : 1);
+  return h_q <= 16 ? 2 : (h_q > 32 ? 4 : 1);
 }
 
 }  // namespace

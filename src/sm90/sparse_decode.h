@@ -43,8 +43,9 @@ struct SparseDecodeKernelParams {
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
   float scale_log2;  // softmax_scale * log2(e)
   int kernel_version;  // 1: v1 (mma.sync, all threads dequantize); 2: v2 (warp-specialised producer);
-                       // 3: v3 (two producer warpgroups + seesaw wgmma consumers, h_q > 32);
-                       // chosen by shape in sparse_decode.cu (v2 for h_q <= 16, v3 above 32, else v1)
+                       // 4: v4 (two producer warpgroups + two wgmma consumer warpgroups over two
+                       // whole-block K buffers, h_q > 32);
+                       // chosen by shape in sparse_decode.cu (v2 for h_q <= 16, v4 above 32, else v1)
 };
 
 struct SparseCombineParams {

@@ -1,10 +1,10 @@
-// src/sm90/sparse_decode_kernel_v4.cuh — sparse FP8 MLA decode v4 for 64-row head tiles: one
-// 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1 while
-// the consumers work on block g (v3's seesaw keeps both buffers busy in every step and exposes each
-// part's refill; bench/NOTES.md "sparse FP8 decode v4").
+// src/sm90/sparse_decode_kernel_v4.cuh — sparse FP8 MLA decode v4 for 64-row head tiles (h_q > 32):
+// one 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1
+// while the consumers work on block g (session 4's v3 ran the prefill's seesaw over block pairs,
+// which keeps both buffers busy in every step; bench/NOTES.md "sparse FP8 decode v4").
 //
 // CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
-// num_sm_parts) as v1 / v3, walking the same (request, 64-slot block) range; the CTA's blocks are
+// num_sm_parts) as v1, walking the same (request, 64-slot block) range; the CTA's blocks are
 // numbered g = 0, 1, ... across its requests, block g uses buffer g & 1. 512 threads:
 //   * warpgroup 0 (setmaxnreg kWg0Regs): per block S = Q K^T (m64n64k16 chains over the 9 or 8
 //     slabs; two parts: slabs 0-3, slabs 4-8), masking (spec §2.7 invalid slots), the online
@@ -14,13 +14,17 @@
 //     of part A (slabs 0-3).
 //   * warpgroup 1 (setmaxnreg kWg1Regs): per block, after warpgroup 0's P barrier, O[:, 256:512] =
 //     O * scale + P V[:, 256:512] from slab 8 and slabs 4-7, then the release of part B (slabs 4-8).
-//   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): v3's exact dequant (spec §2.7) and RoPE
-//     copies (v3::fill_part, stage mapping 0 for both buffers: the RoPE slab belongs to part B), one
-//     block at a time, with the next block's address table written after the first part (and its
-//     records prefetched to L2).
+//   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): each thread owns two rows of every
+//     block (rows rg + 16 (2 half + i), 8 threads per row, 16 dims of each 128-dim half per thread):
+//     it loads the rows' cache indices one block ahead (and prefetches their records to L2), loads
+//     both parts' FP8 bytes and scales into registers before the first wait, then per part waits
+//     until the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16,
+//     times the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs, copies the RoPE
+//     bf16 bytes (part B) by cp.async and arrives on the part's full barrier (256 plain + 256
+//     cp.async noinc arrivals). No producer-wide barrier: warps run ahead independently.
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
-// then out + lse (attention sink) or fp32 partials for the combine, as v3.
-// Only for 16-byte aligned caches, h_q > 32 (as v3).
+// then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
+// Only for 16-byte aligned caches (v1 keeps the byte-copy path); q rows may be unaligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,34 +33,149 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sm90/sparse_decode_kernel_v3.cuh"
+#include "sm90/host_utils.h"
+#include "sm90/seesaw.cuh"
+#include "sm90/sparse_decode_kernel.cuh"
+#include "sm90/wgmma.cuh"
 
 namespace flashmla::sm90::sparse::v4 {
 
 using namespace seesaw;
-using v3::kConsumers;
-using v3::kProducers;
-using v3::kThreads;
-using v3::kTileBytes;
 
-// Register split of the CTA's pool (512 x 128): S + softmax + half of O / half of O / producers.
+constexpr int kThreads = 512;
+constexpr int kConsumers = 256;
+constexpr int kProducers = 256;
+// Register split of the CTA's pool (512 x 128, moved by setmaxnreg): S + softmax + half of O /
+// half of O / producers.
+constexpr int kLaunchRegs = 128;
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 64;
-static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * v3::kLaunchRegs,
+static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
+constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
+
+/// Where part PT of a block gets its data, per format. FP8 16-byte units u (16 dims, bf16 chunks
+/// 2u and 2u + 1): part A units 0-15, part B units 16..kNope/16 - 1. Thread c8 of a row (0..7)
+/// takes units lo + c8 and lo + 8 + c8 (the second only below kNope/16). RoPE (bf16, 8 chunks, one
+/// per thread) belongs to part B: slab 8 (V32, chunks 64-71) or slab 7 (MODEL1, chunks 56-63).
+template <Fmt F, int PT>
+struct PartMap {
+  using FC = FmtCfg<F>;
+  static constexpr int kLo = PT == 0 ? 0 : 16;
+  static constexpr int kNopeUnits = FC::kNope / 16;  // 32 (V32) or 28 (MODEL1)
+  static constexpr bool kRope = PT == 1;
+  static constexpr int kRopeChunk0 = FC::kNope / 8;  // 64 or 56
+  static constexpr int kRecBytes = F == Fmt::kV32 ? 656 : 576;
+};
+
+/// Byte address of the record (and, MODEL1, of the 8-byte scale record) of cache token `idx`
+/// (valid: 0 <= idx < num_tokens; spec §3.2-3.4 layouts).
+template <Fmt F>
+__device__ __forceinline__ void row_addr(const SparseScope& sc, int idx, uint64_t& rec, uint64_t& scale) {
+  const uint32_t u = static_cast<uint32_t>(idx);
+  const uint32_t pbs = static_cast<uint32_t>(sc.page_block_size);
+  const uint32_t blk = u / pbs, row = u - blk * pbs;
+  const uint8_t* base = sc.cache + static_cast<int64_t>(blk) * sc.block_stride;
+  if constexpr (F == Fmt::kV32) {
+    rec = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(row) * 656);
+    scale = rec + FmtCfg<F>::kScaleRaw;
+  } else {
+    rec = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(row) * 576);
+    scale = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(pbs) * 576 + static_cast<int64_t>(row) * 8);
+  }
+}
+
+/// A producer thread's two rows of the current block: record / scale addresses (0 = invalid slot).
+struct RowAddr {
+  uint64_t rec[2], scl[2];
+};
+
+/// FP8 data and scales of one part of a thread's two rows.
+struct PartRegs {
+  uint4 u0[2], u1[2];
+  uint2 sc[2];  // V32: 2 fp32 scales (tiles lo/8, lo/8 + 1); MODEL1: the 8-byte e8m0 record
+};
+
+template <Fmt F, int PT>
+__device__ __forceinline__ void part_load(PartRegs& r, const RowAddr& ra, int c8) {
+  using M = PartMap<F, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(ra.rec[i]);
+    r.u0[i] = make_uint4(0u, 0u, 0u, 0u);
+    r.u1[i] = make_uint4(0u, 0u, 0u, 0u);
+    r.sc[i] = make_uint2(0u, 0u);
+    if (a != nullptr) {
+      r.u0[i] = ldg16(a + 16 * (M::kLo + c8));
+      if (has_u1) r.u1[i] = ldg16(a + 16 * (M::kLo + 8 + c8));
+      const uint8_t* sa = reinterpret_cast<const uint8_t*>(ra.scl[i]);
+      if constexpr (F == Fmt::kV32) r.sc[i] = ldg8(sa + 4 * (M::kLo / 8));
+      else r.sc[i] = ldg8(sa);
+    }
+  }
+}
+
+template <Fmt F>
+__device__ __forceinline__ __nv_bfloat162 unit_scale(uint2 sc, int tile_v32_k, int unit) {
+  if constexpr (F == Fmt::kV32) {
+    return __float2bfloat162_rn(__uint_as_float(tile_v32_k == 0 ? sc.x : sc.y));
+  } else {
+    const int tile = unit / 4;  // 64-dim tiles
+    const uint32_t word = tile < 4 ? sc.x : sc.y;
+    __nv_bfloat16_raw br;
+    br.x = e8m0_to_bf16_bits((word >> (8 * (tile & 3))) & 0xFFu);
+    const __nv_bfloat16 b1(br);
+    return __nv_bfloat162(b1, b1);
+  }
+}
+
+/// Dequantize a part of the thread's two rows into the buffer (spec §2.7, v1's dequant8); part A
+/// also writes the rows' validity bytes.
+template <Fmt F, int PT>
+__device__ __forceinline__ void part_store(const PartRegs& r, const RowAddr& ra, const int (&row)[2], int c8,
+                                           uint8_t* sKx, uint8_t* sValid_x) {
+  using M = PartMap<F, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
+    const __nv_bfloat162 sa = unit_scale<F>(r.sc[i], 0, ua);
+    *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ua)) = dequant8(make_uint2(r.u0[i].x, r.u0[i].y), sa);
+    *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ua + 1)) = dequant8(make_uint2(r.u0[i].z, r.u0[i].w), sa);
+    if (has_u1) {
+      const __nv_bfloat162 sb = unit_scale<F>(r.sc[i], 1, ub);
+      *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ub)) = dequant8(make_uint2(r.u1[i].x, r.u1[i].y), sb);
+      *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ub + 1)) = dequant8(make_uint2(r.u1[i].z, r.u1[i].w), sb);
+    }
+    if (PT == 0 && c8 == 0) sValid_x[row[i]] = ra.rec[i] != 0 ? 1 : 0;
+  }
+}
+
+/// RoPE of the thread's two rows (bf16, no conversion) by cp.async; invalid rows are zero-filled.
+template <Fmt F>
+__device__ __forceinline__ void part_rope(const RowAddr& ra, const int (&row)[2], int c8, uint32_t sKx_u,
+                                          const void* any_global) {
+  using M = PartMap<F, 1>;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(ra.rec[i]);
+    cp_async_16(sKx_u + slab_off(row[i], M::kRopeChunk0 + c8),
+                a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c8 : static_cast<const uint8_t*>(any_global),
+                a != nullptr);
+  }
+}
 
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
-constexpr int kSmemAddr = 2 * 2 * 64 * 8;  // [block parity][rec / scale][row]
-constexpr int kSmemBytes =
-    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr;
+constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducer = 4 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
 
 template <Fmt F>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
@@ -76,7 +195,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
-  uint64_t* sAddr = reinterpret_cast<uint64_t*>(base + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar);
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
 
@@ -124,9 +242,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     // ============================ producer warpgroups ============================
     setmaxnreg_dec<kProdRegs>();
     const int t = tid - kConsumers;
-    const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;  // rows rg + 16 (2 half + i), i < 2
-    const int a_row = t & 63;                                  // address table entry (threads t < 64)
-    // Look-ahead: (nreq, nb) is the block whose address table is written next, one block ahead of the fills.
+    const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;
+    const int row[2] = {rg + 32 * half, rg + 32 * half + 16};  // this thread's rows of every block
+    // Look-ahead: (nreq, nb) is the block after the one being filled.
     int nreq = begin_req, nb = 0;
     ReqInfo nri = req_info(begin_req);
     auto skip_empty = [&]() {
@@ -136,68 +254,76 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (nreq <= end_req) nri = req_info(nreq);
       }
     };
-    auto load_index = [&]() {  // this thread's slot of block (nreq, nb): cache index, -1 if invalid
-      int v = -1;
+    // Cache indices of this thread's rows in block (nreq, nb), -1 where invalid.
+    auto load_index = [&](int (&v)[2]) {
       const int blk = nri.blk_lo + nb;
-      if (t < 64) {
-        const bool is_extra = p.has_extra && blk >= nri.n_main;
-        const SparseScope& sc = is_extra ? p.extra : p.main;
-        const int lim = is_extra ? nri.lim_extra : nri.lim_main;
-        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + a_row;
+      const bool is_extra = p.has_extra && blk >= nri.n_main;
+      const SparseScope& sc = is_extra ? p.extra : p.main;
+      const int lim = is_extra ? nri.lim_extra : nri.lim_main;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        v[i] = -1;
+        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + row[i];
         if (slot < lim) {
-          v = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
-          if (v >= sc.num_tokens) v = -1;
+          v[i] = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
+          if (v[i] >= sc.num_tokens) v[i] = -1;
         }
       }
-      return v;
     };
-    auto write_entry = [&](int v, int parity) {  // table entry + L2 prefetch of the record
-      if (t < 64) {
-        uint64_t rec = 0, scl = 0;
-        if (v >= 0) {
-          const bool is_extra = p.has_extra && nri.blk_lo + nb >= nri.n_main;
-          v3::row_addr<F>(is_extra ? p.extra : p.main, v, rec, scl);
-          prefetch_l2_bulk(reinterpret_cast<const void*>(rec), v3::PartMap<F, 0, 0>::kRecBytes);
-          if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(scl));
-        }
-        uint64_t* tab = sAddr + parity * 128;  // [rec / scale][row]
-        tab[a_row] = rec;
-        tab[64 + a_row] = scl;
+    auto addr_of = [&](const int (&v)[2], bool is_extra, RowAddr& ra) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ra.rec[i] = 0;
+        ra.scl[i] = 0;
+        if (v[i] >= 0) row_addr<F>(is_extra ? p.extra : p.main, v[i], ra.rec[i], ra.scl[i]);
       }
     };
     skip_empty();
     if (nreq <= end_req) {
-      write_entry(load_index(), 0);
-      named_barrier_sync(kBarProducer, kProducers);  // the first block's table is complete
+      RowAddr cur;
+      {
+        int v[2];
+        load_index(v);
+        addr_of(v, p.has_extra && nri.blk_lo + nb >= nri.n_main, cur);
+      }
       for (int g = 0;; ++g) {
         ++nb;
         skip_empty();
         const bool more = nreq <= end_req;
-        const int v_next = more ? load_index() : -1;
-        const uint64_t* tab = sAddr + (g & 1) * 128;
+        const bool next_extra = more && p.has_extra && nri.blk_lo + nb >= nri.n_main;
+        int vn[2] = {-1, -1};
+        if (more) load_index(vn);  // the next block's indices, in flight during this block
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        // Both parts' FP8 bytes and scales are loaded before the first wait (twice the bytes in
-        // flight per thread of v3's part-by-part fill); the next block's table goes into the slot
-        // of block g - 1, whose fills every producer finished before this block's barrier.
-        v3::HalfRegs ra, rb;
-        v3::half_load<F, 0, 0>(ra, tab, tab + 64, rg, c8, half);
-        v3::half_load<F, 0, 1>(rb, tab, tab + 64, rg, c8, half);
+        // Both parts' FP8 bytes and scales are loaded before the first wait.
+        PartRegs ra, rb;
+        part_load<F, 0>(ra, cur, c8);
+        part_load<F, 1>(rb, cur, c8);
         if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-        v3::half_store<F, 0, 0>(ra, tab, rg, c8, half, sKx, sValid + x * kBlockN);
+        part_store<F, 0>(ra, cur, row, c8, sKx, sValid + x * kBlockN);
         gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
         mbar_arrive_cp_async(bar_full(x, 0));
         mbar_arrive(bar_full(x, 0));
-        if (more) write_entry(v_next, (g + 1) & 1);
+        if (more && c8 == 0) {  // the next block's records to L2 (one thread per row)
+          RowAddr nx;
+          addr_of(vn, next_extra, nx);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (nx.rec[i] != 0) {
+              prefetch_l2_bulk(reinterpret_cast<const void*>(nx.rec[i]), PartMap<F, 0>::kRecBytes);
+              if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(nx.scl[i]));
+            }
+          }
+        }
         if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-        v3::part_rope<F, 0, 1>(tab, rg, c8, half, sKx_u);
-        v3::half_store<F, 0, 1>(rb, tab, rg, c8, half, sKx, sValid + x * kBlockN);
+        part_rope<F>(cur, row, c8, sKx_u, p.q);
+        part_store<F, 1>(rb, cur, row, c8, sKx, sValid + x * kBlockN);
         gmma::fence_proxy_async();
         mbar_arrive_cp_async(bar_full(x, 1));
         mbar_arrive(bar_full(x, 1));
         if (!more) break;
-        named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
+        addr_of(vn, next_extra, cur);
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -409,8 +535,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
 }
 
-/// v4 serves the same shapes as v3 (64-row head tiles, 16-byte aligned caches).
-inline bool usable(const SparseDecodeKernelParams& kp) { return v3::usable(kp); }
+/// v4 serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; v1 / v2 the rest.
+inline bool usable(const SparseDecodeKernelParams& kp) {
+  return kp.h_q > 32 && kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
+}
 
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {

@@ -1,13 +1,11 @@
 // src/sm90/sparse_decode_model1.cu — instantiations of the sparse FP8 decode kernel
 // for the MODEL1 format (d_qk 512, per-page-block data + scale records).
 #include "sm90/sparse_decode_kernel_v2.cuh"
-#include "sm90/sparse_decode_kernel_v3.cuh"
 #include "sm90/sparse_decode_kernel_v4.cuh"
 
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  if (kp.kernel_version == 3 && sparse::v3::usable(kp)) return sparse::v3::launch<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
   if (kp.kernel_version == 4 && sparse::v4::usable(kp)) return sparse::v4::launch<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
   return sparse::launch_main_auto<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
 }

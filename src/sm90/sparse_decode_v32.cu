@@ -2,13 +2,11 @@
 // for the V32 format (d_qk 576, 656 bytes/token). One file per format so the
 // two compile in parallel.
 #include "sm90/sparse_decode_kernel_v2.cuh"
-#include "sm90/sparse_decode_kernel_v3.cuh"
 #include "sm90/sparse_decode_kernel_v4.cuh"
 
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  if (kp.kernel_version == 3 && sparse::v3::usable(kp)) return sparse::v3::launch<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
   if (kp.kernel_version == 4 && sparse::v4::usable(kp)) return sparse::v4::launch<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
   return sparse::launch_main_auto<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
 }
