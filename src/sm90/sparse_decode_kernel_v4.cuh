@@ -15,13 +15,14 @@
 //   * warpgroup 1 (setmaxnreg kWg1Regs): per block, after warpgroup 0's P barrier, O[:, 256:512] =
 //     O * scale + P V[:, 256:512] from slab 8 and slabs 4-7, then the release of part B (slabs 4-8).
 //   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): each thread owns two rows of every
-//     block (rows rg + 16 (2 half + i), 8 threads per row, 16 dims of each 128-dim half per thread):
-//     it loads the rows' cache indices one block ahead (and prefetches their records to L2), loads
-//     both parts' FP8 bytes and scales into registers before the first wait, then per part waits
-//     until the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16,
-//     times the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs, copies the RoPE
-//     bf16 bytes (part B) by cp.async and arrives on the part's full barrier (256 plain + 256
-//     cp.async noinc arrivals). No producer-wide barrier: warps run ahead independently.
+//     block (rows rg + 16 (2 half + i), 8 threads per row, 16 dims of each 128-dim half per
+//     thread). Per block the first 64 producer threads write the next block's record / scale
+//     addresses to a shared table (and prefetch the records to L2), one block ahead, behind one
+//     producer barrier per block; each thread loads both parts' FP8 bytes and scales into
+//     registers before its first wait, then per part waits until the consumers released it,
+//     dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times the tile scale in bf16,
+//     v1's dequant8) into the 128B-swizzled slabs, copies the RoPE bf16 bytes (part B) by cp.async
+//     and arrives on the part's full barrier (256 plain + 256 cp.async noinc arrivals).
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
 // then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
 // Only for 16-byte aligned caches (v1 keeps the byte-copy path); q rows may be unaligned.
@@ -172,10 +173,12 @@ constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
-constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
+constexpr int kSmemAddr = 2 * 2 * 64 * 8;  // producers' address table: [block parity][record / scale][row]
+constexpr int kSmemBytes =
+    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducer = 4 };
 
 template <Fmt F>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
@@ -195,6 +198,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
+  uint64_t* sAddr = reinterpret_cast<uint64_t*>(base + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar);
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
 
@@ -244,7 +248,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     const int t = tid - kConsumers;
     const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;
     const int row[2] = {rg + 32 * half, rg + 32 * half + 16};  // this thread's rows of every block
-    // Look-ahead: (nreq, nb) is the block after the one being filled.
+    const int a_row = t & 63;                                    // address table entry (threads t < 64)
+    // Look-ahead: (nreq, nb) is the block whose address table is written next, one block ahead of the fills.
     int nreq = begin_req, nb = 0;
     ReqInfo nri = req_info(begin_req);
     auto skip_empty = [&]() {
@@ -254,49 +259,57 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (nreq <= end_req) nri = req_info(nreq);
       }
     };
-    // Cache indices of this thread's rows in block (nreq, nb), -1 where invalid.
-    auto load_index = [&](int (&v)[2]) {
+    auto load_index = [&]() {  // this thread's slot of block (nreq, nb): cache index, -1 if invalid
+      int v = -1;
       const int blk = nri.blk_lo + nb;
-      const bool is_extra = p.has_extra && blk >= nri.n_main;
-      const SparseScope& sc = is_extra ? p.extra : p.main;
-      const int lim = is_extra ? nri.lim_extra : nri.lim_main;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        v[i] = -1;
-        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + row[i];
+      if (t < 64) {
+        const bool is_extra = p.has_extra && blk >= nri.n_main;
+        const SparseScope& sc = is_extra ? p.extra : p.main;
+        const int lim = is_extra ? nri.lim_extra : nri.lim_main;
+        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + a_row;
         if (slot < lim) {
-          v[i] = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
-          if (v[i] >= sc.num_tokens) v[i] = -1;
+          v = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
+          if (v >= sc.num_tokens) v = -1;
         }
       }
+      return v;
     };
-    auto addr_of = [&](const int (&v)[2], bool is_extra, RowAddr& ra) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        ra.rec[i] = 0;
-        ra.scl[i] = 0;
-        if (v[i] >= 0) row_addr<F>(is_extra ? p.extra : p.main, v[i], ra.rec[i], ra.scl[i]);
+    auto write_entry = [&](int v, int parity) {  // table entry + L2 prefetch of the record
+      if (t < 64) {
+        uint64_t rec = 0, scl = 0;
+        if (v >= 0) {
+          const bool is_extra = p.has_extra && nri.blk_lo + nb >= nri.n_main;
+          row_addr<F>(is_extra ? p.extra : p.main, v, rec, scl);
+          prefetch_l2_bulk(reinterpret_cast<const void*>(rec), PartMap<F, 0>::kRecBytes);
+          if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(scl));
+        }
+        uint64_t* tab = sAddr + parity * 128;  // [rec / scale][row]
+        tab[a_row] = rec;
+        tab[64 + a_row] = scl;
       }
     };
     skip_empty();
     if (nreq <= end_req) {
-      RowAddr cur;
-      {
-        int v[2];
-        load_index(v);
-        addr_of(v, p.has_extra && nri.blk_lo + nb >= nri.n_main, cur);
-      }
+      write_entry(load_index(), 0);
+      named_barrier_sync(kBarProducer, kProducers);  // the first block's table is complete
       for (int g = 0;; ++g) {
         ++nb;
         skip_empty();
         const bool more = nreq <= end_req;
-        const bool next_extra = more && p.has_extra && nri.blk_lo + nb >= nri.n_main;
-        int vn[2] = {-1, -1};
-        if (more) load_index(vn);  // the next block's indices, in flight during this block
+        const int v_next = more ? load_index() : -1;
+        const uint64_t* tab = sAddr + (g & 1) * 128;
+        RowAddr cur;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          cur.rec[i] = tab[row[i]];
+          cur.scl[i] = tab[64 + row[i]];
+        }
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        // Both parts' FP8 bytes and scales are loaded before the first wait.
+        // Both parts' FP8 bytes and scales are loaded before the first wait; the next block's
+        // table goes into the slot of block g - 1, whose fills every producer finished before this
+        // block's barrier.
         PartRegs ra, rb;
         part_load<F, 0>(ra, cur, c8);
         part_load<F, 1>(rb, cur, c8);
@@ -305,17 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
         mbar_arrive_cp_async(bar_full(x, 0));
         mbar_arrive(bar_full(x, 0));
-        if (more && c8 == 0) {  // the next block's records to L2 (one thread per row)
-          RowAddr nx;
-          addr_of(vn, next_extra, nx);
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (nx.rec[i] != 0) {
-              prefetch_l2_bulk(reinterpret_cast<const void*>(nx.rec[i]), PartMap<F, 0>::kRecBytes);
-              if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(nx.scl[i]));
-            }
-          }
-        }
+        if (more) write_entry(v_next, (g + 1) & 1);
         if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
         part_rope<F>(cur, row, c8, sKx_u, p.q);
         part_store<F, 1>(rb, cur, row, c8, sKx, sValid + x * kBlockN);
@@ -323,7 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         mbar_arrive_cp_async(bar_full(x, 1));
         mbar_arrive(bar_full(x, 1));
         if (!more) break;
-        addr_of(vn, next_extra, cur);
+        named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
