@@ -112,6 +112,26 @@ __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   }
 }
 
+// P = exp2(S - m) for the thread's two rows (row sums added to rs), packed to bf16 as the P.V
+// A-operand fragments `a`, and stored into the 128B-swizzled slab sP (64 rows x 64 keys) for the
+// other consumer warpgroup's SS P.V.
+__device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m)[2], float (&rs)[2],
+                                                 uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
+      rs[e >> 1] += s[4 * t + e];
+    }
+    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
+    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+    const int key = 8 * t + 2 * tq;
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
+  }
+}
+
 // Scale to base 2 and mask invalid slots (validity bytes of the stage) -> row maxima.
 __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, float scale_log2, int tq,
                                             float (&mx)[2]) {

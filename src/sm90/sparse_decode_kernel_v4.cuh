@@ -423,21 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         float rs[2] = {0.f, 0.f};
         uint32_t a[4][4];
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[4 * t + e] = exp2f(s[4 * t + e] - mu[e >> 1]);
-            rs[e >> 1] += s[4 * t + e];
-          }
-          a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
-          a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
-          const int key = 8 * t + 2 * tq;
-          *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
-              a[t >> 1][(t & 1) * 2 + 0];
-          *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
-              a[t >> 1][(t & 1) * 2 + 1];
-        }
+        exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
         gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
         bar_arrive(kBarP0 + x, kConsumers);
 #pragma unroll
