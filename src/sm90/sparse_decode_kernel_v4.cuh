@@ -532,7 +532,9 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>;
-  // The setmaxnreg split needs the launch's register pool (compiled registers x 512); refuse otherwise.
+  // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
+  // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
+  // sparse_decode_v32.cu / sparse_decode_model1.cu then run v1).
   static const int regs = [] {
     cudaFuncAttributes a{};
     return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>) == cudaSuccess ? a.numRegs : 0;

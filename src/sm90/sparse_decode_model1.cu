@@ -6,7 +6,12 @@
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  if (kp.kernel_version == 4 && sparse::v4::usable(kp)) return sparse::v4::launch<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
+  if (kp.kernel_version == 4 && sparse::v4::usable(kp)) {
+    // v4 refuses (cudaErrorInvalidConfiguration) when its compiled register count cannot fund the
+    // setmaxnreg split; v1 serves the call then.
+    const cudaError_t e = sparse::v4::launch<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
+    if (e != cudaErrorInvalidConfiguration) return e;
+  }
   return sparse::launch_main_auto<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
 }
 
