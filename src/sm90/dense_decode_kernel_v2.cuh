@@ -69,9 +69,8 @@ struct Mma<__half> {
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(const DenseDecodeKernelParams p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint32_t raw_u = smem_u32(smem_raw);
-  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
-  uint8_t* base = smem_raw + (base_u - raw_u);
+  uint32_t base_u;
+  uint8_t* base = smem_align_1024(smem_raw, base_u);
   const uint32_t sQ_u = base_u;
   const uint32_t sK_u = sQ_u + kSmemQ;
   const uint32_t sP_u = sK_u + 2 * kSmemK;

@@ -139,9 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kSlabs = kD / 64;
   constexpr int kChunks = kD / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  const uint32_t raw_u = smem_u32(smem_raw);
-  const uint32_t base_u = (raw_u + 1023u) & ~1023u;
-  uint8_t* base = smem_raw + (base_u - raw_u);
+  uint32_t base_u;
+  uint8_t* base = smem_align_1024(smem_raw, base_u);
   const uint32_t sQ_u = base_u;
   const uint32_t sK_u = sQ_u + kSmemQ;
   uint8_t* sK = base + kSmemQ;

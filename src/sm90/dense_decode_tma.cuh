@@ -1,5 +1,5 @@
 // src/sm90/dense_decode_tma.cuh — PTX wrappers for the bulk tensor copy engine (TMA)
-// and shared-memory mbarriers, used by the dense-decode v4 kernel. Own namespace so
+// (with the transaction-count mbarrier arrival it completes on), used by the dense-decode v4 kernel. Own namespace so
 // that other sm90 kernels can define their own helpers without clashes.
 #pragma once
 
@@ -7,34 +7,19 @@
 
 #include <cstdint>
 
+#include "sm90/utils.cuh"
+
 namespace flashmla::sm90::dense_tma {
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// Makes mbarrier.init visible to the async proxy (TMA complete_tx) and other threads.
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
+// The mbarrier wrappers are shared (utils.cuh).
+using flashmla::sm90::fence_barrier_init;
+using flashmla::sm90::mbar_init;
+using flashmla::sm90::mbar_try_wait;
+using flashmla::sm90::mbar_wait;
+
 // One arrival + expect `bytes` of transaction count on the current phase.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
-}
-// Blocks until the phase with parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
 }
 
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {

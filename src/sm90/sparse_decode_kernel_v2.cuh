@@ -88,11 +88,11 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
   if (begin_req >= p.b) return;
 
   if (tid == 0) {
-    seesaw::mbar_init(bar_full, 128);
-    seesaw::mbar_init(bar_full + 8, 128);
-    seesaw::mbar_init(bar_empty, ws::kConsumers);
-    seesaw::mbar_init(bar_empty + 8, ws::kConsumers);
-    seesaw::fence_barrier_init();
+    mbar_init(bar_full, 128);
+    mbar_init(bar_full + 8, 128);
+    mbar_init(bar_empty, ws::kConsumers);
+    mbar_init(bar_empty + 8, ws::kConsumers);
+    fence_barrier_init();
   }
   __syncthreads();
 
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
         }
 
         const int buf = kc & 1;
-        seesaw::mbar_wait(bar_empty + 8 * buf, ((kc >> 1) & 1) ^ 1);
+        mbar_wait(bar_empty + 8 * buf, ((kc >> 1) & 1) ^ 1);
         // Swizzled destinations (swz): unit u = 4k + 2hf + e has (u ^ x) = 8 (k >> 1) + ((4 (k & 1) + 2hf + e) ^ x),
         // x = tok & 7, so four row offsets plus immediates cover all stores (no hoisted per-k addresses).
         uint8_t* dK = sK + buf * C2::kSmemK + tok * kRowBytes;
@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
         for (int k = 0; k < 4; ++k)
           *reinterpret_cast<uint4*>(dK + NOPE_UNITS * 16 + (((2 * k + hf) ^ x7) << 4)) = rope[k];
         if (hf == 0) sValid[buf * kBlockN + tok] = valid ? 1 : 0;
-        seesaw::mbar_arrive(bar_full + 8 * buf);
+        mbar_arrive(bar_full + 8 * buf);
       }
     }
     return;
@@ -265,7 +265,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
 
     for (int i = 0; i < n_blk; ++i, ++kc) {
       const int buf = kc & 1;
-      seesaw::mbar_wait(bar_full + 8 * buf, (kc >> 1) & 1);
+      mbar_wait(bar_full + 8 * buf, (kc >> 1) & 1);
       const uint32_t sKb_u = sK_u + buf * C2::kSmemK;
       const uint8_t* sValidCur = sValid + buf * kBlockN;
 
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
           }
         }
       }
-      seesaw::mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
+      mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
     }
 
     // ---- epilogue (v1's): total row sum across the row group's warps

@@ -49,6 +49,47 @@ __device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
   return v;
 }
 
+// ---- shared-memory mbarriers (PTX ISA "mbarrier"), addresses are shared::cta byte addresses
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes mbarrier.init visible to the async proxy (TMA complete_tx) and other threads.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrival (release) of this thread.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrival once all prior cp.async of this thread have completed (count not incremented).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+// Blocks until the phase with parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// Dynamic shared memory rounded up to a 1024-byte boundary (128B-swizzle atoms and wgmma
+// descriptors need it): the generic pointer and the shared::cta address of that boundary.
+__device__ __forceinline__ uint8_t* smem_align_1024(uint8_t* raw, uint32_t& base_u) {
+  const uint32_t raw_u = smem_u32(raw);
+  base_u = (raw_u + 1023u) & ~1023u;
+  return raw + (base_u - raw_u);
+}
+
 __device__ __forceinline__ void named_barrier_sync(int id, int num_threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(num_threads) : "memory");
 }
