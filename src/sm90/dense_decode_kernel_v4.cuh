@@ -35,6 +35,7 @@
 #include "sm90/utils.cuh"
 #include "sm90/wgmma.cuh"
 #include "sm90/host_utils.h"
+#include "sm90/seesaw.cuh"
 
 namespace flashmla::sm90::dense_v4 {
 
@@ -453,21 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (has1) {
           float rs[2] = {0.f, 0.f};
           uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-#pragma unroll
-          for (int t = 0; t < 8; ++t) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
-              rs[e >> 1] += s[4 * t + e];
-            }
-            a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
-            a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
-            const int key = 8 * t + 2 * tq;
-            *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
-                a[t >> 1][(t & 1) * 2 + 0];
-            *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
-                a[t >> 1][(t & 1) * 2 + 1];
-          }
+          seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
           gmma::fence_proxy_async();

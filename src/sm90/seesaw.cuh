@@ -2,7 +2,8 @@
 // consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
 // over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
 // named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill kernel
-// (sparse_prefill_kernel_v2.cuh) and the sparse FP8 decode v4 kernel (sparse_decode_kernel_v4.cuh).
+// (sparse_prefill_kernel_v2.cuh) and the sparse FP8 decode v4 kernel (sparse_decode_kernel_v4.cuh);
+// the dense decode v4 kernel uses exp_pack_store_p.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -86,9 +87,10 @@ __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   }
 }
 
-// P = exp2(S - m) for the thread's two rows (row sums added to rs), packed to bf16 as the P.V
-// A-operand fragments `a`, and stored into the 128B-swizzled slab sP (64 rows x 64 keys) for the
-// other consumer warpgroup's SS P.V.
+// P = exp2(S - m) for the thread's two rows (row sums added to rs), packed to T (bf16 or fp16) as
+// the P.V A-operand fragments `a`, and stored into the 128B-swizzled slab sP (64 rows x 64 keys)
+// for the other consumer warpgroup's SS P.V.
+template <class T = __nv_bfloat16>
 __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m)[2], float (&rs)[2],
                                                  uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
 #pragma unroll
@@ -98,8 +100,8 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
       s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
       rs[e >> 1] += s[4 * t + e];
     }
-    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
-    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
     const int key = 8 * t + 2 * tq;
     *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
     *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
