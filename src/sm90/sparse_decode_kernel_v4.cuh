@@ -297,12 +297,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool more = nreq <= end_req;
         const int v_next = more ? load_index() : -1;
         const uint64_t* tab = sAddr + (g & 1) * 128;
-        RowAddr cur;
+        // The rows' addresses are re-read from the table at each use (not held in registers
+        // across the block: v4.1 did so and ran ~15% faster than holding them, bench/NOTES.md).
+        auto cur = [&]() {
+          RowAddr r;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          cur.rec[i] = tab[row[i]];
-          cur.scl[i] = tab[64 + row[i]];
-        }
+          for (int i = 0; i < 2; ++i) {
+            r.rec[i] = tab[row[i]];
+            r.scl[i] = tab[64 + row[i]];
+          }
+          return r;
+        };
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -310,17 +315,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         // table goes into the slot of block g - 1, whose fills every producer finished before this
         // block's barrier.
         PartRegs ra, rb;
-        part_load<F, 0>(ra, cur, c8);
-        part_load<F, 1>(rb, cur, c8);
+        part_load<F, 0>(ra, cur(), c8);
+        part_load<F, 1>(rb, cur(), c8);
         if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-        part_store<F, 0>(ra, cur, row, c8, sKx, sValid + x * kBlockN);
+        part_store<F, 0>(ra, cur(), row, c8, sKx, sValid + x * kBlockN);
         gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
         mbar_arrive_cp_async(bar_full(x, 0));
         mbar_arrive(bar_full(x, 0));
         if (more) write_entry(v_next, (g + 1) & 1);
         if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-        part_rope<F>(cur, row, c8, sKx_u, p.q);
-        part_store<F, 1>(rb, cur, row, c8, sKx, sValid + x * kBlockN);
+        part_rope<F>(cur(), row, c8, sKx_u, p.q);
+        part_store<F, 1>(rb, cur(), row, c8, sKx, sValid + x * kBlockN);
         gmma::fence_proxy_async();
         mbar_arrive_cp_async(bar_full(x, 1));
         mbar_arrive(bar_full(x, 1));
