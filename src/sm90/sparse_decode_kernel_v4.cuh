@@ -390,28 +390,41 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     float l_run[2] = {0.f, 0.f};
 
     if constexpr (kWg == 0) {
-      for (int j = 0; j < n_blk; ++j, ++g) {
-        const int x = g & 1;
-        const uint32_t ph = static_cast<uint32_t>((g >> 1) & 1);
-        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        float s[32];
+      // MODEL1 (kSAhead): S of block g + 1 is issued right behind P V_L of block g (same request),
+      // so the tensor pipe does not drain while this warpgroup waits for P V_L and starts the next
+      // S; the wait for both comes at the top of the next step, which then releases part A of
+      // block g. V32 waits for P V_L at once (with S's 9 slabs live beside O the look-ahead spills
+      // ~1 KB and ran 7% slower on V3.2 b128, 3-4% faster on MODEL1 b128: bench/NOTES.md).
+      constexpr bool kSAhead = F == Fmt::kModel1;
+      float s[32];
+      auto issue_s = [&](int gg) {
+        const int xx = gg & 1;
+        const uint32_t phh = static_cast<uint32_t>((gg >> 1) & 1);
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
-        {
-          const uint64_t db = gmma::make_desc_sw128(sKx_u, 16, 1024);
-          mbar_wait(bar_full(x, 0), ph);
-          gmma::fence_proxy_async();
-          gmma::fence();
-          s_chain<0, 4>(s, dq, db);
-          mbar_wait(bar_full(x, 1), ph);
-          gmma::fence_proxy_async();
-          gmma::fence();
-          s_chain<4, kSlabs>(s, dq, db);
-        }
+        const uint64_t db = gmma::make_desc_sw128(sK_u + static_cast<uint32_t>(xx * kSmemK), 16, 1024);
+        mbar_wait(bar_full(xx, 0), phh);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        s_chain<0, 4>(s, dq, db);
+        mbar_wait(bar_full(xx, 1), phh);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        s_chain<4, kSlabs>(s, dq, db);
         gmma::commit();
-        gmma::wait<0>();
+      };
+      if (kSAhead && n_blk > 0) issue_s(g);
+      for (int j = 0; j < n_blk; ++j, ++g) {
+        const int x = g & 1;
+        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
+        if (!kSAhead) issue_s(g);
+        gmma::wait<0>();  // S of block g (kSAhead: and P V_L of block g - 1, issued before it)
         gmma::reg_fence(s);
+        if (kSAhead) {
+          gmma::reg_fence(o);
+          if (j > 0) mbar_arrive(bar_free(x ^ 1, 0));  // block g - 1's slabs 0-3 are free
+        }
 
         float mx[2] = {-INFINITY, -INFINITY};
         mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
@@ -437,9 +450,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
+        if (kSAhead) {
+          if (j + 1 < n_blk) issue_s(g + 1);
+        } else {
+          gmma::wait<0>();
+          gmma::reg_fence(o);
+          mbar_arrive(bar_free(x, 0));  // slabs 0-3 of the buffer are free
+        }
+      }
+      if (kSAhead && n_blk > 0) {
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free(x, 0));  // slabs 0-3 of the buffer are free
+        mbar_arrive(bar_free((g - 1) & 1, 0));  // the request's last block's slabs 0-3 are free
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
