@@ -225,23 +225,44 @@ def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts, metadata_give
     )
 
 
+def _check_same_device(q_name: str, q: Any, **tensors: Any) -> None:
+    """The core's device rule (src/core/validate.cpp check_same_device) in the fake kernels.
+
+    A call with one tensor on the ``meta`` device and the rest on the CPU (or CUDA) is routed by
+    torch's dispatcher to these fake kernels, which would otherwise return uninitialised outputs
+    (regressions.md item 10): raise the core's ValueError instead. Under torch.compile every fake
+    tensor shares q's device and this passes.
+    """
+    for name, t in tensors.items():
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but {q_name} is on {q.device}: all tensors must be on the "
+                             "same device")
+
+
 def _register_fakes(torch) -> None:
     lib = "flash_mla::"
 
     @torch.library.register_fake(lib + "dense_decode_fwd")
     def _dense_decode_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
                            tile_scheduler_metadata=None, num_splits=None):
+        _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                           tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
         parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
         return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None)
 
     @torch.library.register_fake(lib + "sparse_decode_fwd")
     def _sparse_decode_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
                             extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+        _check_same_device("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                           tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
+                           extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
+                           extra_topk_length=extra_topk_length)
         parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
         return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None)
 
     @torch.library.register_fake(lib + "sparse_prefill_fwd")
     def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        _check_same_device("q", q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
         s_q, h_q = q.shape[0], q.shape[1]
         return (
             q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
@@ -260,10 +281,12 @@ def _register_fakes(torch) -> None:
 
     @torch.library.register_fake(lib + "quantize_kv_cache")
     def _quantize_fake(kv_cache, packed, format):
+        _check_same_device("kv_cache", kv_cache, packed=packed)
         return None
 
     @torch.library.register_fake(lib + "dequantize_kv_cache")
     def _dequantize_fake(packed, kv_cache, format):
+        _check_same_device("packed", packed, kv_cache=kv_cache)
         return None
 
 

@@ -378,6 +378,9 @@ def flash_mla_sparse_fwd(
     and ``lse`` ``(s_q, h_q)`` float32 in natural units. Rows with no valid slot give
     ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
     """
+    for name, val in (("q", q), ("kv", kv), ("indices", indices)):
+        if val is None or not hasattr(val, "shape"):
+            raise TypeError(f"{name}: expected a tensor, got {type(val).__name__}")
     if sm_scale is None or isinstance(sm_scale, (str, bytes)):
         raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
     sm_scale = _float_arg("sm_scale", sm_scale)

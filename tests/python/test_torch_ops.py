@@ -137,6 +137,50 @@ def test_sparse_prefill_values(rng, count_torch_calls):
         np.testing.assert_array_equal(bits(N(a)), bits(b))
 
 
+def test_flash_mla_cuda_module_matches_public_api(rng):
+    """flash_mla.cuda (spec §1.1): FlashMLA's native entry points, argument order and returns."""
+    import flash_mla.cuda as fc
+
+    c = dense_case(rng, BF16, True, 2)
+    scale = c.softmax_scale if c.softmax_scale is not None else 576 ** -0.5
+    res = fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), scale, c.causal,
+                              None, None)
+    assert len(res) == 4 and res[2].dtype == torch.int32 and res[2].shape[1] == 8 and res[3].shape == (4,)
+    out, lse = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
+    assert torch.equal(res[0].view(torch.int16), out.view(torch.int16)) and torch.equal(res[1], lse)
+    again = fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), scale, c.causal,
+                                res[2], res[3])  # metadata passed back in, as FlashMLA's wrapper does
+    assert torch.equal(again[0].view(torch.int16), out.view(torch.int16))
+    assert again[2] is res[2] and again[3] is res[3]  # handed back, as FlashMLA's wrapper stores them
+
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    res = fc.sparse_decode_fwd(T(s.q), T(s.main.packed), kw["indices"], kw["topk_length"], kw["attn_sink"], None,
+                               None, kw["extra_k_cache"], kw["extra_indices_in_kvcache"], kw["extra_topk_length"], 512,
+                               kw["softmax_scale"])
+    out, lse = flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512,
+                                                flash_mla.get_mla_metadata()[0], **kw)
+    assert torch.equal(res[0].view(torch.int16), out.view(torch.int16)) and torch.equal(res[1], lse)
+
+    p = prefill_case(rng)
+    res = fc.sparse_prefill_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, T(p.attn_sink), T(p.topk_length))
+    ref = flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, T(p.attn_sink),
+                                         T(p.topk_length))
+    for a, b in zip(res, ref):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+    with pytest.raises(ValueError, match="d_v"):
+        fc.sparse_prefill_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 256)
+    with pytest.raises(TypeError, match=r"^kv: expected a torch.Tensor, got ndarray"):
+        fc.sparse_prefill_fwd(T(p.q), p.kv, T(p.indices), p.sm_scale)
+    with pytest.raises(TypeError, match=r"^softmax_scale: expected a float"):
+        fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), None, c.causal)
+    for name in ("dense_prefill_fwd", "dense_prefill_bwd"):
+        with pytest.raises(NotImplementedError, match=name):
+            getattr(fc, name)()
+
+
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_quant_helpers_through_torch_ops(rng, count_torch_calls, d_qk):
     kv = np.clip(rng.standard_normal((3, 16, 1, d_qk)) * 0.3, -2, 2).astype(np.float32).astype(BF16)
@@ -392,6 +436,38 @@ def test_meta_device_tensors_use_fake_kernels():
                                                                512, 0.1)
     assert out.shape == (4, 2, 64, 512) and out.dtype == torch.bfloat16 and lse.shape == (4, 64, 2)
     assert tsm.shape[1] == 8 and ns.shape == (5,) and out.device.type == "meta"
+
+
+def test_mixed_meta_and_cpu_tensors_raise(rng):
+    """Session-6 breaker finding (regression 10): one tensor on ``meta`` and the rest on the CPU
+    went to the fake kernels and returned uninitialised outputs; now the core's device error."""
+    q = torch.randn(2, 1, 4, 576).to(torch.bfloat16)
+    kc = torch.randn(4, 64, 1, 576).to(torch.bfloat16)
+    bt = torch.arange(4, dtype=torch.int32).reshape(2, 2)
+    sl = torch.tensor([70, 3], dtype=torch.int32)
+    dense = dict(q=q, k_cache=kc, block_table=bt, cache_seqlens=sl)
+    for name in dense:
+        args = dict(dense)
+        args[name] = args[name].to("meta")
+        other = "k_cache" if name == "q" else name
+        with pytest.raises(ValueError, match=rf"^{other} is on .* but q is on .*: all tensors must be on the same device"):
+            flash_mla.flash_mla_with_kvcache(args["q"], args["k_cache"], args["block_table"], args["cache_seqlens"],
+                                             512, flash_mla.get_mla_metadata()[0])
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    kw["indices"] = kw["indices"].to("meta")
+    with pytest.raises(ValueError, match=r"^indices is on meta but q is on cpu"):
+        flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, flash_mla.get_mla_metadata()[0],
+                                         **kw)
+    p = prefill_case(rng)
+    with pytest.raises(ValueError, match=r"^kv is on meta but q is on cpu"):
+        flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv).to("meta"), T(p.indices), p.sm_scale)
+    with pytest.raises(ValueError, match=r"^packed is on meta but kv_cache is on cpu"):
+        torch.ops.flash_mla.quantize_kv_cache(torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16),
+                                              torch.zeros(1, 1, 1, 656, dtype=torch.uint8, device="meta"), 0)
+    # every tensor on meta still takes the fake kernel (torch.compile / FakeTensor)
+    out = flash_mla.flash_mla_sparse_fwd(T(p.q).to("meta"), T(p.kv).to("meta"), T(p.indices).to("meta"), p.sm_scale)
+    assert out[0].device.type == "meta"
 
 
 def test_first_call_inside_torch_compile_fresh_process(tmp_path):

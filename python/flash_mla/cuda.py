@@ -1,0 +1,93 @@
+"""``flash_mla.cuda`` — FlashMLA's native-module entry points (spec §1.1), for programs that call them.
+
+FlashMLA's Python wrappers call a pybind11 module ``flash_mla.cuda`` with five functions; some
+programs call those directly. Here they are the ``torch.ops.flash_mla`` ops (the stable-ABI op
+library, ``flash_mla/_torch_ops.py``), with FlashMLA's argument order and return values:
+
+* ``dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
+  tile_scheduler_metadata, num_splits) -> [out, lse, tile_scheduler_metadata, num_splits]``
+* ``sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+  extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+  -> [out, lse, tile_scheduler_metadata, num_splits]``
+* ``sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> [out, max_logits, lse]``
+* ``dense_prefill_fwd`` / ``dense_prefill_bwd``: not implemented (FlashMLA ships them for SM100
+  only); they raise NotImplementedError.
+
+Shapes, dtypes and conventions are those of :func:`flash_mla.flash_mla_with_kvcache` and
+:func:`flash_mla.flash_mla_sparse_fwd`; ``tile_scheduler_metadata`` / ``num_splits`` may be None
+(computed and returned) or the tensors a previous call returned (then returned again, as FlashMLA's
+wrapper stores whatever comes back). Tensors must be torch tensors
+(CPU: the reference backend; CUDA: the sm90 kernels). Bad input raises the same TypeError /
+ValueError (naming the argument) as the public functions. Importing this module without torch or
+without the op library raises ImportError.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List
+
+from . import _torch_ops
+from .flash_mla_interface import _DENSE_PREFILL_MSG, _float_arg, _int_arg
+
+if not _torch_ops.available():
+    raise ImportError(f"flash_mla.cuda needs PyTorch and torch.ops.flash_mla: {_torch_ops.load_error()}")
+
+
+def _with_metadata(res: Any, tile_scheduler_metadata: Any, num_splits: Any) -> List[Any]:
+    """The op returns empty metadata when it was given some (no aliasing); FlashMLA's wrapper stores
+    what comes back, so hand the given tensors back as FlashMLA does."""
+    res = list(res)
+    if tile_scheduler_metadata is not None:
+        res[2] = tile_scheduler_metadata
+    if num_splits is not None:
+        res[3] = num_splits
+    return res
+
+
+def _require_torch(**tensors: Any) -> None:
+    import torch
+
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def dense_decode_fwd(q: Any, k_cache: Any, head_dim_v: int, cache_seqlens: Any, block_table: Any,
+                     softmax_scale: float, causal: bool, tile_scheduler_metadata: Any = None,
+                     num_splits: Any = None) -> List[Any]:
+    """Dense MLA decode (FlashMLA's ``flash_mla.cuda.dense_decode_fwd``); see the module docstring."""
+    _require_torch(q=q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    res = _torch_ops.dense_decode_fwd(q, k_cache, _int_arg("head_dim_v", head_dim_v), cache_seqlens, block_table,
+                                      _float_arg("softmax_scale", softmax_scale), bool(causal), tile_scheduler_metadata,
+                                      num_splits)
+    return _with_metadata(res, tile_scheduler_metadata, num_splits)
+
+
+def sparse_decode_fwd(q: Any, k_cache: Any, indices: Any, topk_length: Any, attn_sink: Any,
+                      tile_scheduler_metadata: Any, num_splits: Any, extra_k_cache: Any,
+                      extra_indices_in_kvcache: Any, extra_topk_length: Any, head_dim_v: int,
+                      softmax_scale: float) -> List[Any]:
+    """Sparse FP8 MLA decode (FlashMLA's ``flash_mla.cuda.sparse_decode_fwd``); see the module docstring."""
+    _require_torch(q=q, k_cache=k_cache, indices=indices)
+    res = _torch_ops.sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                                       extra_k_cache, extra_indices_in_kvcache, extra_topk_length,
+                                       _int_arg("head_dim_v", head_dim_v), _float_arg("softmax_scale", softmax_scale))
+    return _with_metadata(res, tile_scheduler_metadata, num_splits)
+
+
+def sparse_prefill_fwd(q: Any, kv: Any, indices: Any, sm_scale: float, d_v: int = 512, attn_sink: Any = None,
+                       topk_length: Any = None) -> List[Any]:
+    """Sparse MLA prefill (FlashMLA's ``flash_mla.cuda.sparse_prefill_fwd``); see the module docstring."""
+    _require_torch(q=q, kv=kv, indices=indices)
+    return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, _float_arg("sm_scale", sm_scale), _int_arg("d_v", d_v),
+                                              attn_sink, topk_length))
+
+
+def dense_prefill_fwd(*args: Any, **kwargs: Any) -> Any:
+    """Dense MHA prefill forward: not implemented (raises NotImplementedError)."""
+    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_mla.cuda.dense_prefill_fwd"))
+
+
+def dense_prefill_bwd(*args: Any, **kwargs: Any) -> Any:
+    """Dense MHA prefill backward: not implemented (raises NotImplementedError)."""
+    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_mla.cuda.dense_prefill_bwd"))
