@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import math
 import sys
 from typing import List, Optional, Sequence
@@ -145,14 +146,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 
 
 class LatentRecorder:
-    """Stands in for ``past_key_values``: DeepseekV3Attention (transformers 5) calls
-    ``update(kv_nope (b,1,s,512), k_rot (b,1,s,64), layer_idx)`` with the latents it attends to."""
+    """Stands in for the module's KV cache (``past_key_values``; ``cache`` from transformers 5.24):
+    DeepseekV3Attention (transformers 5) calls ``update(kv_nope (b,1,s,512), k_rot (b,1,s,64),
+    layer_idx, ...)`` with the latents it attends to (the trailing keyword is ``cache_kwargs`` or,
+    from 5.24, ``kwargs``; both are ignored)."""
 
     def __init__(self) -> None:
         self.kv_nope: Optional[torch.Tensor] = None
         self.k_rot: Optional[torch.Tensor] = None
 
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):
         self.kv_nope, self.k_rot = key_states, value_states
         return key_states, value_states
 
@@ -233,7 +236,9 @@ def eager_forward(attn, rotary, seqs: List[torch.Tensor], recorder=None) -> torc
     pos = torch.arange(s, device=hs.device)[None].expand(len(seqs), -1)
     cos, sin = rotary(hs, pos)
     mask = additive_mask(lens, s, hs.dtype, hs.device)
-    kwargs = {"past_key_values": recorder} if recorder is not None else {}
+    kwargs = {}
+    if recorder is not None:  # the cache argument's name: ``cache`` from transformers 5.24, ``past_key_values`` before
+        kwargs = {("cache" if "cache" in inspect.signature(attn.forward).parameters else "past_key_values"): recorder}
     out = attn(hidden_states=hs, position_embeddings=(cos, sin), attention_mask=mask, **kwargs)[0]
     return out
 

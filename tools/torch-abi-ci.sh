@@ -49,19 +49,25 @@ else
   echo "abi3audit could not be installed: skipped (tools/check-abi.py has checked the CPython symbols)"
 fi
 
-run_tests() {  # run_tests PYTHON LABEL
-  local py=$1
+run_tests() {  # run_tests PYTHON LABEL [TEST PATHS...]
+  local py=$1 label=$2
+  shift 2
   "$py" -m pip install -q --force-reinstall --no-deps "$WHL"
   # From outside the source tree, so the installed wheel (not python/) is imported.
   (cd tests/python && FLASHMLA_REQUIRE_TORCH_OPS=1 "$py" -c \
     'import torch, flash_mla, flash_mla._torch_ops as t; assert t.available(), t.load_error(); print("   torch", torch.__version__, "loads", t.library_path())')
-  FLASHMLA_REQUIRE_TORCH_OPS=1 "$py" -m pytest -q -p no:cacheprovider tests/python/test_torch_ops.py \
-    tests/python/test_quant.py
-  stamp "tests passed under $2"
+  local paths=("$@")
+  [ ${#paths[@]} -gt 0 ] || paths=(tests/python/test_torch_ops.py tests/python/test_quant.py)
+  FLASHMLA_REQUIRE_TORCH_OPS=1 "$py" -m pytest -q -p no:cacheprovider -rs "${paths[@]}"
+  stamp "tests passed under $label"
 }
 
-echo "== torch ABI: the same wheel under $TORCH_NEW"
-run_tests "$A" "$TORCH_NEW"
+# Venv A also gets JAX and transformers, and runs the whole CPU suite: the tests that need torch
+# together with JAX (tests/python/test_breaker_session2.py) or transformers (the DeepSeek-V3 example)
+# run nowhere else in CI (the main environment has JAX but no torch).
+"$A" -m pip install -q "jax[cpu]>=0.4.31,<1" "jax-tvm-ffi>=0.1.3,<0.2" "transformers>=5,<6"
+echo "== torch ABI: the same wheel under $TORCH_NEW (+ JAX, transformers): the whole tests/python"
+run_tests "$A" "$TORCH_NEW" tests/python
 echo "== torch ABI: the same wheel under $TORCH_OLD"
 make_venv "$VENVS/torch-old" "$TORCH_OLD"
 run_tests "$VENVS/torch-old/bin/python" "$TORCH_OLD"
