@@ -74,6 +74,25 @@ def test_public_functions_use_torch_ops_on_cuda(count_torch_calls):
             "flash_mla.sparse_prefill_fwd.default"} <= set(count_torch_calls)
 
 
+def test_flash_mla_cuda_module_on_cuda():
+    """flash_mla.cuda (spec §1.1) on CUDA tensors: same values as the public functions (values of
+    both checked against the CPU reference above), metadata returned and accepted back; a CUDA q
+    with a CPU k_cache raises the core's device error."""
+    import flash_mla.cuda as fc
+
+    _, (q, k, bt, ln) = dense_inputs(b=2, lens=(100, 700))
+    res = fc.dense_decode_fwd(q, k, 512, ln, bt, 576 ** -0.5, False, None, None)
+    out, lse = flash_mla.flash_mla_with_kvcache(q, k, bt, ln, 512, flash_mla.get_mla_metadata()[0])
+    assert torch.equal(res[0], out) and torch.equal(res[1], lse)
+    again = fc.dense_decode_fwd(q, k, 512, ln, bt, 576 ** -0.5, False, res[2], res[3])
+    assert torch.equal(again[0], out) and again[2] is res[2] and again[3] is res[3]
+    pq, pkv, pidx, sink, tl = prefill_inputs("cuda")
+    res = fc.sparse_prefill_fwd(pq, pkv, pidx, 0.1, 512, sink, tl)
+    prefill_check(res, prefill_inputs("cpu"))
+    with pytest.raises(ValueError, match="all tensors must be on the same device"):
+        fc.sparse_prefill_fwd(pq, pkv.cpu(), pidx, 0.1, 512, sink, tl)
+
+
 # ----------------------------------------------------------------------------- opcheck
 def test_opcheck_cuda():
     _, (q, k, bt, ln) = dense_inputs(b=2, lens=(100, 700))
