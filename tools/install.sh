@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+# Flaky networks: more connection retries and resumed downloads (the torch venvs pull ~3 GB of
+# CUDA wheels; a dropped connection once failed a whole CI run). Older pips ignore the last one.
+export PIP_RETRIES=${PIP_RETRIES:-10} PIP_TIMEOUT=${PIP_TIMEOUT:-60} PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20}
 
 $PY -m pip install -q --upgrade "pip>=23"
 $PY -m pip install -q \

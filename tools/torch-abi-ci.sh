@@ -18,6 +18,9 @@ TORCH_OLD=${FLASHMLA_CI_TORCH_OLD:-torch==2.11.*}
 VENVS=$(realpath -m "${FLASHMLA_CI_VENVS:-build/ci-venvs}")
 WHEELDIR=$PWD/build/ci-wheel
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+# Flaky networks: more connection retries and resumed downloads (the torch venvs pull ~3 GB of
+# CUDA wheels; a dropped connection once failed a whole CI run). Older pips ignore the last one.
+export PIP_RETRIES=${PIP_RETRIES:-10} PIP_TIMEOUT=${PIP_TIMEOUT:-60} PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20}
 RUNTIME_DEPS=("apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "numpy>=1.24,<3" "ml_dtypes>=0.4,<1" "rich>=13,<16"
               "tqdm>=4.60,<5" "pytest>=7,<10")
 t0=$SECONDS
@@ -27,7 +30,12 @@ make_venv() {  # make_venv DIR TORCH_SPEC
   local dir=$1 spec=$2
   [ -x "$dir/bin/python" ] || "$PY" -m venv "$dir"
   "$dir/bin/python" -m pip install -q --upgrade "pip>=23"
-  "$dir/bin/python" -m pip install -q "$spec" "${RUNTIME_DEPS[@]}"
+  local i
+  for i in 1 2 3; do  # whole-install retries on top of pip's own (a download can still fail midway)
+    "$dir/bin/python" -m pip install -q "$spec" "${RUNTIME_DEPS[@]}" && break
+    [ "$i" = 3 ] && return 1
+    echo "   pip install of $spec failed (attempt $i); retrying in 20 s"; sleep 20
+  done
   stamp "$dir: $("$dir/bin/python" -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])')"
 }
 
