@@ -143,6 +143,13 @@ def _float_arg(name: str, value: Any) -> float:
         raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}") from None
 
 
+def _require_tensors(**tensors: Any) -> None:
+    """TypeError naming the first required argument that is None or not a tensor (no ``.shape``)."""
+    for name, val in tensors.items():
+        if val is None or not hasattr(val, "shape"):
+            raise TypeError(f"{name}: expected a tensor, got {type(val).__name__}")
+
+
 def _shape(x: Any) -> Tuple[int, ...]:
     return tuple(int(s) for s in x.shape)
 
@@ -186,6 +193,12 @@ def flash_mla_with_kvcache(
     Returns ``(out, lse)``: ``out`` ``(b, s_q, h_q, 512)`` in q's dtype (bf16 for sparse);
     ``lse`` ``(b, h_q, s_q)`` float32, natural log. Rows with no valid key give
     ``out = 0`` and ``lse = +inf``. ``attn_sink`` scales ``out`` only.
+
+    Raises (each message names the argument): ``TypeError`` for a missing / non-tensor argument,
+    a wrong dtype or a non-numeric scalar; ``ValueError`` for wrong ranks or shapes, ``head_dim_v``
+    other than 512, tensors on different devices, a non-contiguous last dimension, block-table
+    entries or indices out of range, negative lengths; :class:`SchedMetaMismatchError` when the
+    scheduler object is reused with other shapes, flags or lengths.
     """
     if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         raise TypeError(
@@ -195,9 +208,7 @@ def flash_mla_with_kvcache(
     if num_splits is not None:
         raise ValueError("num_splits: must be None (the scheduler object carries the splits)")
     sched = tile_scheduler_metadata
-    for name, val in (("q", q), ("k_cache", k_cache)):
-        if val is None or not hasattr(val, "shape"):
-            raise TypeError(f"{name}: expected a tensor, got {type(val).__name__}")
+    _require_tensors(q=q, k_cache=k_cache)
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
@@ -377,10 +388,13 @@ def flash_mla_sparse_fwd(
     Returns ``[out, max_logits, lse]``: ``out`` ``(s_q, h_q, 512)`` bf16, ``max_logits``
     and ``lse`` ``(s_q, h_q)`` float32 in natural units. Rows with no valid slot give
     ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
+
+    Raises (each message names the argument): ``TypeError`` for a missing / non-tensor ``q``,
+    ``kv`` or ``indices``, a wrong dtype or a missing / non-numeric ``sm_scale``; ``ValueError``
+    for wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
+    last dimension.
     """
-    for name, val in (("q", q), ("kv", kv), ("indices", indices)):
-        if val is None or not hasattr(val, "shape"):
-            raise TypeError(f"{name}: expected a tensor, got {type(val).__name__}")
+    _require_tensors(q=q, kv=kv, indices=indices)
     if sm_scale is None or isinstance(sm_scale, (str, bytes)):
         raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
     sm_scale = _float_arg("sm_scale", sm_scale)
