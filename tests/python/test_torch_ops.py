@@ -138,7 +138,9 @@ def test_sparse_prefill_values(rng, count_torch_calls):
 
 
 def test_flash_mla_cuda_module_matches_public_api(rng):
-    """flash_mla.cuda (spec §1.1): FlashMLA's native entry points, argument order and returns."""
+    """flash_mla.cuda (spec §1.1): FlashMLA's native entry points, argument order and returns; values
+    against the float64 oracle (fresh random inputs, unused slots poisoned by the generators) and
+    bit-identical to the public functions."""
     import flash_mla.cuda as fc
 
     c = dense_case(rng, BF16, True, 2)
@@ -146,6 +148,9 @@ def test_flash_mla_cuda_module_matches_public_api(rng):
     res = fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), scale, c.causal,
                               None, None)
     assert len(res) == 4 and res[2].dtype == torch.int32 and res[2].shape[1] == 8 and res[3].shape == (4,)
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, causal=c.causal)
+    check_out("out", N(res[0]), ref_out, BF16)
+    check_lse("lse", N(res[1]), ref_lse)
     out, lse = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
     assert torch.equal(res[0].view(torch.int16), out.view(torch.int16)) and torch.equal(res[1], lse)
     again = fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), scale, c.causal,
@@ -158,12 +163,19 @@ def test_flash_mla_cuda_module_matches_public_api(rng):
     res = fc.sparse_decode_fwd(T(s.q), T(s.main.packed), kw["indices"], kw["topk_length"], kw["attn_sink"], None,
                                None, kw["extra_k_cache"], kw["extra_indices_in_kvcache"], kw["extra_topk_length"], 512,
                                kw["softmax_scale"])
+    ref_out, ref_lse = s.reference()
+    check_out("out", N(res[0]), ref_out, BF16)
+    check_lse("lse", N(res[1]), ref_lse)
     out, lse = flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512,
                                                 flash_mla.get_mla_metadata()[0], **kw)
     assert torch.equal(res[0].view(torch.int16), out.view(torch.int16)) and torch.equal(res[1], lse)
 
     p = prefill_case(rng)
     res = fc.sparse_prefill_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, T(p.attn_sink), T(p.topk_length))
+    ref_out, ref_max, ref_lse = p.reference()
+    check_out("out", N(res[0]), ref_out, BF16)
+    check_lse("max_logits", N(res[1]), ref_max)
+    check_lse("lse", N(res[2]), ref_lse)
     ref = flash_mla.flash_mla_sparse_fwd(T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, T(p.attn_sink),
                                          T(p.topk_length))
     for a, b in zip(res, ref):
