@@ -31,6 +31,7 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 
@@ -168,6 +169,116 @@ __device__ __forceinline__ void part_rope(const RowAddr& ra, const int (&row)[2]
   }
 }
 
+// ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats
+// since session 7, bench/NOTES.md "sparse FP8 decode v4, session 7"): the two head-tile CTAs of a
+// (query token, partition) walk the same blocks. Each CTA's
+// producers dequantize half of every block's rows (thread row row[rank]) into their own slabs
+// (st.shared) and the peer's (st.async to the peer's mapa address, completing 16 bytes of
+// transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), copy all 64
+// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 512 local arrivals
+// (256 plain, one of them arrive.expect_tx for the peer's bytes of the part, + 256 cp.async noinc)
+// and the peer's transaction bytes; the consumers release a part on both CTAs' free barriers
+// (count 256), so a part is refilled only when both CTAs' consumers are done with it. (Session 6's
+// first cluster variant, commit 027b0c0, used st.shared::cluster plus 256 remote arrivals per part
+// and was slower than the plain kernel.)
+namespace cl {
+__device__ __forceinline__ uint32_t rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// Shared::cluster address of shared::cta address `addr` in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+/// 16 bytes into the peer's shared memory (async proxy), completing 16 bytes of transaction on
+/// the peer's mbarrier `mbar` (both shared::cluster addresses).
+__device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
+               ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
+               : "memory");
+}
+/// This thread's arrival on a local mbarrier that also expects `bytes` of transaction this phase.
+__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+/// Arrival (release at cluster scope) on an mbarrier of the peer CTA.
+__device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+/// Wait with acquire at cluster scope (sees the peer's writes released by its arrivals).
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  uint32_t ok;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (ok == 0);
+}
+/// Every thread of both CTAs (barrier.cluster, aligned).
+__device__ __forceinline__ void sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+/// Generic-proxy writes (local or the peer's shared memory) -> the async proxy (wgmma).
+}  // namespace cl
+
+/// FP8 data and scales of one part of one row (cluster variant).
+struct PartRegs1 {
+  uint4 u0, u1;
+  uint2 sc;
+};
+
+template <Fmt F, int PT>
+__device__ __forceinline__ void part_load1(PartRegs1& r, uint64_t rec, uint64_t scl, int c8) {
+  using M = PartMap<F, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
+  r.u0 = make_uint4(0u, 0u, 0u, 0u);
+  r.u1 = make_uint4(0u, 0u, 0u, 0u);
+  r.sc = make_uint2(0u, 0u);
+  if (a != nullptr) {
+    r.u0 = ldg16(a + 16 * (M::kLo + c8));
+    if (has_u1) r.u1 = ldg16(a + 16 * (M::kLo + 8 + c8));
+    const uint8_t* sa = reinterpret_cast<const uint8_t*>(scl);
+    if constexpr (F == Fmt::kV32) r.sc = ldg8(sa + 4 * (M::kLo / 8));
+    else r.sc = ldg8(sa);
+  }
+}
+
+/// Bytes one CTA's producers write into the peer's buffer for part PT of a block: 32 rows x the
+/// part's dequantized units x 32 bytes (each thread stores every unit it owns, valid row or not).
+template <Fmt F, int PT>
+constexpr uint32_t kPeerPartBytes = 32u * 32u *
+    static_cast<uint32_t>((PT == 0 ? 16 : PartMap<F, 1>::kNopeUnits - 16));
+
+/// part_store for one row into this CTA's buffer (sKx) and the peer's (r_sKx_u: shared::cluster
+/// address of the same offset; r_full: the peer's full barrier of the part).
+template <Fmt F, int PT>
+__device__ __forceinline__ void part_store1_cluster(const PartRegs1& r, int row, int c8, uint8_t* sKx,
+                                                    uint32_t r_sKx_u, uint32_t r_full) {
+  using M = PartMap<F, PT>;
+  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+  auto put = [&](uint32_t off, uint4 v) {
+    *reinterpret_cast<uint4*>(sKx + off) = v;
+    cl::st16_async(r_sKx_u + off, v, r_full);
+  };
+  const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
+  const __nv_bfloat162 sa = unit_scale<F>(r.sc, 0, ua);
+  put(slab_off(row, 2 * ua), dequant8(make_uint2(r.u0.x, r.u0.y), sa));
+  put(slab_off(row, 2 * ua + 1), dequant8(make_uint2(r.u0.z, r.u0.w), sa));
+  if (has_u1) {
+    const __nv_bfloat162 sb = unit_scale<F>(r.sc, 1, ub);
+    put(slab_off(row, 2 * ub), dequant8(make_uint2(r.u1.x, r.u1.y), sb));
+    put(slab_off(row, 2 * ub + 1), dequant8(make_uint2(r.u1.z, r.u1.w), sb));
+  }
+}
+
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
@@ -180,7 +291,7 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 
 enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducer = 4 };
 
-template <Fmt F>
+template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
@@ -218,10 +329,21 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 2 * kProducers);
 #pragma unroll
-    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, kCluster ? 256 : 128);
     fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
+  else __syncthreads();
+  // Cluster variant: this CTA's rank and the peer's barriers (shared::cluster addresses).
+  const uint32_t rank = kCluster ? cl::rank() : 0u;
+  const uint32_t r_bar_u = kCluster ? cl::mapa(bar_u, rank ^ 1u) : 0u;
+  auto r_bar_full = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
+  auto r_bar_free = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
+  // Waits on full barriers (cluster: acquire at cluster scope, the peer's producers write here too).
+  auto full_wait = [&](uint32_t bar, uint32_t parity) {
+    if constexpr (kCluster) cl::wait(bar, parity);
+    else mbar_wait(bar, parity);
+  };
 
   struct ReqInfo {
     int n_main, blk_lo, n_blk, lim_main, lim_extra;
@@ -314,6 +436,35 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         // Both parts' FP8 bytes and scales are loaded before the first wait; the next block's
         // table goes into the slot of block g - 1, whose fills every producer finished before this
         // block's barrier.
+        if constexpr (kCluster) {
+          // One row (row[rank]) dequantized into both CTAs; the RoPE of both rows locally.
+          const int my = rank != 0 ? row[1] : row[0];
+          const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
+          PartRegs1 ra, rb;
+          part_load1<F, 0>(ra, tab[my], tab[64 + my], c8);
+          part_load1<F, 1>(rb, tab[my], tab[64 + my], c8);
+          if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
+          part_store1_cluster<F, 0>(ra, my, c8, sKx, r_sKx_u, r_bar_full(x, 0));
+          if (c8 == 0) {  // both rows' validity bytes, locally (the table holds every row)
+            sValid[x * kBlockN + row[0]] = tab[row[0]] != 0 ? 1 : 0;
+            sValid[x * kBlockN + row[1]] = tab[row[1]] != 0 ? 1 : 0;
+          }
+          gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
+          mbar_arrive_cp_async(bar_full(x, 0));
+          if (t == 0) cl::arrive_expect_tx(bar_full(x, 0), kPeerPartBytes<F, 0>);  // the peer's bytes
+          else mbar_arrive(bar_full(x, 0));
+          if (more) write_entry(v_next, (g + 1) & 1);
+          if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          part_rope<F>(cur(), row, c8, sKx_u, p.q);
+          part_store1_cluster<F, 1>(rb, my, c8, sKx, r_sKx_u, r_bar_full(x, 1));
+          gmma::fence_proxy_async();
+          mbar_arrive_cp_async(bar_full(x, 1));
+          if (t == 0) cl::arrive_expect_tx(bar_full(x, 1), kPeerPartBytes<F, 1>);
+          else mbar_arrive(bar_full(x, 1));
+          if (!more) break;
+          named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
+          continue;
+        }
         PartRegs ra, rb;
         part_load<F, 0>(ra, cur(), c8);
         part_load<F, 1>(rb, cur(), c8);
@@ -334,12 +485,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
     return;
   }
 
   // ============================ consumer warpgroups ============================
   // Each consumer warpgroup runs its own copy of the request loop (kWg a constant), so that ptxas
   // compiles each under its own setmaxnreg budget.
+  // Release a buffer part: this CTA's free barrier and, in a cluster, the peer's (whose producers
+  // write half of this part's rows here).
+  auto release = [&](int buf, int part) {
+    mbar_arrive(bar_free(buf, part));
+    if constexpr (kCluster) cl::arrive_remote(r_bar_free(buf, part));
+  };
   auto consumer = [&](auto wg_c) {
   constexpr int kWg = decltype(wg_c)::value;
   int row_local[2];
@@ -404,11 +562,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
         const uint64_t db = gmma::make_desc_sw128(sK_u + static_cast<uint32_t>(xx * kSmemK), 16, 1024);
-        mbar_wait(bar_full(xx, 0), phh);
+        full_wait(bar_full(xx, 0), phh);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<0, 4>(s, dq, db);
-        mbar_wait(bar_full(xx, 1), phh);
+        full_wait(bar_full(xx, 1), phh);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<4, kSlabs>(s, dq, db);
@@ -423,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::reg_fence(s);
         if (kSAhead) {
           gmma::reg_fence(o);
-          if (j > 0) mbar_arrive(bar_free(x ^ 1, 0));  // block g - 1's slabs 0-3 are free
+          if (j > 0) release(x ^ 1, 0);  // block g - 1's slabs 0-3 are free
         }
 
         float mx[2] = {-INFINITY, -INFINITY};
@@ -455,13 +613,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         } else {
           gmma::wait<0>();
           gmma::reg_fence(o);
-          mbar_arrive(bar_free(x, 0));  // slabs 0-3 of the buffer are free
+          release(x, 0);  // slabs 0-3 of the buffer are free
         }
       }
       if (kSAhead && n_blk > 0) {
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free((g - 1) & 1, 0));  // the request's last block's slabs 0-3 are free
+        release((g - 1) & 1, 0);  // the request's last block's slabs 0-3 are free
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
@@ -473,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) sc[hh] = sScale[x * 64 + row_local[hh]];
         scale_o(o, sc);
-        mbar_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
+        full_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
@@ -482,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free(x, 1));  // slabs 4-8 of the buffer are free
+        release(x, 1);  // slabs 4-8 of the buffer are free
       }
     }
 
@@ -548,6 +706,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     setmaxnreg_inc<kWg1Regs>();
     consumer(std::integral_constant<int, 1>{});
   }
+  if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
 }
 
 /// v4 serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; v1 / v2 the rest.
@@ -555,15 +714,17 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.h_q > 32 && kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
-template <Fmt F>
-cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>;
+template <Fmt F, bool kCluster>
+cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, kCluster>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
   // sparse_decode_v32.cu / sparse_decode_model1.cu then run v1).
   static const int regs = [] {
     cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F>) == cudaSuccess ? a.numRegs : 0;
+    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, kCluster>) == cudaSuccess
+               ? a.numRegs
+               : 0;
   }();
   if (regs * kThreads < 128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs)
     return cudaErrorInvalidConfiguration;
@@ -571,8 +732,77 @@ cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStr
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
-  return cudaGetLastError();
+  if constexpr (!kCluster) {
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;  // the two head tiles of a (query token, partition)
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, kp);
+  }
+}
+
+/// Clusters of 2 CTAs of the cluster variant the current device keeps resident at once (0 if
+/// unknown).
+template <Fmt F>
+int max_active_clusters() {
+  static int cache[64] = {};
+  static bool done[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
+  if (!done[dev]) {
+    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, true>;
+    int n = 0;
+    if (set_max_dynamic_smem(kernel, kSmemBytes) == cudaSuccess) {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(2, 1, 1);
+      cfg.blockDim = dim3(kThreads, 1, 1);
+      cfg.dynamicSmemBytes = kSmemBytes;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = 2;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
+    }
+    (void)cudaGetLastError();
+    cache[dev] = n;
+    done[dev] = true;
+  }
+  return cache[dev];
+}
+
+/// The default for the 2-CTA cluster variant per format (FLASHMLA_SPARSE_DECODE_CLUSTER=0|1, read
+/// per call, overrides it): on for both, see bench/NOTES.md "sparse FP8 decode v4, session 7"
+/// (V3.2 b128 574 -> 503 us, MODEL1 config2 b128 372 -> 337 us on one H200).
+template <Fmt F>
+constexpr bool kClusterDefault = true;
+
+/// v4 for a call: the cluster variant when the head tiles pair up (an even number of 64-head
+/// tiles), it is on for the format, and the device keeps every cluster of the grid resident at
+/// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
+template <Fmt F>
+cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  bool on = kClusterDefault<F>;
+  if (const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER"); env != nullptr && env[0] != '\0')
+    on = env[0] != '0';
+  if (on && kp.num_head_tiles % 2 == 0) {
+    const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
+    if (clusters <= max_active_clusters<F>()) return launch_k<F, true>(kp, num_sm_parts, stream);
+  }
+  return launch_k<F, false>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90::sparse::v4

@@ -207,14 +207,18 @@ def test_correctness_grid(c):
     check_case(case)
 
 
-# The kernel choice is by shape (src/sm90/sparse_decode.cu: v4 for h_q > 32); v1 stays reachable
-# through FLASHMLA_SPARSE_DECODE_KERNEL (read on every call) and must stay correct on the 64/128-head
-# cases (it still serves 16 < h_q <= 32 and unaligned caches).
+# The kernel choice is by shape (src/sm90/sparse_decode.cu: v4 for h_q > 32, its 2-CTA cluster
+# variant for h_q = 128 when the grid fits in one wave); v1 stays reachable through
+# FLASHMLA_SPARSE_DECODE_KERNEL (read on every call) and must stay correct on the 64/128-head cases
+# (it still serves 16 < h_q <= 32 and unaligned caches), and so must v4's plain kernel at 128 heads
+# (FLASHMLA_SPARSE_DECODE_CLUSTER=0, the path taken when the clusters do not fit in one wave).
 WIDE = [c for c in CORRECTNESS if c[1] > 32]
+OTHER_KERNELS = [({"FLASHMLA_SPARSE_DECODE_KERNEL": "v1"}, "v1-forced", WIDE),
+                 ({"FLASHMLA_SPARSE_DECODE_CLUSTER": "0"}, "v4-no-cluster", [c for c in WIDE if c[1] == 128])]
 
 
-@pytest.mark.parametrize("c", WIDE, ids=[_cid(c) for c in WIDE])
-@pytest.mark.parametrize("env", [{"FLASHMLA_SPARSE_DECODE_KERNEL": "v1"}], ids=["v1-forced"])
+@pytest.mark.parametrize("env,c", [pytest.param(env, c, id=f"{name}-{_cid(c)}")
+                                   for env, name, cases in OTHER_KERNELS for c in cases])
 def test_other_kernels_on_wide_heads(c, env, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
