@@ -34,10 +34,8 @@
 
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "sm90/sparse_prefill.h"
 #include "sm90/sparse_prefill_kernel.cuh"
@@ -55,7 +53,7 @@ constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
-constexpr int kSmemBar = 10 * 8;  // full[stage][part], free[stage][part], q_full, q_free
+constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
@@ -97,8 +95,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   auto bar = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
   auto bar_free = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * stage + part); };
 
-  const uint32_t bar_qfull = bar_u + 8u * 8u, bar_qfree = bar_u + 8u * 9u;
-  const int num_tiles = p.s_q * p.num_head_tiles;
+  const int ht = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_head_tiles));
+  const int sq = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.num_head_tiles));
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
   const int gq = lane / 4, tq = lane % 4;
@@ -107,6 +105,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
 
+  const int lim = row_limit(p, sq);
+  const int n_blk = (lim + kBlockN - 1) / kBlockN;
   const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
 
   // Producer mapping: 4 rows per thread, 8 threads per row.
@@ -142,17 +142,60 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     mbar_arrive_cp_async(bar(stage, part));
     mbar_arrive(bar(stage, part));
   };
-  auto idx_w = [&](int sq, int lim, int n_blk, int blk, int (&idx)[4]) {
+  auto idx_w = [&](int blk, int (&idx)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       idx[i] = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
   };
-  // Q of tile (sq, ht) into sQ (64 rows x kD; rows past h_q zero-filled), by the 128 threads of
-  // the producer warpgroup, completing on q_full like a K part (cp.async noinc + release arrival).
-  auto load_q = [&](int sq, int ht) {
-    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
+#pragma unroll
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();  // barriers initialised
+  if (wg == 2) {
+    // ================= producer warpgroup: every gather
+    setmaxnreg_dec<40>();
+    if (n_blk > 0) {
+      int ia[4], ib[4];
+      idx_w(0, ia);
+      idx_w(1, ib);
+      gather_w(0, 0, ia);
+      gather_w(0, 1, ia);
+      if (n_blk > 1) {
+        gather_w(1, 0, ib);
+        gather_w(1, 1, ib);
+      }
 #pragma unroll 1
-    for (int id = t_wg; id < 64 * kChunks; id += 128) {
+      for (int j = 1; 2 * j < n_blk; ++j) {
+        const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
+        const bool has1 = 2 * j + 1 < n_blk;
+        idx_w(2 * j, ia);
+        idx_w(2 * j + 1, ib);
+        mbar_wait(bar_free(0, 0), fph);
+        gather_w(0, 0, ia);
+        if (has1) {
+          mbar_wait(bar_free(1, 1), fph);
+          gather_w(1, 1, ib);
+        }
+        mbar_wait(bar_free(0, 1), fph);
+        gather_w(0, 1, ia);
+        if (has1) {
+          mbar_wait(bar_free(1, 0), fph);
+          gather_w(1, 0, ib);
+        }
+      }
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
+    return;
+  }
+  setmaxnreg_inc<232>();
+  if (n_blk > 0) {
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
+    for (int id = tid; id < 64 * kChunks; id += kThreads) {
       const int r = id / kChunks, c = id % kChunks;
       const int h = ht * 64 + r;
       const bool valid = h < p.h_q;
@@ -161,73 +204,12 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       if (p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
       else *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
     }
-    mbar_arrive_cp_async(bar_qfull);
-    mbar_arrive(bar_qfull);
-  };
-
-  if (tid == 0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
-#pragma unroll
-    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
-    mbar_init(bar_qfull, 256);
-    mbar_init(bar_qfree, 256);
-    fence_barrier_init();
+    cp_async_commit();
   }
-  __syncthreads();  // barriers initialised
-  if (wg == 2) {
-    // ================= producer warpgroup: every gather
-    setmaxnreg_dec<40>();
-    // Fills of stage 0 / stage 1 and Q loads so far: the k-th fill of a buffer (k >= 1) waits for
-    // the (k-1)-th release of it, whichever tile that was.
-    int k0 = 0, k1 = 0, nq = 0;
-#pragma unroll 1
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-      const int ht = tile % p.num_head_tiles, sq = tile / p.num_head_tiles;
-      const int lim = row_limit(p, sq);
-      const int n_blk = (lim + kBlockN - 1) / kBlockN;
-      if (n_blk == 0) continue;
-      if (nq > 0) mbar_wait(bar_qfree, static_cast<uint32_t>((nq - 1) & 1));  // last tile's S done
-      load_q(sq, ht);
-      ++nq;
-#pragma unroll 1
-      for (int j = 0; 2 * j < n_blk; ++j) {
-        const bool has1 = 2 * j + 1 < n_blk;
-        int ia[4], ib[4];
-        idx_w(sq, lim, n_blk, 2 * j, ia);
-        idx_w(sq, lim, n_blk, 2 * j + 1, ib);
-        const uint32_t f0 = static_cast<uint32_t>((k0 - 1) & 1), f1 = static_cast<uint32_t>((k1 - 1) & 1);
-        if (k0 > 0) mbar_wait(bar_free(0, 0), f0);
-        gather_w(0, 0, ia);
-        if (has1) {
-          if (k1 > 0) mbar_wait(bar_free(1, 1), f1);
-          gather_w(1, 1, ib);
-        }
-        if (k0 > 0) mbar_wait(bar_free(0, 1), f0);
-        gather_w(0, 1, ia);
-        if (has1) {
-          if (k1 > 0) mbar_wait(bar_free(1, 0), f1);
-          gather_w(1, 0, ib);
-        }
-        ++k0;
-        if (has1) ++k1;
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-  setmaxnreg_inc<232>();
-  const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
-  int c0 = 0, c1 = 0, nq = 0;  // consumptions of stage 0 / stage 1 and Q loads so far (as the producer)
-#pragma unroll 1
-  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-  const int ht = tile % p.num_head_tiles, sq = tile / p.num_head_tiles;
-  const int lim = row_limit(p, sq);
-  const int n_blk = (lim + kBlockN - 1) / kBlockN;
   if (n_blk > 0) {
-    mbar_wait(bar_qfull, static_cast<uint32_t>(nq & 1));  // Q of this tile (the producer's copy)
-    ++nq;
+    cp_async_wait<0>();
     gmma::fence_proxy_async();
+    named_barrier_sync(kBarConsumers, kThreads);  // Q in shared memory, visible to wgmma
   }
 
   float o[128];
@@ -235,10 +217,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   for (int j = 0; j < 128; ++j) o[j] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
+  const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
 
   for (int j = 0; 2 * j < n_blk; ++j) {
-    const bool has1 = 2 * j + 1 < n_blk, last = 2 * j + 2 >= n_blk;
-    const uint32_t ph0 = static_cast<uint32_t>((c0 + j) & 1), ph1 = static_cast<uint32_t>((c1 + j) & 1);
+    const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
+    const uint32_t ph = static_cast<uint32_t>(j & 1);
     float s[32];
     if (wg == 0) {
       // ---------------- warpgroup 0: block 2j (stage 0), O[:, 0:256]
@@ -247,11 +230,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       gmma::reg_fence(s);
       {
         const uint64_t db = gmma::make_desc_sw128(sK_u, 16, 1024);
-        mbar_wait(bar(0, 0), ph0);
+        mbar_wait(bar(0, 0), ph);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<0, 4>(s, dq, db);
-        mbar_wait(bar(0, 1), ph0);
+        mbar_wait(bar(0, 1), ph);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<4, kSlabs>(s, dq, db);
@@ -259,7 +242,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       gmma::commit();
       gmma::wait<0>();
       gmma::reg_fence(s);
-      if (last) mbar_arrive(bar_qfree);  // this warpgroup's last S of the tile: Q may be replaced
 
       float mx[2] = {-INFINITY, -INFINITY};
       mask_rowmax(s, sValid, p.scale_log2, tq, mx);
@@ -318,13 +300,15 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 
       gmma::wait<0>();
       gmma::reg_fence(o);
-      mbar_arrive(bar_free(0, 0));  // stage 0 slabs 0-3 are free (for the next even block, any tile)
+      if (nxt0) {  // stage 0 slabs 0-3 are free: gather part A of block 2j+2
+        mbar_arrive(bar_free(0, 0));
+      }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
       scale_o(o, sc1);
       named_barrier_sync(kBarP1, kThreads);
       if (has1) {
-        mbar_wait(bar(1, 0), ph1);  // completed (WG1 waited for it); orders the cp.async writes
+        mbar_wait(bar(1, 0), ph);  // completed (WG1 waited for it); orders the cp.async writes
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
@@ -333,7 +317,9 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(o);
-        mbar_arrive(bar_free(1, 0));  // stage 1 slabs 0-3 and 8 are free
+        if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
+          mbar_arrive(bar_free(1, 0));
+        }
       }
     } else {
       // ---------------- warpgroup 1: block 2j+1 (stage 1), O[:, 256:512]
@@ -344,11 +330,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::reg_fence(s);
         {
           const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
-          mbar_wait(bar(1, 0), ph1);
+          mbar_wait(bar(1, 0), ph);
           gmma::fence_proxy_async();
           gmma::fence();
           s_chain<0, 4>(s, dq, db);
-          mbar_wait(bar(1, 1), ph1);
+          mbar_wait(bar(1, 1), ph);
           gmma::fence_proxy_async();
           gmma::fence();
           s_chain<4, kSlabs>(s, dq, db);
@@ -358,7 +344,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::reg_fence(s);
         mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
       }
-      if (last) mbar_arrive(bar_qfree);  // this warpgroup's last S of the tile (if any) is done
       named_barrier_sync(kBarScale0, kThreads);
       float m1u[2], c[2];
 #pragma unroll
@@ -396,23 +381,23 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::commit();
       }
       named_barrier_sync(kBarP0, kThreads);
-      mbar_wait(bar(0, 1), ph0);  // completed (WG0 waited for it); orders the cp.async writes
+      mbar_wait(bar(0, 1), ph);  // completed (WG0 waited for it); orders the cp.async writes
       gmma::fence_proxy_async();
       gmma::fence();
       pv_ss_chain(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                   gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
       gmma::commit();
-      if (has1) {
+      if (nxt1) {
         gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
         mbar_arrive(bar_free(1, 1));
       }
       gmma::wait<0>();
       gmma::reg_fence(o);
-      mbar_arrive(bar_free(0, 1));  // stage 0 slabs 4-8 are free
+      if (nxt0) {  // stage 0 slabs 4-8 are free
+        mbar_arrive(bar_free(0, 1));
+      }
     }
   }
-  c0 += (n_blk + 1) / 2;
-  c1 += n_blk / 2;
 
   // ---- epilogue: L = WG0's part + WG1's part
 #pragma unroll
@@ -457,7 +442,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
           empty ? -INFINITY : m_run[hh] * kLn2;
     }
   }
-  }  // tile loop
 }
 
 template <int kD>
@@ -465,19 +449,7 @@ cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
   auto kernel = sparse_attn_fwd_seesaw_kernel<kD>;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
-  // Persistent: one CTA per SM walks the tiles tile = blockIdx.x + i * gridDim.x, so the producer
-  // loads the next tile's Q and first blocks while the consumers finish the current tile.
-  // FLASHMLA_SPARSE_PREFILL_PERSISTENT=0 (read per call) launches one CTA per tile instead.
-  const long long tiles = static_cast<long long>(kp.s_q) * kp.num_head_tiles;
-  long long ctas = tiles;
-  const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_PERSISTENT");
-  if (env == nullptr || env[0] != '0') {
-    int dev = 0, sms = 0;
-    if ((e = cudaGetDevice(&dev)) != cudaSuccess) return e;
-    if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev)) != cudaSuccess) return e;
-    ctas = std::min<long long>(tiles, sms);
-  }
-  const dim3 grid(static_cast<unsigned>(ctas), 1, 1);
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
   kernel<<<grid, kThreadsProd, kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
 }

@@ -212,29 +212,6 @@ def test_correctness_grid_mma_kernel(c, mma_kernel):
     check_case(_case(c))
 
 
-# The seesaw kernel is persistent (one CTA per SM walks the head tiles, so with s_q 213 / 1234 a
-# CTA runs several tiles and carries its barrier phases across them); FLASHMLA_SPARSE_PREFILL_PERSISTENT=0
-# (read per call) launches one CTA per tile instead and must stay correct too.
-ONE_TILE_GRID = [c for c in GRID if c[1] >= 64 and c[4] == 213]
-
-
-@pytest.mark.parametrize("c", ONE_TILE_GRID, ids=[_gid(c) for c in ONE_TILE_GRID])
-def test_correctness_one_cta_per_tile(c, monkeypatch):
-    monkeypatch.setenv("FLASHMLA_SPARSE_PREFILL_PERSISTENT", "0")
-    check_case(_case(c))
-
-
-def test_persistent_and_one_cta_per_tile_agree(monkeypatch):
-    """Bit-identical results: the tile walk changes only the schedule, not the arithmetic."""
-    case = Case(11, s_q=1234, s_kv=4321, topk=1024, h_q=128, d_qk=512, sink=True, topk_len=True)
-    a = run(case, DEV)
-    monkeypatch.setenv("FLASHMLA_SPARSE_PREFILL_PERSISTENT", "0")
-    b = run(case, DEV)
-    for name, x, y in zip(("out", "max_logits", "lse"), a, b):
-        assert torch.equal(x, y), name
-    compare(a, case)
-
-
 def test_both_kernels_agree():
     case = Case(7, s_q=40, s_kv=900, topk=320, h_q=128, d_qk=576, sink=True, topk_len=True)
     a = run(case, DEV)
