@@ -548,12 +548,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     float l_run[2] = {0.f, 0.f};
 
     if constexpr (kWg == 0) {
-      // MODEL1 (kSAhead): S of block g + 1 is issued right behind P V_L of block g (same request),
-      // so the tensor pipe does not drain while this warpgroup waits for P V_L and starts the next
-      // S; the wait for both comes at the top of the next step, which then releases part A of
-      // block g. V32 waits for P V_L at once (with S's 9 slabs live beside O the look-ahead spills
-      // ~1 KB and ran 7% slower on V3.2 b128, 3-4% faster on MODEL1 b128: bench/NOTES.md).
-      constexpr bool kSAhead = F == Fmt::kModel1;
+      // MODEL1 plain kernel (kSAhead): S of block g + 1 is issued right behind P V_L of block g
+      // (same request), so the tensor pipe does not drain while this warpgroup waits for P V_L and
+      // starts the next S; the wait for both comes at the top of the next step, which then
+      // releases part A of block g. Everything else waits for P V_L at once. Measured on the H200
+      // (bench/NOTES.md, sessions 6 and 7): the look-ahead spills ~1 KB; it ran 7% slower on V3.2
+      // b128 (plain) and 24% slower under the cluster (V3.2 b128 502 -> 623 us), 3-4% faster on
+      // MODEL1 config1 b128 (plain, 120 vs 123 us) but 18% slower on MODEL1 config2 b128 under
+      // the cluster (338 vs 287 us).
+      constexpr bool kSAhead = F == Fmt::kModel1 && !kCluster;
       float s[32];
       auto issue_s = [&](int gg) {
         const int xx = gg & 1;
