@@ -6,6 +6,8 @@
 # VARIANTS_DIR holds one folder per variant whose files replace the same paths of the tree
 # (e.g. VARIANTS_DIR/reread/src/sm90/sparse_decode_kernel_v4.cuh); an empty folder (or the name
 # given in AB_TREE, default "main") is the tree as is.
+# Git does not carry empty directories to the device machine, so name the tree variant "main" (the
+# script creates that folder there) rather than relying on another empty folder.
 # Every variant is copied to its own source tree (/tmp/ab-src-<name>) and all of them are built in
 # parallel with pip into /tmp/ab-<name>; then COMMAND runs once per variant, one after another, with
 # that build first on PYTHONPATH and AB_VARIANT=<name> in the environment, e.g.
