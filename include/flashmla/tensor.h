@@ -43,12 +43,18 @@ struct Device {
 std::string device_name(Device d);
 
 constexpr int kMaxTensorDims = 6;
+/// `ndim` of a TensorRef that `make_tensor_ref` could not build (more than kMaxTensorDims
+/// dimensions, or a stride list whose length differs from the shape's); every operator rejects it
+/// with a kValue Status.
+constexpr int32_t kInvalidTensorDims = -1;
 
 /// Non-owning view of a strided tensor.
 ///
 /// `defined == false` marks an absent optional argument (FlashMLA's `None`).
-/// `data` may be null for tensors with zero elements. Strides are in elements
-/// (not bytes), as in PyTorch and DLPack.
+/// `data` may be null for tensors with zero elements (and in the shapes-only `<op>_plan` calls);
+/// the `<op>_fwd` operators reject a null `data` for a tensor with elements. Strides are in
+/// elements (not bytes), as in PyTorch and DLPack; outputs need non-negative strides that do not
+/// map two elements to one address.
 struct TensorRef {
   bool defined = false;
   void* data = nullptr;
@@ -77,10 +83,12 @@ struct TensorRef {
   T* ptr() const { return static_cast<T*>(data); }
 };
 
-/// Build a row-major contiguous TensorRef over `data`.
+/// Build a row-major contiguous TensorRef over `data`. More than kMaxTensorDims dimensions give
+/// `ndim == kInvalidTensorDims` (the operators then return a kValue Status).
 TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape,
                           Device device = {});
-/// Build a TensorRef with explicit element strides.
+/// Build a TensorRef with explicit element strides, one per dimension (a stride list of another
+/// length, or too many dimensions, give `ndim == kInvalidTensorDims`).
 TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape,
                           std::initializer_list<int64_t> stride, Device device = {});
 

@@ -50,7 +50,13 @@ lib = _load()
 
 
 def framework_of(x: Any) -> str:
-    """Name of the framework a tensor belongs to: torch, numpy, jax, cupy, paddle or dlpack."""
+    """Name of the framework a tensor belongs to: torch, numpy, jax, cupy, paddle or dlpack.
+
+    Subclasses of ``numpy.ndarray`` defined elsewhere (a user's own array type) count as NumPy, so
+    results come back as NumPy arrays.
+    """
+    if isinstance(x, np.ndarray):
+        return "numpy"
     mod = type(x).__module__.split(".")[0]
     if mod in ("torch", "numpy", "cupy", "paddle"):
         return mod

@@ -209,6 +209,17 @@ def flash_mla_with_kvcache(
         raise ValueError("num_splits: must be None (the scheduler object carries the splits)")
     sched = tile_scheduler_metadata
     _require_tensors(q=q, k_cache=k_cache)
+    if len(q.shape) != 4:
+        raise ValueError(f"q: expected a 4-D tensor (b, s_q, h_q, d_qk), got shape {_shape(q)}")
+    if len(k_cache.shape) != 4:
+        raise ValueError(
+            f"k_cache: expected a 4-D tensor (num_blocks, page_block_size, h_kv, last), got shape {_shape(k_cache)}"
+        )
+    for name, t, rank, layout in (("indices", indices, 3, "(b, s_q, topk)"),
+                                  ("extra_k_cache", extra_k_cache, 4, "(num_blocks, page_block_size, 1, last)"),
+                                  ("extra_indices_in_kvcache", extra_indices_in_kvcache, 3, "(b, s_q, extra_topk)")):
+        if t is not None and hasattr(t, "shape") and len(t.shape) != rank:
+            raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
@@ -217,12 +228,6 @@ def flash_mla_with_kvcache(
     topk = int(indices.shape[-1]) if indices is not None else None
     extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
     extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None
-    if len(q.shape) != 4:
-        raise ValueError(f"q: expected a 4-D tensor (b, s_q, h_q, d_qk), got shape {_shape(q)}")
-    if len(k_cache.shape) != 4:
-        raise ValueError(
-            f"k_cache: expected a 4-D tensor (num_blocks, page_block_size, h_kv, last), got shape {_shape(k_cache)}"
-        )
     config_key = (  # FlashMLASchedMeta.Config's fields; a plain tuple compares ~10x faster than the dataclass
         int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k_cache.shape[1]), int(k_cache.shape[2]),
         bool(causal), bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,

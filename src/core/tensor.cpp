@@ -34,7 +34,8 @@ const char* dtype_name(DType dtype) {
 
 std::string device_name(Device d) {
   if (d.type == DeviceType::kCPU) return "cpu";
-  return "cuda:" + std::to_string(d.id);
+  if (d.type == DeviceType::kCUDA) return "cuda:" + std::to_string(d.id);
+  return "unknown device type " + std::to_string(static_cast<int32_t>(d.type));
 }
 
 static TensorRef make_ref(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
@@ -43,6 +44,10 @@ static TensorRef make_ref(void* data, DType dtype, std::initializer_list<int64_t
   t.data = data;
   t.dtype = dtype;
   t.device = device;
+  if (shape.size() > static_cast<size_t>(kMaxTensorDims)) {
+    t.ndim = kInvalidTensorDims;  // rejected by every operator (core/validate.cpp)
+    return t;
+  }
   t.ndim = static_cast<int32_t>(shape.size());
   int i = 0;
   for (int64_t s : shape) t.shape[i++] = s;
@@ -62,6 +67,10 @@ TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t
 TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape,
                           std::initializer_list<int64_t> stride, Device device) {
   TensorRef t = make_ref(data, dtype, shape, device);
+  if (t.ndim == kInvalidTensorDims || stride.size() != shape.size()) {
+    t.ndim = kInvalidTensorDims;  // one stride per dimension, or the tensor is rejected
+    return t;
+  }
   int i = 0;
   for (int64_t s : stride) t.stride[i++] = s;
   return t;

@@ -3,12 +3,14 @@
 // prefill), §3 (KV formats), §8 (easy-to-miss requirements).
 #include "core/validate.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace flashmla::core {
@@ -97,6 +99,48 @@ Status check_strides(const TensorRef& t, const char* name) {
   return Status::Ok();
 }
 
+/// Every tensor argument: a rank the TensorRef can hold (kInvalidTensorDims marks what
+/// make_tensor_ref could not build), no negative sizes, a known device type.
+Status check_ref(const TensorRef& t, const char* name) {
+  if (!t.defined) return Status::Ok();
+  if (t.ndim < 0 || t.ndim > kMaxTensorDims)
+    return value_error(cat(name, ": invalid tensor: expected 0 to ", kMaxTensorDims,
+                           " dimensions with one stride per dimension, got ndim = ", t.ndim));
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] < 0)
+      return value_error(cat(name, ": negative size in dim ", i, " of shape ", shape_string(t)));
+  if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA)
+    return value_error(cat(name, ": ", device_name(t.device), " (expected cpu or cuda)"));
+  return Status::Ok();
+}
+Status check_refs(std::initializer_list<std::pair<const TensorRef*, const char*>> ts) {
+  for (const auto& [t, n] : ts) FLASHMLA_RETURN_IF_ERROR(check_ref(*t, n));
+  return Status::Ok();
+}
+
+/// Outputs are written through their strides: non-negative strides and no two elements at one
+/// address (sorted by stride, each dimension's stride at least the extent of the smaller ones).
+Status check_output_layout(const TensorRef& t, const char* name) {
+  FLASHMLA_RETURN_IF_ERROR(check_strides(t, name));
+  if (t.numel() <= 1) return Status::Ok();
+  int order[kMaxTensorDims];
+  int n = 0;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1) order[n++] = i;
+  for (int a = 1; a < n; ++a)  // insertion sort by stride
+    for (int c = a; c > 0 && t.stride[order[c]] < t.stride[order[c - 1]]; --c) std::swap(order[c], order[c - 1]);
+  int64_t extent = 1;  // elements spanned by the dimensions sorted so far
+  for (int a = 0; a < n; ++a) {
+    const int d = order[a];
+    if (t.stride[d] < extent)
+      return value_error(cat(name, ": output strides overlap (dim ", d, " has stride ", t.stride[d],
+                             " inside the ", extent, " elements spanned by the smaller strides); pass an output "
+                             "whose elements have distinct addresses"));
+    extent = t.stride[d] * (t.shape[d] - 1) + extent;
+  }
+  return Status::Ok();
+}
+
 /// TMA/vector loads on the GPU need 16-byte aligned bases and row strides.
 Status check_cuda_alignment(const TensorRef& t, const char* name) {
   if (t.device.type != DeviceType::kCUDA || !t.defined) return Status::Ok();
@@ -111,11 +155,16 @@ Status check_cuda_alignment(const TensorRef& t, const char* name) {
 }
 
 const int32_t* host_i32(const TensorRef& t) { return static_cast<const int32_t*>(t.data); }
+/// Values can be read (absent, empty, or with data): the value checks run only when every tensor
+/// they read has data (the shapes-only plans may pass none; the operators reject null data first).
+bool readable(const TensorRef& t) { return !t.defined || t.numel() == 0 || t.data != nullptr; }
 
 }  // namespace
 
 // ------------------------------------------------------------------ dense decode
 Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"},
+                                       {&p.cache_seqlens, "cache_seqlens"}}));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
   FLASHMLA_RETURN_IF_ERROR(require(p.block_table, "block_table"));
@@ -166,7 +215,7 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   // last page, so only the user's own block_table contents can be wrong there.
   // (No data: a shapes-and-dtypes-only check, e.g. while JAX traces; a real cache_seqlens has b >= 1
   // elements and so always has data.)
-  if (p.q.device.type == DeviceType::kCPU && p.cache_seqlens.data != nullptr) {
+  if (p.q.device.type == DeviceType::kCPU && p.cache_seqlens.data != nullptr && readable(p.block_table)) {
     const int64_t max_blocks = p.block_table.shape[1];
     const int32_t* seqlens = host_i32(p.cache_seqlens);
     for (int64_t i = 0; i < b; ++i) {
@@ -236,6 +285,11 @@ Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const 
 }  // namespace
 
 Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.indices, "indices"},
+                                       {&p.topk_length, "topk_length"}, {&p.attn_sink, "attn_sink"},
+                                       {&p.extra_k_cache, "extra_k_cache"},
+                                       {&p.extra_indices_in_kvcache, "extra_indices_in_kvcache"},
+                                       {&p.extra_topk_length, "extra_topk_length"}}));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
   FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
@@ -298,7 +352,8 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
     FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
 
   // (No data: a shapes-and-dtypes-only check; real indices have b * s_q * topk >= 1 elements.)
-  if (p.q.device.type == DeviceType::kCPU && p.indices.data != nullptr) {
+  if (p.q.device.type == DeviceType::kCPU && p.indices.data != nullptr && readable(p.topk_length) &&
+      readable(p.extra_indices_in_kvcache) && readable(p.extra_topk_length)) {
     if (p.topk_length.defined)
       for (int64_t i = 0; i < b; ++i)
         if (host_i32(p.topk_length)[i] < 0)
@@ -320,6 +375,8 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
 
 // ------------------------------------------------------------------ sparse prefill
 Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"},
+                                       {&p.attn_sink, "attn_sink"}, {&p.topk_length, "topk_length"}}));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.kv, "kv"));
   FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
@@ -373,6 +430,8 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
   const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2];
   FLASHMLA_RETURN_IF_ERROR(require(out, "out"));
   FLASHMLA_RETURN_IF_ERROR(require(lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&out, "out"}, {&lse, "lse"}, {&tsm, "tile_scheduler_metadata"},
+                                       {&num_splits, "num_splits"}}));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(out, "out", {out_dtype}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(out, "out", {b, s_q, h_q, kDimV}, "(b, s_q, h_q, 512)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(lse, "lse", {DType::kFloat32}));
@@ -392,6 +451,8 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
   for (auto [t, n] : {std::pair{&out, "out"}, {&lse, "lse"}, {&tsm, "tile_scheduler_metadata"},
                       {&num_splits, "num_splits"}})
     FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_output_layout(out, "out"));
+  FLASHMLA_RETURN_IF_ERROR(check_output_layout(lse, "lse"));
   FLASHMLA_RETURN_IF_ERROR(check_contiguous(tsm, "tile_scheduler_metadata"));
   FLASHMLA_RETURN_IF_ERROR(check_contiguous(num_splits, "num_splits"));
   if (workspace_bytes < plan.workspace_bytes || (plan.workspace_bytes > 0 && workspace == nullptr))
@@ -407,14 +468,17 @@ Status validate_sparse_prefill_outputs(const SparsePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(require(p.out, "out"));
   FLASHMLA_RETURN_IF_ERROR(require(p.max_logits, "max_logits"));
   FLASHMLA_RETURN_IF_ERROR(require(p.lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}}));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.out, "out", {DType::kBFloat16}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.out, "out", {s_q, h_q, kDimV}, "(s_q, h_q, 512)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.max_logits, "max_logits", {DType::kFloat32}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.max_logits, "max_logits", {s_q, h_q}, "(s_q, h_q)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.lse, "lse", {DType::kFloat32}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.lse, "lse", {s_q, h_q}, "(s_q, h_q)"));
-  for (auto [t, n] : {std::pair{&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}})
+  for (auto [t, n] : {std::pair{&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}}) {
     FLASHMLA_RETURN_IF_ERROR(check_same_device(*t, n, p.q, "q"));
+    FLASHMLA_RETURN_IF_ERROR(check_output_layout(*t, n));
+  }
   return Status::Ok();
 }
 
@@ -424,6 +488,7 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const Tensor
     return value_error("format: expected an FP8 KV format (V32 or MODEL1)");
   FLASHMLA_RETURN_IF_ERROR(require(kv, "kv_cache"));
   FLASHMLA_RETURN_IF_ERROR(require(packed, "packed"));
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&kv, "kv_cache"}, {&packed, "packed"}}));
   const int64_t d = format == KVFormat::kFP8V32 ? v32::kDimQK : model1::kDimQK;
   FLASHMLA_RETURN_IF_ERROR(check_ndim(kv, "kv_cache", 4, "(num_blocks, page_block_size, 1, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(kv, "kv_cache", {DType::kBFloat16}));
@@ -441,6 +506,15 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const Tensor
   if (kv.device.type != DeviceType::kCPU || packed.device.type != DeviceType::kCPU)
     return Status::Error(ErrorKind::kNotImplemented,
                          "FP8 KV-cache conversion runs on the CPU: pass CPU tensors");
+  return Status::Ok();
+}
+
+Status validate_output_layout(const TensorRef& t, const char* name) { return check_output_layout(t, name); }
+
+Status validate_data(std::initializer_list<std::pair<const TensorRef*, const char*>> tensors) {
+  for (const auto& [t, n] : tensors)
+    if (t->defined && t->numel() > 0 && t->data == nullptr)
+      return value_error(cat(n, ": the data pointer is null for a tensor of shape ", shape_string(*t)));
   return Status::Ok();
 }
 

@@ -5,6 +5,9 @@
 // what was given; the ErrorKind selects the Python exception class.
 #pragma once
 
+#include <initializer_list>
+#include <utility>
+
 #include "flashmla/ops.h"
 
 namespace flashmla::core {
@@ -21,5 +24,12 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
 Status validate_sparse_prefill_outputs(const SparsePrefillParams& p);
 
 Status validate_kv_quant_args(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed);
+
+/// An output written through its strides: non-negative strides, no two elements at one address.
+Status validate_output_layout(const TensorRef& t, const char* name);
+
+/// For the operator calls (`<op>_fwd`, the FP8 conversions; not the shapes-only `<op>_plan`,
+/// which JAX calls while tracing with no data): every defined tensor with elements has data.
+Status validate_data(std::initializer_list<std::pair<const TensorRef*, const char*>> tensors);
 
 }  // namespace flashmla::core

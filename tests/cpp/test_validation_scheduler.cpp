@@ -264,6 +264,134 @@ TEST(ValidationPrefill, Checks) {
   expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kType, "indices: expected dtype int32");
 }
 
+// Found by a breaker run (session 7): C++ callers hand the core raw pointers and strides, so null
+// data, too many dimensions, negative sizes and overlapping outputs must come back as a Status.
+struct DenseRun {
+  DenseCase c;
+  DecodePlan plan;
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+  std::vector<int32_t> tsm, splits;
+  DenseRun() {
+    EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
+    out.assign(c.b * c.s_q * c.h_q * 512, 0);
+    lse.assign(c.b * c.h_q * c.s_q, 0.f);
+    tsm.assign(plan.num_sm_parts * 8, 0);
+    splits.assign(plan.num_splits_len, 0);
+    c.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {c.b, c.s_q, c.h_q, 512});
+    c.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {c.b, c.h_q, c.s_q});
+    c.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
+    c.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  }
+};
+
+TEST(ValidationCpp, NullDataIsValueErrorInTheOperatorsOnly) {
+  {
+    DenseRun r;
+    ASSERT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
+  for (int which = 0; which < 8; ++which) {
+    DenseRun r;
+    TensorRef* ts[] = {&r.c.p.q, &r.c.p.k_cache, &r.c.p.block_table, &r.c.p.cache_seqlens, &r.c.p.out,
+                       &r.c.p.lse, &r.c.p.tile_scheduler_metadata, &r.c.p.num_splits};
+    const char* names[] = {"q", "k_cache", "block_table", "cache_seqlens", "out", "lse",
+                           "tile_scheduler_metadata", "num_splits"};
+    ts[which]->data = nullptr;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue,
+                 std::string(names[which]) + ": the data pointer is null");
+  }
+  // The shapes-only plan (what JAX calls while tracing) still accepts tensors without data.
+  DenseCase c;
+  c.p.cache_seqlens.data = nullptr;
+  DecodePlan plan;
+  EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
+
+  SparseCase s;
+  std::vector<uint16_t> out(s.b * s.s_q * s.h_q * 512);
+  std::vector<float> lse(s.b * s.h_q * s.s_q);
+  ASSERT_TRUE(sparse_decode_plan(s.p, &plan).ok());
+  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
+  s.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {s.b, s.s_q, s.h_q, 512});
+  s.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {s.b, s.h_q, s.s_q});
+  s.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
+  s.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  ASSERT_TRUE(sparse_decode_fwd(s.p).ok());
+  s.p.indices.data = nullptr;
+  expect_error(sparse_decode_fwd(s.p), ErrorKind::kValue, "indices: the data pointer is null");
+}
+
+TEST(ValidationCpp, OutputStridesMustNotOverlapOrBeNegative) {
+  {
+    DenseRun r;
+    r.c.p.out.stride[3] = 0;  // every column of a row at one address
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "out: output strides overlap");
+  }
+  {
+    DenseRun r;
+    r.c.p.out.stride[0] = -r.c.p.out.stride[0];
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "out: negative strides are not supported");
+  }
+  {
+    DenseRun r;
+    r.c.p.lse.stride[1] = 0;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "lse: output strides overlap");
+  }
+  {
+    DenseRun r;  // padded rows are fine
+    std::vector<uint16_t> padded(r.c.b * r.c.s_q * r.c.h_q * 600, 0);
+    r.c.p.out = make_tensor_ref(padded.data(), DType::kBFloat16, {r.c.b, r.c.s_q, r.c.h_q, 512},
+                                {r.c.s_q * r.c.h_q * 600, r.c.h_q * 600, 600, 1});
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
+  std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512), out(4 * 16 * 512);
+  std::vector<int32_t> idx(4 * 64, 0);
+  std::vector<float> ml(4 * 16), lse(4 * 16);
+  SparsePrefillParams p;
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {4, 16, 512});
+  p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
+  p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
+  p.out = make_tensor_ref(out.data(), DType::kBFloat16, {4, 16, 512});
+  p.max_logits = make_tensor_ref(ml.data(), DType::kFloat32, {4, 16});
+  p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {4, 16});
+  ASSERT_TRUE(sparse_prefill_fwd(p).ok());
+  p.max_logits.stride[0] = 8;  // rows of 16 overlap
+  expect_error(sparse_prefill_fwd(p), ErrorKind::kValue, "max_logits: output strides overlap");
+}
+
+TEST(ValidationCpp, BadTensorRefsAreValueErrors) {
+  DecodePlan plan;
+  {
+    DenseCase c;  // 7 dimensions: make_tensor_ref marks the ref invalid instead of writing past shape[]
+    c.p.q = make_tensor_ref(c.q.data(), DType::kBFloat16, {c.b, c.s_q, c.h_q, 576, 1, 1, 1});
+    EXPECT_EQ(c.p.q.ndim, kInvalidTensorDims);
+    EXPECT_EQ(c.p.q.device.type, DeviceType::kCPU);
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "q: invalid tensor");
+  }
+  {
+    DenseCase c;  // a stride list of the wrong length
+    c.p.block_table = make_tensor_ref(c.block_table.data(), DType::kInt32, {c.b, c.max_blocks}, {c.max_blocks});
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table: invalid tensor");
+  }
+  {
+    DenseCase c;
+    c.p.k_cache.shape[0] = -3;
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "k_cache: negative size in dim 0");
+  }
+  {
+    DenseCase c;
+    c.p.q.device.type = static_cast<DeviceType>(7);
+    expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "q: unknown device type 7");
+  }
+  std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
+  std::vector<int32_t> idx(4 * 64, 0);
+  SparsePrefillParams p;  // a negative s_q (the shape check's wildcards once let it through)
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {-2, 16, 512});
+  p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
+  p.indices = make_tensor_ref(idx.data(), DType::kInt32, {-2, 1, 64});
+  int64_t ws = 0;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "q: negative size in dim 0");
+}
+
 TEST(ValidationGpu, NoCudaBackendIsNotImplemented) {
   if (has_cuda_backend()) GTEST_SKIP() << "built with CUDA";
   DenseCase c;

@@ -340,3 +340,26 @@ def test_degenerate_sizes_rejected(dense, sparse):
         call_dense(dense, q=np.asarray(dense.q)[:, :0].copy())
     with pytest.raises(ValueError, match="topk"):
         call_sparse(sparse, indices=sparse.main.indices[:, :, :0].copy())
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "indices"])
+def test_scalar_tensors_name_the_argument(dense, sparse, name):
+    """0-d arrays get the rank error naming the argument (once an IndexError from q.shape[-1])."""
+    with pytest.raises(ValueError, match=f"^{name}: expected a"):
+        if name == "indices":
+            call_sparse(sparse, indices=np.array(3, np.int32))
+        else:
+            call_dense(dense, **{name: np.asarray(getattr(dense, name)).reshape(-1)[:1].reshape(())})
+
+
+def test_ndarray_subclass_results_are_numpy(dense):
+    """A user's own ndarray subclass counts as NumPy: the results are NumPy arrays, equal to plain ones."""
+
+    class MyArray(np.ndarray):
+        pass
+
+    ref = call_dense(dense)
+    out, lse = call_dense(dense, q=np.asarray(dense.q).view(MyArray))
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), ref[0].view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse), ref[1])
