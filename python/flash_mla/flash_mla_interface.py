@@ -120,6 +120,9 @@ def _on_device(x: Any) -> bool:
         return x.__dlpack_device__()[0] not in (1, 3)
     except AttributeError:
         return False
+    except BufferError:  # a sharded JAX array has no single DLPack device: ask JAX
+        devices = getattr(x, "devices", None)
+        return devices is not None and any(d.platform != "cpu" for d in devices())
 
 
 def _jax_use_xla(q: Any, **others: Any) -> bool:

@@ -98,3 +98,37 @@ def test_jit_errors_name_the_argument(rng):
         jax.jit(lambda q, k, bt, sl: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 256,
                                                                       flash_mla.get_mla_metadata()[0]))(
             to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(c.cache_seqlens))
+
+
+_SHARDED_EAGER = r'''
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+sys.path.insert(0, sys.argv[1])
+import flash_mla
+from mla_test_utils import gen_dense_case
+c = gen_dense_case(np.random.default_rng(0), b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=100, poison="nan")
+q = jax.device_put(jnp.asarray(c.q), NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x")))
+assert len(q.devices()) == 2
+out, lse = flash_mla.flash_mla_with_kvcache(q, jnp.asarray(c.k_cache), jnp.asarray(c.block_table),
+                                            jnp.asarray(c.cache_seqlens), 512, flash_mla.get_mla_metadata()[0], None,
+                                            softmax_scale=c.softmax_scale)
+ref = flash_mla.flash_mla_with_kvcache(np.asarray(c.q), c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                       flash_mla.get_mla_metadata()[0], None, softmax_scale=c.softmax_scale)
+np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref[0]).view(np.uint16))
+np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref[1]))
+print("sharded ok")
+'''
+
+
+def test_eager_call_with_a_sharded_jax_array():
+    """A q sharded over two host devices (no single DLPack device) works eagerly, equal to NumPy's call.
+    In a subprocess: the host device count must be set before JAX starts."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _SHARDED_EAGER, here], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "sharded ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
