@@ -21,7 +21,11 @@
 //                   different devices, h_q % h_kv != 0, non-finite scale, and — for CPU
 //                   tensors, where values are cheap to read — cache_seqlens / block_table /
 //                   index values out of range or a block table too short; outputs, metadata
-//                   or workspace that do not match the plan;
+//                   or workspace that do not match the plan; a TensorRef with a negative size,
+//                   an unknown device type or ndim == kInvalidTensorDims (make_tensor_ref with
+//                   too many dims or a stride list of another length); in `<op>_fwd` only (the
+//                   plans also take shapes-only refs), a null `data` for a tensor with elements,
+//                   and outputs with negative strides or two elements at one address;
 //   kNotImplemented valid input on a device without a backend (no CUDA build, not sm_90);
 //   kRuntime        CUDA launch / runtime failures (fwd only).
 // Messages name the argument, what was expected and what was given.
@@ -166,6 +170,8 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p);
 /// Bit-exact to FlashMLA's tests/quant.py (UE8M0 power-of-two scales, RNE e4m3).
 Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed);
 /// Inverse: packed bytes -> bf16 `(num_blocks, pbs, 1, d)`.
+/// Both run on CPU tensors only (kNotImplemented otherwise); other errors as listed at the top
+/// (kType for dtypes, kValue for shapes, null data, or an output whose elements overlap).
 Status dequantize_kv_cache(KVFormat format, const TensorRef& packed, const TensorRef& kv_bf16);
 
 // ---------------------------------------------------------------------------

@@ -99,10 +99,7 @@ Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
 }
 
 Status dense_decode_fwd(const DenseDecodeParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(core::validate_data({{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"},
-                                                {&p.cache_seqlens, "cache_seqlens"},
-                                                {&p.tile_scheduler_metadata, "tile_scheduler_metadata"},
-                                                {&p.num_splits, "num_splits"}, {&p.out, "out"}, {&p.lse, "lse"}}));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
   DecodePlan plan;
   FLASHMLA_RETURN_IF_ERROR(dense_decode_plan(p, &plan));
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, p.q.dtype, p.tile_scheduler_metadata,
@@ -154,12 +151,7 @@ Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
 }
 
 Status sparse_decode_fwd(const SparseDecodeParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(core::validate_data(
-      {{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.indices, "indices"}, {&p.topk_length, "topk_length"},
-       {&p.attn_sink, "attn_sink"}, {&p.extra_k_cache, "extra_k_cache"},
-       {&p.extra_indices_in_kvcache, "extra_indices_in_kvcache"}, {&p.extra_topk_length, "extra_topk_length"},
-       {&p.tile_scheduler_metadata, "tile_scheduler_metadata"}, {&p.num_splits, "num_splits"}, {&p.out, "out"},
-       {&p.lse, "lse"}}));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
   DecodePlan plan;
   FLASHMLA_RETURN_IF_ERROR(sparse_decode_plan(p, &plan));
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16,
@@ -206,9 +198,7 @@ Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_byte
 }
 
 Status sparse_prefill_fwd(const SparsePrefillParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(core::validate_data({{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"},
-                                                {&p.attn_sink, "attn_sink"}, {&p.topk_length, "topk_length"},
-                                                {&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}}));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
   int64_t ws = 0;
   FLASHMLA_RETURN_IF_ERROR(sparse_prefill_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_outputs(p));
@@ -225,15 +215,13 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p) {
 // ------------------------------------------------------------------ FP8 conversion
 Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_args(format, kv_bf16, packed));
-  FLASHMLA_RETURN_IF_ERROR(core::validate_data({{&kv_bf16, "kv_cache"}, {&packed, "packed"}}));
-  FLASHMLA_RETURN_IF_ERROR(core::validate_output_layout(packed, "packed"));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_data(kv_bf16, packed, /*packed_is_output=*/true));
   return reference::quantize_kv_cache(format, kv_bf16, packed);
 }
 
 Status dequantize_kv_cache(KVFormat format, const TensorRef& packed, const TensorRef& kv_bf16) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_args(format, kv_bf16, packed));
-  FLASHMLA_RETURN_IF_ERROR(core::validate_data({{&kv_bf16, "kv_cache"}, {&packed, "packed"}}));
-  FLASHMLA_RETURN_IF_ERROR(core::validate_output_layout(kv_bf16, "kv_cache"));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_data(kv_bf16, packed, /*packed_is_output=*/false));
   return reference::dequantize_kv_cache(format, packed, kv_bf16);
 }
 

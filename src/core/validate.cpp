@@ -118,6 +118,38 @@ Status check_refs(std::initializer_list<std::pair<const TensorRef*, const char*>
   return Status::Ok();
 }
 
+using Named = std::pair<const TensorRef*, const char*>;
+/// Every tensor argument of an operator, with its name: inputs first, then metadata and outputs.
+std::vector<Named> tensors_of(const DenseDecodeParams& p) {
+  return {{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"}, {&p.cache_seqlens, "cache_seqlens"},
+          {&p.tile_scheduler_metadata, "tile_scheduler_metadata"}, {&p.num_splits, "num_splits"},
+          {&p.out, "out"}, {&p.lse, "lse"}};
+}
+std::vector<Named> tensors_of(const SparseDecodeParams& p) {
+  return {{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.indices, "indices"}, {&p.topk_length, "topk_length"},
+          {&p.attn_sink, "attn_sink"}, {&p.extra_k_cache, "extra_k_cache"},
+          {&p.extra_indices_in_kvcache, "extra_indices_in_kvcache"}, {&p.extra_topk_length, "extra_topk_length"},
+          {&p.tile_scheduler_metadata, "tile_scheduler_metadata"}, {&p.num_splits, "num_splits"},
+          {&p.out, "out"}, {&p.lse, "lse"}};
+}
+std::vector<Named> tensors_of(const SparsePrefillParams& p) {
+  return {{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"}, {&p.attn_sink, "attn_sink"},
+          {&p.topk_length, "topk_length"}, {&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}};
+}
+/// check_ref over an operator's arguments (absent ones, e.g. outputs not yet filled by a plan
+/// call, are skipped).
+template <typename Params>
+Status check_all_refs(const Params& p) {
+  for (const auto& [t, n] : tensors_of(p)) FLASHMLA_RETURN_IF_ERROR(check_ref(*t, n));
+  return Status::Ok();
+}
+Status check_data(const std::vector<Named>& tensors) {
+  for (const auto& [t, n] : tensors)
+    if (t->defined && t->numel() > 0 && t->data == nullptr)
+      return value_error(cat(n, ": the data pointer is null for a tensor of shape ", shape_string(*t)));
+  return Status::Ok();
+}
+
 /// Outputs are written through their strides: non-negative strides and no two elements at one
 /// address (sorted by stride, each dimension's stride at least the extent of the smaller ones).
 Status check_output_layout(const TensorRef& t, const char* name) {
@@ -163,8 +195,7 @@ bool readable(const TensorRef& t) { return !t.defined || t.numel() == 0 || t.dat
 
 // ------------------------------------------------------------------ dense decode
 Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"},
-                                       {&p.cache_seqlens, "cache_seqlens"}}));
+  FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
   FLASHMLA_RETURN_IF_ERROR(require(p.block_table, "block_table"));
@@ -285,11 +316,7 @@ Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const 
 }  // namespace
 
 Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.indices, "indices"},
-                                       {&p.topk_length, "topk_length"}, {&p.attn_sink, "attn_sink"},
-                                       {&p.extra_k_cache, "extra_k_cache"},
-                                       {&p.extra_indices_in_kvcache, "extra_indices_in_kvcache"},
-                                       {&p.extra_topk_length, "extra_topk_length"}}));
+  FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
   FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
@@ -375,8 +402,7 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
 
 // ------------------------------------------------------------------ sparse prefill
 Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
-  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"},
-                                       {&p.attn_sink, "attn_sink"}, {&p.topk_length, "topk_length"}}));
+  FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(require(p.kv, "kv"));
   FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
@@ -468,7 +494,6 @@ Status validate_sparse_prefill_outputs(const SparsePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(require(p.out, "out"));
   FLASHMLA_RETURN_IF_ERROR(require(p.max_logits, "max_logits"));
   FLASHMLA_RETURN_IF_ERROR(require(p.lse, "lse"));
-  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}}));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.out, "out", {DType::kBFloat16}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.out, "out", {s_q, h_q, kDimV}, "(s_q, h_q, 512)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.max_logits, "max_logits", {DType::kFloat32}));
@@ -509,13 +534,12 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const Tensor
   return Status::Ok();
 }
 
-Status validate_output_layout(const TensorRef& t, const char* name) { return check_output_layout(t, name); }
-
-Status validate_data(std::initializer_list<std::pair<const TensorRef*, const char*>> tensors) {
-  for (const auto& [t, n] : tensors)
-    if (t->defined && t->numel() > 0 && t->data == nullptr)
-      return value_error(cat(n, ": the data pointer is null for a tensor of shape ", shape_string(*t)));
-  return Status::Ok();
+Status validate_data(const DenseDecodeParams& p) { return check_data(tensors_of(p)); }
+Status validate_data(const SparseDecodeParams& p) { return check_data(tensors_of(p)); }
+Status validate_data(const SparsePrefillParams& p) { return check_data(tensors_of(p)); }
+Status validate_kv_quant_data(const TensorRef& kv_bf16, const TensorRef& packed, bool packed_is_output) {
+  FLASHMLA_RETURN_IF_ERROR(check_data({{&kv_bf16, "kv_cache"}, {&packed, "packed"}}));
+  return packed_is_output ? check_output_layout(packed, "packed") : check_output_layout(kv_bf16, "kv_cache");
 }
 
 }  // namespace flashmla::core

@@ -5,9 +5,6 @@
 // what was given; the ErrorKind selects the Python exception class.
 #pragma once
 
-#include <initializer_list>
-#include <utility>
-
 #include "flashmla/ops.h"
 
 namespace flashmla::core {
@@ -25,11 +22,13 @@ Status validate_sparse_prefill_outputs(const SparsePrefillParams& p);
 
 Status validate_kv_quant_args(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed);
 
-/// An output written through its strides: non-negative strides, no two elements at one address.
-Status validate_output_layout(const TensorRef& t, const char* name);
-
-/// For the operator calls (`<op>_fwd`, the FP8 conversions; not the shapes-only `<op>_plan`,
-/// which JAX calls while tracing with no data): every defined tensor with elements has data.
-Status validate_data(std::initializer_list<std::pair<const TensorRef*, const char*>> tensors);
+/// For the operator calls (`<op>_fwd`; not the shapes-only `<op>_plan`, which JAX calls while
+/// tracing with no data): every defined tensor argument with elements has data.
+Status validate_data(const DenseDecodeParams& p);
+Status validate_data(const SparseDecodeParams& p);
+Status validate_data(const SparsePrefillParams& p);
+/// The FP8 conversions: both tensors have data, and the one written (`packed` when quantizing,
+/// `kv_bf16` when dequantizing) has non-negative strides mapping no two elements to one address.
+Status validate_kv_quant_data(const TensorRef& kv_bf16, const TensorRef& packed, bool packed_is_output);
 
 }  // namespace flashmla::core

@@ -134,42 +134,49 @@ TEST(ValidationDense, ValueChecksOnTheHost) {
   }
 }
 
+/// A dense case with its outputs and metadata buffers allocated as the plan asks.
+struct DenseRun {
+  DenseCase c;
+  DecodePlan plan;
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+  std::vector<int32_t> tsm, splits;
+  DenseRun() {
+    EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
+    out.assign(c.b * c.s_q * c.h_q * 512, 0);
+    lse.assign(c.b * c.h_q * c.s_q, 0.f);
+    tsm.assign(plan.num_sm_parts * 8, 0);
+    splits.assign(plan.num_splits_len, 0);
+    c.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {c.b, c.s_q, c.h_q, 512});
+    c.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {c.b, c.h_q, c.s_q});
+    c.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
+    c.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  }
+};
+
 TEST(ValidationDense, MixedDevicesAndOutputs) {
   DecodePlan plan;
   DenseCase c;
   c.p.block_table.device = {DeviceType::kCUDA, 0};
   expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table is on cuda:0 but q is on cpu");
 
-  DenseCase d;
-  ASSERT_TRUE(dense_decode_plan(d.p, &plan).ok());
-  std::vector<uint16_t> out(d.b * d.s_q * d.h_q * 512);
-  std::vector<float> lse(d.b * d.h_q * d.s_q);
-  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
-  d.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {d.b, d.s_q, d.h_q, 512});
-  d.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {d.b, d.h_q, d.s_q});
-  d.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts + 1, 8});
-  d.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
-  expect_error(dense_decode_fwd(d.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
-  d.p.tile_scheduler_metadata.shape[0] = plan.num_sm_parts;
-  EXPECT_TRUE(dense_decode_fwd(d.p).ok());
+  DenseRun r;
+  r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts + 1;
+  expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
+  r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts;
+  EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
 }
 
 TEST(ValidationDense, MisalignedWorkspaceIsValueError) {
   // The GPU kernels write / read the split-KV partials as float2 / float4.
-  DenseCase d;
-  DecodePlan plan;
-  ASSERT_TRUE(dense_decode_plan(d.p, &plan).ok());
-  std::vector<uint16_t> out(d.b * d.s_q * d.h_q * 512);
-  std::vector<float> lse(d.b * d.h_q * d.s_q);
-  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
-  const TensorRef o = make_tensor_ref(out.data(), DType::kBFloat16, {d.b, d.s_q, d.h_q, 512});
-  const TensorRef l = make_tensor_ref(lse.data(), DType::kFloat32, {d.b, d.h_q, d.s_q});
-  const TensorRef t = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
-  const TensorRef n = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  DenseRun r;
+  const DenseDecodeParams& p = r.c.p;
   alignas(16) unsigned char ws[64 + 16];
-  plan.workspace_bytes = 64;  // as a GPU plan would ask for
-  EXPECT_TRUE(core::validate_decode_outputs(d.p.q, o, l, DType::kBFloat16, t, n, plan, 64, ws).ok());
-  expect_error(core::validate_decode_outputs(d.p.q, o, l, DType::kBFloat16, t, n, plan, 64, ws + 4),
+  r.plan.workspace_bytes = 64;  // as a GPU plan would ask for
+  EXPECT_TRUE(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16, p.tile_scheduler_metadata,
+                                            p.num_splits, r.plan, 64, ws).ok());
+  expect_error(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16, p.tile_scheduler_metadata,
+                                             p.num_splits, r.plan, 64, ws + 4),
                ErrorKind::kValue, "workspace: the pointer must be 16-byte aligned");
 }
 
@@ -266,24 +273,6 @@ TEST(ValidationPrefill, Checks) {
 
 // Found by a breaker run (session 7): C++ callers hand the core raw pointers and strides, so null
 // data, too many dimensions, negative sizes and overlapping outputs must come back as a Status.
-struct DenseRun {
-  DenseCase c;
-  DecodePlan plan;
-  std::vector<uint16_t> out;
-  std::vector<float> lse;
-  std::vector<int32_t> tsm, splits;
-  DenseRun() {
-    EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
-    out.assign(c.b * c.s_q * c.h_q * 512, 0);
-    lse.assign(c.b * c.h_q * c.s_q, 0.f);
-    tsm.assign(plan.num_sm_parts * 8, 0);
-    splits.assign(plan.num_splits_len, 0);
-    c.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {c.b, c.s_q, c.h_q, 512});
-    c.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {c.b, c.h_q, c.s_q});
-    c.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
-    c.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
-  }
-};
 
 TEST(ValidationCpp, NullDataIsValueErrorInTheOperatorsOnly) {
   {
