@@ -5,7 +5,7 @@
 //
 // CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
 // num_sm_parts) as v1, walking the same (request, 64-slot block) range; the CTA's blocks are
-// numbered g = 0, 1, ... across its requests, block g uses buffer g & 1. 512 threads:
+// numbered g = 0, 1, ... across its requests, block g uses buffer g & 1. 384 threads:
 //   * warpgroup 0 (setmaxnreg kWg0Regs): per block S = Q K^T (m64n64k16 chains over the 9 or 8
 //     slabs; two parts: slabs 0-3, slabs 4-8), masking (spec §2.7 invalid slots), the online
 //     softmax (m, l for whole rows), P (bf16) into registers and into slab 8 of the block's buffer
@@ -14,15 +14,16 @@
 //     of part A (slabs 0-3).
 //   * warpgroup 1 (setmaxnreg kWg1Regs): per block, after warpgroup 0's P barrier, O[:, 256:512] =
 //     O * scale + P V[:, 256:512] from slab 8 and slabs 4-7, then the release of part B (slabs 4-8).
-//   * warpgroups 2 and 3 (producers, setmaxnreg kProdRegs): each thread owns two rows of every
-//     block (rows rg + 16 (2 half + i), 8 threads per row, 16 dims of each 128-dim half per
-//     thread). Per block the first 64 producer threads write the next block's record / scale
-//     addresses to a shared table (and prefetch the records to L2), one block ahead, behind one
-//     producer barrier per block; each thread loads both parts' FP8 bytes and scales into
-//     registers before its first wait, then per part waits until the consumers released it,
-//     dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times the tile scale in bf16,
-//     v1's dequant8) into the 128B-swizzled slabs, copies the RoPE bf16 bytes (part B) by cp.async
-//     and arrives on the part's full barrier (256 plain + 256 cp.async noinc arrivals).
+//   * warpgroup 2 (producer, setmaxnreg kProdRegs; FlashMLA's mapping): lanes 8q + i of warp w
+//     own rows 8w + i and 8w + i + 32 of every block and the 16-byte quarter q of each 64-dim
+//     group of them. Each thread loads its rows' cache indices one block ahead and computes their
+//     record addresses itself (L2 prefetch of the next block's records after part A), loads both
+//     parts' FP8 bytes and scales into registers before its first wait, then per part waits until
+//     the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times
+//     the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs (8 consecutive rows per
+//     store: no bank conflict), copies the RoPE bf16 bytes (part B) by cp.async and arrives on the
+//     part's full barrier (128 plain + 128 cp.async noinc arrivals). Sessions 4-7 ran two producer
+//     warpgroups at 64 registers (8 threads per row, a shared address table; bench/NOTES.md).
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
 // then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
 // Only for 16-byte aligned caches (v1 keeps the byte-copy path); q rows may be unaligned.
@@ -44,30 +45,30 @@ namespace flashmla::sm90::sparse::v4 {
 
 using namespace seesaw;
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 384;
 constexpr int kConsumers = 256;
-constexpr int kProducers = 256;
-// Register split of the CTA's pool (512 x 128, moved by setmaxnreg): S + softmax + half of O /
+constexpr int kProducers = 128;
+// Register split of the CTA's pool (384 x 168, moved by setmaxnreg): S + softmax + half of O /
 // half of O / producers.
-constexpr int kLaunchRegs = 128;
+constexpr int kLaunchRegs = 168;
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
-constexpr int kProdRegs = 64;
+constexpr int kProdRegs = 128;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
-/// Where part PT of a block gets its data, per format. FP8 16-byte units u (16 dims, bf16 chunks
-/// 2u and 2u + 1): part A units 0-15, part B units 16..kNope/16 - 1. Thread c8 of a row (0..7)
-/// takes units lo + c8 and lo + 8 + c8 (the second only below kNope/16). RoPE (bf16, 8 chunks, one
-/// per thread) belongs to part B: slab 8 (V32, chunks 64-71) or slab 7 (MODEL1, chunks 56-63).
+/// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
+/// groups (64 bytes, bf16 chunks 8d .. 8d + 7); part A is groups 0-3 (dims 0-255), part B groups
+/// 4..kNope/64 - 1. A producer thread takes the 16-byte quarter j (dims 16j .. 16j + 15, chunks
+/// 8d + 2j and 8d + 2j + 1) of every group of its rows. RoPE (bf16, 8 chunks, two per thread:
+/// j and 4 + j) belongs to part B: slab 8 (V32, chunks 64-71) or slab 7 (MODEL1, chunks 56-63).
 template <Fmt F, int PT>
 struct PartMap {
   using FC = FmtCfg<F>;
-  static constexpr int kLo = PT == 0 ? 0 : 16;
-  static constexpr int kNopeUnits = FC::kNope / 16;  // 32 (V32) or 28 (MODEL1)
-  static constexpr bool kRope = PT == 1;
-  static constexpr int kRopeChunk0 = FC::kNope / 8;  // 64 or 56
+  static constexpr int kG0 = PT == 0 ? 0 : 4;                       // first 64-dim group
+  static constexpr int kGroups = PT == 0 ? 4 : FC::kNope / 64 - 4;  // 4, then 4 (V32) or 3 (MODEL1)
+  static constexpr int kRopeChunk0 = FC::kNope / 8;                 // 64 or 56
   static constexpr int kRecBytes = F == Fmt::kV32 ? 656 : 576;
 };
 
@@ -93,78 +94,68 @@ struct RowAddr {
   uint64_t rec[2], scl[2];
 };
 
-/// FP8 data and scales of one part of a thread's two rows.
-struct PartRegs {
-  uint4 u0[2], u1[2];
-  uint2 sc[2];  // V32: 2 fp32 scales (tiles lo/8, lo/8 + 1); MODEL1: the 8-byte e8m0 record
+/// One row's FP8 bytes of a part (this thread's quarter of each group) and its scales.
+template <Fmt F, int PT>
+struct RowPart {
+  uint4 u[PartMap<F, PT>::kGroups];
+  uint2 sc;  // V32: the fp32 scales of the part's two 128-dim tiles; MODEL1: the 8-byte e8m0 record
 };
 
+/// Loads part PT of the row at `rec` (zeros for an invalid row: rec == 0).
 template <Fmt F, int PT>
-__device__ __forceinline__ void part_load(PartRegs& r, const RowAddr& ra, int c8) {
+__device__ __forceinline__ void row_part_load(RowPart<F, PT>& r, uint64_t rec, uint64_t scl, int j) {
   using M = PartMap<F, PT>;
-  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(ra.rec[i]);
-    r.u0[i] = make_uint4(0u, 0u, 0u, 0u);
-    r.u1[i] = make_uint4(0u, 0u, 0u, 0u);
-    r.sc[i] = make_uint2(0u, 0u);
-    if (a != nullptr) {
-      r.u0[i] = ldg16(a + 16 * (M::kLo + c8));
-      if (has_u1) r.u1[i] = ldg16(a + 16 * (M::kLo + 8 + c8));
-      const uint8_t* sa = reinterpret_cast<const uint8_t*>(ra.scl[i]);
-      if constexpr (F == Fmt::kV32) r.sc[i] = ldg8(sa + 4 * (M::kLo / 8));
-      else r.sc[i] = ldg8(sa);
-    }
+  for (int d = 0; d < M::kGroups; ++d) r.u[d] = make_uint4(0u, 0u, 0u, 0u);
+  r.sc = make_uint2(0u, 0u);
+  if (a != nullptr) {
+#pragma unroll
+    for (int d = 0; d < M::kGroups; ++d) r.u[d] = ldg16(a + 64 * (M::kG0 + d) + 16 * j);
+    if constexpr (F == Fmt::kV32) r.sc = ldg8(a + FmtCfg<F>::kScaleRaw + 4 * (M::kG0 / 2));
+    else r.sc = ldg8(reinterpret_cast<const uint8_t*>(scl));
   }
 }
 
-template <Fmt F>
-__device__ __forceinline__ __nv_bfloat162 unit_scale(uint2 sc, int tile_v32_k, int unit) {
+/// The bf16 scale of group kG0 + d (spec §2.7: V32 fp32 tile scale rounded to bf16; MODEL1 e8m0).
+template <Fmt F, int PT>
+__device__ __forceinline__ __nv_bfloat162 group_scale(uint2 sc, int d) {
   if constexpr (F == Fmt::kV32) {
-    return __float2bfloat162_rn(__uint_as_float(tile_v32_k == 0 ? sc.x : sc.y));
+    return __float2bfloat162_rn(__uint_as_float(d < 2 ? sc.x : sc.y));  // 128-dim tiles kG0 / 2 + d / 2
   } else {
-    const int tile = unit / 4;  // 64-dim tiles
-    const uint32_t word = tile < 4 ? sc.x : sc.y;
+    const int g = PartMap<F, PT>::kG0 + d;  // 64-dim tiles
+    const uint32_t word = g < 4 ? sc.x : sc.y;
     __nv_bfloat16_raw br;
-    br.x = e8m0_to_bf16_bits((word >> (8 * (tile & 3))) & 0xFFu);
+    br.x = e8m0_to_bf16_bits((word >> (8 * (g & 3))) & 0xFFu);
     const __nv_bfloat16 b1(br);
     return __nv_bfloat162(b1, b1);
   }
 }
 
-/// Dequantize a part of the thread's two rows into the buffer (spec §2.7, v1's dequant8); part A
-/// also writes the rows' validity bytes.
-template <Fmt F, int PT>
-__device__ __forceinline__ void part_store(const PartRegs& r, const RowAddr& ra, const int (&row)[2], int c8,
-                                           uint8_t* sKx, uint8_t* sValid_x) {
+/// Dequantizes part PT of one row exactly (spec §2.7, v1's dequant8) and hands each 16-byte chunk
+/// to put(byte offset in the buffer, value).
+template <Fmt F, int PT, class Put>
+__device__ __forceinline__ void row_part_store(const RowPart<F, PT>& r, int row, int j, Put&& put) {
   using M = PartMap<F, PT>;
-  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
-    const __nv_bfloat162 sa = unit_scale<F>(r.sc[i], 0, ua);
-    *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ua)) = dequant8(make_uint2(r.u0[i].x, r.u0[i].y), sa);
-    *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ua + 1)) = dequant8(make_uint2(r.u0[i].z, r.u0[i].w), sa);
-    if (has_u1) {
-      const __nv_bfloat162 sb = unit_scale<F>(r.sc[i], 1, ub);
-      *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ub)) = dequant8(make_uint2(r.u1[i].x, r.u1[i].y), sb);
-      *reinterpret_cast<uint4*>(sKx + slab_off(row[i], 2 * ub + 1)) = dequant8(make_uint2(r.u1[i].z, r.u1[i].w), sb);
-    }
-    if (PT == 0 && c8 == 0) sValid_x[row[i]] = ra.rec[i] != 0 ? 1 : 0;
+  for (int d = 0; d < M::kGroups; ++d) {
+    const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
+    const int c = 8 * (M::kG0 + d) + 2 * j;
+    put(slab_off(row, c), dequant8(make_uint2(r.u[d].x, r.u[d].y), s));
+    put(slab_off(row, c + 1), dequant8(make_uint2(r.u[d].z, r.u[d].w), s));
   }
 }
 
-/// RoPE of the thread's two rows (bf16, no conversion) by cp.async; invalid rows are zero-filled.
+/// RoPE of one row (bf16, no conversion) by cp.async: chunks j and 4 + j; an invalid row is
+/// zero-filled (MODEL1's RoPE dims are part of V).
 template <Fmt F>
-__device__ __forceinline__ void part_rope(const RowAddr& ra, const int (&row)[2], int c8, uint32_t sKx_u,
-                                          const void* any_global) {
-  using M = PartMap<F, 1>;
+__device__ __forceinline__ void row_rope(uint64_t rec, int row, int j, uint32_t sKx_u, const void* any_global) {
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const uint8_t* a = reinterpret_cast<const uint8_t*>(ra.rec[i]);
-    cp_async_16(sKx_u + slab_off(row[i], M::kRopeChunk0 + c8),
-                a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c8 : static_cast<const uint8_t*>(any_global),
+  for (int k = 0; k < 2; ++k) {
+    const int c = 4 * k + j;
+    cp_async_16(sKx_u + slab_off(row, PartMap<F, 1>::kRopeChunk0 + c),
+                a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c : static_cast<const uint8_t*>(any_global),
                 a != nullptr);
   }
 }
@@ -175,8 +166,8 @@ __device__ __forceinline__ void part_rope(const RowAddr& ra, const int (&row)[2]
 // producers dequantize half of every block's rows (thread row row[rank]) into their own slabs
 // (st.shared) and the peer's (st.async to the peer's mapa address, completing 16 bytes of
 // transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), copy all 64
-// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 512 local arrivals
-// (256 plain, one of them arrive.expect_tx for the peer's bytes of the part, + 256 cp.async noinc)
+// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 256 local arrivals
+// (128 plain, one of them arrive.expect_tx for the peer's bytes of the part, + 128 cp.async noinc)
 // and the peer's transaction bytes; the consumers release a part on both CTAs' free barriers
 // (count 256), so a part is refilled only when both CTAs' consumers are done with it. (Session 6's
 // first cluster variant, commit 027b0c0, used st.shared::cluster plus 256 remote arrivals per part
@@ -228,68 +219,21 @@ __device__ __forceinline__ void sync() {
 /// Generic-proxy writes (local or the peer's shared memory) -> the async proxy (wgmma).
 }  // namespace cl
 
-/// FP8 data and scales of one part of one row (cluster variant).
-struct PartRegs1 {
-  uint4 u0, u1;
-  uint2 sc;
-};
-
-template <Fmt F, int PT>
-__device__ __forceinline__ void part_load1(PartRegs1& r, uint64_t rec, uint64_t scl, int c8) {
-  using M = PartMap<F, PT>;
-  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
-  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
-  r.u0 = make_uint4(0u, 0u, 0u, 0u);
-  r.u1 = make_uint4(0u, 0u, 0u, 0u);
-  r.sc = make_uint2(0u, 0u);
-  if (a != nullptr) {
-    r.u0 = ldg16(a + 16 * (M::kLo + c8));
-    if (has_u1) r.u1 = ldg16(a + 16 * (M::kLo + 8 + c8));
-    const uint8_t* sa = reinterpret_cast<const uint8_t*>(scl);
-    if constexpr (F == Fmt::kV32) r.sc = ldg8(sa + 4 * (M::kLo / 8));
-    else r.sc = ldg8(sa);
-  }
-}
-
 /// Bytes one CTA's producers write into the peer's buffer for part PT of a block: 32 rows x the
-/// part's dequantized units x 32 bytes (each thread stores every unit it owns, valid row or not).
+/// part's 64-dim groups x 128 bytes (each thread stores every chunk it owns, valid row or not).
 template <Fmt F, int PT>
-constexpr uint32_t kPeerPartBytes = 32u * 32u *
-    static_cast<uint32_t>((PT == 0 ? 16 : PartMap<F, 1>::kNopeUnits - 16));
-
-/// part_store for one row into this CTA's buffer (sKx) and the peer's (r_sKx_u: shared::cluster
-/// address of the same offset; r_full: the peer's full barrier of the part).
-template <Fmt F, int PT>
-__device__ __forceinline__ void part_store1_cluster(const PartRegs1& r, int row, int c8, uint8_t* sKx,
-                                                    uint32_t r_sKx_u, uint32_t r_full) {
-  using M = PartMap<F, PT>;
-  const bool has_u1 = M::kLo + 8 + c8 < M::kNopeUnits;
-  auto put = [&](uint32_t off, uint4 v) {
-    *reinterpret_cast<uint4*>(sKx + off) = v;
-    cl::st16_async(r_sKx_u + off, v, r_full);
-  };
-  const int ua = M::kLo + c8, ub = M::kLo + 8 + c8;
-  const __nv_bfloat162 sa = unit_scale<F>(r.sc, 0, ua);
-  put(slab_off(row, 2 * ua), dequant8(make_uint2(r.u0.x, r.u0.y), sa));
-  put(slab_off(row, 2 * ua + 1), dequant8(make_uint2(r.u0.z, r.u0.w), sa));
-  if (has_u1) {
-    const __nv_bfloat162 sb = unit_scale<F>(r.sc, 1, ub);
-    put(slab_off(row, 2 * ub), dequant8(make_uint2(r.u1.x, r.u1.y), sb));
-    put(slab_off(row, 2 * ub + 1), dequant8(make_uint2(r.u1.z, r.u1.w), sb));
-  }
-}
+constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F, PT>::kGroups);
 
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
-constexpr int kSmemAddr = 2 * 2 * 64 * 8;  // producers' address table: [block parity][record / scale][row]
 constexpr int kSmemBytes =
-    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar + kSmemAddr;
+    1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducer = 4 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
 
 template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
@@ -308,7 +252,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
-  uint64_t* sAddr = reinterpret_cast<uint64_t*>(base + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar);
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
 
@@ -325,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (begin_req >= p.b) return;
 
   if (tid == 0) {
-    // full: 256 plain + 256 cp.async noinc producer arrivals; free: the part's consumer warpgroup.
+    // full: 128 plain + 128 cp.async noinc producer arrivals; free: the part's consumer warpgroup.
 #pragma unroll
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 2 * kProducers);
 #pragma unroll
@@ -364,13 +307,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   };
 
   if (wg >= 2) {
-    // ============================ producer warpgroups ============================
+    // ============================ producer warpgroup ============================
+    // FlashMLA's token mapping: the 8 lanes of a warp quarter take 8 consecutive rows (so their
+    // 16-byte stores of one chunk fall on 8 different 128B-swizzle positions: no bank conflict),
+    // the 4 quarters j the 4 16-byte pieces of each 64-dim group; each thread loads its rows' cache
+    // indices one block ahead and computes their record addresses itself (no shared table).
     setmaxnreg_dec<kProdRegs>();
     const int t = tid - kConsumers;
-    const int half = t >> 7, rg = (t & 127) >> 3, c8 = t & 7;
-    const int row[2] = {rg + 32 * half, rg + 32 * half + 16};  // this thread's rows of every block
-    const int a_row = t & 63;                                    // address table entry (threads t < 64)
-    // Look-ahead: (nreq, nb) is the block whose address table is written next, one block ahead of the fills.
+    const int j = (t & 31) >> 3;
+    const int tok = (t >> 5) * 8 + (t & 7);
+    const int row[2] = {tok, tok + 32};  // this thread's rows of every block
+    // (nreq, nb): the block whose indices are loaded next, one block ahead of the fills.
     int nreq = begin_req, nb = 0;
     ReqInfo nri = req_info(begin_req);
     auto skip_empty = [&]() {
@@ -380,108 +327,130 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (nreq <= end_req) nri = req_info(nreq);
       }
     };
-    auto load_index = [&]() {  // this thread's slot of block (nreq, nb): cache index, -1 if invalid
-      int v = -1;
+    // Cache indices of this thread's rows of block (nreq, nb) (-1: slot past the request's
+    // topk_length); returns whether the block is in the extra cache.
+    auto block_indices = [&](int (&v)[2]) {
       const int blk = nri.blk_lo + nb;
-      if (t < 64) {
-        const bool is_extra = p.has_extra && blk >= nri.n_main;
-        const SparseScope& sc = is_extra ? p.extra : p.main;
-        const int lim = is_extra ? nri.lim_extra : nri.lim_main;
-        const int64_t slot = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN + a_row;
-        if (slot < lim) {
-          v = __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k));
-          if (v >= sc.num_tokens) v = -1;
-        }
+      const bool is_extra = p.has_extra && blk >= nri.n_main;
+      const SparseScope& sc = is_extra ? p.extra : p.main;
+      const int lim = is_extra ? nri.lim_extra : nri.lim_main;
+      const int64_t slot0 = static_cast<int64_t>(is_extra ? blk - nri.n_main : blk) * kBlockN;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int64_t slot = slot0 + row[i];
+        v[i] = slot < lim ? __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k))
+                          : -1;
       }
-      return v;
+      return is_extra;
     };
-    auto write_entry = [&](int v, int parity) {  // table entry + L2 prefetch of the record
-      if (t < 64) {
-        uint64_t rec = 0, scl = 0;
-        if (v >= 0) {
-          const bool is_extra = p.has_extra && nri.blk_lo + nb >= nri.n_main;
-          row_addr<F>(is_extra ? p.extra : p.main, v, rec, scl);
-          prefetch_l2_bulk(reinterpret_cast<const void*>(rec), PartMap<F, 0>::kRecBytes);
-          if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(scl));
-        }
-        uint64_t* tab = sAddr + parity * 128;  // [rec / scale][row]
-        tab[a_row] = rec;
-        tab[64 + a_row] = scl;
+    // Record addresses of the rows (0 for an invalid slot: negative or past the cache, spec §2.7).
+    auto addresses = [&](const int (&v)[2], bool is_extra, RowAddr& ra) {
+      const SparseScope& sc = is_extra ? p.extra : p.main;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        ra.rec[i] = 0;
+        ra.scl[i] = 0;
+        if (v[i] >= 0 && v[i] < sc.num_tokens) row_addr<F>(sc, v[i], ra.rec[i], ra.scl[i]);
       }
     };
     skip_empty();
     if (nreq <= end_req) {
-      write_entry(load_index(), 0);
-      named_barrier_sync(kBarProducer, kProducers);  // the first block's table is complete
+      RowAddr ra;
+      {
+        int v[2];
+        const bool ext = block_indices(v);
+        addresses(v, ext, ra);
+      }
       for (int g = 0;; ++g) {
         ++nb;
         skip_empty();
         const bool more = nreq <= end_req;
-        const int v_next = more ? load_index() : -1;
-        const uint64_t* tab = sAddr + (g & 1) * 128;
-        // The rows' addresses are re-read from the table at each use (not held in registers
-        // across the block: v4.1 did so and ran ~15% faster than holding them, bench/NOTES.md).
-        auto cur = [&]() {
-          RowAddr r;
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            r.rec[i] = tab[row[i]];
-            r.scl[i] = tab[64 + row[i]];
-          }
-          return r;
-        };
+        int vn[2] = {-1, -1};
+        bool extn = false;
+        if (more) extn = block_indices(vn);
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        // Both parts' FP8 bytes and scales are loaded before the first wait; the next block's
-        // table goes into the slot of block g - 1, whose fills every producer finished before this
-        // block's barrier.
+        // The next block's addresses (its indices have arrived by the time part A is stored) and
+        // an L2 prefetch of its records.
+        RowAddr rn;
+        auto next_addresses = [&](int i_lo, int i_hi) {
+          if (!more) return;
+          addresses(vn, extn, rn);
+          if (j == 0)
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              if (i >= i_lo && i < i_hi && rn.rec[i] != 0) {
+                prefetch_l2_bulk(reinterpret_cast<const void*>(rn.rec[i]), PartMap<F, 0>::kRecBytes);
+                if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rn.scl[i]));
+              }
+        };
         if constexpr (kCluster) {
-          // One row (row[rank]) dequantized into both CTAs; the RoPE of both rows locally.
-          const int my = rank != 0 ? row[1] : row[0];
+          // One row (row[rank]: this CTA's half of the block) dequantized into both CTAs; the
+          // RoPE and validity of both rows locally.
+          const bool hi = rank != 0;
+          const int my = hi ? row[1] : row[0];
+          const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-          PartRegs1 ra, rb;
-          part_load1<F, 0>(ra, tab[my], tab[64 + my], c8);
-          part_load1<F, 1>(rb, tab[my], tab[64 + my], c8);
+          RowPart<F, 0> pa;
+          RowPart<F, 1> pb;
+          row_part_load<F, 0>(pa, my_rec, my_scl, j);
+          row_part_load<F, 1>(pb, my_rec, my_scl, j);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-          part_store1_cluster<F, 0>(ra, my, c8, sKx, r_sKx_u, r_bar_full(x, 0));
-          if (c8 == 0) {  // both rows' validity bytes, locally (the table holds every row)
-            sValid[x * kBlockN + row[0]] = tab[row[0]] != 0 ? 1 : 0;
-            sValid[x * kBlockN + row[1]] = tab[row[1]] != 0 ? 1 : 0;
+          row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
+            *reinterpret_cast<uint4*>(sKx + off) = v;
+            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
+          });
+          if (j == 0) {
+            sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
+            sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           if (t == 0) cl::arrive_expect_tx(bar_full(x, 0), kPeerPartBytes<F, 0>);  // the peer's bytes
           else mbar_arrive(bar_full(x, 0));
-          if (more) write_entry(v_next, (g + 1) & 1);
+          next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-          part_rope<F>(cur(), row, c8, sKx_u, p.q);
-          part_store1_cluster<F, 1>(rb, my, c8, sKx, r_sKx_u, r_bar_full(x, 1));
+          row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
+          row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
+          row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
+            *reinterpret_cast<uint4*>(sKx + off) = v;
+            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
+          });
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           if (t == 0) cl::arrive_expect_tx(bar_full(x, 1), kPeerPartBytes<F, 1>);
           else mbar_arrive(bar_full(x, 1));
-          if (!more) break;
-          named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
-          continue;
+        } else {
+          RowPart<F, 0> pa0, pa1;
+          RowPart<F, 1> pb0, pb1;
+          row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
+          row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
+          row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
+          row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
+          auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
+          if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
+          row_part_store<F, 0>(pa0, row[0], j, put);
+          row_part_store<F, 0>(pa1, row[1], j, put);
+          if (j == 0) {
+            sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
+            sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
+          }
+          gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
+          mbar_arrive_cp_async(bar_full(x, 0));
+          mbar_arrive(bar_full(x, 0));
+          next_addresses(0, 2);
+          if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
+          row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
+          row_part_store<F, 1>(pb0, row[0], j, put);
+          row_part_store<F, 1>(pb1, row[1], j, put);
+          gmma::fence_proxy_async();
+          mbar_arrive_cp_async(bar_full(x, 1));
+          mbar_arrive(bar_full(x, 1));
         }
-        PartRegs ra, rb;
-        part_load<F, 0>(ra, cur(), c8);
-        part_load<F, 1>(rb, cur(), c8);
-        if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-        part_store<F, 0>(ra, cur(), row, c8, sKx, sValid + x * kBlockN);
-        gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
-        mbar_arrive_cp_async(bar_full(x, 0));
-        mbar_arrive(bar_full(x, 0));
-        if (more) write_entry(v_next, (g + 1) & 1);
-        if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-        part_rope<F>(cur(), row, c8, sKx_u, p.q);
-        part_store<F, 1>(rb, cur(), row, c8, sKx, sValid + x * kBlockN);
-        gmma::fence_proxy_async();
-        mbar_arrive_cp_async(bar_full(x, 1));
-        mbar_arrive(bar_full(x, 1));
         if (!more) break;
-        named_barrier_sync(kBarProducer, kProducers);  // the next block's table is complete
+        ra = rn;
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
