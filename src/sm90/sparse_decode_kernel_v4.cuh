@@ -56,6 +56,7 @@ constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 128;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
+static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
@@ -675,7 +676,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     setmaxnreg_inc<kWg0Regs>();
     consumer(std::integral_constant<int, 0>{});
   } else {
-    setmaxnreg_inc<kWg1Regs>();
+    // setmaxnreg.inc may only raise the count and .dec only lower it (the launch gives kLaunchRegs).
+    if constexpr (kWg1Regs > kLaunchRegs) setmaxnreg_inc<kWg1Regs>();
+    else setmaxnreg_dec<kWg1Regs>();
     consumer(std::integral_constant<int, 1>{});
   }
   if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
