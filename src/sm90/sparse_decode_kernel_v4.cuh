@@ -57,6 +57,10 @@ constexpr int kProdRegs = 128;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
+// Barrier arrivals: one lane per warp after __syncwarp (the consumers' releases, the producers'
+// plain arrivals) instead of every thread; the cp.async arrivals stay per thread.
+constexpr bool kFewArrivals = true;
+constexpr int kFullCount = kFewArrivals ? kProducers / 32 + kProducers : 2 * kProducers;
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
@@ -271,9 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (tid == 0) {
     // full: 128 plain + 128 cp.async noinc producer arrivals; free: the part's consumer warpgroup.
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 2 * kProducers);
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, kFullCount);
 #pragma unroll
-    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, kCluster ? 256 : 128);
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, (kFewArrivals ? 4 : 128) * (kCluster ? 2 : 1));
     fence_barrier_init();
   }
   if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
@@ -354,6 +358,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (v[i] >= 0 && v[i] < sc.num_tokens) row_addr<F>(sc, v[i], ra.rec[i], ra.scl[i]);
       }
     };
+    // The plain arrival on a part's full barrier (after this thread's fence.proxy.async); thread 0
+    // of a cluster CTA also expects the peer's `peer_bytes` of the part.
+    auto producer_arrive = [&](uint32_t bar, uint32_t peer_bytes) {
+      if constexpr (kFewArrivals) {
+        __syncwarp();
+        if ((t & 31) != 0) return;
+      }
+      if (kCluster && t == 0) cl::arrive_expect_tx(bar, peer_bytes);
+      else mbar_arrive(bar);
+    };
     skip_empty();
     if (nreq <= end_req) {
       RowAddr ra;
@@ -408,8 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
-          if (t == 0) cl::arrive_expect_tx(bar_full(x, 0), kPeerPartBytes<F, 0>);  // the peer's bytes
-          else mbar_arrive(bar_full(x, 0));
+          producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
@@ -420,8 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           });
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
-          if (t == 0) cl::arrive_expect_tx(bar_full(x, 1), kPeerPartBytes<F, 1>);
-          else mbar_arrive(bar_full(x, 1));
+          producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
         } else {
           RowPart<F, 0> pa0, pa1;
           RowPart<F, 1> pb0, pb1;
@@ -439,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
-          mbar_arrive(bar_full(x, 0));
+          producer_arrive(bar_full(x, 0), 0);
           next_addresses(0, 2);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
@@ -448,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_part_store<F, 1>(pb1, row[1], j, put);
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
-          mbar_arrive(bar_full(x, 1));
+          producer_arrive(bar_full(x, 1), 0);
         }
         if (!more) break;
         ra = rn;
@@ -465,6 +477,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   // Release a buffer part: this CTA's free barrier and, in a cluster, the peer's (whose producers
   // write half of this part's rows here).
   auto release = [&](int buf, int part) {
+    if constexpr (kFewArrivals) {
+      __syncwarp();
+      if (lane != 0) return;
+    }
     mbar_arrive(bar_free(buf, part));
     if constexpr (kCluster) cl::arrive_remote(r_bar_free(buf, part));
   };
