@@ -60,9 +60,6 @@ static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg d
 // Barrier arrivals: one lane per warp after __syncwarp (the consumers' releases, the producers'
 // plain arrivals) instead of every thread; the cp.async arrivals stay per thread.
 constexpr bool kFewArrivals = true;
-// Cluster CTAs load block g + 1's FP8 bytes while storing block g (one row per thread fits two
-// register sets); the plain kernel (two rows per thread) loads each block after the last.
-constexpr bool kClusterLoadAhead = true;
 constexpr int kFullCount = kFewArrivals ? kProducers / 32 + kProducers : 2 * kProducers;
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
@@ -372,80 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       else mbar_arrive(bar);
     };
     skip_empty();
-    if (kCluster && kClusterLoadAhead && nreq <= end_req) {
-      // Cluster CTA: one row to dequantize per thread (row[rank]), so the FP8 bytes of block g + 1
-      // are loaded into a second register set while block g is stored (indices two blocks ahead).
-      const bool hi = rank != 0;
-      const int my = hi ? row[1] : row[0];
-      auto my_rec = [&](const RowAddr& r) { return hi ? r.rec[1] : r.rec[0]; };
-      auto my_scl = [&](const RowAddr& r) { return hi ? r.scl[1] : r.scl[0]; };
-      RowAddr ra, rn;
-      {
-        int v[2];
-        const bool ext = block_indices(v);
-        addresses(v, ext, ra);
-      }
-      ++nb;
-      skip_empty();
-      bool more1 = nreq <= end_req;
-      rn = RowAddr{};
-      if (more1) {
-        int v[2];
-        const bool ext = block_indices(v);
-        addresses(v, ext, rn);
-      }
-      RowPart<F, 0> pa;
-      RowPart<F, 1> pb;
-      row_part_load<F, 0>(pa, my_rec(ra), my_scl(ra), j);
-      row_part_load<F, 1>(pb, my_rec(ra), my_scl(ra), j);
-      for (int g = 0;; ++g) {
-        RowPart<F, 0> qa;
-        RowPart<F, 1> qb;
-        row_part_load<F, 0>(qa, my_rec(rn), my_scl(rn), j);  // block g + 1 (zeros past the end)
-        row_part_load<F, 1>(qb, my_rec(rn), my_scl(rn), j);
-        bool more2 = false, ext2 = false;
-        int v2[2] = {-1, -1};
-        if (more1) {
-          ++nb;
-          skip_empty();
-          more2 = nreq <= end_req;
-          if (more2) ext2 = block_indices(v2);  // block g + 2
-        }
-        const int x = g & 1, use = g >> 1;
-        uint8_t* sKx = sK + x * kSmemK;
-        const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-        if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-        row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
-          *reinterpret_cast<uint4*>(sKx + off) = v;
-          cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
-        });
-        if (j == 0) {
-          sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
-          sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
-        }
-        gmma::fence_proxy_async();
-        mbar_arrive_cp_async(bar_full(x, 0));
-        producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);
-        if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-        row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
-        row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
-        row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
-          *reinterpret_cast<uint4*>(sKx + off) = v;
-          cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
-        });
-        gmma::fence_proxy_async();
-        mbar_arrive_cp_async(bar_full(x, 1));
-        producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
-        if (!more1) break;
-        ra = rn;
-        rn = RowAddr{};
-        if (more2) addresses(v2, ext2, rn);
-        pa = qa;
-        pb = qb;
-        more1 = more2;
-      }
-    } else if (nreq <= end_req) {
+    if (nreq <= end_req) {
       RowAddr ra;
       {
         int v[2];
