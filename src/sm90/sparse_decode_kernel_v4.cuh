@@ -534,15 +534,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     float l_run[2] = {0.f, 0.f};
 
     if constexpr (kWg == 0) {
-      // MODEL1 plain kernel (kSAhead): S of block g + 1 is issued right behind P V_L of block g
-      // (same request), so the tensor pipe does not drain while this warpgroup waits for P V_L and
-      // starts the next S; the wait for both comes at the top of the next step, which then
-      // releases part A of block g. Everything else waits for P V_L at once. Measured on the H200
-      // (bench/NOTES.md, sessions 6 and 7): the look-ahead spills ~1 KB; it ran 7% slower on V3.2
-      // b128 (plain) and 24% slower under the cluster (V3.2 b128 502 -> 623 us), 3-4% faster on
-      // MODEL1 config1 b128 (plain, 120 vs 123 us) but 18% slower on MODEL1 config2 b128 under
-      // the cluster (338 vs 287 us).
-      constexpr bool kSAhead = F == Fmt::kModel1 && !kCluster;
+      // (Sessions 6-7 issued S of block g + 1 behind P V_L of block g for MODEL1's plain kernel;
+      // with one producer warpgroup it ran 13% slower, MODEL1 config1 b128 113 vs 98 us, and was
+      // removed in session 8: bench/NOTES.md.)
       float s[32];
       auto issue_s = [&](int gg) {
         const int xx = gg & 1;
@@ -561,17 +555,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         s_chain<4, kSlabs>(s, dq, db);
         gmma::commit();
       };
-      if (kSAhead && n_blk > 0) issue_s(g);
       for (int j = 0; j < n_blk; ++j, ++g) {
         const int x = g & 1;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        if (!kSAhead) issue_s(g);
-        gmma::wait<0>();  // S of block g (kSAhead: and P V_L of block g - 1, issued before it)
+        issue_s(g);
+        gmma::wait<0>();  // S of block g
         gmma::reg_fence(s);
-        if (kSAhead) {
-          gmma::reg_fence(o);
-          if (j > 0) release(x ^ 1, 0);  // block g - 1's slabs 0-3 are free
-        }
 
         float mx[2] = {-INFINITY, -INFINITY};
         mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
@@ -597,18 +586,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
-        if (kSAhead) {
-          if (j + 1 < n_blk) issue_s(g + 1);
-        } else {
-          gmma::wait<0>();
-          gmma::reg_fence(o);
-          release(x, 0);  // slabs 0-3 of the buffer are free
-        }
-      }
-      if (kSAhead && n_blk > 0) {
         gmma::wait<0>();
         gmma::reg_fence(o);
-        release((g - 1) & 1, 0);  // the request's last block's slabs 0-3 are free
+        release(x, 0);  // slabs 0-3 of the buffer are free
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
