@@ -164,7 +164,7 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 }
 
 /// Main-kernel choice by shape: v2 (warp-specialised producer, mma.sync consumers) for h_q <= 16,
-/// v4 (two producer warpgroups dequantizing into two whole-block 128B-swizzled K buffers + two
+/// v4 (one producer warpgroup dequantizing into two whole-block 128B-swizzled K buffers + two
 /// wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads
 /// dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte aligned (the v2 / v4
 /// launchers fall back to v1 there).

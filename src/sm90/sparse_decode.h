@@ -43,7 +43,7 @@ struct SparseDecodeKernelParams {
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
   float scale_log2;  // softmax_scale * log2(e)
   int kernel_version;  // 1: v1 (mma.sync, all threads dequantize); 2: v2 (warp-specialised producer);
-                       // 4: v4 (two producer warpgroups + two wgmma consumer warpgroups over two
+                       // 4: v4 (one producer warpgroup + two wgmma consumer warpgroups over two
                        // whole-block K buffers, h_q > 32);
                        // chosen by shape in sparse_decode.cu (v2 for h_q <= 16, v4 above 32, else v1)
 };

@@ -22,7 +22,7 @@
 //     the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times
 //     the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs (8 consecutive rows per
 //     store: no bank conflict), copies the RoPE bf16 bytes (part B) by cp.async and arrives on the
-//     part's full barrier (128 plain + 128 cp.async noinc arrivals). Sessions 4-7 ran two producer
+//     part's full barrier (one arrival per warp + 128 cp.async noinc arrivals). Sessions 4-7 ran two producer
 //     warpgroups at 64 registers (8 threads per row, a shared address table; bench/NOTES.md).
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
 // then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
@@ -58,9 +58,9 @@ static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThrea
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
 // Barrier arrivals: one lane per warp after __syncwarp (the consumers' releases, the producers'
-// plain arrivals) instead of every thread; the cp.async arrivals stay per thread.
-constexpr bool kFewArrivals = true;
-constexpr int kFullCount = kFewArrivals ? kProducers / 32 + kProducers : 2 * kProducers;
+// plain arrivals; every thread arriving was 2-3% slower on V3.2, session 8); the cp.async arrivals
+// stay per thread. Full barrier: 4 warp arrivals + 128 cp.async noinc arrivals.
+constexpr int kFullCount = kProducers / 32 + kProducers;
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
@@ -171,10 +171,11 @@ __device__ __forceinline__ void row_rope(uint64_t rec, int row, int j, uint32_t 
 // producers dequantize half of every block's rows (thread row row[rank]) into their own slabs
 // (st.shared) and the peer's (st.async to the peer's mapa address, completing 16 bytes of
 // transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), copy all 64
-// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 256 local arrivals
-// (128 plain, one of them arrive.expect_tx for the peer's bytes of the part, + 128 cp.async noinc)
-// and the peer's transaction bytes; the consumers release a part on both CTAs' free barriers
-// (count 256), so a part is refilled only when both CTAs' consumers are done with it. (Session 6's
+// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 132 local arrivals
+// (one per producer warp, warp 0's an arrive.expect_tx for the peer's bytes of the part, + 128
+// cp.async noinc) and the peer's transaction bytes; the consumers release a part on both CTAs'
+// free barriers (one arrival per consumer warp on each: count 8), so a part is refilled only when
+// both CTAs' consumers are done with it. (Session 6's
 // first cluster variant, commit 027b0c0, used st.shared::cluster plus 256 remote arrivals per part
 // and was slower than the plain kernel.)
 namespace cl {
@@ -273,11 +274,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (begin_req >= p.b) return;
 
   if (tid == 0) {
-    // full: 128 plain + 128 cp.async noinc producer arrivals; free: the part's consumer warpgroup.
+    // full: kFullCount producer arrivals; free: one per warp of the part's consumer warpgroup(s).
 #pragma unroll
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, kFullCount);
 #pragma unroll
-    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, (kFewArrivals ? 4 : 128) * (kCluster ? 2 : 1));
+    for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 4 * (kCluster ? 2 : 1));
     fence_barrier_init();
   }
   if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
@@ -361,10 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     // The plain arrival on a part's full barrier (after this thread's fence.proxy.async); thread 0
     // of a cluster CTA also expects the peer's `peer_bytes` of the part.
     auto producer_arrive = [&](uint32_t bar, uint32_t peer_bytes) {
-      if constexpr (kFewArrivals) {
-        __syncwarp();
-        if ((t & 31) != 0) return;
-      }
+      __syncwarp();
+      if ((t & 31) != 0) return;
       if (kCluster && t == 0) cl::arrive_expect_tx(bar, peer_bytes);
       else mbar_arrive(bar);
     };
@@ -477,10 +476,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   // Release a buffer part: this CTA's free barrier and, in a cluster, the peer's (whose producers
   // write half of this part's rows here).
   auto release = [&](int buf, int part) {
-    if constexpr (kFewArrivals) {
-      __syncwarp();
-      if (lane != 0) return;
-    }
+    __syncwarp();
+    if (lane != 0) return;
     mbar_arrive(bar_free(buf, part));
     if constexpr (kCluster) cl::arrive_remote(r_bar_free(buf, part));
   };
