@@ -386,7 +386,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
         // The next block's addresses (its indices have arrived by the time part A is stored) and
-        // an L2 prefetch of its records.
+        // an L2 prefetch of the records of this thread's rows i_lo <= i < i_hi (the cluster kernel
+        // prefetches only the row it dequantizes).
         RowAddr rn;
         auto next_addresses = [&](int i_lo, int i_hi) {
           if (!more) return;
