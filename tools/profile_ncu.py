@@ -5,7 +5,7 @@ Meant to run under ncu on the GPU machine, e.g.
       --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section WarpStateStats python3 tools/profile_ncu.py sparse-v32
 Cases (argument): sparse-v32 (V3.2 b128: s_q 2, h_q 128, topk 2048), sparse-model1 (MODEL1 config 2,
-b128), dense (b128, s_q 1, h_q 128, s_k 8192), prefill (s_q 4096, h_q 128, d_qk 576, topk 2048,
+b128), dense (b128, s_q 1, h_q 128, s_k 8192), dense-short (b128, s_q 1, h_q 128, varlen s_k ~256), prefill (s_q 4096, h_q 128, d_qk 576, topk 2048,
 s_kv 8192). Each runs its op three times (the first two are warm-up, skip them with --launch-skip).
 """
 
@@ -37,9 +37,11 @@ def run(case: str):
             kw.update(extra_k_cache=ecache, extra_indices_in_kvcache=eidx, extra_topk_length=elen)
         sched, _ = flash_mla.get_mla_metadata()
         fn = lambda: flash_mla.flash_mla_with_kvcache(q, cache, None, None, 512, sched, **kw)  # noqa: E731
-    elif case == "dense":
+    elif case in ("dense", "dense-short"):
         import bench_dense_decode as D
-        q, k, bt, lens_t, _ = D.make_inputs(128, 1, 128, 8192, False)
+        # dense: compute-bound anchor; dense-short: the whole-call anchor b128 h_q 128 s_k 256 (varlen)
+        q, k, bt, lens_t, _ = (D.make_inputs(128, 1, 128, 8192, False) if case == "dense"
+                               else D.make_inputs(128, 1, 128, 256, True))
         sched, splits = flash_mla.get_mla_metadata(lens_t, 128, 1)
         fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, sched, splits)  # noqa: E731
     elif case == "prefill":
@@ -47,7 +49,7 @@ def run(case: str):
         q, kv, idx, sink = P.make_inputs(4096, 8192, 2048, 128, 576)
         fn = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576 ** -0.5, 512, attn_sink=sink)  # noqa: E731
     else:
-        raise SystemExit(f"unknown case {case!r}: sparse-v32, sparse-model1, dense or prefill")
+        raise SystemExit(f"unknown case {case!r}: sparse-v32, sparse-model1, dense, dense-short or prefill")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
