@@ -201,17 +201,22 @@ __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar
 __device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-/// Arrival (release at cluster scope) on an mbarrier of the peer CTA.
+/// Arrival on an mbarrier of the peer CTA. Session 9: release at CTA scope (the PTX default, as
+/// CUTLASS's ClusterBarrier::arrive(cta_id) issues it); the cluster-scope release cost an ERRBAR
+/// per arrival (12% of the V3.2 kernel's stall samples). What it orders: the consumers' reads of a
+/// part, which are complete (wgmma.wait_group) before the arrival.
 __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
-/// Wait with acquire at cluster scope (sees the peer's writes released by its arrivals).
+/// Wait (acquire at CTA scope, the PTX default, as CUTLASS's cluster barriers wait; the peer's
+/// bytes arrive by st.async, whose complete_tx makes them visible when the phase completes).
+/// Session 9: acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try.
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   do {
     asm volatile(
         "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         "selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(ok)
         : "r"(bar), "r"(parity)
