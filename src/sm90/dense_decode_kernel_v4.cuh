@@ -116,7 +116,8 @@ __device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t d
   s_step<T, kSl, 0>(s, da0, db0);
   if constexpr (kSl + 1 < kSlabs) s_chain<T, kSlabs, kSl + 1>(s, da0, db0, bar0, parity);
 }
-// Session 8 (FlashMLA's dense decode order, A/B pending on the H200): warpgroup 1's S reads stage 1's
+// Session 8, measured in session 9 (FlashMLA's dense decode order; both on: compute anchors 2-5%
+// faster, either alone slower than both, bench/NOTES.md "Session 9"): warpgroup 1's S reads stage 1's
 // slabs in the order they are reloaded (4-7 after its own P1 V1_R, then 0-3 and 8 after warpgroup 0's
 // P1 V1_L), and warpgroup 1 reloads stage 1's slabs 4-7 as soon as P1 V1_R is done (before P0 V0_R).
 constexpr bool kWg1SlabOrder = true;

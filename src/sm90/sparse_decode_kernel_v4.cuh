@@ -190,8 +190,10 @@ __device__ __forceinline__ uint32_t mapa(uint32_t addr, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-/// 16 bytes into the peer's shared memory (async proxy), completing 16 bytes of transaction on
-/// the peer's mbarrier `mbar` (both shared::cluster addresses).
+/// 16 bytes into the peer's shared memory, completing 16 bytes of transaction on the peer's
+/// mbarrier `mbar` (both shared::cluster addresses). PTX performs st.async in the generic proxy:
+/// the consumers' fence.proxy.async after their full-barrier wait is what orders these bytes for
+/// wgmma (keep it).
 __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
                ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
@@ -209,8 +211,11 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
 /// Wait (acquire at CTA scope, the PTX default, as CUTLASS's cluster barriers wait; the peer's
-/// bytes arrive by st.async, whose complete_tx makes them visible when the phase completes).
-/// Session 9: acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try.
+/// bytes arrive by st.async, whose complete_tx is applied once they are in this CTA's shared
+/// memory). Session 9: acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try.
+/// Formally, PTX's scoped model pairs a cross-CTA release only with a cluster-scope acquire; the
+/// CTA-scope pair relies on the same hardware behaviour as CUTLASS's multicast pipelines and
+/// FlashMLA's 2-CTA sparse decode (review: bench/NOTES.md, "Session 9").
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   do {
@@ -293,7 +298,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const uint32_t r_bar_u = kCluster ? cl::mapa(bar_u, rank ^ 1u) : 0u;
   auto r_bar_full = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto r_bar_free = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
-  // Waits on full barriers (cluster: acquire at cluster scope, the peer's producers write here too).
+  // Waits on full barriers (cluster: cl::wait, acquire at CTA scope as CUTLASS's cluster pipelines
+  // wait; the peer's producers write here too, by st.async; see cl::wait).
   auto full_wait = [&](uint32_t bar, uint32_t parity) {
     if constexpr (kCluster) cl::wait(bar, parity);
     else mbar_wait(bar, parity);
