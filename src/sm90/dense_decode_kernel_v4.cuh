@@ -109,19 +109,20 @@ template <typename T, int kFirst, int... kSls>
 __device__ __forceinline__ void s_chain_seq(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
   ((dense_tma::mbar_wait(bar0 + 8 * kSls, parity), gmma::fence(), s_step<T, kSls, 0, kFirst>(s, da0, db0)), ...);
 }
-template <typename T, int kSlabs, int kSl = 0>
-__device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
-  dense_tma::mbar_wait(bar0 + 8 * kSl, parity);
-  gmma::fence();
-  s_step<T, kSl, 0>(s, da0, db0);
-  if constexpr (kSl + 1 < kSlabs) s_chain<T, kSlabs, kSl + 1>(s, da0, db0, bar0, parity);
+// Warpgroup 0 (block 0, stage 0): slabs in order. Warpgroup 1 (block 1, stage 1): slabs in the order
+// stage 1 is reloaded — 4-7 (freed by its own P1 V1_R) before 0-3 and 8 (freed by warpgroup 0's
+// P1 V1_L) — as FlashMLA's dense decode does (session 9: compute anchors 2-5% faster together with
+// the early reload of slabs 4-7, either alone slower; bench/NOTES.md "Session 9").
+template <typename T, int kSlabs>
+__device__ __forceinline__ void s_chain_wg0(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
+  if constexpr (kSlabs == 9) s_chain_seq<T, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8>(s, da0, db0, bar0, parity);
+  else s_chain_seq<T, 0, 0, 1, 2, 3, 4, 5, 6, 7>(s, da0, db0, bar0, parity);
 }
-// Session 8, measured in session 9 (FlashMLA's dense decode order; both on: compute anchors 2-5%
-// faster, either alone slower than both, bench/NOTES.md "Session 9"): warpgroup 1's S reads stage 1's
-// slabs in the order they are reloaded (4-7 after its own P1 V1_R, then 0-3 and 8 after warpgroup 0's
-// P1 V1_L), and warpgroup 1 reloads stage 1's slabs 4-7 as soon as P1 V1_R is done (before P0 V0_R).
-constexpr bool kWg1SlabOrder = true;
-constexpr bool kV1REarly = true;
+template <typename T, int kSlabs>
+__device__ __forceinline__ void s_chain_wg1(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
+  if constexpr (kSlabs == 9) s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3, 8>(s, da0, db0, bar0, parity);
+  else s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3>(s, da0, db0, bar0, parity);
+}
 // O += P V over the 64 keys of a block, P from registers (A fragments), V = 4 slabs.
 template <typename T, int kK = 0>
 __device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
@@ -296,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
-        s_chain<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+        s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(s);
@@ -413,16 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = 0.f;
           gmma::reg_fence(s);
-          if constexpr (kWg1SlabOrder) {  // stage 1's slabs in the order they are reloaded
-            if constexpr (kSlabs == 9)
-              s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3, 8>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024),
-                                                          bar_u + 9 * 8, phase);
-            else
-              s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024),
-                                                       bar_u + 9 * 8, phase);
-          } else {
-            s_chain<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
-          }
+          s_chain_wg1<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(s);
@@ -494,20 +486,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
-        if constexpr (kV1REarly) {
-          gmma::wait<1>();  // P1 V1_R done
-          if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);  // stage 1 slabs 4-7 are free
-          gmma::wait<0>();
-          gmma::reg_fence(o);
-          if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
-        } else {
-          gmma::wait<0>();
-          gmma::reg_fence(o);
-          if (tid == 128) {
-            if (nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
-            if (nxt1) issue(b1 + 2, 1, 4, 8, pgB);  // stage 1 slabs 4-7 are free
-          }
-        }
+        gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
+        if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
       }
     }
 
