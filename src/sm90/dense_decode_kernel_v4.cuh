@@ -251,17 +251,20 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
 
     if (n_blk > 0) {
-      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
-      for (int idx = tid; idx < kBlockM * kChunks; idx += kThreads) {
-        const int r = idx / kChunks, c = idx % kChunks;
+      // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (one division per
+      // thread and request; session 10's profile of the short-context case found the old
+      // per-chunk index arithmetic taking more instructions than a pair of blocks).
+      {
+        const int r = tid >> 2, c0 = tid & 3;
         const int grow = m_tile * kBlockM + r;
         const bool valid = grow < p.m_rows;
         const T* src = static_cast<const T*>(p.q);
         if (valid) {
-          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
-          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
+          const int sq = grow / p.group, h = kv_head * p.group + (grow - sq * p.group);
+          src += req * p.q_stride_b + sq * p.q_stride_s + h * p.q_stride_h;
         }
-        cp_async_16(sQ_u + slab_off(r, c), src, valid);
+#pragma unroll
+        for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? src + c * 8 : src, valid);
       }
       cp_async_commit();
       if (tid == 0) {
