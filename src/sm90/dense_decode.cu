@@ -125,6 +125,15 @@ bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* m
   return true;
 }
 
+// Rows of out can be written by 16-byte-aligned bulk copies (v4 epilogue).
+bool out_bulk_ok(const TensorRef& out) {
+  if (out.stride[3] != 1 || reinterpret_cast<uintptr_t>(out.data) % 16 != 0) return false;
+  const int64_t esz = out.dtype == DType::kFloat32 ? 4 : 2;
+  for (int i = 0; i < 3; ++i)
+    if (out.shape[i] > 1 && (out.stride[i] * esz) % 16 != 0) return false;
+  return true;
+}
+
 bool out_vec_ok(const TensorRef& out) {
   if (out.stride[3] != 1) return false;
   for (int i = 0; i < 3; ++i)
@@ -268,6 +277,11 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.page_block_size = static_cast<int>(d.pbs);
     kp.causal = (p.causal && d.s_q > 1) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
+    kp.out_bulk_ok = out_bulk_ok(p.out) ? 1 : 0;
+    kp.accum_bulk_ok = reinterpret_cast<uintptr_t>(o_accum) % 16 == 0 ? 1 : 0;
+    const bool short_requests = d.b >= 2 && p.block_table.shape[1] * d.pbs <= kStagedEpilogueMaxTokens;
+    kp.staged_epilogue =
+        !(tuning & kTuneDirectEpilogue) && ((tuning & kTuneStagedEpilogue) || short_requests) ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
     kp.flags = tuning;
     alignas(64) CUtensorMap tmap;

@@ -33,6 +33,9 @@ struct DenseDecodeKernelParams {
   int b, s_q, h_q, h_kv, group, m_rows, d_qk, page_block_size;
   int causal;
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
+  int out_bulk_ok;  // out's last dim contiguous, base and strides 16-byte aligned (v4: rows by bulk copy)
+  int accum_bulk_ok;  // o_accum 16-byte aligned (v4: split partial rows by bulk copy)
+  int staged_epilogue;  // v4: the kernel whose epilogue stages O in shared memory (short requests)
   float scale_log2;  // softmax_scale * log2(e)
   int flags;         // DenseTuning bits
   int tma_ok;        // v4: a K tensor map was encoded (strides / page size allow TMA)
@@ -44,7 +47,15 @@ struct DenseDecodeKernelParams {
 /// kTuneNoTma: no K tensor map (v4 is not used; the automatic choice falls back to v1/v2).
 /// (Bit 4 was kTunePdl, the Programmatic Dependent Launch combine, removed after its A/B:
 /// bench/NOTES.md "dense decode v5".)
-enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2 };
+/// kTuneStagedEpilogue / kTuneDirectEpilogue: force v4's staged / direct epilogue (default: staged
+/// when b >= 2 and no request can exceed kStagedEpilogueMaxTokens, see dense_decode_launch).
+enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2, kTuneStagedEpilogue = 8, kTuneDirectEpilogue = 16 };
+
+/// v4 writes O through shared memory and bulk copies (the "staged" epilogue) when every request
+/// of the batch is at most this long (block_table width x page size): there the epilogue is a large
+/// part of a call (session 10: b 128, s_k 256: 47.4 -> 39.8 us), while on long contexts the direct
+/// epilogue's kernel is faster (its pair loop keeps more addresses in registers; 2-4%).
+constexpr int64_t kStagedEpilogueMaxTokens = 1024;
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
 struct DenseCombineParams {

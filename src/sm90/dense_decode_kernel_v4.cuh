@@ -147,7 +147,9 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
-template <typename T, int kD>
+// kStaged: the epilogue writes O through shared memory and bulk copies (see there); chosen by the
+// host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
+template <typename T, int kD, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_fwd_splitkv_mla_kernel_v4(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
   constexpr int kSlabs = kD / 64;
@@ -219,6 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int min_limit = min(limit[0], limit[1]);
 
     cp_async_wait<0>();
+    if constexpr (kStaged) dense_tma::bulk_wait_read();  // the previous request's O rows have left shared memory
     __syncthreads();  // the previous request is done with all shared memory
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
@@ -513,48 +516,140 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
     }
 
+    if constexpr (kStaged) {
+      // O through shared memory: each warpgroup stages its 256 columns of the 64 rows (O / L, bf16 /
+      // fp16 for out, fp32 for a split's partial) in the K stage it reads last (free: every wgmma
+      // finished before the barrier above), rows padded by 16 / 32 B (conflict-free stores); then one
+      // warp writes each row with one bulk copy when the rows are 16-byte aligned (split partials
+      // always are), else the warpgroup copies element by element. Session 10: the direct register
+      // stores (8 rows x 16 B per warp instruction) were ~1/4 of a short-context call.
+      {
+        const int rstride = no_split ? kDimV + 16 : 4 * 256 + 32;  // bytes per staged row
+        // Every per-thread offset below is made to depend on req (rq0 = 0 for every valid request
+        // index). As plain per-thread constants the compiler hoists them out of the request loop
+        // and holds them through the pair loop, which then recomputes its own P-store addresses
+        // (session 10: +10% instructions in the pair loop, 5% slower on long contexts).
+        const int rq0 = static_cast<int>(static_cast<uint32_t>(req) >> 31);
+        uint8_t* stg = sK + (wg + rq0) * kSmemK;
+        const int rl[2] = {row_local[0] + rq0, row_local[1] + rq0}, tq_e = tq + rq0;
+        const int tid_e = tid + rq0;
+        const int lane_e = tid_e & 31, wq_e = (tid_e >> 5) & 3, row0 = row_global[0] - row_local[0] + rq0;
+        float inv[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int grow = row_global[hh];
-      if (grow >= p.m_rows) continue;
-      const bool empty = !(L[hh] > 0.f);
-      const float inv = empty ? 0.f : 1.f / L[hh];
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      const int sq = row_sq[hh];
-      const int h = kv_head * p.group + grow % p.group;
-      if (no_split) {
-        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+        for (int hh = 0; hh < 2; ++hh) inv[hh] = L[hh] > 0.f ? 1.f / L[hh] : 0.f;
+        if (no_split) {
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
-          if (p.out_vec_ok) {
-            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
-          } else {
-            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
-            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
+          for (int j = 0; j < 32; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              *reinterpret_cast<uint32_t*>(stg + rl[hh] * rstride + (j * 8 + 2 * tq_e) * 2) =
+                  HalfTraits<T>::pack(o[4 * j + 2 * hh] * inv[hh], o[4 * j + 2 * hh + 1] * inv[hh]);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 32; ++j)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              *reinterpret_cast<float2*>(stg + rl[hh] * rstride + (j * 8 + 2 * tq_e) * 4) =
+                  make_float2(o[4 * j + 2 * hh] * inv[hh], o[4 * j + 2 * hh + 1] * inv[hh]);
+        }
+        gmma::fence_proxy_async();  // generic stores -> the bulk copies' (async proxy) reads
+        if (wg == 0) named_barrier_sync(kBarWG0, 128);
+        else named_barrier_sync(kBarWG1, 128);
+        if (no_split ? p.out_bulk_ok : p.accum_bulk_ok) {
+          if (wq_e == 0) {
+            for (int rr = lane_e; rr < kBlockM; rr += 32) {
+              const int grow = row0 + rr;
+              if (grow >= p.m_rows) continue;
+              void* dst;
+              if (no_split) {
+                const int sq = grow / p.group, h = kv_head * p.group + (grow - sq * p.group);
+                dst = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h + wg * 256;
+              } else {
+                const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+                dst = p.o_accum + arow * kDimV + wg * 256;
+              }
+              dense_tma::bulk_store(dst, sK_u + wg * kSmemK + rr * rstride, no_split ? 512u : 1024u);
+            }
+            dense_tma::bulk_commit();
+          }
+        } else {
+#pragma unroll 1
+          for (int i = t_wg; i < kBlockM * 256; i += 128) {
+            const int rr = i >> 8, col = i & 255;
+            const int grow = row0 + rr;
+            if (grow >= p.m_rows) continue;
+            if (no_split) {
+              const int sq = grow / p.group, h = kv_head * p.group + (grow - sq * p.group);
+              static_cast<T*>(p.out)[req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h +
+                                     static_cast<int64_t>(wg * 256 + col) * p.o_stride_d] =
+                  *reinterpret_cast<const T*>(stg + rr * rstride + col * 2);
+            } else {
+              const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+              p.o_accum[arow * kDimV + wg * 256 + col] = *reinterpret_cast<const float*>(stg + rr * rstride + col * 4);
+            }
           }
         }
-        if (wg == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
-        float* oa = p.o_accum + arow * kDimV;
+      }
+      // LSE (natural log for out, base 2 for a split's partial; empty: +inf / -inf)
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+      for (int hh = 0; hh < 2; ++hh) {
+        const int grow = row_global[hh];
+        if (grow >= p.m_rows || wg != 0 || tq != 0) continue;
+        const bool empty = !(L[hh] > 0.f);
+        const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+        if (no_split) {
+          const int sq = row_sq[hh], h = kv_head * p.group + grow % p.group;
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+        } else {
+          p.lse_accum[(static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow] = lse2;
         }
-        if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    } else {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int grow = row_global[hh];
+        if (grow >= p.m_rows) continue;
+        const bool empty = !(L[hh] > 0.f);
+        const float inv = empty ? 0.f : 1.f / L[hh];
+        const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+        const int sq = row_sq[hh];
+        const int h = kv_head * p.group + grow % p.group;
+        if (no_split) {
+          T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int col = wg * 256 + j * 8 + 2 * tq;
+            const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
+            if (p.out_vec_ok) {
+              *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
+            } else {
+              out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
+              out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
+            }
+          }
+          if (wg == 0 && tq == 0)
+            p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+        } else {
+          const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+          float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int col = wg * 256 + j * 8 + 2 * tq;
+            *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
+          }
+          if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
+        }
       }
     }
   }
+  if constexpr (kStaged) dense_tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
 }
 
 template <typename T, int kD>
 cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
                           cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_kernel_v4<T, kD>;
+  auto kernel = kp.staged_epilogue ? flash_fwd_splitkv_mla_kernel_v4<T, kD, true>
+                                   : flash_fwd_splitkv_mla_kernel_v4<T, kD, false>;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
