@@ -20,6 +20,12 @@
 // Partial blocks (tokens >= cache_seqlens): boxes that start past seqlen are not loaded
 // (their pages may not exist); the V rows past seqlen are zeroed in shared memory
 // before the P V products (they may hold NaN), and S masks those keys.
+// Request prologue: Q (64 rows x d_qk) by cp.async, 4 threads per row (one index division per
+// thread), the first two blocks by TMA. Epilogue (template flag kStaged): direct register stores
+// of O / the fp32 split partials, or — for batches of short requests, where the epilogue is a
+// large part of the call — O staged in shared memory (the K stages) and each row written by one
+// bulk copy. Two kernels rather than one runtime branch: the staged epilogue's per-thread
+// constants changed the register allocation of the pair loop (bench/NOTES.md "Session 10").
 // Requires a K tensor map (the host falls back to v2 / v1 otherwise).
 #pragma once
 
