@@ -90,11 +90,18 @@ def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 20) 
 
 
 def write_results(kind: str, gpu: str, ceilings: Dict[str, float], cases: List[dict], outdir: str) -> str:
+    """Writes <outdir>/<date>-<kind>.json; for the issues' benchmarks (dense-decode, sparse-decode,
+    sparse-prefill) with a "targets" block (bench/targets.py: each target, the value reached, met or not)."""
+    import targets
+
     date = _dt.date.today().isoformat()
     os.makedirs(outdir, exist_ok=True)
     path = os.path.join(outdir, f"{date}-{kind}.json")
+    data = {"gpu": gpu, "date": date, "ceilings": ceilings, "cases": cases}
+    if kind in targets.GEOMEAN_TARGET:
+        data["targets"] = targets.summarize(kind, cases)
     with open(path, "w") as f:
-        json.dump({"gpu": gpu, "date": date, "ceilings": ceilings, "cases": cases}, f, indent=1)
+        json.dump(data, f, indent=1)
     return path
 
 
