@@ -514,14 +514,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     if (n_blk > 0) {
       named_barrier_sync(kBarConsumers, kConsumers);  // S of the previous request done, its sM / sL read
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < 64 * kChunks; id += kConsumers) {
-        const int r = id / kChunks, c = id % kChunks;
-        const int h = ht * 64 + r;
-        const bool valid = h < p.h_q;
-        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
-        if (p.q_vec) {
-          cp_async_16(sQ_u + slab_off(r, c), src, valid);
-        } else {
+      // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (the row's address once per
+      // thread and request, as in dense decode v4 since session 10; the block loops' SASS is
+      // unchanged by it).
+      const int r = tid >> 2, c0 = tid & 3;
+      const int h = ht * 64 + r;
+      const bool valid = h < p.h_q;
+      const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
+      if (p.q_vec) {
+#pragma unroll
+        for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
+      } else {
+#pragma unroll 1
+        for (int c = c0; c < kChunks; c += 4) {
+          const __nv_bfloat16* src = qrow + (valid ? c * 8 : 0);
           uint16_t v[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
