@@ -128,9 +128,8 @@ bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* m
 // Rows of out can be written by 16-byte-aligned bulk copies (v4 epilogue).
 bool out_bulk_ok(const TensorRef& out) {
   if (out.stride[3] != 1 || reinterpret_cast<uintptr_t>(out.data) % 16 != 0) return false;
-  const int64_t esz = out.dtype == DType::kFloat32 ? 4 : 2;
-  for (int i = 0; i < 3; ++i)
-    if (out.shape[i] > 1 && (out.stride[i] * esz) % 16 != 0) return false;
+  for (int i = 0; i < 3; ++i)  // out is bf16 / fp16 (q's dtype): 2 bytes per element
+    if (out.shape[i] > 1 && (out.stride[i] * 2) % 16 != 0) return false;
   return true;
 }
 
@@ -279,7 +278,10 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.out_vec_ok = vec ? 1 : 0;
     kp.out_bulk_ok = out_bulk_ok(p.out) ? 1 : 0;
     kp.accum_bulk_ok = reinterpret_cast<uintptr_t>(o_accum) % 16 == 0 ? 1 : 0;
-    const bool short_requests = d.b >= 2 && p.block_table.shape[1] * d.pbs <= kStagedEpilogueMaxTokens;
+    // (Only with 16-byte-aligned output rows: otherwise the staged kernel would copy element by
+    // element, slower than the direct kernel's 4-byte stores.)
+    const bool short_requests =
+        d.b >= 2 && p.block_table.shape[1] * d.pbs <= kStagedEpilogueMaxTokens && kp.out_bulk_ok;
     kp.staged_epilogue =
         !(tuning & kTuneDirectEpilogue) && ((tuning & kTuneStagedEpilogue) || short_requests) ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;

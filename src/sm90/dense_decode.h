@@ -48,13 +48,16 @@ struct DenseDecodeKernelParams {
 /// (Bit 4 was kTunePdl, the Programmatic Dependent Launch combine, removed after its A/B:
 /// bench/NOTES.md "dense decode v5".)
 /// kTuneStagedEpilogue / kTuneDirectEpilogue: force v4's staged / direct epilogue (default: staged
-/// when b >= 2 and no request can exceed kStagedEpilogueMaxTokens, see dense_decode_launch).
+/// when b >= 2, no request can exceed kStagedEpilogueMaxTokens and out's rows are 16-byte aligned,
+/// see dense_decode_launch).
 enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2, kTuneStagedEpilogue = 8, kTuneDirectEpilogue = 16 };
 
 /// v4 writes O through shared memory and bulk copies (the "staged" epilogue) when every request
 /// of the batch is at most this long (block_table width x page size): there the epilogue is a large
-/// part of a call (session 10: b 128, s_k 256: 47.4 -> 39.8 us), while on long contexts the direct
-/// epilogue's kernel is faster (its pair loop keeps more addresses in registers; 2-4%).
+/// part of a call (session 10: b 128, s_k 256: 47.4 -> 40.0 us), while on long contexts the direct
+/// epilogue's kernel is faster (its pair loop keeps more addresses in registers; 2-4%). The bound
+/// is the block table's capacity, not the actual lengths (the host does not read them): a server
+/// whose table is sized for its longest context gets the direct kernel.
 constexpr int64_t kStagedEpilogueMaxTokens = 1024;
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
