@@ -22,12 +22,16 @@
 // The consumers arrive on a "free" mbarrier per stage part (count 128) when the next pair needs it;
 // the producer waits on it and gathers the part of the next pair (order s0A, s1B, s0B, s1A = the
 // order in which they are freed), 8 threads per gathered row so one warp instruction copies 4 whole
-// 128-byte lines, 16-byte cp.async with the L2::256B prefetch hint. Every barrier completes once per
+// 128-byte lines, 16-byte cp.async with the L2::256B prefetch hint. The producer keeps each pair's 8
+// slot indices in registers and issues every copy as one cp.async at a compile-time offset from a
+// per-thread base (session 11: the earlier per-chunk address arithmetic made the producer's
+// instruction stream the kernel's bottleneck, ~1700 cycles per stage part; bench/NOTES.md
+// "Session 11"). Every barrier completes once per
 // processed pair, so the wait parity is the pair's parity. Consumers wait on the barrier and issue
 // fence.proxy.async before their wgmma reads (cp.async writes are generic-proxy writes). Unaligned
 // q / kv rows are handled too (2-byte loads and st.shared, published by the same release arrival),
 // so results do not depend on alignment. 1.11x the v1 kernel on the H200 (bench/NOTES.md "sparse
-// prefill v3w"). The steps that led here (v2: the consumer warpgroups gathering; v3: 2 producer
+// prefill v3w"), 1.15-1.19x that again with the session-11 producer. The steps that led here (v2: the consumer warpgroups gathering; v3: 2 producer
 // threads per row; an L2 evict_last hint) were removed after their H200 A/B runs (source at
 // commit 2bac17c).
 #pragma once
@@ -36,6 +40,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90/sparse_prefill.h"
 #include "sm90/sparse_prefill_kernel.cuh"
@@ -43,6 +48,7 @@
 #include "sm90/wgmma.cuh"
 #include "sm90/host_utils.h"
 #include "sm90/seesaw.cuh"
+#include "sm90/trace.cuh"
 
 namespace flashmla::sm90::sparse_prefill::ss {
 
@@ -57,6 +63,22 @@ constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
+// Diagnostic builds only (tools/trace): FLASHMLA_PREFILL_DIAG=1 issues no KV gather copies (the
+// barriers still complete; the consumers compute on stale shared memory), =2 issues no wgmma (the
+// gathers and the barrier protocol run alone). Results are wrong in both; undefined (0) = the kernel.
+#ifndef FLASHMLA_PREFILL_DIAG
+#define FLASHMLA_PREFILL_DIAG 0
+#endif
+constexpr bool kDiagNoGather = FLASHMLA_PREFILL_DIAG == 1;
+constexpr bool kDiagNoMma = FLASHMLA_PREFILL_DIAG == 2;
+
+// Registers per thread after setmaxnreg: 2 * consumer + producer <= 3 * 168 (the launch allocation).
+#ifndef FLASHMLA_PREFILL_PRODUCER_REGS
+#define FLASHMLA_PREFILL_PRODUCER_REGS 40
+#endif
+constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
+constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
+
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 constexpr int kThreadsProd = 384;
 
@@ -65,13 +87,6 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
-}
-// Producer "wide" mapping: 8 threads per row, so one warp instruction copies 4 whole 128-byte
-// slab rows; thread (rg = t / 8, c8 = t % 8) copies rows rg + 16 i (i < 4), chunks kLo + c8 + 8 k.
-template <int kLo, int kHi>
-__device__ __forceinline__ void gather_chunks_w(uint32_t dst, const __nv_bfloat16* src, bool valid, int row, int c8) {
-#pragma unroll
-  for (int c = kLo + c8; c < kHi; c += 8) cp_async_16_l2pf(dst + slab_off(row, c), src + c * 8, valid);
 }
 template <int kD>
 __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
@@ -109,43 +124,82 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   const int n_blk = (lim + kBlockN - 1) / kBlockN;
   const __nv_bfloat16* kvb = static_cast<const __nv_bfloat16*>(p.kv);
 
-  // Producer mapping: 4 rows per thread, 8 threads per row.
+  // Producer mapping: 4 rows per thread, 8 threads per row; thread (w_rg = t / 8, w_c8 = t % 8)
+  // copies rows w_rg + 16 i (i < 4), 16-byte chunk w_c8 of every 64-dim slab. Within a row the
+  // swizzled chunk is (w_c8 ^ (row & 7)) and row & 7 = w_rg & 7 for all four rows, so every copy of
+  // the thread lands at a compile-time offset from one per-thread base address.
   const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
-  auto gather_w = [&](int stage, int part, const int (&idx)[4]) {
-    const uint32_t dst = sK_u + stage * kSmemK;
-    uint8_t* dsts = sK + stage * kSmemK;
-#pragma unroll 1
+  // One block's four rows for this thread: the token index of each slot, -1 for an invalid slot
+  // (never read; zero-filled). Kept as 32-bit indices so the producer fits in few registers; each
+  // copy_slabs turns a row into its source address with one wide multiply-add.
+  struct Rows {
+    int idx[4];
+  };
+  auto load_rows = [&](int blk, Rows& r) {
+#pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = w_rg + 16 * i;
-      const bool valid = idx[i] >= 0 && idx[i] < p.s_kv;
-      const __nv_bfloat16* src = valid ? kvb + static_cast<int64_t>(idx[i]) * p.kv_stride_s : kvb;
-      if (p.kv_vec) {
-        if (part == 0) {
-          gather_chunks_w<0, 32>(dst, src, valid, row, w_c8);
-          if (stage == 1) gather_chunks_w<64, kChunks>(dst, src, valid, row, w_c8);
-        } else {
-          if (stage == 0) gather_chunks_w<32, kChunks>(dst, src, valid, row, w_c8);
-          else gather_chunks_w<32, 64>(dst, src, valid, row, w_c8);
-        }
+      const int idx = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
+      r.idx[i] = idx >= 0 && idx < p.s_kv ? idx : -1;
+    }
+  };
+  const __nv_bfloat16* const kv_c8 = kvb + w_c8 * 8;  // chunk w_c8 of slab 0 of token 0
+  // Source of chunk w_c8 of slab 0 of row i (the tensor's base for an invalid slot).
+  auto row_src = [&](const Rows& r, int i) {
+    return kv_c8 + (r.idx[i] >= 0 ? static_cast<int64_t>(r.idx[i]) * p.kv_stride_s : 0);
+  };
+  const uint32_t w_dst = sK_u + static_cast<uint32_t>(w_rg * 128 + ((w_c8 ^ (w_rg & 7)) << 4));
+  // Slabs [kLo, kHi) of the four rows into stage kStage: one cp.async each, immediate offsets.
+  auto copy_slabs = [&](auto stage_c, auto lo_c, auto hi_c, const Rows& r) {
+    constexpr int kStage = decltype(stage_c)::value, kLo = decltype(lo_c)::value, kHi = decltype(hi_c)::value;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat16* src = row_src(r, i);
+#pragma unroll
+      for (int sl = kLo; sl < kHi; ++sl)
+        if constexpr (!kDiagNoGather)
+          cp_async_16_l2pf(w_dst + static_cast<uint32_t>(kStage * kSmemK + sl * kSlabBytes + i * 16 * 128),
+                           src + sl * 64, r.idx[i] >= 0);
+    }
+  };
+  // Part kPart of stage kStage (slab sets in the file comment), then the two arrivals on its full
+  // barrier; part A also publishes the slot-validity bytes of the stage.
+  auto fill = [&](auto vec_c, auto stage_c, auto part_c, const Rows& r) {
+    constexpr int kStage = decltype(stage_c)::value, kPart = decltype(part_c)::value;
+    using I0 = std::integral_constant<int, 0>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    if constexpr (decltype(vec_c)::value) {
+      if constexpr (kPart == 0) {
+        copy_slabs(stage_c, I0{}, I4{}, r);
+        if constexpr (kStage == 1 && kSlabs > 8) copy_slabs(stage_c, I8{}, std::integral_constant<int, kSlabs>{}, r);
+      } else if constexpr (kStage == 0) {
+        copy_slabs(stage_c, I4{}, std::integral_constant<int, kSlabs>{}, r);
       } else {
-        const int lo = part == 0 ? 0 : 32, hi = part == 0 ? 32 : (stage == 0 ? kChunks : 64);
+        copy_slabs(stage_c, I4{}, I8{}, r);
+      }
+    } else {  // rows not 16-byte aligned: 2-byte loads and st.shared
+      uint8_t* dsts = sK + kStage * kSmemK;
+      constexpr int lo = kPart == 0 ? 0 : 32, hi = kPart == 0 ? 32 : (kStage == 0 ? kChunks : 64);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = w_rg + 16 * i;
+        const __nv_bfloat16* src = row_src(r, i) - w_c8 * 8;
+        const bool ok = r.idx[i] >= 0;
 #pragma unroll 1
         for (int c = lo + w_c8; c < hi; c += 8)
-          *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
-        if (part == 0 && stage == 1)
+          *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = ok ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+        if (kPart == 0 && kStage == 1)
 #pragma unroll 1
           for (int c = 64 + w_c8; c < kChunks; c += 8)
-            *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = valid ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = ok ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
       }
-      if (part == 0 && w_c8 == 0) sValid[stage * kBlockN + row] = valid ? 1 : 0;
     }
-    mbar_arrive_cp_async(bar(stage, part));
-    mbar_arrive(bar(stage, part));
-  };
-  auto idx_w = [&](int blk, int (&idx)[4]) {
+    if (kPart == 0 && w_c8 == 0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      idx[i] = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
+      for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = r.idx[i] >= 0 ? 1 : 0;
+    }
+    mbar_arrive_cp_async(bar(kStage, kPart));
+    mbar_arrive(bar(kStage, kPart));
   };
 
   if (tid == 0) {
@@ -156,43 +210,64 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     fence_barrier_init();
   }
   __syncthreads();  // barriers initialised
+  // Trace roles (tools/trace): 0 = warpgroup 0, 1 = warpgroup 1, 2 = producer, 3 = CTA.
+  FLASHMLA_TRACE_DECL();
+  FLASHMLA_TRACE_EVENT(3, 0, 1, tid == 0);
   if (wg == 2) {
     // ================= producer warpgroup: every gather
-    setmaxnreg_dec<40>();
-    if (n_blk > 0) {
-      int ia[4], ib[4];
-      idx_w(0, ia);
-      idx_w(1, ib);
-      gather_w(0, 0, ia);
-      gather_w(0, 1, ia);
+    setmaxnreg_dec<kProducerRegs>();
+    // Every gather of the CTA, in the order the consumers free the stage parts (file comment);
+    // instantiated once for 16-byte-aligned rows (cp.async) and once for the 2-byte path.
+    auto produce = [&](auto vec_c) {
+      using S0 = std::integral_constant<int, 0>;
+      using S1 = std::integral_constant<int, 1>;
+      Rows r0, r1;
+      load_rows(0, r0);
+      load_rows(1, r1);
+      fill(vec_c, S0{}, S0{}, r0);
+      fill(vec_c, S0{}, S1{}, r0);
       if (n_blk > 1) {
-        gather_w(1, 0, ib);
-        gather_w(1, 1, ib);
+        fill(vec_c, S1{}, S0{}, r1);
+        fill(vec_c, S1{}, S1{}, r1);
       }
+      FLASHMLA_TRACE_EVENT(2, 0, 8, t_wg == 0);
 #pragma unroll 1
       for (int j = 1; 2 * j < n_blk; ++j) {
         const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
         const bool has1 = 2 * j + 1 < n_blk;
-        idx_w(2 * j, ia);
-        idx_w(2 * j + 1, ib);
+        load_rows(2 * j, r0);
+        load_rows(2 * j + 1, r1);
+        FLASHMLA_TRACE_EVENT(2, j, 0, t_wg == 0);
         mbar_wait(bar_free(0, 0), fph);
-        gather_w(0, 0, ia);
+        FLASHMLA_TRACE_EVENT(2, j, 1, t_wg == 0);
+        fill(vec_c, S0{}, S0{}, r0);
+        FLASHMLA_TRACE_EVENT(2, j, 2, t_wg == 0);
         if (has1) {
           mbar_wait(bar_free(1, 1), fph);
-          gather_w(1, 1, ib);
+          FLASHMLA_TRACE_EVENT(2, j, 3, t_wg == 0);
+          fill(vec_c, S1{}, S1{}, r1);
+          FLASHMLA_TRACE_EVENT(2, j, 4, t_wg == 0);
         }
         mbar_wait(bar_free(0, 1), fph);
-        gather_w(0, 1, ia);
+        FLASHMLA_TRACE_EVENT(2, j, 5, t_wg == 0);
+        fill(vec_c, S0{}, S1{}, r0);
+        FLASHMLA_TRACE_EVENT(2, j, 6, t_wg == 0);
         if (has1) {
           mbar_wait(bar_free(1, 0), fph);
-          gather_w(1, 0, ib);
+          FLASHMLA_TRACE_EVENT(2, j, 7, t_wg == 0);
+          fill(vec_c, S1{}, S0{}, r1);
+          FLASHMLA_TRACE_EVENT(2, j, 8, t_wg == 0);
         }
       }
+    };
+    if (n_blk > 0) {
+      if (p.kv_vec) produce(std::true_type{});
+      else produce(std::false_type{});
       asm volatile("cp.async.wait_all;\n" ::: "memory");
     }
     return;
   }
-  setmaxnreg_inc<232>();
+  setmaxnreg_inc<kConsumerRegs>();
   if (n_blk > 0) {
     const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
     for (int id = tid; id < 64 * kChunks; id += kThreads) {
@@ -211,6 +286,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     gmma::fence_proxy_async();
     named_barrier_sync(kBarConsumers, kThreads);  // Q in shared memory, visible to wgmma
   }
+  FLASHMLA_TRACE_EVENT(3, 0, 2, tid == 0);
 
   float o[128];
 #pragma unroll
@@ -225,23 +301,31 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     float s[32];
     if (wg == 0) {
       // ---------------- warpgroup 0: block 2j (stage 0), O[:, 0:256]
+      FLASHMLA_TRACE_EVENT(0, j, 0, t_wg == 0);
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       gmma::reg_fence(s);
       {
         const uint64_t db = gmma::make_desc_sw128(sK_u, 16, 1024);
         mbar_wait(bar(0, 0), ph);
+        FLASHMLA_TRACE_EVENT(0, j, 1, t_wg == 0);
         gmma::fence_proxy_async();
         gmma::fence();
-        s_chain<0, 4>(s, dq, db);
+        if constexpr (!kDiagNoMma) {
+          s_chain<0, 4>(s, dq, db);
+        }
         mbar_wait(bar(0, 1), ph);
+        FLASHMLA_TRACE_EVENT(0, j, 2, t_wg == 0);
         gmma::fence_proxy_async();
         gmma::fence();
-        s_chain<4, kSlabs>(s, dq, db);
+        if constexpr (!kDiagNoMma) {
+          s_chain<4, kSlabs>(s, dq, db);
+        }
       }
       gmma::commit();
       gmma::wait<0>();
       gmma::reg_fence(s);
+      FLASHMLA_TRACE_EVENT(0, j, 3, t_wg == 0);
 
       float mx[2] = {-INFINITY, -INFINITY};
       mask_rowmax(s, sValid, p.scale_log2, tq, mx);
@@ -257,6 +341,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         }
       }
       bar_arrive(kBarScale0, kThreads);
+      FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
       float rs[2] = {0.f, 0.f};
       uint32_t a[4][4];
@@ -275,10 +360,13 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       scale_o(o, sc0);
       gmma::reg_fence(o);
       gmma::fence();
-      pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
+      if constexpr (!kDiagNoMma) {
+        pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
+      }
       gmma::commit();
 
       named_barrier_sync(kBarScale1, kThreads);
+      FLASHMLA_TRACE_EVENT(0, j, 5, t_wg == 0);
       float sc1[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -300,6 +388,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 
       gmma::wait<0>();
       gmma::reg_fence(o);
+      FLASHMLA_TRACE_EVENT(0, j, 6, t_wg == 0);
       if (nxt0) {  // stage 0 slabs 0-3 are free: gather part A of block 2j+2
         mbar_arrive(bar_free(0, 0));
       }
@@ -307,22 +396,27 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
       scale_o(o, sc1);
       named_barrier_sync(kBarP1, kThreads);
+      FLASHMLA_TRACE_EVENT(0, j, 7, t_wg == 0);
       if (has1) {
         mbar_wait(bar(1, 0), ph);  // completed (WG1 waited for it); orders the cp.async writes
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
-        pv_ss_chain(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
-                    gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
+        if constexpr (!kDiagNoMma) {
+          pv_ss_chain(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
+                      gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
+        }
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(o);
+        FLASHMLA_TRACE_EVENT(0, j, 8, t_wg == 0);
         if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
           mbar_arrive(bar_free(1, 0));
         }
       }
     } else {
       // ---------------- warpgroup 1: block 2j+1 (stage 1), O[:, 256:512]
+      FLASHMLA_TRACE_EVENT(1, j, 0, t_wg == 0);
       float mx[2] = {-INFINITY, -INFINITY};
       if (has1) {
 #pragma unroll
@@ -331,20 +425,28 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         {
           const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
           mbar_wait(bar(1, 0), ph);
+          FLASHMLA_TRACE_EVENT(1, j, 1, t_wg == 0);
           gmma::fence_proxy_async();
           gmma::fence();
-          s_chain<0, 4>(s, dq, db);
+          if constexpr (!kDiagNoMma) {
+            s_chain<0, 4>(s, dq, db);
+          }
           mbar_wait(bar(1, 1), ph);
+          FLASHMLA_TRACE_EVENT(1, j, 2, t_wg == 0);
           gmma::fence_proxy_async();
           gmma::fence();
-          s_chain<4, kSlabs>(s, dq, db);
+          if constexpr (!kDiagNoMma) {
+            s_chain<4, kSlabs>(s, dq, db);
+          }
         }
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(s);
+        FLASHMLA_TRACE_EVENT(1, j, 3, t_wg == 0);
         mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
       }
       named_barrier_sync(kBarScale0, kThreads);
+      FLASHMLA_TRACE_EVENT(1, j, 4, t_wg == 0);
       float m1u[2], c[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -374,31 +476,40 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::fence_proxy_async();
       }
       bar_arrive(kBarP1, kThreads);
+      FLASHMLA_TRACE_EVENT(1, j, 5, t_wg == 0);
       if (has1) {
         gmma::reg_fence(o);
         gmma::fence();
-        pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+        if constexpr (!kDiagNoMma) {
+          pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+        }
         gmma::commit();
       }
       named_barrier_sync(kBarP0, kThreads);
+      FLASHMLA_TRACE_EVENT(1, j, 6, t_wg == 0);
       mbar_wait(bar(0, 1), ph);  // completed (WG0 waited for it); orders the cp.async writes
       gmma::fence_proxy_async();
       gmma::fence();
-      pv_ss_chain(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
-                  gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
+      if constexpr (!kDiagNoMma) {
+        pv_ss_chain(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
+                    gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
+      }
       gmma::commit();
       if (nxt1) {
         gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
+        FLASHMLA_TRACE_EVENT(1, j, 7, t_wg == 0);
         mbar_arrive(bar_free(1, 1));
       }
       gmma::wait<0>();
       gmma::reg_fence(o);
+      FLASHMLA_TRACE_EVENT(1, j, 8, t_wg == 0);
       if (nxt0) {  // stage 0 slabs 4-8 are free
         mbar_arrive(bar_free(0, 1));
       }
     }
   }
 
+  FLASHMLA_TRACE_EVENT(3, 0, 3, tid == 0);
   // ---- epilogue: L = WG0's part + WG1's part
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -442,6 +553,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
           empty ? -INFINITY : m_run[hh] * kLn2;
     }
   }
+  FLASHMLA_TRACE_EVENT(3, 0, 4, tid == 0);
 }
 
 template <int kD>
