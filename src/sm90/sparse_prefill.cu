@@ -86,10 +86,12 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   kp.q_vec = rows_16b_aligned(p.q, 2) ? 1 : 0;
   kp.kv_vec = rows_16b_aligned(p.kv, 1) ? 1 : 0;
   kp.out_vec_ok = out_vec_ok(p.out) ? 1 : 0;
+  kp.out_bulk_ok = p.out.stride[2] == 1 && rows_16b_aligned(p.out, 2) ? 1 : 0;
   kp.scale_log2 = p.sm_scale * 1.4426950408889634f;
 
   DeviceGuard guard(p.q.device.id);
   if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
+  kp.prefetch_ahead = num_sms(p.q.device.id);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e;
   // 64-row tiles: v3w (seesaw + producer warpgroup, any alignment) unless "mma" is forced.

@@ -34,7 +34,9 @@ struct SparsePrefillKernelParams {
   int q_vec;       // q rows 16-byte aligned: cp.async, else 2-byte loads
   int kv_vec;      // kv base and row stride 16-byte aligned: cp.async gathers, else 2-byte loads
   int out_vec_ok;  // out's last dim contiguous with 4-byte aligned pairs
+  int out_bulk_ok; // out's last dim contiguous and every (s, h) row 16-byte aligned: bulk row copies
   float scale_log2;  // sm_scale * log2(e)
+  int prefetch_ahead;  // > 0: each CTA prefetches into L2 the Q rows and indices of CTA blockIdx.x + this (the SM count)
 };
 
 /// Kernel choice for 64-row head tiles (h_q > 32; 16/32-row tiles always use the mma.sync

@@ -8,7 +8,7 @@
 //
 // Build and run on an sm_90a machine (from the repository root):
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include \
-//        -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr -o /tmp/prefill_trace \
+//        -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr --use_fast_math -o /tmp/prefill_trace \
 //        tools/trace/prefill_trace.cu
 //   /tmp/prefill_trace 576 128 2048 8192     # d_qk h_q topk s_kv [s_q=4096] [every=97]
 #include <cuda_runtime.h>
@@ -109,7 +109,12 @@ int main(int argc, char** argv) {
   kp.topk = topk;
   kp.num_head_tiles = h_q / 64;
   kp.q_vec = kp.kv_vec = kp.out_vec_ok = 1;
+  // FLASHMLA_TRACE_NOBULK=1: the per-thread epilogue stores instead of the staged bulk row copies.
+  kp.out_bulk_ok = std::getenv("FLASHMLA_TRACE_NOBULK") ? 0 : 1;
   kp.scale_log2 = 0.5f * 1.4426950408889634f;
+  int n_sm = 0;
+  CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
+  kp.prefetch_ahead = std::getenv("FLASHMLA_TRACE_NOQPF") ? 0 : n_sm;  // =1: no L2 prefetch of the next CTA's Q
   auto run = [&]() {
     CHECK(d == 576 ? flashmla::sm90::sparse_prefill::ss::launch<576>(kp, 0)
                    : flashmla::sm90::sparse_prefill::ss::launch<512>(kp, 0));

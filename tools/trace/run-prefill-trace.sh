@@ -15,6 +15,7 @@ for spec in "$@"; do
   IFS=: read -r name diag inc defs <<<"$spec"
   ( nvcc ${defs//,/ } -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a ${inc:+-I$inc} -Iinclude -Isrc -I.deps/cutlass_include \
       -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE -DFLASHMLA_PREFILL_DIAG=${diag:-0} --expt-relaxed-constexpr \
+      --expt-extended-lambda --use_fast_math \
       -o /tmp/trace-bin/$name tools/trace/prefill_trace.cu >/tmp/trace-bin/$name.log 2>&1 || { echo "build $name failed"; tail /tmp/trace-bin/$name.log; } ) &
 done
 wait
