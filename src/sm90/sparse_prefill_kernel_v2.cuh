@@ -60,18 +60,21 @@ constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
-constexpr int kSmemBar = 8 * 8;  // full[stage][part], free[stage][part]
+constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
 // Diagnostic builds only (tools/trace): FLASHMLA_PREFILL_DIAG=1 issues no KV gather copies (the
 // barriers still complete; the consumers compute on stale shared memory), =2 issues no wgmma (the
-// gathers and the barrier protocol run alone). Results are wrong in both; undefined (0) = the kernel.
+// gathers and the barrier protocol run alone), =3 copies no Q (stale shared memory), =4 issues no
+// output row copies. Results are wrong in all; undefined (0) = the kernel.
 #ifndef FLASHMLA_PREFILL_DIAG
 #define FLASHMLA_PREFILL_DIAG 0
 #endif
 constexpr bool kDiagNoGather = FLASHMLA_PREFILL_DIAG == 1;
 constexpr bool kDiagNoMma = FLASHMLA_PREFILL_DIAG == 2;
+constexpr bool kDiagNoQ = FLASHMLA_PREFILL_DIAG == 3;
+constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 
 // Registers per thread after setmaxnreg: 2 * consumer + producer <= 3 * 168 (the launch allocation).
 #ifndef FLASHMLA_PREFILL_PRODUCER_REGS
@@ -216,6 +219,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, 256);
 #pragma unroll
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 128);
+    mbar_init(bar_u + 8 * 8, 128);  // q_full: the producer's 128 cp.async arrivals
     fence_barrier_init();
   }
   __syncthreads();  // barriers initialised
@@ -231,6 +235,27 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       using S0 = std::integral_constant<int, 0>;
       using S1 = std::integral_constant<int, 1>;
       Rows r0, r1;
+      // Q first (16-byte-aligned rows; else the consumers copy it): rows w_rg + 16 i of the head tile
+      // in the gathers' mapping, completing on q_full. Issued ahead of the first pair's gathers it is
+      // in shared memory after ~1400 cycles instead of ~4500 when the consumers copied it alongside
+      // them (session 12: -1% d_qk 576 h_q 128 topk 2048, -4% d_qk 512 h_q 64 topk 512).
+      if constexpr (!kDiagNoQ) {
+        if (p.q_vec) {
+          const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s +
+                                    w_c8 * 8;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int h = ht * 64 + w_rg + 16 * i;
+            const bool ok = h < p.h_q;
+            const __nv_bfloat16* src = ok ? qb + static_cast<int64_t>(h) * p.q_stride_h : qb;
+#pragma unroll
+            for (int sl = 0; sl < kSlabs; ++sl)
+              cp_async_16_l2pf(w_dst - sK_u + sQ_u + static_cast<uint32_t>(sl * kSlabBytes + i * 16 * 128), src + sl * 64,
+                               ok);
+          }
+          mbar_arrive_cp_async(bar_u + 8 * 8);
+        }
+      }
       load_rows(0, r0);
       load_rows(1, r1);
       fill(vec_c, S0{}, S0{}, r0);
@@ -301,7 +326,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  if (n_blk > 0) {
+  const bool q_by_producer = p.q_vec != 0;  // the producer copies Q (q_full)
+  if (n_blk > 0 && !kDiagNoQ && !q_by_producer) {
     const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s;
     for (int id = tid; id < 64 * kChunks; id += kThreads) {
       const int r = id / kChunks, c = id % kChunks;
@@ -309,12 +335,14 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       const bool valid = h < p.h_q;
       const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
                                        : static_cast<const __nv_bfloat16*>(p.q);
-      if (p.q_vec) cp_async_16(sQ_u + slab_off(r, c), src, valid);
-      else *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
     }
     cp_async_commit();
   }
-  if (n_blk > 0) {
+  if (n_blk > 0 && q_by_producer && !kDiagNoQ) {
+    mbar_wait(bar_u + 8 * 8, 0);
+    gmma::fence_proxy_async();
+  } else if (n_blk > 0) {
     cp_async_wait<0>();
     gmma::fence_proxy_async();
     named_barrier_sync(kBarConsumers, kThreads);  // Q in shared memory, visible to wgmma
@@ -583,7 +611,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     named_barrier_sync(kBarConsumers, kThreads);
     if (tid < 64) {
       const int h = ht * 64 + tid;
-      if (h < p.h_q)
+      if (h < p.h_q && !kDiagNoStore)
         dense_tma::bulk_store(static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
                                   static_cast<int64_t>(h) * p.o_stride_h,
                               sQ_u + static_cast<uint32_t>(tid * kStageRowBytes), 1024);

@@ -2,7 +2,8 @@
 # Build tools/trace/prefill_trace.cu for several variants in parallel and run each on the three
 # sparse-prefill benchmark shapes at s_kv 8192 (on an sm_90a machine, from the repository root).
 #   OUT=/tmp/o bash tools/trace/run-prefill-trace.sh NAME[:DIAG[:INCDIR[:DEFINES]]] ...
-# NAME: label; DIAG: FLASHMLA_PREFILL_DIAG (0 kernel, 1 no gather, 2 no wgmma); INCDIR: a folder
+# NAME: label; DIAG: FLASHMLA_PREFILL_DIAG (0 kernel, 1 no gather, 2 no wgmma, 3 no Q copy, 4 no output
+# copies); INCDIR: a folder
 # holding sm90/sparse_prefill_kernel_v2.cuh (a variant of the kernel) searched before src/;
 # DEFINES: extra nvcc flags separated by commas (e.g. -DFLASHMLA_PREFILL_PRODUCER_REGS=56).
 # Writes $OUT/trace-NAME.txt; prints each run's summary lines (not the per-CTA timeline).
