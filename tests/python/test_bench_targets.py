@@ -67,3 +67,21 @@ def test_cli_adds_targets_block(tmp_path):
     data = json.loads(path.read_text())
     assert data["targets"]["all_met"] is True
     assert targets.main(["targets.py", str(tmp_path / "other.json")]) == 2
+
+
+# The JSON fields the three kernel issues name for bench/results/<date>-<family>.json.
+_ISSUE_FIELDS = ("name", "params", "time_us", "call_time_us", "tflops", "gbps", "anchor_tflops", "ratio_to_anchor")
+
+
+@pytest.mark.parametrize("family", ["dense-decode", "sparse-decode", "sparse-prefill"])
+def test_results_of_record_carry_the_issue_fields(family):
+    results = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+    files = sorted(f for f in os.listdir(results) if f.endswith(f"-{family}.json") and f[:4].isdigit())
+    assert files, f"no bench/results/<date>-{family}.json"
+    d = json.load(open(os.path.join(results, files[-1])))
+    assert d["gpu"] and d["date"] and {"matmul_tflops", "copy_gbps"} <= set(d["ceilings"])
+    assert d["cases"] and "targets" in d
+    for c in d["cases"]:
+        missing = [k for k in _ISSUE_FIELDS if k not in c]
+        assert not missing, f"{files[-1]} case {c.get('name')}: missing {missing}"
+        assert c["time_us"] > 0 and c["tflops"] > 0
