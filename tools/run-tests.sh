@@ -21,6 +21,14 @@ cmake -S examples/cpp -B build/cpp-example -G Ninja -DCMAKE_PREFIX_PATH="$PWD/bu
 cmake --build build/cpp-example -j "$JOBS" >/dev/null
 ./build/cpp-example/dense_decode_cpu
 
+# With nvcc present (the sm_90a kernels were built): ptxas's report on every kernel; fails if any
+# kernel's wgmma instructions are serialized for lack of registers (C7512). No GPU needed.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "== sm_90a kernels: ptxas registers / spills / wgmma serialization (tools/check-ptxas.py)"
+  ptx_out=$($PY tools/check-ptxas.py --jobs "$JOBS" 2>&1) || { echo "$ptx_out" | tail -40; echo "tools/check-ptxas.py failed" >&2; exit 1; }
+  mkdir -p build && echo "$ptx_out" > build/check-ptxas.txt && echo "$ptx_out" | tail -2 && echo "   (whole report: build/check-ptxas.txt)"
+fi
+
 echo "== Python tests"
 set +e
 $PY -m pytest tests/python tests/gpu -q -rs "$@"

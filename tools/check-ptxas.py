@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Compile every sm_90a translation unit (src/sm90/*.cu) with `ptxas -v` and check the kernels.
+
+Prints, per kernel: registers, stack frame and spill bytes, and ptxas's wgmma performance notes.
+Fails (exit 1) when ptxas reports C7512 ("wgmma.mma_async instructions are serialized due to
+insufficient register resources") for any kernel: that silently costs ~20% of a wgmma kernel's
+speed (bench/NOTES.md, session 12: the sparse-prefill build with two S accumulator chains). C7519
+("warpgroup.arrive is injected") is listed, not failed. Needs nvcc and the CUTLASS headers (the
+PyPI package nvidia-cutlass, as CMakeLists.txt finds them, or --cutlass DIR); no GPU.
+
+The nvcc flags mirror CMakeLists.txt's for the flashmla_core CUDA sources.
+
+Usage: python3 tools/check-ptxas.py [--cutlass DIR] [--jobs N] [--only NAME ...] [--include DIR] [-D NAME=VALUE]
+"""
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+FLAGS = ["-std=c++20", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", "-DFLASHMLA_WITH_CUDA=1",
+         "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo", "-Xptxas=-v,--warn-on-spills",
+         "--use_fast_math"]
+
+
+def find_nvcc():
+    for c in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def find_cutlass(explicit):
+    if explicit:
+        return explicit
+    try:
+        import cutlass_library  # noqa: PLC0415 (optional dependency)
+        return os.path.join(os.path.dirname(cutlass_library.__file__), "source", "include")
+    except ImportError:
+        local = os.path.join(ROOT, ".deps", "cutlass_include")
+        return local if os.path.isdir(local) else None
+
+
+def compile_one(nvcc, cutlass, src, outdir, extra=()):
+    obj = os.path.join(outdir, os.path.basename(src) + ".o")
+    cmd = [nvcc, *FLAGS, *extra, "-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
+           "-isystem", cutlass, "-c", src, "-o", obj]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return src, r.returncode, r.stdout + r.stderr
+
+
+def parse(log):
+    """Per mangled kernel name: regs, stack, spill stores / loads, notes (C75xx codes)."""
+    kernels, cur = {}, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            cur = kernels.setdefault(m.group(1), {"regs": None, "stack": 0, "spill_st": 0, "spill_ld": 0, "notes": set()})
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and cur is not None:
+            cur["stack"], cur["spill_st"], cur["spill_ld"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m and cur is not None:
+            cur["regs"] = int(m.group(1))
+        m = re.search(r"\((C75\d\d)\).*function '([^']+)'", line)
+        if m:
+            kernels.setdefault(m.group(2), {"regs": None, "stack": 0, "spill_st": 0, "spill_ld": 0,
+                                            "notes": set()})["notes"].add(m.group(1))
+    return kernels
+
+
+def demangle(names):
+    """Readable kernel names (c++filt when present), without namespaces and the parameter list."""
+    names = list(names)
+    out = names
+    if shutil.which("c++filt"):
+        r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+        if r.returncode == 0 and len(r.stdout.splitlines()) == len(names):
+            out = r.stdout.splitlines()
+    pretty = {}
+    for n, d in zip(names, out):
+        d = re.sub(r"^void |flashmla::sm90::|\(anonymous namespace\)::", "", d)
+        pretty[n] = d[: d.find("(")] if "(" in d else d
+    return pretty
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cutlass", help="CUTLASS/CuTe include directory")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--only", nargs="*", help="translation unit names (e.g. sparse_prefill_576)")
+    ap.add_argument("--include", action="append", default=[],
+                    help="a folder searched before src/ (a kernel variant: DIR/sm90/<file>.cuh)")
+    ap.add_argument("-D", dest="defines", action="append", default=[], help="extra macro definitions (NAME=VALUE)")
+    a = ap.parse_args()
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("check-ptxas: no nvcc; skipped")
+        return 0
+    cutlass = find_cutlass(a.cutlass)
+    if not cutlass or not os.path.exists(os.path.join(cutlass, "cute", "tensor.hpp")):
+        print("check-ptxas: CUTLASS headers not found (pip install --no-deps 'nvidia-cutlass>=4.2,<5' or --cutlass DIR)")
+        return 1
+    srcdir = os.path.join(ROOT, "src", "sm90")
+    srcs = sorted(os.path.join(srcdir, f) for f in os.listdir(srcdir) if f.endswith(".cu"))
+    if a.only:
+        srcs = [s for s in srcs if os.path.basename(s)[:-3] in a.only]
+    failed = []
+    with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as ex:
+        extra = ["-I" + d for d in a.include] + ["-D" + d for d in a.defines]
+        results = list(ex.map(lambda s: compile_one(nvcc, cutlass, s, tmp, extra), srcs))
+    rows = {}
+    for src, rc, log in results:
+        if rc != 0:
+            print(f"check-ptxas: {os.path.relpath(src, ROOT)} failed to compile:\n{log[-3000:]}")
+            return 1
+        for k, v in parse(log).items():
+            rows[k] = v  # a kernel instantiated in several units is the same machine code
+    pretty = demangle(rows)
+    print(f"{'kernel':78s} {'regs':>4s} {'stack':>5s} {'spill st/ld':>12s}  notes")
+    for k in sorted(rows, key=lambda n: pretty[n]):
+        v = rows[k]
+        print(f"{pretty[k][:78]:78s} {v['regs'] if v['regs'] is not None else '-':>4} {v['stack']:5d} "
+              f"{v['spill_st']:5d}/{v['spill_ld']:<6d}  {' '.join(sorted(v['notes']))}")
+        if "C7512" in v["notes"]:
+            failed.append(pretty[k])
+    if failed:
+        print("check-ptxas: FAILED: wgmma serialized for lack of registers (ptxas C7512) in:\n  " + "\n  ".join(failed))
+        return 1
+    print(f"check-ptxas: {len(rows)} kernels in {len(srcs)} units, no C7512")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
