@@ -126,11 +126,8 @@ bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* m
 }
 
 // Rows of out can be written by 16-byte-aligned bulk copies (v4 epilogue).
-bool out_bulk_ok(const TensorRef& out) {
-  if (out.stride[3] != 1 || reinterpret_cast<uintptr_t>(out.data) % 16 != 0) return false;
-  for (int i = 0; i < 3; ++i)  // out is bf16 / fp16 (q's dtype): 2 bytes per element
-    if (out.shape[i] > 1 && (out.stride[i] * 2) % 16 != 0) return false;
-  return true;
+bool out_bulk_ok(const TensorRef& out) {  // out is bf16 / fp16 (q's dtype)
+  return out.stride[3] == 1 && rows_16b_aligned(out, 3);
 }
 
 bool out_vec_ok(const TensorRef& out) {

@@ -36,16 +36,10 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Bulk (non-tensor) copy shared -> global of `bytes` (multiple of 16; both addresses 16-byte
-// aligned), tracked by the issuing thread's bulk async-groups.
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(reinterpret_cast<uint64_t>(dst)),
-               "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// Waits until this thread's bulk stores have finished reading shared memory.
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Bulk shared -> global copies: the shared helpers of utils.cuh (also used by the sparse prefill).
+using ::flashmla::sm90::bulk_commit;
+using ::flashmla::sm90::bulk_store;
+using ::flashmla::sm90::bulk_wait_read;
 
 // L2 prefetch of the same 4-D box (no shared-memory destination, no barrier).
 __device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3) {

@@ -3,12 +3,14 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "flashmla/status.h"
+#include "flashmla/tensor.h"
 
 namespace flashmla::sm90 {
 
@@ -21,6 +23,16 @@ inline Status cuda_error_status(const char* op, const char* what, cudaError_t e)
 /// kValue Status for an input the launcher cannot handle: "<op> (sm90): <what>".
 inline Status value_error_status(const char* op, const std::string& what) {
   return Status::Error(ErrorKind::kValue, std::string(op) + " (sm90): " + what);
+}
+
+/// True when every row of `t`'s first `dims` dimensions starts 16-byte aligned: the base address
+/// is, and each of those strides (2-byte elements: bf16 / fp16) is a multiple of 8 elements wherever
+/// that dimension has more than one index. The launchers' test for cp.async / bulk-copy rows.
+inline bool rows_16b_aligned(const TensorRef& t, int dims) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i < dims; ++i)
+    if (t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) return false;
+  return true;
 }
 
 /// Makes `device` current for the lifetime of the guard (tensors may live on any GPU).

@@ -138,12 +138,7 @@ bool out_vec_ok(const TensorRef& out) {
 }
 
 /// q rows 16-byte aligned (cp.async path).
-bool q_vec_ok(const TensorRef& q) {
-  if (reinterpret_cast<uintptr_t>(q.data) % 16 != 0) return false;
-  for (int i = 0; i < 3; ++i)
-    if (q.shape[i] > 1 && (q.stride[i] * 2) % 16 != 0) return false;
-  return true;
-}
+bool q_vec_ok(const TensorRef& q) { return rows_16b_aligned(q, 3); }
 
 SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const TensorRef& topk_length) {
   SparseScope s;

@@ -20,16 +20,7 @@ namespace {
 Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla_sparse_fwd", what, e); }
 Status value_error(const std::string& what) { return value_error_status("flash_mla_sparse_fwd", what); }
 
-
-/// Base 16-byte aligned and every non-trivial stride of the leading `dims` dims a
-/// multiple of 16 bytes (bf16 elements): rows can be copied with 16-byte cp.async.
-bool rows_16b_aligned(const TensorRef& t, int dims) {
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
-  for (int i = 0; i < dims; ++i)
-    if (t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) return false;
-  return true;
-}
-
+/// out's last dim contiguous with 4-byte aligned element pairs (the per-thread epilogue stores).
 bool out_vec_ok(const TensorRef& out) {
   if (out.stride[2] != 1) return false;
   for (int i = 0; i < 2; ++i)

@@ -48,7 +48,6 @@
 #include "sm90/wgmma.cuh"
 #include "sm90/host_utils.h"
 #include "sm90/seesaw.cuh"
-#include "sm90/dense_decode_tma.cuh"
 #include "sm90/trace.cuh"
 
 namespace flashmla::sm90::sparse_prefill::ss {
@@ -612,11 +611,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     if (tid < 64) {  // one 1 KB row each: out is bf16 with d_v 512 (validate.cpp enforces both)
       const int h = ht * 64 + tid;
       if (h < p.h_q && !kDiagNoStore)
-        dense_tma::bulk_store(static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
-                                  static_cast<int64_t>(h) * p.o_stride_h,
-                              sQ_u + static_cast<uint32_t>(tid * kStageRowBytes), 1024);
-      dense_tma::bulk_commit();
-      dense_tma::bulk_wait_read();  // shared memory stays valid until the copies have read it
+        bulk_store(static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
+                       static_cast<int64_t>(h) * p.o_stride_h,
+                   sQ_u + static_cast<uint32_t>(tid * kStageRowBytes), 1024);
+      bulk_commit();
+      bulk_wait_read();  // shared memory stays valid until the copies have read it
     }
   } else {
 #pragma unroll
