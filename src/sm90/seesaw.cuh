@@ -34,17 +34,19 @@ __device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-// S (+)= Q K^T over slabs [kSl, kEnd), fully unrolled (immediate descriptor offsets).
-template <int kSl, int kK>
+// S (+)= Q K^T over slabs [kSl, kEnd), fully unrolled (immediate descriptor offsets). The chain's
+// first wgmma (slab kFirst, k 0) overwrites S (scale-d 0); every other one accumulates, so a chain
+// may run its slabs in any order as long as kFirst names the slab issued first.
+template <int kSl, int kK, int kFirst = 0>
 __device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db0) {
   constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
-  gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, (kSl | kK) != 0 ? 1 : 0>(s, da0, db0);
-  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1>(s, da0, db0);
+  gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, (kSl != kFirst || kK != 0) ? 1 : 0>(s, da0, db0);
+  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1, kFirst>(s, da0, db0);
 }
-template <int kSl, int kEnd>
+template <int kSl, int kEnd, int kFirst = 0>
 __device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0) {
-  s_step<kSl, 0>(s, da0, db0);
-  if constexpr (kSl + 1 < kEnd) s_chain<kSl + 1, kEnd>(s, da0, db0);
+  s_step<kSl, 0, kFirst>(s, da0, db0);
+  if constexpr (kSl + 1 < kEnd) s_chain<kSl + 1, kEnd, kFirst>(s, da0, db0);
 }
 template <int kK = 0>
 __device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {

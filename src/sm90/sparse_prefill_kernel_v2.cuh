@@ -10,6 +10,11 @@
 //   WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
 //   WG1: O_R += P0 V0_R (P0 from smem)
 // P0 / P1 live in slab 8 of their stage (the RoPE dims of d576, free once S is done).
+// Order on the tensor pipe (session 13, as FlashMLA's phase1 kernel): WG0 issues the next pair's S0
+// right behind its P1 V1_L, so it enters each pair with S0 done and its softmax overlaps WG1's S1;
+// WG1 runs S1 over stage 1 part B (freed by its own P1 V1_R) before part A (freed last, by WG0's
+// P1 V1_L), and announces P1 only after issuing P0 V0_R, so P0 V0_R (whose slabs WG0's next S0
+// waits for) goes first. The running max moves lazily (kRescaleSlack), so most rescales are skipped.
 // Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/sparse_prefill.cu): a third,
 // producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384 threads, setmaxnreg
 // 232 for the two consumer warpgroups and 40 for the producer. Each stage is split in two parts,
@@ -57,7 +62,7 @@ using namespace seesaw;  // slab layout, wgmma chains, barrier wrappers
 constexpr int kTileBytes = 9 * kSlabBytes;
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
-constexpr int kSmemRed = 6 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64]
+constexpr int kSmemRed = 8 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64]
 constexpr int kSmemValid = 2 * kBlockN;
 constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
@@ -81,6 +86,16 @@ constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 #endif
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
+
+// Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and l are taken
+// against moves only when a block's row max exceeds it by more than kRescaleSlack (log2 units), so
+// P <= 2^kRescaleSlack and, once m has settled, the rescale factors are exactly 1 and scale_o skips
+// its 128 multiplies. Results are the same softmax (l and O share m; lse = log2 l + m); max_logits
+// comes from the true row max, tracked separately. 0 = rescale on every increase.
+#ifndef FLASHMLA_PREFILL_RESCALE_SLACK
+#define FLASHMLA_PREFILL_RESCALE_SLACK 8
+#endif
+constexpr float kRescaleSlack = FLASHMLA_PREFILL_RESCALE_SLACK;
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -115,7 +130,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   float* sM1 = sRed + 128;
   float* sS1 = sRed + 192;
   float* sL = sRed + 256;
-  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 6 * 64);  // [stage][64]
+  float* sMx = sRed + 384;
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 8 * 64);  // [stage][64]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   // barriers: bar_u + 8 * (2 * stage + part)
   auto bar = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
@@ -352,47 +368,49 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
   for (int j = 0; j < 128; ++j) o[j] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};
+  float m_true[2] = {-INFINITY, -INFINITY};  // true row max over this warpgroup's blocks (max_logits)
   float l_run[2] = {0.f, 0.f};
   const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
+  float s[32];
+  // Warpgroup 0's S0 over stage 0 (block 2j when waited with parity j & 1): part A, part B.
+  auto s0_part_a = [&](uint32_t parity) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    gmma::reg_fence(s);
+    mbar_wait(bar(0, 0), parity);
+    gmma::fence_proxy_async();
+    gmma::fence();
+    if constexpr (!kDiagNoMma) s_chain<0, 4>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024));
+    gmma::commit();
+  };
+  auto s0_part_b = [&](uint32_t parity) {
+    mbar_wait(bar(0, 1), parity);
+    gmma::fence_proxy_async();
+    gmma::fence();
+    if constexpr (!kDiagNoMma) s_chain<4, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024));
+    gmma::commit();
+  };
+  if (wg == 0 && n_blk > 0) {  // the first pair's S0; later ones are issued one pair ahead
+    s0_part_a(0);
+    s0_part_b(0);
+    gmma::wait<0>();
+    gmma::reg_fence(s);
+  }
 
   for (int j = 0; 2 * j < n_blk; ++j) {
     const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
     const uint32_t ph = static_cast<uint32_t>(j & 1);
-    float s[32];
     if (wg == 0) {
       // ---------------- warpgroup 0: block 2j (stage 0), O[:, 0:256]
-      FLASHMLA_TRACE_EVENT(0, j, 0, t_wg == 0);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = 0.f;
-      gmma::reg_fence(s);
-      {
-        const uint64_t db = gmma::make_desc_sw128(sK_u, 16, 1024);
-        mbar_wait(bar(0, 0), ph);
-        FLASHMLA_TRACE_EVENT(0, j, 1, t_wg == 0);
-        gmma::fence_proxy_async();
-        gmma::fence();
-        if constexpr (!kDiagNoMma) {
-          s_chain<0, 4>(s, dq, db);
-        }
-        mbar_wait(bar(0, 1), ph);
-        FLASHMLA_TRACE_EVENT(0, j, 2, t_wg == 0);
-        gmma::fence_proxy_async();
-        gmma::fence();
-        if constexpr (!kDiagNoMma) {
-          s_chain<4, kSlabs>(s, dq, db);
-        }
-      }
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      FLASHMLA_TRACE_EVENT(0, j, 3, t_wg == 0);
+      FLASHMLA_TRACE_EVENT(0, j, 0, t_wg == 0);  // S0 of block 2j is complete here
 
       float mx[2] = {-INFINITY, -INFINITY};
       mask_rowmax(s, sValid, p.scale_log2, tq, mx);
       float m0u[2], sc0[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float m0 = fmaxf(m_run[hh], mx[hh]);
+        m_true[hh] = fmaxf(m_true[hh], mx[hh]);
+        const float m0 = mx[hh] > m_run[hh] + kRescaleSlack ? mx[hh] : m_run[hh];
         m0u[hh] = m0 == -INFINITY ? 0.f : m0;
         sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
         if (tq == 0) {
@@ -467,11 +485,19 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
                       gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
         }
         gmma::commit();
-        gmma::wait<0>();
-        gmma::reg_fence(o);
-        FLASHMLA_TRACE_EVENT(0, j, 8, t_wg == 0);
-        if (nxt1) {  // stage 1 slabs 0-3 and 8 are free: part A of block 2j+3
-          mbar_arrive(bar_free(1, 0));
+        if (nxt0) {  // the next pair's S0 behind P1 V1_L (P0's registers s are dead)
+          s0_part_a(ph ^ 1u);
+          gmma::wait<1>();  // P1 V1_L done
+          gmma::reg_fence(o);
+          FLASHMLA_TRACE_EVENT(0, j, 8, t_wg == 0);
+          if (nxt1) mbar_arrive(bar_free(1, 0));  // stage 1 slabs 0-3 and 8: part A of block 2j+3
+          s0_part_b(ph ^ 1u);
+          gmma::wait<0>();
+          gmma::reg_fence(s);
+        } else {  // the CTA's last pair (no block 2j+3 either)
+          gmma::wait<0>();
+          gmma::reg_fence(o);
+          FLASHMLA_TRACE_EVENT(0, j, 8, t_wg == 0);
         }
       }
     } else {
@@ -482,22 +508,21 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
-        {
-          const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
-          mbar_wait(bar(1, 0), ph);
-          FLASHMLA_TRACE_EVENT(1, j, 1, t_wg == 0);
-          gmma::fence_proxy_async();
-          gmma::fence();
-          if constexpr (!kDiagNoMma) {
-            s_chain<0, 4>(s, dq, db);
-          }
-          mbar_wait(bar(1, 1), ph);
-          FLASHMLA_TRACE_EVENT(1, j, 2, t_wg == 0);
-          gmma::fence_proxy_async();
-          gmma::fence();
-          if constexpr (!kDiagNoMma) {
-            s_chain<4, kSlabs>(s, dq, db);
-          }
+        const uint64_t db = gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024);
+        // Part B (slabs 4-7, freed by this warpgroup's own P1 V1_R) first, then part A (slabs 0-3
+        // and 8, freed last, by warpgroup 0's P1 V1_L): the chain starts at slab 4.
+        mbar_wait(bar(1, 1), ph);
+        FLASHMLA_TRACE_EVENT(1, j, 1, t_wg == 0);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        if constexpr (!kDiagNoMma) s_chain<4, 8, 4>(s, dq, db);
+        mbar_wait(bar(1, 0), ph);
+        FLASHMLA_TRACE_EVENT(1, j, 2, t_wg == 0);
+        gmma::fence_proxy_async();
+        gmma::fence();
+        if constexpr (!kDiagNoMma) {
+          s_chain<0, 4, 4>(s, dq, db);
+          if constexpr (kSlabs > 8) s_chain<8, kSlabs, 4>(s, dq, db);
         }
         gmma::commit();
         gmma::wait<0>();
@@ -512,7 +537,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       for (int hh = 0; hh < 2; ++hh) {
         const float m0 = sM0[row_local[hh]];
         const float sc0 = sS0[row_local[hh]];
-        const float m1 = fmaxf(m0, mx[hh]);
+        m_true[hh] = fmaxf(m_true[hh], mx[hh]);
+        const float m1 = mx[hh] > m0 + kRescaleSlack ? mx[hh] : m0;
         m1u[hh] = m1 == -INFINITY ? 0.f : m1;
         const float sc1 = exp2f(m0 - m1u[hh]);
         if (tq == 0) {
@@ -535,7 +561,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
         gmma::fence_proxy_async();
       }
-      bar_arrive(kBarP1, kThreads);
       FLASHMLA_TRACE_EVENT(1, j, 5, t_wg == 0);
       if (has1) {
         gmma::reg_fence(o);
@@ -555,6 +580,9 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
                     gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
       }
       gmma::commit();
+      // P1 (stored and fenced above) is announced only now, so warpgroup 0's P1 V1_L (and its next
+      // S0 behind it) enter the tensor pipe after P0 V0_R, which frees stage 0 part B first.
+      bar_arrive(kBarP1, kThreads);
       if (nxt1) {
         gmma::wait<1>();  // P1 V1_R done: stage 1 slabs 4-7 are free
         FLASHMLA_TRACE_EVENT(1, j, 7, t_wg == 0);
@@ -580,10 +608,16 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   if (n_blk > 0) {
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
-      if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
+      if (tq == 0) {
+        sL[wg * 64 + row_local[hh]] = l_run[hh];
+        sMx[wg * 64 + row_local[hh]] = m_true[hh];
+      }
     named_barrier_sync(kBarConsumers, kThreads);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
+    for (int hh = 0; hh < 2; ++hh) {
+      L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
+      m_true[hh] = fmaxf(sMx[row_local[hh]], sMx[64 + row_local[hh]]);
+    }
   }
 
   float inv[2], lse2[2];
@@ -645,7 +679,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
           empty[hh] ? INFINITY : lse2[hh] * kLn2;
       p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
-          empty[hh] ? -INFINITY : m_run[hh] * kLn2;
+          empty[hh] ? -INFINITY : m_true[hh] * kLn2;
     }
   }
   FLASHMLA_TRACE_EVENT(3, 0, 4, tid == 0);
