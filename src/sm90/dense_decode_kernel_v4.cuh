@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int hh = 0; hh < 2; ++hh) {
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-          const float m0 = fmaxf(m_run[hh], mx[hh]);
+          const float m0 = seesaw::lazy_max(m_run[hh], mx[hh]);
           m0u[hh] = m0 == -INFINITY ? 0.f : m0;
           sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
           if (tq == 0) {
@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int hh = 0; hh < 2; ++hh) {
           const float m0 = sM0[row_local[hh]];
           const float sc0 = sS0[row_local[hh]];
-          const float m1 = fmaxf(m0, mx[hh]);
+          const float m1 = seesaw::lazy_max(m0, mx[hh]);
           m1u[hh] = m1 == -INFINITY ? 0.f : m1;
           const float sc1 = exp2f(m0 - m1u[hh]);
           if (tq == 0) {

@@ -77,6 +77,21 @@ __device__ __forceinline__ void pv_ss_chain_n128(float (&o)[128], uint64_t da0, 
   if constexpr (kK + 1 < 4) pv_ss_chain_n128<kK + 1>(o, da0, db0);
 }
 
+// Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and the row sum l
+// are taken against moves only when a block's row max exceeds it by more than kRescaleSlack (log2
+// units). P then stays <= 2^kRescaleSlack (exact in bf16 / fp16 and far from overflow), and once m
+// has settled the rescale factors exp2(m_old - m_new) are exactly 1, so scale_o skips its 128
+// multiplies. The softmax is unchanged (O and l share m; lse = log2 l + m); a kernel that reports
+// the row max itself (sparse prefill's max_logits) tracks the true max separately.
+// FLASHMLA_RESCALE_SLACK=0 moves m on every increase (the exact online-softmax schedule).
+#ifndef FLASHMLA_RESCALE_SLACK
+#define FLASHMLA_RESCALE_SLACK 8
+#endif
+constexpr float kRescaleSlack = FLASHMLA_RESCALE_SLACK;
+__device__ __forceinline__ float lazy_max(float m_run, float block_max) {
+  return block_max > m_run + kRescaleSlack ? block_max : m_run;
+}
+
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
 #pragma unroll
@@ -131,5 +146,18 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, f
   }
 }
 
+// mask_rowmax for a block whose slots are all valid: scale to base 2 -> row maxima, no masking.
+__device__ __forceinline__ void scale_rowmax(float (&s)[32], float scale_log2, float (&mx)[2]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] *= scale_log2;
+    mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+  }
+}
 
 }  // namespace flashmla::sm90::seesaw
