@@ -14,7 +14,8 @@
 // right behind its P1 V1_L, so it enters each pair with S0 done and its softmax overlaps WG1's S1;
 // WG1 runs S1 over stage 1 part B (freed by its own P1 V1_R) before part A (freed last, by WG0's
 // P1 V1_L), and announces P1 only after issuing P0 V0_R, so P0 V0_R (whose slabs WG0's next S0
-// waits for) goes first. The running max moves lazily (kRescaleSlack), so most rescales are skipped.
+// waits for) goes first. The running max moves lazily (seesaw::lazy_max), so most rescales are
+// skipped; max_logits comes from the true row max (m_true).
 // Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/sparse_prefill.cu): a third,
 // producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384 threads, setmaxnreg
 // 232 for the two consumer warpgroups and 40 for the producer. Each stage is split in two parts,
@@ -86,16 +87,6 @@ constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 #endif
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
-
-// Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and l are taken
-// against moves only when a block's row max exceeds it by more than kRescaleSlack (log2 units), so
-// P <= 2^kRescaleSlack and, once m has settled, the rescale factors are exactly 1 and scale_o skips
-// its 128 multiplies. Results are the same softmax (l and O share m; lse = log2 l + m); max_logits
-// comes from the true row max, tracked separately. 0 = rescale on every increase.
-#ifndef FLASHMLA_PREFILL_RESCALE_SLACK
-#define FLASHMLA_PREFILL_RESCALE_SLACK 8
-#endif
-constexpr float kRescaleSlack = FLASHMLA_PREFILL_RESCALE_SLACK;
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -410,7 +401,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         m_true[hh] = fmaxf(m_true[hh], mx[hh]);
-        const float m0 = mx[hh] > m_run[hh] + kRescaleSlack ? mx[hh] : m_run[hh];
+        const float m0 = lazy_max(m_run[hh], mx[hh]);
         m0u[hh] = m0 == -INFINITY ? 0.f : m0;
         sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
         if (tq == 0) {
@@ -538,7 +529,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         const float m0 = sM0[row_local[hh]];
         const float sc0 = sS0[row_local[hh]];
         m_true[hh] = fmaxf(m_true[hh], mx[hh]);
-        const float m1 = mx[hh] > m0 + kRescaleSlack ? mx[hh] : m0;
+        const float m1 = lazy_max(m0, mx[hh]);
         m1u[hh] = m1 == -INFINITY ? 0.f : m1;
         const float sc1 = exp2f(m0 - m1u[hh]);
         if (tq == 0) {
