@@ -64,7 +64,17 @@ constexpr int kTileBytes = 9 * kSlabBytes;
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 8 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64]
-constexpr int kSmemValid = 2 * kBlockN;
+// Opt-in experiment, written in session 13 after its last device call and NOT yet run on a GPU
+// (bench/NOTES.md, "First device calls of the next session (prepared at the end of session 13)"):
+// 1 = the producer also publishes one any-invalid flag per warp and stage, and a block whose 64
+// slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax). 0 (default)
+// compiles to the kernel measured in session 13.
+#ifndef FLASHMLA_PREFILL_VALID_FAST
+#define FLASHMLA_PREFILL_VALID_FAST 0
+#endif
+constexpr bool kValidFast = FLASHMLA_PREFILL_VALID_FAST != 0;
+// validity bytes [stage][64], then (kValidFast) the any-invalid flags [stage][4 producer warps]
+constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
 constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
@@ -123,6 +133,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   float* sL = sRed + 256;
   float* sMx = sRed + 384;
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 8 * 64);  // [stage][64]
+  uint8_t* sInval = sValid + 2 * kBlockN;  // [stage][producer warp]: 1 if any of its rows is invalid
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   // barriers: bar_u + 8 * (2 * stage + part)
   auto bar = [&](int stage, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * stage + part); };
@@ -215,6 +226,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
     if (kPart == 0 && w_c8 == 0) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = r.idx[i] >= 0 ? 1 : 0;
+    }
+    if (kPart == 0 && kValidFast) {  // the whole producer warpgroup is here (fill calls are uniform)
+      const bool inv = w_c8 == 0 && (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0);
+      const bool any = __any_sync(0xffffffffu, inv);
+      if (lane == 0) sInval[kStage * 4 + (t_wg >> 5)] = any ? 1 : 0;
     }
     mbar_arrive_cp_async(bar(kStage, kPart));
     mbar_arrive(bar(kStage, kPart));
@@ -396,7 +412,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       FLASHMLA_TRACE_EVENT(0, j, 0, t_wg == 0);  // S0 of block 2j is complete here
 
       float mx[2] = {-INFINITY, -INFINITY};
-      mask_rowmax(s, sValid, p.scale_log2, tq, mx);
+      if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval) == 0) scale_rowmax(s, p.scale_log2, mx);
+      else mask_rowmax(s, sValid, p.scale_log2, tq, mx);
       float m0u[2], sc0[2];
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
@@ -519,7 +536,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::wait<0>();
         gmma::reg_fence(s);
         FLASHMLA_TRACE_EVENT(1, j, 3, t_wg == 0);
-        mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
+        if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval + 4) == 0) scale_rowmax(s, p.scale_log2, mx);
+        else mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
       }
       named_barrier_sync(kBarScale0, kThreads);
       FLASHMLA_TRACE_EVENT(1, j, 4, t_wg == 0);
