@@ -79,7 +79,7 @@ __device__ __forceinline__ void pv_ss_chain_n128(float (&o)[128], uint64_t da0, 
 
 // Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and the row sum l
 // are taken against moves only when a block's row max exceeds it by more than kRescaleSlack (log2
-// units). P then stays <= 2^kRescaleSlack (exact in bf16 / fp16 and far from overflow), and once m
+// units). P then stays <= 2^kRescaleSlack (representable in bf16 / fp16, far from overflow), and once m
 // has settled the rescale factors exp2(m_old - m_new) are exactly 1, so scale_o skips its 128
 // multiplies. The softmax is unchanged (O and l share m; lse = log2 l + m); a kernel that reports
 // the row max itself (sparse prefill's max_logits) tracks the true max separately.
@@ -88,6 +88,8 @@ __device__ __forceinline__ void pv_ss_chain_n128(float (&o)[128], uint64_t da0, 
 #define FLASHMLA_RESCALE_SLACK 8
 #endif
 constexpr float kRescaleSlack = FLASHMLA_RESCALE_SLACK;
+static_assert(kRescaleSlack >= 0.f && kRescaleSlack <= 10.f,
+              "P <= 2^slack must stay far below fp16's 65504 (dense decode packs P to fp16)");
 __device__ __forceinline__ float lazy_max(float m_run, float block_max) {
   return block_max > m_run + kRescaleSlack ? block_max : m_run;
 }
