@@ -73,6 +73,13 @@ constexpr int kSmemRed = 8 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][6
 #define FLASHMLA_PREFILL_VALID_FAST 0
 #endif
 constexpr bool kValidFast = FLASHMLA_PREFILL_VALID_FAST != 0;
+// Opt-in experiment (session 13, not yet run on a GPU): 1 = warpgroup 0 publishes m0 / scale0
+// (kBarScale0) only after issuing P0 V0_L, so warpgroup 1's softmax runs while P0 V0_L is on the
+// tensor pipe instead of competing with warpgroup 0's exponentials for the issue slots and MUFU.
+#ifndef FLASHMLA_PREFILL_SCALE0_LATE
+#define FLASHMLA_PREFILL_SCALE0_LATE 0
+#endif
+constexpr bool kScale0Late = FLASHMLA_PREFILL_SCALE0_LATE != 0;
 // validity bytes [stage][64], then (kValidFast) the any-invalid flags [stage][4 producer warps]
 constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
 constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
@@ -426,7 +433,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
           sS0[row_local[hh]] = sc0[hh];
         }
       }
-      bar_arrive(kBarScale0, kThreads);
+      if constexpr (!kScale0Late) bar_arrive(kBarScale0, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
       float rs[2] = {0.f, 0.f};
@@ -450,6 +457,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
       }
       gmma::commit();
+      if constexpr (kScale0Late) bar_arrive(kBarScale0, kThreads);  // sM0 / sS0 were written above
 
       named_barrier_sync(kBarScale1, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 5, t_wg == 0);
