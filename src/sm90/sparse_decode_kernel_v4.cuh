@@ -243,7 +243,16 @@ constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
-constexpr int kSmemValid = 2 * kBlockN;
+// Opt-in experiment (session 13, compiled, not yet run on a GPU): 1 = the producer also publishes
+// one any-invalid flag per warp and buffer, and warpgroup 0 skips the masking of a block whose 64
+// slots are all valid (seesaw::scale_rowmax instead of mask_rowmax). 0 (default) = the kernel
+// measured in session 13.
+#ifndef FLASHMLA_SPARSE_DECODE_VALID_FAST
+#define FLASHMLA_SPARSE_DECODE_VALID_FAST 0
+#endif
+constexpr bool kValidFast = FLASHMLA_SPARSE_DECODE_VALID_FAST != 0;
+// validity bytes [buffer][64], then (kValidFast) the any-invalid flags [buffer][4 producer warps]
+constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
 constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
@@ -267,6 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   float* sL = sRed + 64;
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
+  uint8_t* sInval = sValid + 2 * kBlockN;  // (kValidFast) [buffer][producer warp]
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
@@ -431,6 +441,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
+          if constexpr (kValidFast) {  // every producer lane is here; published by the arrivals below
+            const bool any = __any_sync(0xffffffffu, j == 0 && (ra.rec[0] == 0 || ra.rec[1] == 0));
+            if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
+          }
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
@@ -459,6 +473,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
+          }
+          if constexpr (kValidFast) {  // every producer lane is here; published by the arrivals below
+            const bool any = __any_sync(0xffffffffu, j == 0 && (ra.rec[0] == 0 || ra.rec[1] == 0));
+            if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
           }
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
@@ -578,7 +596,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::reg_fence(s);
 
         float mx[2] = {-INFINITY, -INFINITY};
-        mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
+        if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) scale_rowmax(s, p.scale_log2, mx);
+        else mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
         float mu[2], sc[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
