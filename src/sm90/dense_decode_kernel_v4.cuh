@@ -153,6 +153,20 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
+// Opt-in experiment (session 13, compiled and ptxas-checked, NOT yet run on a GPU): bits of
+// FLASHMLA_DENSE_DECODE_SCHED, the two changes that made the sparse prefill pair loop 2.4-4.7% faster
+// together (bench/NOTES.md "Session 13"; FlashMLA's dense decode issues in this order too):
+//  1: warpgroup 0 issues the next pair's S0 right behind its P1 V1_L (slabs 0-3, then wait_group 1
+//     retires P1 V1_L, stage 1 is reloaded, then slabs 4-8), so a pair starts with S0 finished;
+//  4: warpgroup 1 announces P1 only after issuing P0 V0_R, so P0 V0_R enters the tensor pipe before
+//     warpgroup 0's P1 V1_L (and the next S0 behind it).
+// 0 (default) = the kernel measured in session 13.
+#ifndef FLASHMLA_DENSE_DECODE_SCHED
+#define FLASHMLA_DENSE_DECODE_SCHED 0
+#endif
+constexpr bool kS0Ahead = (FLASHMLA_DENSE_DECODE_SCHED & 1) != 0;
+constexpr bool kP1Late = (FLASHMLA_DENSE_DECODE_SCHED & 4) != 0;
+
 // kStaged: the epilogue writes O through shared memory and bulk copies (see there); chosen by the
 // host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
 template <typename T, int kD, bool kStaged>
@@ -291,6 +305,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
     const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
+    float s[32];
+    if (kS0Ahead && wg == 0 && n_blk > 0) {  // the request's first S0; later ones one pair ahead
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      gmma::reg_fence(s);
+      s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+      phase ^= 1u;
+    }
 
     for (int j = 0; 2 * j < n_blk; ++j) {
       const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
@@ -303,17 +328,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (nxt0) pgA = page_of(b0 + 2, 0);
         if (nxt1) pgB = page_of(b1 + 2, 0);
       }
-      float s[32];
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
+        if constexpr (!kS0Ahead) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = 0.f;
-        gmma::reg_fence(s);
-        s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
-        gmma::commit();
-        gmma::wait<0>();
-        gmma::reg_fence(s);
-        phase ^= 1u;
+          for (int i = 0; i < 32; ++i) s[i] = 0.f;
+          gmma::reg_fence(s);
+          s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+          gmma::commit();
+          gmma::wait<0>();
+          gmma::reg_fence(s);
+          phase ^= 1u;
+        }
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -412,11 +438,32 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
                          gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
           gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(o);
-          if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-            issue(b1 + 2, 1, 0, 4, pgB);
-            issue(b1 + 2, 1, 8, 9, pgB);
+          if (kS0Ahead && nxt0) {  // the next pair's S0 behind P1 V1_L (P0's values in s are dead)
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s[i] = 0.f;
+            gmma::reg_fence(s);
+            const uint64_t db0 = gmma::make_desc_sw128(sK_u, 16, 1024);
+            s_chain_seq<T, 0, 0, 1, 2, 3>(s, dq, db0, bar_u, phase);
+            gmma::commit();
+            gmma::wait<1>();  // P1 V1_L done
+            gmma::reg_fence(o);
+            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+              issue(b1 + 2, 1, 0, 4, pgB);
+              issue(b1 + 2, 1, 8, 9, pgB);
+            }
+            if constexpr (kSlabs == 9) s_chain_seq<T, 0, 4, 5, 6, 7, 8>(s, dq, db0, bar_u, phase);
+            else s_chain_seq<T, 0, 4, 5, 6, 7>(s, dq, db0, bar_u, phase);
+            gmma::commit();
+            gmma::wait<0>();
+            gmma::reg_fence(s);
+            phase ^= 1u;
+          } else {
+            gmma::wait<0>();
+            gmma::reg_fence(o);
+            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+              issue(b1 + 2, 1, 0, 4, pgB);
+              issue(b1 + 2, 1, 8, 9, pgB);
+            }
           }
         }
       } else {
@@ -484,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
           gmma::fence_proxy_async();
         }
-        bar_arrive(kBarP1, kThreads);
+        if constexpr (!kP1Late) bar_arrive(kBarP1, kThreads);
         if (has1) {
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
           gmma::reg_fence(o);
@@ -498,6 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
+        if constexpr (kP1Late) bar_arrive(kBarP1, kThreads);  // P1 stored and fenced above
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
         if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
         gmma::wait<0>();
