@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     dense_tma::prefetch_tensormap(&tmap_k);
   }
   __syncthreads();
-  uint32_t phase = 0;  // parity of the next phase of this warpgroup's stage (WG0: 0, WG1: 1)
+  uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
   const int32_t* meta = p.tile_scheduler_metadata + part * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
@@ -306,7 +306,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     float l_run[2] = {0.f, 0.f};
     const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
     float s[32];
-    if (kS0Ahead && wg == 0 && n_blk > 0) {  // the request's first S0; later ones one pair ahead
+    // Warpgroup 0's whole S0 over stage 0 (each slab after its TMA barrier), waited.
+    auto s0_whole = [&]() {
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       gmma::reg_fence(s);
@@ -315,7 +316,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::wait<0>();
       gmma::reg_fence(s);
       phase ^= 1u;
-    }
+    };
+    if (kS0Ahead && wg == 0 && n_blk > 0) s0_whole();  // the request's first S0; later ones one pair ahead
 
     for (int j = 0; 2 * j < n_blk; ++j) {
       const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
@@ -330,16 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
-        if constexpr (!kS0Ahead) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) s[i] = 0.f;
-          gmma::reg_fence(s);
-          s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(s);
-          phase ^= 1u;
-        }
+        if constexpr (!kS0Ahead) s0_whole();
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -438,6 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
                          gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
           gmma::commit();
+          // (nxt0 implies has1, so the next S0 is always issued here, inside the has1 branch.)
           if (kS0Ahead && nxt0) {  // the next pair's S0 behind P1 V1_L (P0's values in s are dead)
 #pragma unroll
             for (int i = 0; i < 32; ++i) s[i] = 0.f;
