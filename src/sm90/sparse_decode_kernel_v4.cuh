@@ -251,6 +251,19 @@ constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
 #define FLASHMLA_SPARSE_DECODE_VALID_FAST 0
 #endif
 constexpr bool kValidFast = FLASHMLA_SPARSE_DECODE_VALID_FAST != 0;
+// Two more opt-in experiments of session 13 (compiled, not yet run on a GPU), from a reading of
+// FlashMLA's sparse FP8 decode: FLASHMLA_SPARSE_DECODE_PV256=1 issues each P.V half as 4 m64n256k16
+// wgmmas instead of 8 m64n128k16 (the n128 pairs date from a 512-thread launch; this one has 384);
+// FLASHMLA_SPARSE_DECODE_P_LATE=1 makes warpgroup 0 announce P (kBarP0 + x) only after issuing its
+// P.V_L, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R.
+#ifndef FLASHMLA_SPARSE_DECODE_PV256
+#define FLASHMLA_SPARSE_DECODE_PV256 0
+#endif
+#ifndef FLASHMLA_SPARSE_DECODE_P_LATE
+#define FLASHMLA_SPARSE_DECODE_P_LATE 0
+#endif
+constexpr bool kPv256 = FLASHMLA_SPARSE_DECODE_PV256 != 0;
+constexpr bool kPLate = FLASHMLA_SPARSE_DECODE_P_LATE != 0;
 // validity bytes [buffer][64], then (kValidFast) the any-invalid flags [buffer][4 producer warps]
 constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
@@ -612,14 +625,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
         exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
         gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        bar_arrive(kBarP0 + x, kConsumers);
+        if constexpr (!kPLate) bar_arrive(kBarP0 + x, kConsumers);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
         scale_o(o, sc);
         gmma::reg_fence(o);
         gmma::fence();
-        pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
+        if constexpr (kPv256) pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
+        else pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
+        if constexpr (kPLate) bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
         gmma::wait<0>();
         gmma::reg_fence(o);
         release(x, 0);  // slabs 0-3 of the buffer are free
@@ -638,8 +653,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
-        pv_ss_chain_n128(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
-                         gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
+        if constexpr (kPv256)
+          pv_ss_chain(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
+                      gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
+        else
+          pv_ss_chain_n128(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
+                           gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(o);
