@@ -64,24 +64,10 @@ constexpr int kTileBytes = 9 * kSlabBytes;
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 8 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64]
-// Opt-in experiment, written in session 13 after its last device call and NOT yet run on a GPU
-// (bench/NOTES.md, "First device calls of the next session (prepared at the end of session 13)"):
-// 1 = the producer also publishes one any-invalid flag per warp and stage, and a block whose 64
-// slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax). 0 (default)
-// compiles to the kernel measured in session 13.
-#ifndef FLASHMLA_PREFILL_VALID_FAST
-#define FLASHMLA_PREFILL_VALID_FAST 0
-#endif
-constexpr bool kValidFast = FLASHMLA_PREFILL_VALID_FAST != 0;
-// Opt-in experiment (session 13, not yet run on a GPU): 1 = warpgroup 0 publishes m0 / scale0
-// (kBarScale0) only after issuing P0 V0_L, so warpgroup 1's softmax runs while P0 V0_L is on the
-// tensor pipe instead of competing with warpgroup 0's exponentials for the issue slots and MUFU.
-#ifndef FLASHMLA_PREFILL_SCALE0_LATE
-#define FLASHMLA_PREFILL_SCALE0_LATE 0
-#endif
-constexpr bool kScale0Late = FLASHMLA_PREFILL_SCALE0_LATE != 0;
-// validity bytes [stage][64], then (kValidFast) the any-invalid flags [stage][4 producer warps]
-constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
+// Validity bytes [stage][64], then one any-invalid flag per stage and producer warp: a block whose
+// 64 slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax; session 13:
+// -1.2 to -1.9% in the trace tool).
+constexpr int kSmemValid = 2 * kBlockN + 8;
 constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
 constexpr int kSmemBytes = 1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
@@ -234,7 +220,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
       for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = r.idx[i] >= 0 ? 1 : 0;
     }
-    if (kPart == 0 && kValidFast) {  // the whole producer warpgroup is here (fill calls are uniform)
+    if (kPart == 0) {  // the whole producer warpgroup is here (fill calls are uniform)
       const bool inv = w_c8 == 0 && (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0);
       const bool any = __any_sync(0xffffffffu, inv);
       if (lane == 0) sInval[kStage * 4 + (t_wg >> 5)] = any ? 1 : 0;
@@ -419,7 +405,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       FLASHMLA_TRACE_EVENT(0, j, 0, t_wg == 0);  // S0 of block 2j is complete here
 
       float mx[2] = {-INFINITY, -INFINITY};
-      if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval) == 0) scale_rowmax(s, p.scale_log2, mx);
+      if (*reinterpret_cast<const uint32_t*>(sInval) == 0) scale_rowmax(s, p.scale_log2, mx);
       else mask_rowmax(s, sValid, p.scale_log2, tq, mx);
       float m0u[2], sc0[2];
 #pragma unroll
@@ -433,7 +419,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
           sS0[row_local[hh]] = sc0[hh];
         }
       }
-      if constexpr (!kScale0Late) bar_arrive(kBarScale0, kThreads);
+      bar_arrive(kBarScale0, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
       float rs[2] = {0.f, 0.f};
@@ -457,7 +443,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
       }
       gmma::commit();
-      if constexpr (kScale0Late) bar_arrive(kBarScale0, kThreads);  // sM0 / sS0 were written above
 
       named_barrier_sync(kBarScale1, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 5, t_wg == 0);
@@ -544,7 +529,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
         gmma::wait<0>();
         gmma::reg_fence(s);
         FLASHMLA_TRACE_EVENT(1, j, 3, t_wg == 0);
-        if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval + 4) == 0) scale_rowmax(s, p.scale_log2, mx);
+        if (*reinterpret_cast<const uint32_t*>(sInval + 4) == 0) scale_rowmax(s, p.scale_log2, mx);
         else mask_rowmax(s, sValid + kBlockN, p.scale_log2, tq, mx);
       }
       named_barrier_sync(kBarScale0, kThreads);
