@@ -61,8 +61,10 @@ def flush_l2():
 
 
 def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 20) -> Dict[str, float]:
-    """Median over `reps` calls of the summed duration of kernels whose name contains each
-    substring, plus 'call' = CUDA-event time of the whole call. L2 is flushed between calls."""
+    """Per substring: the summed duration of the kernels whose name contains it, averaged over
+    `reps` profiled calls (a mean, as FlashMLA's kernelkit bench_kineto reports its anchors, so one
+    slow call raises it); plus 'call' = the median CUDA-event time of the whole call over `reps`
+    calls. L2 is flushed between calls."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
