@@ -166,6 +166,44 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
 #endif
 constexpr bool kS0Ahead = (FLASHMLA_DENSE_DECODE_SCHED & 1) != 0;
 constexpr bool kP1Late = (FLASHMLA_DENSE_DECODE_SCHED & 4) != 0;
+// Opt-in experiment (session 13, compiled, NOT yet run on a GPU): 1 = blocks that need no masking
+// (need_mask false: every block but the last one or two) take an explicit, CTA-uniform branch that
+// only scales S and takes the row max; today the masking's compares and selects run predicated in
+// every block (32 ISETP + 32 FSEL per thread, as a helper found in the SASS).
+#ifndef FLASHMLA_DENSE_DECODE_MASK_BRANCH
+#define FLASHMLA_DENSE_DECODE_MASK_BRANCH 0
+#endif
+constexpr bool kMaskBranch = FLASHMLA_DENSE_DECODE_MASK_BRANCH != 0;
+
+// S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
+// yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
+__device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
+                                                  const int (&limit)[2], float (&mx)[2]) {
+  auto masked = [&]() {
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = s[4 * t + e] * scale_log2;
+        if (need_mask && tok + 8 * t + 2 * tq + (e & 1) >= limit[e >> 1]) v = -INFINITY;
+        s[4 * t + e] = v;
+        mx[e >> 1] = fmaxf(mx[e >> 1], v);
+      }
+  };
+  if constexpr (kMaskBranch) {
+    if (!need_mask) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        s[i] *= scale_log2;
+        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+      }
+    } else {
+      masked();
+    }
+  } else {
+    masked();
+  }
+}
 
 // kStaged: the epilogue writes O through shared memory and bulk copies (see there); chosen by the
 // host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
@@ -336,15 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int t = 0; t < 8; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = s[4 * t + e] * p.scale_log2;
-            if (need_mask && tok0 + 8 * t + 2 * tq + (e & 1) >= limit[e >> 1]) v = -INFINITY;
-            s[4 * t + e] = v;
-            mx[e >> 1] = fmaxf(mx[e >> 1], v);
-          }
+        scale_mask_rowmax(s, p.scale_log2, need_mask, tok0, tq, limit, mx);
         float m0u[2], sc0[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -473,15 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::reg_fence(s);
           phase ^= 1u;
           const bool need_mask = tok1 + kBlockN > min_limit;
-#pragma unroll
-          for (int t = 0; t < 8; ++t)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float v = s[4 * t + e] * p.scale_log2;
-              if (need_mask && tok1 + 8 * t + 2 * tq + (e & 1) >= limit[e >> 1]) v = -INFINITY;
-              s[4 * t + e] = v;
-              mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
+          scale_mask_rowmax(s, p.scale_log2, need_mask, tok1, tq, limit, mx);
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
