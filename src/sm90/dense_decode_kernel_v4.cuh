@@ -191,15 +191,8 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
       }
   };
   if constexpr (kMaskBranch) {
-    if (!need_mask) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        s[i] *= scale_log2;
-        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-      }
-    } else {
-      masked();
-    }
+    if (!need_mask) seesaw::scale_rowmax_local(s, scale_log2, mx);
+    else masked();
   } else {
     masked();
   }

@@ -127,6 +127,23 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
   }
 }
 
+// The thread's two row maxima reduced over its quad (the 4 threads that share the rows).
+__device__ __forceinline__ void quad_rowmax(float (&mx)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+  }
+}
+// S *= scale_log2 with the thread's own row maxima into mx (no masking, not reduced over the quad).
+__device__ __forceinline__ void scale_rowmax_local(float (&s)[32], float scale_log2, float (&mx)[2]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] *= scale_log2;
+    mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  }
+}
+
 // Scale to base 2 and mask invalid slots (validity bytes of the stage) -> row maxima.
 __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, float scale_log2, int tq,
                                             float (&mx)[2]) {
@@ -141,25 +158,13 @@ __device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, f
       mx[e >> 1] = fmaxf(mx[e >> 1], v);
     }
   }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-  }
+  quad_rowmax(mx);
 }
 
 // mask_rowmax for a block whose slots are all valid: scale to base 2 -> row maxima, no masking.
 __device__ __forceinline__ void scale_rowmax(float (&s)[32], float scale_log2, float (&mx)[2]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    s[i] *= scale_log2;
-    mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-  }
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-  }
+  scale_rowmax_local(s, scale_log2, mx);
+  quad_rowmax(mx);
 }
 
 }  // namespace flashmla::sm90::seesaw

@@ -411,6 +411,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool ext = block_indices(v);
         addresses(v, ext, ra);
       }
+      // (kValidFast) one any-invalid flag per producer warp for buffer x; every producer lane calls
+      // this, before the part-A arrivals that publish it.
+      auto publish_any_invalid = [&](const RowAddr& r, int x) {
+        if constexpr (kValidFast) {
+          const bool any = __any_sync(0xffffffffu, j == 0 && (r.rec[0] == 0 || r.rec[1] == 0));
+          if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
+        }
+      };
       for (int g = 0;; ++g) {
         ++nb;
         skip_empty();
@@ -456,10 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
-          if constexpr (kValidFast) {  // every producer lane is here; published by the arrivals below
-            const bool any = __any_sync(0xffffffffu, j == 0 && (ra.rec[0] == 0 || ra.rec[1] == 0));
-            if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
-          }
+          publish_any_invalid(ra, x);
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
@@ -489,10 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
-          if constexpr (kValidFast) {  // every producer lane is here; published by the arrivals below
-            const bool any = __any_sync(0xffffffffu, j == 0 && (ra.rec[0] == 0 || ra.rec[1] == 0));
-            if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
-          }
+          publish_any_invalid(ra, x);
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
