@@ -153,28 +153,6 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
-// Opt-in experiment (session 13, compiled and ptxas-checked, NOT yet run on a GPU): bits of
-// FLASHMLA_DENSE_DECODE_SCHED, the two changes that made the sparse prefill pair loop 2.4-4.7% faster
-// together (bench/NOTES.md "Session 13"; FlashMLA's dense decode issues in this order too):
-//  1: warpgroup 0 issues the next pair's S0 right behind its P1 V1_L (slabs 0-3, then wait_group 1
-//     retires P1 V1_L, stage 1 is reloaded, then slabs 4-8), so a pair starts with S0 finished;
-//  4: warpgroup 1 announces P1 only after issuing P0 V0_R, so P0 V0_R enters the tensor pipe before
-//     warpgroup 0's P1 V1_L (and the next S0 behind it).
-// 0 (default) = the kernel measured in session 13.
-#ifndef FLASHMLA_DENSE_DECODE_SCHED
-#define FLASHMLA_DENSE_DECODE_SCHED 0
-#endif
-constexpr bool kS0Ahead = (FLASHMLA_DENSE_DECODE_SCHED & 1) != 0;
-constexpr bool kP1Late = (FLASHMLA_DENSE_DECODE_SCHED & 4) != 0;
-// Opt-in experiment (session 13, compiled, NOT yet run on a GPU): 1 = blocks that need no masking
-// (need_mask false: every block but the last one or two) take an explicit, CTA-uniform branch that
-// only scales S and takes the row max; today the masking's compares and selects run predicated in
-// every block (32 ISETP + 32 FSEL per thread, as a helper found in the SASS).
-#ifndef FLASHMLA_DENSE_DECODE_MASK_BRANCH
-#define FLASHMLA_DENSE_DECODE_MASK_BRANCH 0
-#endif
-constexpr bool kMaskBranch = FLASHMLA_DENSE_DECODE_MASK_BRANCH != 0;
-
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -190,12 +168,11 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
         mx[e >> 1] = fmaxf(mx[e >> 1], v);
       }
   };
-  if constexpr (kMaskBranch) {
-    if (!need_mask) seesaw::scale_rowmax_local(s, scale_log2, mx);
-    else masked();
-  } else {
-    masked();
-  }
+  // A CTA-uniform branch: blocks that need no masking (every block but the last one or two) only
+  // scale S and take the row max (session 14: x1.005 geomean, up to +4% on the long compute-bound
+  // cases, against the compares and selects running predicated in every block).
+  if (!need_mask) seesaw::scale_rowmax_local(s, scale_log2, mx);
+  else masked();
 }
 
 // kStaged: the epilogue writes O through shared memory and bulk copies (see there); chosen by the
@@ -348,7 +325,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::reg_fence(s);
       phase ^= 1u;
     };
-    if (kS0Ahead && wg == 0 && n_blk > 0) s0_whole();  // the request's first S0; later ones one pair ahead
 
     for (int j = 0; 2 * j < n_blk; ++j) {
       const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
@@ -363,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
-        if constexpr (!kS0Ahead) s0_whole();
+        s0_whole();
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -454,33 +430,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
                          gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
           gmma::commit();
-          // (nxt0 implies has1, so the next S0 is always issued here, inside the has1 branch.)
-          if (kS0Ahead && nxt0) {  // the next pair's S0 behind P1 V1_L (P0's values in s are dead)
-#pragma unroll
-            for (int i = 0; i < 32; ++i) s[i] = 0.f;
-            gmma::reg_fence(s);
-            const uint64_t db0 = gmma::make_desc_sw128(sK_u, 16, 1024);
-            s_chain_seq<T, 0, 0, 1, 2, 3>(s, dq, db0, bar_u, phase);
-            gmma::commit();
-            gmma::wait<1>();  // P1 V1_L done
-            gmma::reg_fence(o);
-            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-              issue(b1 + 2, 1, 0, 4, pgB);
-              issue(b1 + 2, 1, 8, 9, pgB);
-            }
-            if constexpr (kSlabs == 9) s_chain_seq<T, 0, 4, 5, 6, 7, 8>(s, dq, db0, bar_u, phase);
-            else s_chain_seq<T, 0, 4, 5, 6, 7>(s, dq, db0, bar_u, phase);
-            gmma::commit();
-            gmma::wait<0>();
-            gmma::reg_fence(s);
-            phase ^= 1u;
-          } else {
-            gmma::wait<0>();
-            gmma::reg_fence(o);
-            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-              issue(b1 + 2, 1, 0, 4, pgB);
-              issue(b1 + 2, 1, 8, 9, pgB);
-            }
+          gmma::wait<0>();
+          gmma::reg_fence(o);
+          if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+            issue(b1 + 2, 1, 0, 4, pgB);
+            issue(b1 + 2, 1, 8, 9, pgB);
           }
         }
       } else {
@@ -540,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
           gmma::fence_proxy_async();
         }
-        if constexpr (!kP1Late) bar_arrive(kBarP1, kThreads);
+        bar_arrive(kBarP1, kThreads);
         if (has1) {
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
           gmma::reg_fence(o);
@@ -554,7 +508,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
-        if constexpr (kP1Late) bar_arrive(kBarP1, kThreads);  // P1 stored and fenced above
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
         if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
         gmma::wait<0>();

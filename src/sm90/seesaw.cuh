@@ -59,24 +59,6 @@ __device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint6
   if constexpr (kK + 1 < 4) pv_ss_chain<kK + 1>(o, da0, db0);
 }
 
-// The same two chains as pairs of m64n128k16 (O's first / second 64 accumulators; B's second half
-// two slabs further), for kernels launched with more than 384 threads (register bound < 158).
-template <int kK = 0>
-__device__ __forceinline__ void pv_rs_chain_n128(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
-  gmma::mma_m64n128k16_rs_bf16<1, ((kK * 16 * 128) >> 4)>(reinterpret_cast<float (&)[64]>(o[0]), a[kK], db0);
-  gmma::mma_m64n128k16_rs_bf16<1, ((kK * 16 * 128 + 2 * kSlabBytes) >> 4)>(reinterpret_cast<float (&)[64]>(o[64]),
-                                                                             a[kK], db0);
-  if constexpr (kK + 1 < 4) pv_rs_chain_n128<kK + 1>(o, a, db0);
-}
-template <int kK = 0>
-__device__ __forceinline__ void pv_ss_chain_n128(float (&o)[128], uint64_t da0, uint64_t db0) {
-  gmma::mma_m64n128k16_off_bf16<1, ((kK * 32) >> 4), ((kK * 16 * 128) >> 4)>(reinterpret_cast<float (&)[64]>(o[0]),
-                                                                              da0, db0);
-  gmma::mma_m64n128k16_off_bf16<1, ((kK * 32) >> 4), ((kK * 16 * 128 + 2 * kSlabBytes) >> 4)>(
-      reinterpret_cast<float (&)[64]>(o[64]), da0, db0);
-  if constexpr (kK + 1 < 4) pv_ss_chain_n128<kK + 1>(o, da0, db0);
-}
-
 // Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and the row sum l
 // are taken against moves only when a block's row max exceeds it by more than kRescaleSlack (log2
 // units). P then stays <= 2^kRescaleSlack (representable in bf16 / fp16, far from overflow), and once m

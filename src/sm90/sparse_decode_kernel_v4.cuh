@@ -243,31 +243,8 @@ constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
-// Opt-in experiments (session 13). Measured together with PV256 and P_LATE below on the H200 (call 6:
-// kernel geomean x1.009, 79 sparse pytest cases passed); the §5.2 grid has not run with them yet.
-// FLASHMLA_SPARSE_DECODE_VALID_FAST=1: the producer also publishes
-// one any-invalid flag per warp and buffer, and warpgroup 0 skips the masking of a block whose 64
-// slots are all valid (seesaw::scale_rowmax instead of mask_rowmax). 0 (default) = the kernel
-// measured in session 13.
-#ifndef FLASHMLA_SPARSE_DECODE_VALID_FAST
-#define FLASHMLA_SPARSE_DECODE_VALID_FAST 0
-#endif
-constexpr bool kValidFast = FLASHMLA_SPARSE_DECODE_VALID_FAST != 0;
-// Two more opt-in experiments of session 13, from a reading of
-// FlashMLA's sparse FP8 decode: FLASHMLA_SPARSE_DECODE_PV256=1 issues each P.V half as 4 m64n256k16
-// wgmmas instead of 8 m64n128k16 (the n128 pairs date from a 512-thread launch; this one has 384);
-// FLASHMLA_SPARSE_DECODE_P_LATE=1 makes warpgroup 0 announce P (kBarP0 + x) only after issuing its
-// P.V_L, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R.
-#ifndef FLASHMLA_SPARSE_DECODE_PV256
-#define FLASHMLA_SPARSE_DECODE_PV256 0
-#endif
-#ifndef FLASHMLA_SPARSE_DECODE_P_LATE
-#define FLASHMLA_SPARSE_DECODE_P_LATE 0
-#endif
-constexpr bool kPv256 = FLASHMLA_SPARSE_DECODE_PV256 != 0;
-constexpr bool kPLate = FLASHMLA_SPARSE_DECODE_P_LATE != 0;
-// validity bytes [buffer][64], then (kValidFast) the any-invalid flags [buffer][4 producer warps]
-constexpr int kSmemValid = 2 * kBlockN + (kValidFast ? 8 : 0);
+// validity bytes [buffer][64], then the any-invalid flags [buffer][4 producer warps]
+constexpr int kSmemValid = 2 * kBlockN + 8;
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
 constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
@@ -291,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   float* sL = sRed + 64;
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
-  uint8_t* sInval = sValid + 2 * kBlockN;  // (kValidFast) [buffer][producer warp]
+  uint8_t* sInval = sValid + 2 * kBlockN;  // [buffer][producer warp]: any slot of the warp's rows invalid
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
@@ -411,13 +388,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool ext = block_indices(v);
         addresses(v, ext, ra);
       }
-      // (kValidFast) one any-invalid flag per producer warp for buffer x; every producer lane calls
-      // this, before the part-A arrivals that publish it.
+      // One any-invalid flag per producer warp for buffer x (warpgroup 0 skips the masking of a block
+      // whose 64 slots are all valid); every producer lane calls this, before the part-A arrivals
+      // that publish it.
       auto publish_any_invalid = [&](const RowAddr& r, int x) {
-        if constexpr (kValidFast) {
-          const bool any = __any_sync(0xffffffffu, j == 0 && (r.rec[0] == 0 || r.rec[1] == 0));
-          if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
-        }
+        const bool any = __any_sync(0xffffffffu, j == 0 && (r.rec[0] == 0 || r.rec[1] == 0));
+        if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
       };
       for (int g = 0;; ++g) {
         ++nb;
@@ -613,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::reg_fence(s);
 
         float mx[2] = {-INFINITY, -INFINITY};
-        if (kValidFast && *reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) scale_rowmax(s, p.scale_log2, mx);
+        if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) scale_rowmax(s, p.scale_log2, mx);
         else mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
         float mu[2], sc[2];
 #pragma unroll
@@ -629,16 +605,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
         exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
         gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        if constexpr (!kPLate) bar_arrive(kBarP0 + x, kConsumers);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
         scale_o(o, sc);
         gmma::reg_fence(o);
         gmma::fence();
-        if constexpr (kPv256) pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
-        else pv_rs_chain_n128(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
+        pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
-        if constexpr (kPLate) bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
+        // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
+        // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
+        bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
         gmma::wait<0>();
         gmma::reg_fence(o);
         release(x, 0);  // slabs 0-3 of the buffer are free
@@ -657,12 +633,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
-        if constexpr (kPv256)
-          pv_ss_chain(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
-                      gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
-        else
-          pv_ss_chain_n128(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
-                           gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
+        pv_ss_chain(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
+                    gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
         gmma::wait<0>();
         gmma::reg_fence(o);
