@@ -1,7 +1,7 @@
 """Sparse MLA prefill (flash_mla_sparse_fwd) benchmark on an H200 vs the FlashMLA anchors
 (shared/anchors-h200.md).
 
-Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 5] [--ab mma] [--main v3w|mma]
+Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 30] [--ab mma] [--main v3w|mma]
 
 Cases: FlashMLA's sparse-prefill perf cases (spec §5.3: s_q = 4096, attn_sink on, all indices
 valid): V3.2 d_qk 576 h_q 128 topk 2048, s_kv 8192..131072; MODEL1 CONFIG1 d_qk 512 h_q 64
@@ -97,7 +97,7 @@ def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=30, help="calls per round (bench_kineto num_tests; 30 as FlashMLA's test)")
     ap.add_argument("--ab", default="", help="kernels timed on every anchor case too, among " + ",".join(KERNELS))
     ap.add_argument("--main", default=None, choices=KERNELS,
                     help="kernel of the primary anchor-case times (default: automatic)")

@@ -1,8 +1,9 @@
 """Shared benchmark plumbing: ceilings measured in the same run, kernel timing, JSON, plots.
 
-Times are medians. Kernel time comes from the PyTorch profiler (CUDA activity,
-kernels matched by name substring, as FlashMLA's kernelkit.bench_kineto does);
-whole-call time from CUDA events around the Python call.
+Kernel time comes from the PyTorch profiler (CUDA activity, kernels matched by name substring,
+the mean over the profiled calls, L2 flushed with an 8 GB memset before each call, as FlashMLA's
+kernelkit bench_kineto measures the anchors); whole-call time is the median of CUDA events
+around the Python call.
 """
 
 from __future__ import annotations
@@ -51,24 +52,27 @@ def measure_ceilings() -> Dict[str, float]:
 
 
 _FLUSH = None
+# L2 flush between timed calls: an int memset of FLASHMLA_BENCH_FLUSH_GB gigabytes (default 8, as
+# FlashMLA's kernelkit bench_kineto that measured the anchors, spec §5 "bench.py"; the H200's L2 is
+# 60 MB, so any size above ~0.1 GB evicts it; the size also sets how long the GPU rests between calls).
+FLUSH_GB = float(os.environ.get("FLASHMLA_BENCH_FLUSH_GB", "8"))
 
 
 def flush_l2():
     global _FLUSH
     if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        _FLUSH = torch.empty(int(FLUSH_GB * 1e9) // 4, dtype=torch.int32, device="cuda")
     _FLUSH.zero_()
 
 
-def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 20) -> Dict[str, float]:
-    """Per substring: the summed duration of the kernels whose name contains it, averaged over
-    `reps` profiled calls (a mean, as FlashMLA's kernelkit bench_kineto reports its anchors, so one
-    slow call raises it); plus 'call' = the median CUDA-event time of the whole call over `reps`
-    calls. L2 is flushed between calls."""
+def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 30) -> Dict[str, float]:
+    """As FlashMLA's kernelkit bench_kineto(fn, num_tests=reps) (spec §5): two rounds of `reps`
+    calls, each call preceded by an L2 flush (flush_l2); the second round runs under the PyTorch
+    profiler. Per substring: the summed duration of the kernels whose name contains it, divided by
+    `reps` (a mean: one slow call raises it); plus 'call' = the median CUDA-event time of the whole
+    call over the first round's calls (flush excluded). Microseconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
     call = []
     for _ in range(reps):
         flush_l2()
@@ -99,7 +103,10 @@ def write_results(kind: str, gpu: str, ceilings: Dict[str, float], cases: List[d
     date = _dt.date.today().isoformat()
     os.makedirs(outdir, exist_ok=True)
     path = os.path.join(outdir, f"{date}-{kind}.json")
-    data = {"gpu": gpu, "date": date, "ceilings": ceilings, "cases": cases}
+    data = {"gpu": gpu, "date": date, "ceilings": ceilings,
+            "timing": {"method": "bench_kineto: 2 rounds of reps calls, the second profiled; mean kernel time",
+                       "l2_flush_gb": FLUSH_GB},
+            "cases": cases}
     if kind in targets.GEOMEAN_TARGET:
         data["targets"] = targets.summarize(kind, cases)
     with open(path, "w") as f:
