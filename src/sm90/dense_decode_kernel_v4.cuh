@@ -217,6 +217,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int pbs = p.page_block_size;
   const int box_tok = p.tma_box_tok;  // min(pbs, 64)
+  // Token -> (page, row in page) without integer divisions on the issuing threads' path. The host
+  // launches v4 only for page sizes 16, 32 or a multiple of 64 (make_k_tensor_map), so box_tok
+  // (16 / 32 / 64) is a power of two; when pbs is one too (16 ... 256, every usual size) a shift and a
+  // mask replace / and % (tokens are >= 0); other multiples of 64 (192, 320, ...) keep the divisions.
+  const bool pbs_pow2 = (pbs & (pbs - 1)) == 0;
+  const int lg_pbs = __ffs(pbs) - 1;
+  const int lg_box = __ffs(box_tok) - 1;
 
   int row_local[2], row_global[2], row_sq[2];
 #pragma unroll
@@ -253,28 +260,33 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // the previous request is done with all shared memory
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    // Boxes of block `blk` that start before seqlen (later ones are not loaded).
+    auto page_idx = [&](int tok) { return pbs_pow2 ? (tok >> lg_pbs) : tok / pbs; };
+    auto page_row = [&](int tok) { return pbs_pow2 ? (tok & (pbs - 1)) : tok % pbs; };
+    auto page_of = [&](int blk, int j) {
+      return bt_row[static_cast<int64_t>(page_idx(blk * kBlockN + j * box_tok)) * p.bt_stride_j];
+    };
+    // Boxes of block `blk` that start before seqlen (later ones are not loaded); box_tok is a power of two.
     auto n_boxes = [&](int blk) {
       const int valid = min(seqlen - blk * kBlockN, kBlockN);
-      return (valid + box_tok - 1) / box_tok;
-    };
-    auto page_of = [&](int blk, int j) {
-      return bt_row[static_cast<int64_t>((blk * kBlockN + j * box_tok) / pbs) * p.bt_stride_j];
+      return (valid + box_tok - 1) >> lg_box;
     };
     // Slabs [lo, hi) of block `blk` into `stage` (one thread). pg0 = page of the first box
-    // (read ahead by the caller); with pages of 16/32 tokens the others are read here.
+    // (read ahead by the caller); with pages of 16/32 tokens the others are read here. No integer
+    // division on this path when pbs is a power of two, and the slab loop is unrolled (lo / hi are
+    // constants at every call site): what remains per slab is the barrier arrival and the TMA issue.
     auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
       const int nb = n_boxes(blk);
+      const uint32_t tx = static_cast<uint32_t>(nb) << (lg_box + 7);  // nb * box_tok * 128 bytes
       const uint32_t bar0 = bar_u + stage * (9 * 8);
       const uint32_t dst = sK_u + stage * kSmemK;
       const int s_hi = min(hi, kSlabs);
 #pragma unroll 1
       for (int j = 0; j < nb; ++j) {
         const int pg = j == 0 ? pg0 : page_of(blk, j);
-        const int tip = (blk * kBlockN + j * box_tok) % pbs;
-#pragma unroll 1
+        const int tip = page_row(blk * kBlockN + j * box_tok);
+#pragma unroll
         for (int s = lo; s < s_hi; ++s) {
-          if (j == 0) dense_tma::mbar_arrive_expect_tx(bar0 + 8 * s, static_cast<uint32_t>(nb * box_tok * 128));
+          if (j == 0) dense_tma::mbar_arrive_expect_tx(bar0 + 8 * s, tx);
           dense_tma::tma_load_4d(dst + s * kSlabBytes + j * box_tok * 128, &tmap_k, bar0 + 8 * s, 64 * s, kv_head,
                                  tip, pg);
         }

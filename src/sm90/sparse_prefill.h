@@ -3,6 +3,7 @@
 // launchers. Not part of the public API.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (type only; encoded on the host through the driver entry point)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -37,6 +38,10 @@ struct SparsePrefillKernelParams {
   int out_bulk_ok; // out's last dim contiguous and every (s, h) row 16-byte aligned: bulk row copies
   float scale_log2;  // sm_scale * log2(e)
   int prefetch_ahead;  // > 0: each CTA prefetches into L2 the Q rows and indices of CTA blockIdx.x + this (the SM count)
+  int out_tma;  // set by the v3w launcher: out_map is valid, the epilogue writes O with 3D TMA tensor stores
+  // out as (512 cols, h_q, s_q) bf16, box 64 cols x 64 heads x 1 token, 128-byte swizzle (the slab
+  // layout). Read by the kernel from parameter space (__grid_constant__).
+  CUtensorMap out_map;  // 64-byte aligned by its type
 };
 
 /// Kernel choice for 64-row head tiles (h_q > 32; 16/32-row tiles always use the mma.sync

@@ -46,6 +46,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "sm90/sparse_prefill.h"
@@ -63,7 +65,7 @@ using namespace seesaw;  // slab layout, wgmma chains, barrier wrappers
 constexpr int kTileBytes = 9 * kSlabBytes;
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
-constexpr int kSmemRed = 8 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64]
+constexpr int kSmemRed = 9 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64], sSink[64]
 // Validity bytes [stage][64], then one any-invalid flag per stage and producer warp: a block whose
 // 64 slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax; session 13:
 // -1.2 to -1.9% in the trace tool).
@@ -101,6 +103,28 @@ enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsume
 constexpr int kStageRowBytes = 512 * 2 + 16;  // one output row + 16 B: conflict-free 4-byte stores
 static_assert(64 * kStageRowBytes <= kSmemQ, "staged O fits in Q's buffer");
 constexpr int kThreadsProd = 384;
+// Epilogue with a TMA tensor store (p.out_tma, out's rows 16-byte aligned): each consumer warpgroup
+// stages its 256 output columns as four 128B-swizzled 64 x 64 slabs in Q's buffer and one of its threads
+// writes them with four 8 KB tensor stores, as soon as that warpgroup is done: warpgroup 1 (whose last
+// P0 V0_R precedes warpgroup 0's last P1 V1_L on the tensor pipe) writes its half while warpgroup 0 still
+// computes, and there is no CTA-wide barrier in the epilogue. The row sums and the true row max are
+// exchanged in the last pair instead (sL, sMx; see "epilogue" below), and attn_sink is staged in shared
+// memory with Q. 8 copies per CTA instead of 64 (session 12: one 64 KB copy instead of 64 x 1 KB rows
+// saved ~850 cycles per CTA).
+enum : int { kBarEpi0 = 6 };  // + warpgroup: the warpgroup's slabs staged
+
+// 4-byte cp.async (zero-fill when !valid).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// 3D TMA tensor store from shared memory (bulk-group completion).
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
 
 // 16-byte cp.async with a 256-byte L2 prefetch hint (src-size 0 zero-fills, no read).
 __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, bool valid) {
@@ -109,7 +133,8 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
                : "memory");
 }
 template <int kD>
-__global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel(const SparsePrefillKernelParams p) {
+__global__ void __launch_bounds__(kThreadsProd, 1)
+    sparse_attn_fwd_seesaw_kernel(const __grid_constant__ SparsePrefillKernelParams p) {
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -125,7 +150,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   float* sS1 = sRed + 192;
   float* sL = sRed + 256;
   float* sMx = sRed + 384;
-  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 8 * 64);  // [stage][64]
+  float* sSink = sRed + 512;  // attn_sink of the tile's 64 heads (0 past h_q), when p.attn_sink
+  uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 9 * 64);  // [stage][64]
   uint8_t* sInval = sValid + 2 * kBlockN;  // [stage][producer warp]: 1 if any of its rows is invalid
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   // barriers: bar_u + 8 * (2 * stage + part)
@@ -268,6 +294,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
               cp_async_16_l2pf(w_dst - sK_u + sQ_u + static_cast<uint32_t>(sl * kSlabBytes + i * 16 * 128), src + sl * 64,
                                ok);
           }
+          if (p.attn_sink != nullptr && t_wg < 64) {  // the epilogue's sinks, complete with Q (q_full)
+            const int h = ht * 64 + t_wg;
+            cp_async_4(static_cast<uint32_t>(__cvta_generic_to_shared(sSink + t_wg)),
+                       h < p.h_q ? p.attn_sink + static_cast<int64_t>(h) * p.sink_stride : p.attn_sink, h < p.h_q);
+          }
           mbar_arrive_cp_async(bar_u + 8 * 8);
         }
       }
@@ -353,6 +384,10 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
                                        : static_cast<const __nv_bfloat16*>(p.q);
       *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+    }
+    if (p.attn_sink != nullptr && tid < 64) {  // published by the barrier below
+      const int h = ht * 64 + tid;
+      sSink[tid] = h < p.h_q ? p.attn_sink[static_cast<int64_t>(h) * p.sink_stride] : 0.f;
     }
   }
   if (n_blk > 0 && q_by_producer && !kDiagNoQ) {
@@ -463,6 +498,18 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
             HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
       }
       gmma::fence_proxy_async();
+      if (!nxt0) {  // the CTA's last pair: this warpgroup's row sums before scale1, and its true row max
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float l0 = l_run[hh];
+          l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+          l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+          if (tq == 0) {
+            sL[row_local[hh]] = l0;
+            sMx[row_local[hh]] = m_true[hh];
+          }
+        }
+      }
       bar_arrive(kBarP0, kThreads);
 
       gmma::wait<0>();
@@ -582,6 +629,15 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
                     gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
       }
       gmma::commit();
+      if (!nxt0) {  // the CTA's last pair: this warpgroup's final row sums (read by warpgroup 0 after P1)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float l1 = l_run[hh];
+          l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+          l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+          if (tq == 0) sL[64 + row_local[hh]] = l1;
+        }
+      }
       // P1 (stored and fenced above) is announced only now, so warpgroup 0's P1 V1_L (and its next
       // S0 behind it) enter the tensor pipe after P0 V0_R, which frees stage 0 part B first.
       bar_arrive(kBarP1, kThreads);
@@ -600,25 +656,22 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
   }
 
   FLASHMLA_TRACE_EVENT(3, 0, 3, tid == 0);
-  // ---- epilogue: L = WG0's part + WG1's part
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-    l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-  }
+  // ---- epilogue, per warpgroup (no CTA-wide barrier). Row sums from the last pair's exchange:
+  // L = A0 * scale1 + L1 with A0 = warpgroup 0's quad-summed l before its last scale1 (sL[row], written
+  // before its P0 arrival), scale1 = sS1[row] (warpgroup 1's, before its Scale1 arrival) and L1 =
+  // warpgroup 1's final quad-summed l (sL[64 + row], before its P1 arrival). Both warpgroups compute
+  // the same expression from the same shared values, so both halves of a row see the same L. Warpgroup
+  // 0 passed the P1 barrier after all three writes; warpgroup 1 passed the P0 barrier after warpgroup
+  // 0's writes and its own sS1 write, and reads its own L1 (written by the quad's lane 0) after a
+  // __syncwarp. max_logits and lse are written by warpgroup 1 (true max = its m_true and warpgroup 0's,
+  // sMx[row]). m_run is the same final running max in both warpgroups (warpgroup 0 read sM1).
   float L[2] = {0.f, 0.f};
   if (n_blk > 0) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-      if (tq == 0) {
-        sL[wg * 64 + row_local[hh]] = l_run[hh];
-        sMx[wg * 64 + row_local[hh]] = m_true[hh];
-      }
-    named_barrier_sync(kBarConsumers, kThreads);
+    __syncwarp();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
-      m_true[hh] = fmaxf(sMx[row_local[hh]], sMx[64 + row_local[hh]]);
+      L[hh] = __fmaf_rn(sL[row_local[hh]], sS1[row_local[hh]], sL[64 + row_local[hh]]);
+      if (wg == 1) m_true[hh] = fmaxf(m_true[hh], sMx[row_local[hh]]);
     }
   }
 
@@ -627,13 +680,54 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int h = min(ht * 64 + row_local[hh], p.h_q - 1);  // rows past h_q: computed, never stored
-    empty[hh] = !(L[hh] > 0.f);  // no valid slot
+    empty[hh] = !(L[hh] > 0.f);  // no valid slot (n_blk > 0 here: Q's wait / barrier published sSink)
     lse2[hh] = empty[hh] ? INFINITY : log2f(L[hh]) + m_run[hh];
-    inv[hh] = empty[hh] ? 0.f : sink_factor(p, h, lse2[hh]) / L[hh];
+    float f = 1.f;
+    if (!empty[hh] && p.attn_sink != nullptr) {
+      const float sk = kDiagNoQ ? p.attn_sink[static_cast<int64_t>(h) * p.sink_stride] : sSink[row_local[hh]];
+      f = 1.f / (1.f + exp2f(sk * kLog2e - lse2[hh]));
+    }
+    inv[hh] = empty[hh] ? 0.f : f / L[hh];
   }
-  if (p.out_bulk_ok && n_blk > 0) {
-    // Q's buffer is free: both warpgroups passed the barrier above after their last S. Each thread
-    // writes its two rows' bf16 pairs; then one thread per row copies the 1 KB row to out.
+  if (wg == 1 && tq == 0) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = ht * 64 + row_local[hh];
+      if (h >= p.h_q) continue;
+      p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
+          empty[hh] ? INFINITY : lse2[hh] * kLn2;
+      p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
+          empty[hh] ? -INFINITY : m_true[hh] * kLn2;
+    }
+  }
+  if (p.out_tma && n_blk > 0) {
+    // Q's buffer is free for this warpgroup's slabs wg*4 .. wg*4+3: warpgroup 0's last S0 completed
+    // before its last Scale0 arrival (warpgroup 1 synced), warpgroup 1's last S1 before its last Scale1
+    // arrival (warpgroup 0 synced). Column col -> slab col / 64, 16-byte chunk (col / 8) % 8 (swizzled):
+    // the same conflict-free pattern as the P stores.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(base + slab_off(row_local[hh], wg * 32 + j) + 4 * tq) =
+            HalfTraits<__nv_bfloat16>::pack(o[4 * j + 2 * hh] * inv[hh], o[4 * j + 2 * hh + 1] * inv[hh]);
+    }
+    gmma::fence_proxy_async();  // generic-proxy stores -> the tensor stores' reads
+    named_barrier_sync(kBarEpi0 + wg, 128);
+    if (t_wg == 0) {
+      if constexpr (!kDiagNoStore) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          tma_store_3d(&p.out_map, sQ_u + static_cast<uint32_t>((wg * 4 + k) * kSlabBytes), wg * 256 + 64 * k, ht * 64,
+                       sq);
+      }
+      bulk_commit();
+      bulk_wait_read();  // shared memory stays valid until the stores have read it
+    }
+  } else if (p.out_bulk_ok && n_blk > 0) {
+    // Q's buffer is free for each warpgroup's half of the rows (as for the tensor stores above). Each
+    // thread writes its two rows' bf16 pairs; then, after both halves, one thread per row copies the
+    // 1 KB row to out.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       uint8_t* row = base + row_local[hh] * kStageRowBytes + wg * 512 + 4 * tq;
@@ -673,25 +767,58 @@ __global__ void __launch_bounds__(kThreadsProd, 1) sparse_attn_fwd_seesaw_kernel
       }
     }
   }
-  if (wg == 0 && tq == 0) {
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = ht * 64 + row_local[hh];
-      if (h >= p.h_q) continue;
-      p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
-          empty[hh] ? INFINITY : lse2[hh] * kLn2;
-      p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
-          empty[hh] ? -INFINITY : m_true[hh] * kLn2;
-    }
-  }
   FLASHMLA_TRACE_EVENT(3, 0, 4, tid == 0);
 }
 
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda), as in dense_decode.cu.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiledFn out_encode_tiled_fn() {
+  static EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// Tensor map of out (s_q, h_q, 512) bf16 for the epilogue's tensor stores: dims (512, h_q, s_q), box
+// 64 x 64 x 1, 128-byte swizzle (the slab layout). Heads past h_q in the last head tile are clipped by
+// the TMA unit (never written). Only with p.out_bulk_ok (last dim contiguous, base and row strides
+// 16-byte aligned); false when the encoder refuses (the kernel then copies 1 KB rows).
+inline bool make_out_tensor_map(const SparsePrefillKernelParams& p, CUtensorMap* map) {
+  if (!p.out_bulk_ok || p.o_stride_d != 1 || reinterpret_cast<uintptr_t>(p.out) % 16 != 0) return false;
+  for (int64_t st : {p.o_stride_h, p.o_stride_s})
+    if (st <= 0 || (st * 2) % 16 != 0 || st * 2 >= (int64_t{1} << 40)) return false;
+  if (p.h_q <= 0 || p.s_q <= 0) return false;
+  EncodeTiledFn fn = out_encode_tiled_fn();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kDimV), static_cast<cuuint64_t>(p.h_q),
+                              static_cast<cuuint64_t>(p.s_q)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.o_stride_h * 2), static_cast<cuuint64_t>(p.o_stride_s * 2)};
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  std::memset(map, 0, sizeof(*map));
+  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(p.out), dims, strides, box, estr,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
 template <int kD>
-cudaError_t launch(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
+cudaError_t launch(const SparsePrefillKernelParams& kp_in, cudaStream_t stream) {
   auto kernel = sparse_attn_fwd_seesaw_kernel<kD>;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
+  SparsePrefillKernelParams kp = kp_in;
+  // FLASHMLA_PREFILL_NO_TMA_OUT=1 (read per call): the 1 KB row copies instead (A/B in one build).
+  kp.out_tma = std::getenv("FLASHMLA_PREFILL_NO_TMA_OUT") == nullptr && make_out_tensor_map(kp, &kp.out_map) ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
   kernel<<<grid, kThreadsProd, kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
