@@ -153,6 +153,17 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
+// Opt-in experiment (session 14, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the stage
+// reloads of the pair loop are issued by lane 0 of every warp of the warpgroup that frees the slabs,
+// one or two slabs each, instead of all of them by the warpgroup's first thread (tid 0 / 128). Session
+// 14 found the issuing thread's instructions on the critical path (taking the divisions off it: dense
+// x1.079); spread over four warps, the longest serial issue per warp drops from 5 slabs to 2.
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_SPREAD_ISSUE
+#define FLASHMLA_DENSE_DECODE_SPREAD_ISSUE 0
+#endif
+constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -343,9 +354,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
       const int tok0 = b0 * kBlockN, tok1 = tok0 + kBlockN;
       const int valid0 = min(seqlen - tok0, kBlockN), valid1 = min(seqlen - tok1, kBlockN);
-      // Page ids of the next pair, read early by the two issuing threads.
+      // Page ids of the next pair, read early by the issuing threads (kSpreadIssue: every warp's lane 0).
       int pgA = 0, pgB = 0;
-      if (t_wg == 0) {
+      if (kSpreadIssue ? lane == 0 : t_wg == 0) {
         if (nxt0) pgA = page_of(b0 + 2, 0);
         if (nxt1) pgB = page_of(b1 + 2, 0);
       }
@@ -422,7 +433,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
+        if constexpr (kSpreadIssue) {
+          if (lane == 0 && nxt0) issue(b0 + 2, 0, wq, wq + 1, pgA);  // stage 0 slabs 0-3 are free
+        } else {
+          if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
         if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
@@ -444,9 +459,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(o);
-          if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-            issue(b1 + 2, 1, 0, 4, pgB);
-            issue(b1 + 2, 1, 8, 9, pgB);
+          if constexpr (kSpreadIssue) {
+            if (lane == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+              issue(b1 + 2, 1, wq, wq + 1, pgB);
+              if (wq == 0) issue(b1 + 2, 1, 8, 9, pgB);
+            }
+          } else {
+            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+              issue(b1 + 2, 1, 0, 4, pgB);
+              issue(b1 + 2, 1, 8, 9, pgB);
+            }
           }
         }
       } else {
@@ -521,10 +543,21 @@ __global__ void __launch_bounds__(kThreads, 1)
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
-        if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
+        if constexpr (kSpreadIssue) {
+          if (lane == 0 && nxt1) issue(b1 + 2, 1, 4 + wq, 5 + wq, pgB);
+        } else {
+          if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
+        }
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
+        if constexpr (kSpreadIssue) {
+          if (lane == 0 && nxt0) {  // stage 0 slabs 4-8 are free
+            issue(b0 + 2, 0, 4 + wq, 5 + wq, pgA);
+            if (wq == 0) issue(b0 + 2, 0, 8, 9, pgA);
+          }
+        } else {
+          if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
+        }
       }
     }
 
