@@ -155,9 +155,13 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
 
 // Opt-in experiment (session 14, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the stage
 // reloads of the pair loop are issued by lane 0 of every warp of the warpgroup that frees the slabs,
-// one or two slabs each, instead of all of them by the warpgroup's first thread (tid 0 / 128). Session
-// 14 found the issuing thread's instructions on the critical path (taking the divisions off it: dense
-// x1.079); spread over four warps, the longest serial issue per warp drops from 5 slabs to 2.
+// one or two slabs each, instead of all of them by the warpgroup's first thread (tid 0 / 128), and a
+// request's first two blocks (18 slabs, issued by tid 0 while the whole CTA waits at the barrier after
+// the Q copy) by lane 0 of all eight warps, two or three slabs each. Session 14 found the issuing
+// thread's instructions on the critical path (taking the divisions off it: dense x1.079); spread over
+// the warps, the longest serial issue per warp drops from 5 slabs to 2 in the pair loop and from 18 to
+// 3 per request. ptxas: spills only in the staged 512 kernels (20/28 bytes, 8/8 by default; one STL inside
+// the pair loop, the rest after it).
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_SPREAD_ISSUE
 #define FLASHMLA_DENSE_DECODE_SPREAD_ISSUE 0
@@ -321,9 +325,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? src + c * 8 : src, valid);
       }
       cp_async_commit();
-      if (tid == 0) {
-        issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
-        if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
+      if constexpr (kSpreadIssue) {
+        // Lane 0 of warp w: stage w / 4, slabs w % 4 and w % 4 + 4 (and slab 8 for w % 4 == 0).
+        const int st = warp >> 2, q4 = warp & 3;
+        if (lane == 0 && (st == 0 || n_blk > 1)) {
+          const int blk = blk_lo + st, pg = page_of(blk, 0);
+          issue(blk, st, q4, q4 + 1, pg);
+          issue(blk, st, q4 + 4, q4 + 5, pg);
+          if (q4 == 0) issue(blk, st, 8, 9, pg);
+        }
+      } else {
+        if (tid == 0) {
+          issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
+          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
+        }
       }
       cp_async_wait<0>();
       gmma::fence_proxy_async();
