@@ -33,3 +33,18 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_mla_sparse_fwd",
 ]
+
+
+def __getattr__(name):
+    """``flash_mla.cuda`` on first access: FlashMLA's package imports its native module with
+    ``import flash_mla``, so programs call ``flash_mla.cuda.<fn>`` without importing it themselves;
+    here the module needs PyTorch (which flash_mla itself does not), so it loads lazily. Without
+    torch / torch.ops.flash_mla the access raises AttributeError naming what is missing."""
+    if name == "cuda":
+        import importlib
+
+        try:
+            return importlib.import_module(".cuda", __name__)
+        except ImportError as e:
+            raise AttributeError(f"module 'flash_mla' has no attribute 'cuda': {e}") from e
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

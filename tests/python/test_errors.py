@@ -288,14 +288,27 @@ def test_flash_mla_cuda_module_import():
 
     from flash_mla import _torch_ops
 
-    sys.modules.pop("flash_mla.cuda", None)
+    names = ("sparse_decode_fwd", "dense_decode_fwd", "sparse_prefill_fwd", "dense_prefill_fwd", "dense_prefill_bwd")
+
+    def forget():
+        sys.modules.pop("flash_mla.cuda", None)
+        flash_mla.__dict__.pop("cuda", None)
+
+    forget()
     if _torch_ops.available():
         mod = importlib.import_module("flash_mla.cuda")
-        assert all(callable(getattr(mod, f)) for f in ("sparse_decode_fwd", "dense_decode_fwd", "sparse_prefill_fwd",
-                                                       "dense_prefill_fwd", "dense_prefill_bwd"))
+        assert all(callable(getattr(mod, f)) for f in names)
+        forget()  # as FlashMLA: `import flash_mla` is enough for flash_mla.cuda.<fn>
+        assert all(callable(getattr(flash_mla.cuda, f)) for f in names)
     else:
         with pytest.raises(ImportError, match=r"^flash_mla.cuda needs PyTorch and torch.ops.flash_mla"):
             importlib.import_module("flash_mla.cuda")
+        forget()
+        with pytest.raises(AttributeError, match=r"no attribute 'cuda': flash_mla.cuda needs PyTorch"):
+            flash_mla.cuda  # noqa: B018
+        assert not hasattr(flash_mla, "cuda")
+    with pytest.raises(AttributeError, match=r"has no attribute 'nonexistent'"):
+        flash_mla.nonexistent  # noqa: B018
 
 
 # ----------------------------------------------------------------------------- dense prefill: not implemented
