@@ -180,7 +180,8 @@ def flash_mla_with_kvcache(
     Dense mode (``indices is None``; spec §2.2): ``q`` ``(b, s_q, h_q, d_qk)`` bf16/fp16
     with d_qk 576 or 512; ``k_cache`` ``(num_blocks, page_block_size, h_kv, d_qk)`` of
     q's dtype (V is ``k_cache[..., :512]``); ``block_table`` ``(b, max_blocks)`` int32;
-    ``cache_seqlens`` ``(b,)`` int32; ``causal`` masks bottom-right aligned when s_q > 1.
+    ``cache_seqlens`` ``(b,)`` int32; ``causal`` masks bottom-right aligned when s_q > 1;
+    ``is_fp8_kvcache`` is not used (as in FlashMLA's dense path).
 
     Sparse mode (``indices`` given; spec §2.3): ``is_fp8_kvcache=True``; ``q`` bf16;
     ``k_cache`` ``(num_blocks, page_block_size, 1, 656)`` (V32, d_qk 576) or ``(..., 584)``
@@ -333,10 +334,8 @@ def flash_mla_with_kvcache(
                 raise ValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
         if block_table is None or cache_seqlens is None:
             raise ValueError("block_table and cache_seqlens: required for dense decoding, got None")
-        if is_fp8_kvcache:
-            raise NotImplementedError(
-                "is_fp8_kvcache: dense decoding reads a BF16/FP16 cache; FP8 caches need indices (sparse decoding)"
-            )
+        # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
+        # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
         if use_torch:
             res = _torch_ops.dense_decode_fwd(
                 q, k_cache, int(head_dim_v), cache_seqlens, block_table, float(softmax_scale), bool(causal),

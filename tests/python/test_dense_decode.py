@@ -321,6 +321,23 @@ def test_reuse_with_changed_call_raises(rng, what):
     assert "sched" in str(err) or "cache_seqlens" in str(err)
 
 
+def test_is_fp8_kvcache_ignored_by_dense_decoding(rng):
+    """As FlashMLA (spec §1.3 step 4: the dense path does not pass the flag on): is_fp8_kvcache=True with a
+    BF16 cache and no indices decodes as usual; an FP8 (uint8) cache without indices is refused by k_cache's
+    dtype check."""
+    case = gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=100)
+    ref_out, ref_lse = flash_mla.flash_mla_with_kvcache(case.q, case.k_cache, case.block_table, case.cache_seqlens,
+                                                        512, flash_mla.get_mla_metadata()[0])
+    out, lse = flash_mla.flash_mla_with_kvcache(case.q, case.k_cache, case.block_table, case.cache_seqlens, 512,
+                                                flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True)
+    assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(ref_out).view(np.uint16))
+    assert np.array_equal(np.asarray(lse), np.asarray(ref_lse))
+    packed = oracle.quantize_cache(np.asarray(case.k_cache).astype(np.float32).astype(BF16))
+    with pytest.raises(TypeError, match=r"^k_cache: expected the dtype of q \(bfloat16\), got uint8"):
+        flash_mla.flash_mla_with_kvcache(case.q, packed, case.block_table, case.cache_seqlens, 512,
+                                         flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True)
+
+
 def test_num_splits_must_be_none(rng):
     case = gen_dense_case(rng, b=1, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
     sched, _ = flash_mla.get_mla_metadata()
