@@ -75,24 +75,6 @@ int64_t lse_accum_bytes(const Dims& d, int64_t num_sm_parts) {
   return align_up((d.b + num_sm_parts) * d.h_kv * d.m_rows * static_cast<int64_t>(sizeof(float)));
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiledFn encode_tiled_fn() {
-  static EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
 // Tensor map of k_cache for the v4 kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
 // box 64 dims x 1 head x min(pbs, 64) tokens x 1 page, 128-byte swizzle (= the kernels'
 // slab layout). False when the strides or the page size do not allow it.

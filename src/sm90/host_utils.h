@@ -1,6 +1,7 @@
 // src/sm90/host_utils.h — host-side helpers shared by the sm90 launchers.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types (the function itself via the runtime)
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,6 +34,25 @@ inline bool rows_16b_aligned(const TensorRef& t, int dims) {
   for (int i = 0; i < dims; ++i)
     if (t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) return false;
   return true;
+}
+
+/// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links
+/// -lcuda); nullptr when the driver does not provide it (the callers then take their non-TMA path).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // the failed query's error, not the caller's
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
 }
 
 /// Makes `device` current for the lifetime of the guard (tensors may live on any GPU).

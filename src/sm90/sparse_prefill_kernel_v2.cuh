@@ -770,24 +770,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   FLASHMLA_TRACE_EVENT(3, 0, 4, tid == 0);
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda), as in dense_decode.cu.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-inline EncodeTiledFn out_encode_tiled_fn() {
-  static EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      f = nullptr;
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
-
 // Tensor map of out (s_q, h_q, 512) bf16 for the epilogue's tensor stores: dims (512, h_q, s_q), box
 // 64 x 64 x 1, 128-byte swizzle (the slab layout). Heads past h_q in the last head tile are clipped by
 // the TMA unit (never written). Only with p.out_bulk_ok (last dim contiguous, base and row strides
@@ -797,7 +779,7 @@ inline bool make_out_tensor_map(const SparsePrefillKernelParams& p, CUtensorMap*
   for (int64_t st : {p.o_stride_h, p.o_stride_s})
     if (st <= 0 || (st * 2) % 16 != 0 || st * 2 >= (int64_t{1} << 40)) return false;
   if (p.h_q <= 0 || p.s_q <= 0) return false;
-  EncodeTiledFn fn = out_encode_tiled_fn();
+  EncodeTiledFn fn = encode_tiled_fn();
   if (fn == nullptr) return false;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kDimV), static_cast<cuuint64_t>(p.h_q),
                               static_cast<cuuint64_t>(p.s_q)};
