@@ -13,6 +13,9 @@
 # that build first on PYTHONPATH and AB_VARIANT=<name> in the environment, e.g.
 #   bash tools/ab-variants.sh tools/tmp/variants python3 bench/quick_sparse_decode.py
 # Logs: $OUT/ab-<name>-build.log and $OUT/ab-<name>.log (OUT defaults to /tmp/out).
+# A variant may also (or only) hold a file `cuda-flags` (e.g. "-DFLASHMLA_DENSE_DECODE_SPREAD_ISSUE=1"):
+# its content becomes CMAKE_CUDA_FLAGS of that build and AB_CUDA_FLAGS of its runs (for builds the
+# command makes itself, e.g. the C++ GPU tests) — the way to A/B the opt-in macros of the kernels.
 # To fill VARIANTS_DIR from git branches (here, before the device call):
 #   for b in reread early-a; do for f in $(git diff --name-only main $b -- src); do
 #     mkdir -p tools/tmp/variants/$b/$(dirname $f); git show $b:$f > tools/tmp/variants/$b/$f; done; done
@@ -36,8 +39,10 @@ for name in "${names[@]}"; do
   rm -rf "$src"; mkdir -p "$src"
   tar --exclude=./build --exclude=./.git --exclude="./$VARIANTS" -cf - . | tar -xf - -C "$src"
   cp -r "$VARIANTS/$name/." "$src/"
+  flags=$(cat "$VARIANTS/$name/cuda-flags" 2>/dev/null | tr '\n' ' ')
   ( cd "$src" && CMAKE_BUILD_PARALLEL_LEVEL=$per python3 -m pip install -q --no-build-isolation --no-deps \
       --no-index --target "/tmp/ab-$name" --upgrade . -C cmake.define.FLASHMLA_CUTLASS_INCLUDE_DIR="$CUTLASS" \
+      ${flags:+-C "cmake.define.CMAKE_CUDA_FLAGS=$flags"} \
       -C build-dir="build/ab" >"$OUT/ab-$name-build.log" 2>&1; echo $? > "$OUT/ab-$name-build.rc" ) &
 done
 wait
@@ -48,7 +53,7 @@ for name in "${names[@]}"; do
     echo "build of $name failed (tail of $OUT/ab-$name-build.log):"; tail -20 "$OUT/ab-$name-build.log"; rc=1; continue
   fi
   echo "=== $name: run $(date +%T)"
-  AB_VARIANT=$name PYTHONPATH="/tmp/ab-$name:$PYTHONPATH" "$@" 2>&1 | tee "$OUT/ab-$name.log"
+  AB_CUDA_FLAGS=$(cat "$VARIANTS/$name/cuda-flags" 2>/dev/null | tr '\n' ' ') AB_VARIANT=$name PYTHONPATH="/tmp/ab-$name:$PYTHONPATH" "$@" 2>&1 | tee "$OUT/ab-$name.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 done
 exit $rc

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call that A/Bs source variants of the kernels (carry [".deps", ".whl"]):
+#   OUT=$OUT bash tools/ab-call.sh VARIANTS_DIR
+# VARIANTS_DIR holds one folder per variant (see tools/ab-variants.sh: replaced files and/or a
+# `cuda-flags` file with -D switches); "main" (created if missing) is the tree as is. Each variant
+# is built, then benchmarked and tested by tools/ab-families.sh according to its name prefix
+# (main: everything + the GPU suite; d*: dense; sd*: sparse decode; p*: prefill). Writes, under
+# $OUT (only a few files come back from the device): call.log (GPU, clocks, every variant's test
+# tail), compare.txt (bench/compare.py of each variant's JSONs against main's) and json.tgz (all
+# benchmark JSONs and C++ grid logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+V=${1:?variants folder}
+FINAL=${OUT:-/tmp/out}
+mkdir -p "$FINAL"
+export OUT=/tmp/ab-out AB_JSON=/tmp/j
+rm -rf "$OUT" "$AB_JSON"; mkdir -p "$OUT" "$AB_JSON"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader > "$FINAL/call.log" 2>&1
+bash tools/ab-variants.sh "$V" bash tools/ab-families.sh >> "$FINAL/call.log" 2>&1
+rc=$?
+echo "ab rc $rc" >> "$FINAL/call.log"
+for d in "$AB_JSON"/*/; do
+  n=$(basename "$d"); [ "$n" = main ] && continue
+  for j in "$d"*.json; do
+    [ -f "$j" ] && [ -f "$AB_JSON/main/$(basename "$j")" ] && python3 bench/compare.py "$AB_JSON/main/$(basename "$j")" "$j"
+  done
+done > "$FINAL/compare.txt" 2>&1
+tar -czf "$FINAL/json.tgz" -C "$AB_JSON" .
+exit $rc

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Per-variant command for tools/ab-variants.sh: benchmarks and tests chosen by the variant's name.
+#   main  -> all three benchmarks (dense decode, sparse decode, sparse prefill) and, unless
+#            AB_SKIP_SUITE=1, the whole GPU pytest suite (tests/gpu)
+#   sd*   -> sparse decode: benchmark + tests/gpu/test_sparse_decode_gpu.py
+#            (AB_GRID=1: also the 4748-case spec §5.2 grid, ~130 s)
+#   d*    -> dense decode: benchmark + tests/gpu/test_dense_decode_gpu.py + the C++ §5.4 grid
+#            (tests/gpu/cpp, built in the variant's source tree with its AB_CUDA_FLAGS)
+#   p*    -> sparse prefill: benchmark + tests/gpu/test_sparse_prefill_gpu.py + the 617-case §5.3 grid
+# Benchmark JSONs go to $AB_JSON/<variant>/ (default /tmp/j); compare them with bench/compare.py.
+set -uo pipefail
+v=${AB_VARIANT:?run under tools/ab-variants.sh}
+J=${AB_JSON:-/tmp/j}/$v
+mkdir -p "$J"
+rc=0
+case $v in main) fam=all ;; sd*) fam=sparse ;; d*) fam=dense ;; p*) fam=prefill ;; *) fam=all ;; esac
+bench() { python3 "bench/$1" --out "$J" 2>&1 | tail -1; rc=$((rc | ${PIPESTATUS[0]})); }
+[ $fam = all ] || [ $fam = dense ] && bench bench_dense_decode.py
+[ $fam = all ] || [ $fam = sparse ] && bench bench_sparse_decode.py
+[ $fam = all ] || [ $fam = prefill ] && bench bench_sparse_prefill.py
+case $fam in
+  all)
+    if [ "${AB_SKIP_SUITE:-0}" != 1 ]; then
+      timeout 400 python3 -m pytest tests/gpu -q -x 2>&1 | grep -v "^SKIPPED" | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
+    fi ;;
+  dense)
+    python3 -m pytest tests/gpu/test_dense_decode_gpu.py -q 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    src=/tmp/ab-src-$v
+    ( cd "$src" && cmake -S . -B build/gpu-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=ON \
+        -DFLASHMLA_CUTLASS_INCLUDE_DIR="$src/.deps/cutlass_include" -DFLASHMLA_BUILD_GPU_TESTS=ON \
+        ${AB_CUDA_FLAGS:+"-DCMAKE_CUDA_FLAGS=$AB_CUDA_FLAGS"} >/dev/null && cmake --build build/gpu-tests 2>&1 | tail -1 ) \
+      || rc=1
+    for t in "$src"/build/gpu-tests/tests/gpu/cpp/test_*; do
+      [ -x "$t" ] || continue
+      "$t" > "$J/$(basename "$t").log" 2>&1; r=$?; rc=$((rc | r))
+      echo "$(basename "$t"): rc $r; $(grep -ci "fail" "$J/$(basename "$t").log") lines mention a failure"; tail -3 "$J/$(basename "$t").log"
+    done ;;
+  sparse)
+    python3 -m pytest tests/gpu/test_sparse_decode_gpu.py -q -x 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    if [ "${AB_GRID:-0}" = 1 ]; then
+      FLASHMLA_FULL_GRID=1 FLASHMLA_GRID_SLICE=0:4748 python3 -m pytest tests/gpu/test_sparse_decode_grid_gpu.py -q --tb=line \
+        2>&1 | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
+    fi ;;
+  prefill)
+    timeout 120 python3 -m pytest tests/gpu/test_sparse_prefill_gpu.py -q -x 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    FLASHMLA_FULL_GRID=1 timeout 120 python3 -m pytest tests/gpu/test_sparse_prefill_grid_gpu.py -q --tb=line \
+      2>&1 | tail -4; rc=$((rc | ${PIPESTATUS[0]})) ;;
+esac
+exit $rc
