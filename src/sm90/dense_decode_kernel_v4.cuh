@@ -168,6 +168,24 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
 #endif
 constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = shorter chains
+// of dependent global loads before a request's first K bytes are requested. The default kernel waits
+// for five global-memory round trips in series before tid 0 issues the first TMA load of a CTA
+// (SASS: meta[0] -> the early-exit test -> meta[1] -> the request-loop test -> meta[2..6] -> seqlens /
+// num_splits of the request -> `n_blk > 0` -> block_table -> TMA), and for two per later request
+// (seqlens -> block_table), plus one more for the second block's page, read only after the first
+// block's nine TMA issues. With 1: all seven metadata words are loaded back to back by every thread
+// before the barrier initialisation (one round trip, under the __syncthreads), and at each request's
+// top the length, the split offset and the pages of its first two blocks are read together, the pages
+// speculatively (bounded by the block table's width, bt_cols; used only when the block exists): two
+// round trips before the first TMA of a CTA, one per later request. A round trip is ~0.6-1 us on an
+// H200 with cold L2 (the benchmarks flush 8 GB before each call) and more under load, while a short
+// request (s_k 256-1024) runs for ~10-20 us: the whole-call cases at 0.72-0.81x are the target.
+#ifndef FLASHMLA_DENSE_DECODE_EARLY_META
+#define FLASHMLA_DENSE_DECODE_EARLY_META 0
+#endif
+constexpr bool kEarlyMeta = FLASHMLA_DENSE_DECODE_EARLY_META != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -216,6 +234,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
   const int gq = lane / 4, tq = lane % 4;
 
+  // kEarlyMeta: the part's metadata row is requested before the barrier initialisation, all seven
+  // words back to back (volatile asm loads: the compiler may not sink them past the early exit).
+  int meta_w[7];
+  if constexpr (kEarlyMeta) {
+#pragma unroll
+    for (int i = 0; i < 7; ++i) meta_w[i] = ld_global_s32(p.tile_scheduler_metadata + part * 8 + i);
+  }
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < 18; ++i) dense_tma::mbar_init(bar_u + 8 * i, 1);
@@ -225,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int32_t* meta = kEarlyMeta ? meta_w : p.tile_scheduler_metadata + part * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) return;
@@ -249,7 +274,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   for (int req = begin_req; req <= end_req; ++req) {
-    const int seqlen = max(p.seqlens[req], 0);
+    // kEarlyMeta: the pages of the request's first two blocks, read by the threads that issue their
+    // TMA loads (tid 0; with kSpreadIssue lane 0 of warps 0-3 / 4-7) together with the length and the
+    // split offset, before it is known whether the blocks exist; a page index past the block table's
+    // width is not read (0 instead, never used: such a block would lie past seqlen).
+    int pg_first[2] = {0, 0}, seqlen_e = 0, splits_e = 0;
+    if constexpr (kEarlyMeta) {
+      const int blk_lo = req == begin_req ? begin_blk : 0;
+      const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
+      if (kSpreadIssue ? lane == 0 : tid == 0) {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          if (kSpreadIssue && k != (warp >> 2)) continue;
+          const int tok = (blk_lo + k) * kBlockN;
+          const int pi = pbs_pow2 ? (tok >> lg_pbs) : tok / pbs;
+          if (pi < p.bt_cols) pg_first[k] = ld_global_s32(bt_row + static_cast<int64_t>(pi) * p.bt_stride_j);
+        }
+      }
+      seqlen_e = ld_global_s32(p.seqlens + req);
+      splits_e = ld_global_s32(p.num_splits + req);
+    }
+    const int seqlen = max(kEarlyMeta ? seqlen_e : p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
     int blk_hi = req == end_req ? end_blk : n_blk_req;
@@ -259,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (req == begin_req) no_split = !first_splitted;
     else if (req == end_req) no_split = !last_splitted;
     else no_split = true;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = (kEarlyMeta ? splits_e : p.num_splits[req]) + (req == begin_req ? begin_split : 0);
 
     int limit[2];
 #pragma unroll
@@ -329,15 +374,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Lane 0 of warp w: stage w / 4, slabs w % 4 and w % 4 + 4 (and slab 8 for w % 4 == 0).
         const int st = warp >> 2, q4 = warp & 3;
         if (lane == 0 && (st == 0 || n_blk > 1)) {
-          const int blk = blk_lo + st, pg = page_of(blk, 0);
+          const int blk = blk_lo + st, pg = kEarlyMeta ? (st == 0 ? pg_first[0] : pg_first[1]) : page_of(blk, 0);
           issue(blk, st, q4, q4 + 1, pg);
           issue(blk, st, q4 + 4, q4 + 5, pg);
           if (q4 == 0) issue(blk, st, 8, 9, pg);
         }
       } else {
         if (tid == 0) {
-          issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
-          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
+          issue(blk_lo, 0, 0, 9, kEarlyMeta ? pg_first[0] : page_of(blk_lo, 0));
+          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, kEarlyMeta ? pg_first[1] : page_of(blk_lo + 1, 0));
         }
       }
       cp_async_wait<0>();
