@@ -7,6 +7,7 @@
 #   d*    -> dense decode: benchmark + tests/gpu/test_dense_decode_gpu.py + the C++ §5.4 grid
 #            (tests/gpu/cpp, built in the variant's source tree with its AB_CUDA_FLAGS)
 #   p*    -> sparse prefill: benchmark + tests/gpu/test_sparse_prefill_gpu.py + the 617-case §5.3 grid
+# AB_TESTS=0: benchmarks only (a first call over many variants; test the winners in the next one).
 # Benchmark JSONs go to $AB_JSON/<variant>/ (default /tmp/j); compare them with bench/compare.py.
 set -uo pipefail
 v=${AB_VARIANT:?run under tools/ab-variants.sh}
@@ -18,6 +19,7 @@ bench() { python3 "bench/$1" --out "$J" 2>&1 | tail -1; rc=$((rc | ${PIPESTATUS[
 [ $fam = all ] || [ $fam = dense ] && bench bench_dense_decode.py
 [ $fam = all ] || [ $fam = sparse ] && bench bench_sparse_decode.py
 [ $fam = all ] || [ $fam = prefill ] && bench bench_sparse_prefill.py
+[ "${AB_TESTS:-1}" = 0 ] && exit $rc
 case $fam in
   all)
     if [ "${AB_SKIP_SUITE:-0}" != 1 ]; then
