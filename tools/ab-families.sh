@@ -15,7 +15,8 @@ J=${AB_JSON:-/tmp/j}/$v
 mkdir -p "$J"
 rc=0
 case $v in main) fam=all ;; sd*) fam=sparse ;; d*) fam=dense ;; p*) fam=prefill ;; *) fam=all ;; esac
-bench() { python3 "bench/$1" --out "$J" 2>&1 | tail -1; rc=$((rc | ${PIPESTATUS[0]})); }
+# Every step under a timeout: a variant that deadlocks must not eat the rest of the device call.
+bench() { timeout 180 python3 "bench/$1" --out "$J" 2>&1 | tail -1; rc=$((rc | ${PIPESTATUS[0]})); }
 [ $fam = all ] || [ $fam = dense ] && bench bench_dense_decode.py
 [ $fam = all ] || [ $fam = sparse ] && bench bench_sparse_decode.py
 [ $fam = all ] || [ $fam = prefill ] && bench bench_sparse_prefill.py
@@ -26,7 +27,7 @@ case $fam in
       timeout 400 python3 -m pytest tests/gpu -q -x 2>&1 | grep -v "^SKIPPED" | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
     fi ;;
   dense)
-    python3 -m pytest tests/gpu/test_dense_decode_gpu.py -q 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    timeout 180 python3 -m pytest tests/gpu/test_dense_decode_gpu.py -q 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
     src=/tmp/ab-src-$v
     ( cd "$src" && cmake -S . -B build/gpu-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=ON \
         -DFLASHMLA_CUTLASS_INCLUDE_DIR="$src/.deps/cutlass_include" -DFLASHMLA_BUILD_GPU_TESTS=ON \
@@ -34,13 +35,13 @@ case $fam in
       || rc=1
     for t in "$src"/build/gpu-tests/tests/gpu/cpp/test_*; do
       [ -x "$t" ] || continue
-      "$t" > "$J/$(basename "$t").log" 2>&1; r=$?; rc=$((rc | r))
+      timeout 240 "$t" > "$J/$(basename "$t").log" 2>&1; r=$?; rc=$((rc | r))
       echo "$(basename "$t"): rc $r; $(grep -ci "fail" "$J/$(basename "$t").log") lines mention a failure"; tail -3 "$J/$(basename "$t").log"
     done ;;
   sparse)
-    python3 -m pytest tests/gpu/test_sparse_decode_gpu.py -q -x 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    timeout 180 python3 -m pytest tests/gpu/test_sparse_decode_gpu.py -q -x 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
     if [ "${AB_GRID:-0}" = 1 ]; then
-      FLASHMLA_FULL_GRID=1 FLASHMLA_GRID_SLICE=0:4748 python3 -m pytest tests/gpu/test_sparse_decode_grid_gpu.py -q --tb=line \
+      FLASHMLA_FULL_GRID=1 FLASHMLA_GRID_SLICE=0:4748 timeout 300 python3 -m pytest tests/gpu/test_sparse_decode_grid_gpu.py -q --tb=line \
         2>&1 | tail -4; rc=$((rc | ${PIPESTATUS[0]}))
     fi ;;
   prefill)
