@@ -168,6 +168,23 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
 #endif
 constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 0's
+// exps of P0 take m0 read back from shared memory (sM0, written just before the Scale0 arrival) instead
+// of the register copy. Why: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
+// P1 V1_R, and in the source the arrival comes right after the sM0 / sS0 stores, before P0's 32 exp2f;
+// but ptxas schedules all of P0's MUFU.EX2 and the row-sum adds above the BAR.ARV (bf16 576: 128
+// instructions, 34 MUFU from the first row-max shuffle to the arrival). A load after the barrier that
+// the exps depend on keeps them below it (28 instructions, 2 MUFU: the scale0 exps). Cost: two LDS
+// (plus a compare / select each) on warpgroup 0's path to P0 V0_L. A conditional branch between the
+// arrival and the exps (the `__any_sync` rescale moved up) did not work: ptxas hoisted the exps
+// across it. m0 is the same value in every lane of a quad (mx is quad-reduced, m_run per row), so
+// the read-back is exact; `__syncwarp` orders the tq == 0 lanes' stores before the other lanes' loads.
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_SCALE0_EARLY
+#define FLASHMLA_DENSE_DECODE_SCALE0_EARLY 0
+#endif
+constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -397,6 +414,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         bar_arrive(kBarScale0, kThreads);
 
+        if constexpr (kScale0Early) {
+          // m0 read back: a load after the arrival that the exps depend on (kScale0Early above)
+          __syncwarp();
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float m0 = sM0[row_local[hh]];
+            m0u[hh] = m0 == -INFINITY ? 0.f : m0;
+          }
+        }
         float rs[2] = {0.f, 0.f};
         uint32_t a[4][4];
 #pragma unroll
