@@ -185,6 +185,24 @@ constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
 #endif
 constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = when the page
+// size is a power of two >= 64 (64 / 128 / 256: every anchor case), a block is one TMA box per slab,
+// and `issue` takes a straight-line path: row in page by one mask, transaction bytes a constant, no
+// box loop (its counter, the n_boxes / tx arithmetic, the `j == 0` page select, the page_row branch
+// and their reconvergence). Session 14 found the issuing thread's instructions on the critical path
+// (the divisions off it: x1.079); this removes most of what remains besides the per-slab arrival and
+// TMA issue (bf16 576, pbs 64, from the wgmma wait to the end of the call: 4 slabs ~91 -> 65 dynamic
+// instructions, 5 slabs ~103 -> 77, slab 8 alone ~55 -> 29; per pair tid 0 runs ~237 -> 159 of them,
+// tid 128 ~194 -> 142). Other page sizes (16 / 32: several boxes per slab; 192, 320, ...: divisions)
+// keep the loop. Composes with SPREAD_ISSUE (its 1-2 slab calls are mostly that per-call overhead).
+// The fast path does exactly what the loop does for one box: tx = 1 box * 64 rows * 128 B, same page
+// and row (blocks are issued only below n_blk, so the box starts before seqlen).
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_ISSUE_FAST
+#define FLASHMLA_DENSE_DECODE_ISSUE_FAST 0
+#endif
+constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -256,6 +274,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool pbs_pow2 = (pbs & (pbs - 1)) == 0;
   const int lg_pbs = __ffs(pbs) - 1;
   const int lg_box = __ffs(box_tok) - 1;
+  // kIssueFast: one box of 64 tokens per slab, row in page by a mask (box_tok == 64 iff pbs >= 64).
+  const bool one_box = kIssueFast && pbs_pow2 && box_tok == kBlockN;
 
   int row_local[2], row_global[2], row_sq[2];
 #pragma unroll
@@ -307,6 +327,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     // division on this path when pbs is a power of two, and the slab loop is unrolled (lo / hi are
     // constants at every call site): what remains per slab is the barrier arrival and the TMA issue.
     auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
+      if constexpr (kIssueFast) {
+        if (one_box) {  // blk < n_blk: the box starts before seqlen; it ends inside its page (pbs % 64 == 0)
+          const int tip = (blk * kBlockN) & (pbs - 1);
+          const uint32_t fbar0 = bar_u + stage * (9 * 8), fdst = sK_u + stage * kSmemK;
+#pragma unroll
+          for (int s = lo; s < min(hi, kSlabs); ++s) {
+            dense_tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
+            dense_tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
+          }
+          return;
+        }
+      }
       const int nb = n_boxes(blk);
       const uint32_t tx = static_cast<uint32_t>(nb) << (lg_box + 7);  // nb * box_tok * 128 bytes
       const uint32_t bar0 = bar_u + stage * (9 * 8);
