@@ -203,6 +203,21 @@ constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
 #endif
 constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the issuing
+// threads read the next pair's two page ids (block table loads with their 64-bit address arithmetic,
+// ~40 instructions with two branches) while their warpgroup's S is in flight, between the S chain's
+// commit and its wait, instead of at the top of the pair, in front of the S chain. Why: every wgmma
+// of the chain is issued only when all four warps reach it, so the issuing warp's extra instructions
+// before the first S wgmma delay the whole warpgroup (warp 0 of warpgroup 0 also just issued stage
+// 1's reload there); after the commit the warp would only wait. The ids are first used by the
+// reloads after P0 V0_L (warpgroup 0) / P1 V1_R (warpgroup 1), far behind the S wait, so the load
+// latency stays hidden. Warpgroup 1 reads them inside `has1`: without block 1 there is no next pair.
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_PAGE_LATE
+#define FLASHMLA_DENSE_DECODE_PAGE_LATE 0
+#endif
+constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -420,13 +435,32 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int valid0 = min(seqlen - tok0, kBlockN), valid1 = min(seqlen - tok1, kBlockN);
       // Page ids of the next pair, read early by the issuing threads (kSpreadIssue: every warp's lane 0).
       int pgA = 0, pgB = 0;
-      if (kSpreadIssue ? lane == 0 : t_wg == 0) {
+      if (!kPageLate && (kSpreadIssue ? lane == 0 : t_wg == 0)) {
         if (nxt0) pgA = page_of(b0 + 2, 0);
         if (nxt1) pgB = page_of(b1 + 2, 0);
       }
+      // kPageLate: the same reads, called between an S chain's commit and its wait.
+      auto read_pages_late = [&]() {
+        if (kSpreadIssue ? lane == 0 : t_wg == 0) {
+          if (nxt0) pgA = page_of(b0 + 2, 0);
+          if (nxt1) pgB = page_of(b1 + 2, 0);
+        }
+      };
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
-        s0_whole();
+        if constexpr (kPageLate) {  // s0_whole with the page reads while S0 is computed
+#pragma unroll
+          for (int i = 0; i < 32; ++i) s[i] = 0.f;
+          gmma::reg_fence(s);
+          s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+          gmma::commit();
+          read_pages_late();
+          gmma::wait<0>();
+          gmma::reg_fence(s);
+          phase ^= 1u;
+        } else {
+          s0_whole();
+        }
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -553,6 +587,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::reg_fence(s);
           s_chain_wg1<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
           gmma::commit();
+          if constexpr (kPageLate) read_pages_late();  // while S1 is computed
           gmma::wait<0>();
           gmma::reg_fence(s);
           phase ^= 1u;
