@@ -218,6 +218,24 @@ constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
 #endif
 constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 1
+// issues P1 V1_R (P1 from registers) right after the exps, and only then stores P1 to shared memory,
+// fences and announces it (kBarP1) — FlashMLA's order, and the sparse decode's P_LATE (session 14,
+// part of its x1.013). Why: P1 V1_R needs only the registers and V1_R, but it waited for 16 STS, the
+// proxy fence (MEMBAR) and the arrival; the tensor pipe gets it that much earlier. The cost is P1's
+// announcement later by the four wgmma issues, and warpgroup 0 consumes P1 (P1 V1_L) only behind
+// P1 V1_R in the pipe anyway. The stores only read the A registers of the wgmma in flight (allowed;
+// ptxas injects no warpgroup.arrive); the partial-block V zeroing (its own warpgroup-1 barrier) moves
+// in front of the announcement with the wgmma. bf16 576 SASS: the 4 HGMMA now precede the 16 STS, the
+// MEMBAR + FENCE.VIEW.ASYNC and the BAR.ARV (before: all of them in front of the HGMMA). ptxas: no
+// C7512 / C7519; spills 12 B in the plain 576 kernels (request prologue only, not in the pair loop),
+// 40/56 B in the staged 576 kernels (one LDL in the pair loop, at warpgroup 0's P0 V0_L issue).
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
+#define FLASHMLA_DENSE_DECODE_PV1_FIRST 0
+#endif
+constexpr bool kPv1First = FLASHMLA_DENSE_DECODE_PV1_FIRST != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -628,21 +646,55 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         uint32_t a[4][4];
-        if (has1) {
-          float rs[2] = {0.f, 0.f};
-          uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-          seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
+        if constexpr (kPv1First) {
+          if (has1) {
+            float rs[2] = {0.f, 0.f};
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
-          gmma::fence_proxy_async();
-        }
-        bar_arrive(kBarP1, kThreads);
-        if (has1) {
-          if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-          gmma::reg_fence(o);
-          gmma::fence();
-          pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
-          gmma::commit();
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
+                rs[e >> 1] += s[4 * t + e];
+              }
+              a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+              a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+            gmma::reg_fence(o);
+            gmma::fence();
+            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+            gmma::commit();
+            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;  // P1 -> slab 8 of stage 1, as exp_pack_store_p
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+              const int key = 8 * t + 2 * tq;
+              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+                  a[t >> 1][(t & 1) * 2 + 0];
+              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+                  a[t >> 1][(t & 1) * 2 + 1];
+            }
+            gmma::fence_proxy_async();
+          }
+          bar_arrive(kBarP1, kThreads);
+        } else {
+          if (has1) {
+            float rs[2] = {0.f, 0.f};
+            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
+            seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+            gmma::fence_proxy_async();
+          }
+          bar_arrive(kBarP1, kThreads);
+          if (has1) {
+            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+            gmma::reg_fence(o);
+            gmma::fence();
+            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+            gmma::commit();
+          }
         }
         named_barrier_sync(kBarP0, kThreads);
         if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
