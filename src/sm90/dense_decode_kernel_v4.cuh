@@ -186,6 +186,74 @@ constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
 #endif
 constexpr bool kEarlyMeta = FLASHMLA_DENSE_DECODE_EARLY_META != 0;
 
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 0's
+// exps of P0 take m0 read back from shared memory (sM0, written just before the Scale0 arrival) instead
+// of the register copy. Why: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
+// P1 V1_R, and in the source the arrival comes right after the sM0 / sS0 stores, before P0's 32 exp2f;
+// but ptxas schedules all of P0's MUFU.EX2 and the row-sum adds above the BAR.ARV (bf16 576: 128
+// instructions, 34 MUFU from the first row-max shuffle to the arrival). A load after the barrier that
+// the exps depend on keeps them below it (28 instructions, 2 MUFU: the scale0 exps). Cost: two LDS
+// (plus a compare / select each) on warpgroup 0's path to P0 V0_L. A conditional branch between the
+// arrival and the exps (the `__any_sync` rescale moved up) did not work: ptxas hoisted the exps
+// across it. m0 is the same value in every lane of a quad (mx is quad-reduced, m_run per row), so
+// the read-back is exact; `__syncwarp` orders the tq == 0 lanes' stores before the other lanes' loads.
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_SCALE0_EARLY
+#define FLASHMLA_DENSE_DECODE_SCALE0_EARLY 0
+#endif
+constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
+
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = when the page
+// size is a power of two >= 64 (64 / 128 / 256: every anchor case), a block is one TMA box per slab,
+// and `issue` takes a straight-line path: row in page by one mask, transaction bytes a constant, no
+// box loop (its counter, the n_boxes / tx arithmetic, the `j == 0` page select, the page_row branch
+// and their reconvergence). Session 14 found the issuing thread's instructions on the critical path
+// (the divisions off it: x1.079); this removes most of what remains besides the per-slab arrival and
+// TMA issue (bf16 576, pbs 64, from the wgmma wait to the end of the call: 4 slabs ~91 -> 65 dynamic
+// instructions, 5 slabs ~103 -> 77, slab 8 alone ~55 -> 29; per pair tid 0 runs ~237 -> 159 of them,
+// tid 128 ~194 -> 142). Other page sizes (16 / 32: several boxes per slab; 192, 320, ...: divisions)
+// keep the loop. Composes with SPREAD_ISSUE (its 1-2 slab calls are mostly that per-call overhead).
+// The fast path does exactly what the loop does for one box: tx = 1 box * 64 rows * 128 B, same page
+// and row (blocks are issued only below n_blk, so the box starts before seqlen).
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_ISSUE_FAST
+#define FLASHMLA_DENSE_DECODE_ISSUE_FAST 0
+#endif
+constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
+
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the issuing
+// threads read the next pair's two page ids (block table loads with their 64-bit address arithmetic,
+// ~40 instructions with two branches) while their warpgroup's S is in flight, between the S chain's
+// commit and its wait, instead of at the top of the pair, in front of the S chain. Why: every wgmma
+// of the chain is issued only when all four warps reach it, so the issuing warp's extra instructions
+// before the first S wgmma delay the whole warpgroup (warp 0 of warpgroup 0 also just issued stage
+// 1's reload there); after the commit the warp would only wait. The ids are first used by the
+// reloads after P0 V0_L (warpgroup 0) / P1 V1_R (warpgroup 1), far behind the S wait, so the load
+// latency stays hidden. Warpgroup 1 reads them inside `has1`: without block 1 there is no next pair.
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_PAGE_LATE
+#define FLASHMLA_DENSE_DECODE_PAGE_LATE 0
+#endif
+constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
+
+// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 1
+// issues P1 V1_R (P1 from registers) right after the exps, and only then stores P1 to shared memory,
+// fences and announces it (kBarP1) — FlashMLA's order, and the sparse decode's P_LATE (session 14,
+// part of its x1.013). Why: P1 V1_R needs only the registers and V1_R, but it waited for 16 STS, the
+// proxy fence (MEMBAR) and the arrival; the tensor pipe gets it that much earlier. The cost is P1's
+// announcement later by the four wgmma issues, and warpgroup 0 consumes P1 (P1 V1_L) only behind
+// P1 V1_R in the pipe anyway. The stores only read the A registers of the wgmma in flight (allowed;
+// ptxas injects no warpgroup.arrive); the partial-block V zeroing (its own warpgroup-1 barrier) moves
+// in front of the announcement with the wgmma. bf16 576 SASS: the 4 HGMMA now precede the 16 STS, the
+// MEMBAR + FENCE.VIEW.ASYNC and the BAR.ARV (before: all of them in front of the HGMMA). ptxas: no
+// C7512 / C7519; spills 12 B in the plain 576 kernels (request prologue only, not in the pair loop),
+// 40/56 B in the staged 576 kernels (one LDL in the pair loop, at warpgroup 0's P0 V0_L issue).
+// 0 (default) = the kernel measured in session 14.
+#ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
+#define FLASHMLA_DENSE_DECODE_PV1_FIRST 0
+#endif
+constexpr bool kPv1First = FLASHMLA_DENSE_DECODE_PV1_FIRST != 0;
+
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
 __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_log2, bool need_mask, int tok, int tq,
@@ -264,6 +332,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool pbs_pow2 = (pbs & (pbs - 1)) == 0;
   const int lg_pbs = __ffs(pbs) - 1;
   const int lg_box = __ffs(box_tok) - 1;
+  // kIssueFast: one box of 64 tokens per slab, row in page by a mask (box_tok == 64 iff pbs >= 64).
+  const bool one_box = kIssueFast && pbs_pow2 && box_tok == kBlockN;
 
   int row_local[2], row_global[2], row_sq[2];
 #pragma unroll
@@ -335,6 +405,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     // division on this path when pbs is a power of two, and the slab loop is unrolled (lo / hi are
     // constants at every call site): what remains per slab is the barrier arrival and the TMA issue.
     auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
+      if constexpr (kIssueFast) {
+        if (one_box) {  // blk < n_blk: the box starts before seqlen; it ends inside its page (pbs % 64 == 0)
+          const int tip = (blk * kBlockN) & (pbs - 1);
+          const uint32_t fbar0 = bar_u + stage * (9 * 8), fdst = sK_u + stage * kSmemK;
+#pragma unroll
+          for (int s = lo; s < min(hi, kSlabs); ++s) {
+            dense_tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
+            dense_tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
+          }
+          return;
+        }
+      }
       const int nb = n_boxes(blk);
       const uint32_t tx = static_cast<uint32_t>(nb) << (lg_box + 7);  // nb * box_tok * 128 bytes
       const uint32_t bar0 = bar_u + stage * (9 * 8);
@@ -416,13 +498,32 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int valid0 = min(seqlen - tok0, kBlockN), valid1 = min(seqlen - tok1, kBlockN);
       // Page ids of the next pair, read early by the issuing threads (kSpreadIssue: every warp's lane 0).
       int pgA = 0, pgB = 0;
-      if (kSpreadIssue ? lane == 0 : t_wg == 0) {
+      if (!kPageLate && (kSpreadIssue ? lane == 0 : t_wg == 0)) {
         if (nxt0) pgA = page_of(b0 + 2, 0);
         if (nxt1) pgB = page_of(b1 + 2, 0);
       }
+      // kPageLate: the same reads, called between an S chain's commit and its wait.
+      auto read_pages_late = [&]() {
+        if (kSpreadIssue ? lane == 0 : t_wg == 0) {
+          if (nxt0) pgA = page_of(b0 + 2, 0);
+          if (nxt1) pgB = page_of(b1 + 2, 0);
+        }
+      };
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
-        s0_whole();
+        if constexpr (kPageLate) {  // s0_whole with the page reads while S0 is computed
+#pragma unroll
+          for (int i = 0; i < 32; ++i) s[i] = 0.f;
+          gmma::reg_fence(s);
+          s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+          gmma::commit();
+          read_pages_late();
+          gmma::wait<0>();
+          gmma::reg_fence(s);
+          phase ^= 1u;
+        } else {
+          s0_whole();
+        }
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -442,6 +543,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         bar_arrive(kBarScale0, kThreads);
 
+        if constexpr (kScale0Early) {
+          // m0 read back: a load after the arrival that the exps depend on (kScale0Early above)
+          __syncwarp();
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float m0 = sM0[row_local[hh]];
+            m0u[hh] = m0 == -INFINITY ? 0.f : m0;
+          }
+        }
         float rs[2] = {0.f, 0.f};
         uint32_t a[4][4];
 #pragma unroll
@@ -540,6 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::reg_fence(s);
           s_chain_wg1<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
           gmma::commit();
+          if constexpr (kPageLate) read_pages_late();  // while S1 is computed
           gmma::wait<0>();
           gmma::reg_fence(s);
           phase ^= 1u;
@@ -580,21 +691,55 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         uint32_t a[4][4];
-        if (has1) {
-          float rs[2] = {0.f, 0.f};
-          uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-          seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
+        if constexpr (kPv1First) {
+          if (has1) {
+            float rs[2] = {0.f, 0.f};
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
-          gmma::fence_proxy_async();
-        }
-        bar_arrive(kBarP1, kThreads);
-        if (has1) {
-          if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-          gmma::reg_fence(o);
-          gmma::fence();
-          pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
-          gmma::commit();
+            for (int t = 0; t < 8; ++t) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
+                rs[e >> 1] += s[4 * t + e];
+              }
+              a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+              a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+            }
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+            gmma::reg_fence(o);
+            gmma::fence();
+            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+            gmma::commit();
+            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;  // P1 -> slab 8 of stage 1, as exp_pack_store_p
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+              const int key = 8 * t + 2 * tq;
+              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+                  a[t >> 1][(t & 1) * 2 + 0];
+              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+                  a[t >> 1][(t & 1) * 2 + 1];
+            }
+            gmma::fence_proxy_async();
+          }
+          bar_arrive(kBarP1, kThreads);
+        } else {
+          if (has1) {
+            float rs[2] = {0.f, 0.f};
+            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
+            seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+            gmma::fence_proxy_async();
+          }
+          bar_arrive(kBarP1, kThreads);
+          if (has1) {
+            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+            gmma::reg_fence(o);
+            gmma::fence();
+            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+            gmma::commit();
+          }
         }
         named_barrier_sync(kBarP0, kThreads);
         if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
