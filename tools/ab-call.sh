@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that A/Bs source variants of the kernels (carry [".deps", ".whl"]):
-#   OUT=$OUT bash tools/ab-call.sh VARIANTS_DIR
+#   OUT=$OUT bash tools/ab-call.sh VARIANTS_DIR_OR_LIST
 # VARIANTS_DIR holds one folder per variant (see tools/ab-variants.sh: replaced files and/or a
 # `cuda-flags` file with -D switches); "main" (created if missing) is the tree as is. Each variant
 # is built, then benchmarked and tested by tools/ab-families.sh according to its name prefix
@@ -10,7 +10,18 @@
 # benchmark JSONs and C++ grid logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-V=${1:?variants folder}
+V=${1:?variants folder or list file}
+# A list file (e.g. bench/ab/next-dense.txt): one variant per line, "name -DMACRO=1 ...", '#' comments;
+# its folders (a cuda-flags file each, plus "main") are made under /tmp/ab-variants.
+if [ -f "$V" ]; then
+  list=$V; V=/tmp/ab-variants
+  rm -rf "$V"; mkdir -p "$V/main"
+  while read -r name flags; do
+    { [ -z "$name" ] || [ "${name#\#}" != "$name" ]; } && continue
+    mkdir -p "$V/$name"
+    [ -n "$flags" ] && echo "$flags" > "$V/$name/cuda-flags"
+  done < "$list"
+fi
 FINAL=${OUT:-/tmp/out}
 mkdir -p "$FINAL"
 export OUT=/tmp/ab-out AB_JSON=/tmp/j
