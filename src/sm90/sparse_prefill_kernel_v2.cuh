@@ -93,6 +93,20 @@ constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
 
+// Opt-in variants (session 15, prepared without a GPU; 0 = the measured kernel, whose SASS they leave
+// byte-identical):
+// FLASHMLA_PREFILL_SCALE0_FIRST=1: warpgroup 0's Scale0 arrival is issued before the 32 exp2 of P0.
+// ptxas hoists those MUFU.EX2 (and their FADDs) above the bar.arrive that precedes them in the PTX,
+// so warpgroup 1, done with S1 ~170 cycles after warpgroup 0's S0 and waiting on that barrier,
+// passes it ~480 cycles after its S1 (session 13 trace: WG1 e3 170 -> e4 648 against WG0's e0). All
+// four quad lanes now store m0 / scale0 (the same values) and each thread reads its m0 back from
+// sM0 after the arrival: the exps depend on a shared load that ptxas keeps behind the barrier.
+// (Session 13's SCALE0_LATE, the arrival moved the other way, behind P0 V0_L: +0.6-1.9%.)
+#ifndef FLASHMLA_PREFILL_SCALE0_FIRST
+#define FLASHMLA_PREFILL_SCALE0_FIRST 0
+#endif
+constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
+
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
 // buffer, each 1 KB row written with one bulk copy (H200, session 12: -4% time at d_qk 576 h_q 128,
@@ -131,6 +145,10 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
+}
+// Two floats 32 bytes apart (rows r and r + 8 of a [64] float array), loaded back to back.
+__device__ __forceinline__ void ld_shared_f32x2_stride32(uint32_t a, float (&v)[2]) {
+  asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+32];\n" : "=f"(v[0]), "=f"(v[1]) : "r"(a) : "memory");
 }
 template <int kD>
 __global__ void __launch_bounds__(kThreadsProd, 1)
@@ -449,12 +467,20 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         const float m0 = lazy_max(m_run[hh], mx[hh]);
         m0u[hh] = m0 == -INFINITY ? 0.f : m0;
         sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
-        if (tq == 0) {
+        if (kScale0First || tq == 0) {  // SCALE0_FIRST: every quad lane stores the same values
           sM0[row_local[hh]] = m0;
           sS0[row_local[hh]] = sc0[hh];
         }
       }
       bar_arrive(kBarScale0, kThreads);
+      if constexpr (kScale0First) {
+        // This thread's own two m0 back from shared memory (two loads ptxas keeps behind the bar.arrive
+        // above, issued back to back: one load latency): the P0 exps below depend on them.
+        float m0r[2];
+        ld_shared_f32x2_stride32(static_cast<uint32_t>(__cvta_generic_to_shared(sM0 + row_local[0])), m0r);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) m0u[hh] = m0r[hh] == -INFINITY ? 0.f : m0r[hh];
+      }
       FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
       float rs[2] = {0.f, 0.f};
