@@ -106,6 +106,16 @@ constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
 #define FLASHMLA_PREFILL_SCALE0_FIRST 0
 #endif
 constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
+// FLASHMLA_PREFILL_PADDR=1: the P stores (warpgroup 0's P0 * scale1, warpgroup 1's P1) address the slab
+// as p_off ^ (t << 4) (+ 1024 for the thread's second row) from one per-thread offset, p_off = row * 128 +
+// ((row & 7) << 4) + 4 * tq. slab_off(row, key >> 3) + (key & 7) * 2 with key = 8 t + 2 tq is the same
+// value, but the compiler does not know tq < 4 and rebuilt all 16 addresses in every pair (~125 integer
+// instructions per thread and warpgroup: in warpgroup 0 between the wgmmas of P0 V0_L, ahead of its P0
+// stores; in warpgroup 1 among P1's exps, ahead of P1 V1_R). Now 7 LOP3 per pair.
+#ifndef FLASHMLA_PREFILL_PADDR
+#define FLASHMLA_PREFILL_PADDR 0
+#endif
+constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -146,6 +156,25 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// PADDR: seesaw::exp_pack_store_p with the P slab addressed from p_off (see kPAddr): the 4-byte pair of
+// key 8 t + 2 tq of the thread's rows r and r + 8 is at sP + (p_off ^ (t << 4)) and 1024 bytes further
+// (rows r and r + 8 share r & 7, so the swizzle is the same).
+__device__ __forceinline__ void exp_pack_store_p_xor(float (&s)[32], const float (&m)[2], float (&rs)[2],
+                                                     uint32_t (&a)[4][4], uint8_t* sP, uint32_t p_off) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
+      rs[e >> 1] += s[4 * t + e];
+    }
+    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
+    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
+    uint8_t* q = sP + (p_off ^ static_cast<uint32_t>(t << 4));
+    *reinterpret_cast<uint32_t*>(q) = a[t >> 1][(t & 1) * 2 + 0];
+    *reinterpret_cast<uint32_t*>(q + 1024) = a[t >> 1][(t & 1) * 2 + 1];
+  }
+}
 // Two floats 32 bytes apart (rows r and r + 8 of a [64] float array), loaded back to back.
 __device__ __forceinline__ void ld_shared_f32x2_stride32(uint32_t a, float (&v)[2]) {
   asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+32];\n" : "=f"(v[0]), "=f"(v[1]) : "r"(a) : "memory");
@@ -185,6 +214,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   int row_local[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
+  // PADDR: byte offset of the thread's first P pair in a P slab (row_local[0] & 7 == gq).
+  const uint32_t p_off = static_cast<uint32_t>(row_local[0] * 128 + (gq << 4) + 4 * tq);
 
   const int lim = row_limit(p, sq);
   const int n_blk = (lim + kBlockN - 1) / kBlockN;
@@ -518,10 +549,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
 #pragma unroll
       for (int t = 0; t < 8; ++t) {
         const int key = 8 * t + 2 * tq;
-        *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
-            HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
-        *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
-            HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
+        uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
+                             : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
+        uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
+        *reinterpret_cast<uint32_t*>(q0) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
+        *reinterpret_cast<uint32_t*>(q1) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
       }
       gmma::fence_proxy_async();
       if (!nxt0) {  // the CTA's last pair: this warpgroup's row sums before scale1, and its true row max
@@ -631,7 +663,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       if (has1) {
         float rs[2] = {0.f, 0.f};
         uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-        exp_pack_store_p(s, m1u, rs, a, sP1, row_local, tq);
+        if constexpr (kPAddr) exp_pack_store_p_xor(s, m1u, rs, a, sP1, p_off);
+        else exp_pack_store_p(s, m1u, rs, a, sP1, row_local, tq);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
         gmma::fence_proxy_async();
