@@ -116,6 +116,19 @@ constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
 #define FLASHMLA_PREFILL_PADDR 0
 #endif
 constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
+// FLASHMLA_PREFILL_P0_REUSE=1: when scale1 is exactly 1 for every row of the warp (the running max did
+// not move: with lazy rescaling nearly every pair once it has settled), warpgroup 0 stores the bf16 P0
+// fragments it already packed for its own P0 V0_L (a[][]) instead of multiplying P0 by scale1 and
+// packing it again: 32 FMUL + 16 F2FP fewer per pair between the Scale1 barrier and the P0 arrival that
+// warpgroup 1's P0 V0_R waits for. Bit-identical (s * 1.f == s); any other scale1 takes the old path.
+#ifndef FLASHMLA_PREFILL_P0_REUSE
+#define FLASHMLA_PREFILL_P0_REUSE 0
+#endif
+constexpr bool kP0Reuse = FLASHMLA_PREFILL_P0_REUSE != 0;
+// Alone it would move the address arithmetic of the P0 stores behind the Scale1 barrier (the compiler
+// then rebuilds them there: 75 -> 160 instructions between the barrier and the P0 arrival), so it
+// builds only on top of PADDR.
+static_assert(!kP0Reuse || kPAddr, "FLASHMLA_PREFILL_P0_REUSE needs FLASHMLA_PREFILL_PADDR");
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -546,15 +559,26 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       }
       // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
       uint8_t* sP0 = sK + 8 * kSlabBytes;
+      auto store_p0 = [&](auto reuse_c) {
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        const int key = 8 * t + 2 * tq;
-        uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
-                             : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
-        uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
-        *reinterpret_cast<uint32_t*>(q0) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
-        *reinterpret_cast<uint32_t*>(q1) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
-      }
+        for (int t = 0; t < 8; ++t) {
+          const int key = 8 * t + 2 * tq;
+          uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
+                               : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
+          uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
+          if constexpr (decltype(reuse_c)::value) {  // scale1 == 1: P0's packed fragments as they are
+            *reinterpret_cast<uint32_t*>(q0) = a[t >> 1][(t & 1) * 2 + 0];
+            *reinterpret_cast<uint32_t*>(q1) = a[t >> 1][(t & 1) * 2 + 1];
+          } else {
+            *reinterpret_cast<uint32_t*>(q0) =
+                HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
+            *reinterpret_cast<uint32_t*>(q1) =
+                HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
+          }
+        }
+      };
+      if (kP0Reuse && __all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(std::true_type{});
+      else store_p0(std::false_type{});
       gmma::fence_proxy_async();
       if (!nxt0) {  // the CTA's last pair: this warpgroup's row sums before scale1, and its true row max
 #pragma unroll
