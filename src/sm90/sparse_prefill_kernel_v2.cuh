@@ -86,15 +86,31 @@ constexpr bool kDiagNoMma = FLASHMLA_PREFILL_DIAG == 2;
 constexpr bool kDiagNoQ = FLASHMLA_PREFILL_DIAG == 3;
 constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 
+// Opt-in variants (session 15, prepared without a GPU; 0 = the measured kernel, whose SASS they leave
+// byte-identical):
+// FLASHMLA_PREFILL_SRC_AHEAD=1: the producer turns each pair's 8 slot indices into source addresses
+// when it loads them (at the top of the pair, while it waits ~2000 cycles for the first free stage
+// part) instead of after each free-barrier wait. Within the 40-register budget ptxas rebuilt the
+// addresses of block 2j+1 row by row after the wait (IMAD.WIDE, SEL, IADD3, IMAD.X, LEA, LEA.HI.X, the
+// src-size test; one 64-bit register pair reused by all four rows, so each row also waits for the
+// previous row's LDGSTS to read it): session 13's trace has stage 1 part B issued in 652 cycles and
+// part A in 525, against 300 for stage 0 part B, whose addresses were kept; the producer issues the
+// three parts back to back, and stage 1 part A (last) gates warpgroup 1's S1. The 16 address registers
+// need a producer budget of 48 (at 40 ptxas spills inside the producer's pair loop), which leaves the
+// consumers 224 (setmaxnreg takes multiples of 8): without PADDR they then spill P0's store addresses
+// inside the pair loop, so the switch builds only with PADDR and defaults the producer budget to 48
+// (a plain budget of 48 leaves the producer's code as it is: session 12 measured 48 / 56 neutral).
+#ifndef FLASHMLA_PREFILL_SRC_AHEAD
+#define FLASHMLA_PREFILL_SRC_AHEAD 0
+#endif
+constexpr bool kSrcAhead = FLASHMLA_PREFILL_SRC_AHEAD != 0;
 // Registers per thread after setmaxnreg: 2 * consumer + producer <= 3 * 168 (the launch allocation).
 #ifndef FLASHMLA_PREFILL_PRODUCER_REGS
-#define FLASHMLA_PREFILL_PRODUCER_REGS 40
+#define FLASHMLA_PREFILL_PRODUCER_REGS (FLASHMLA_PREFILL_SRC_AHEAD ? 48 : 40)
 #endif
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
 
-// Opt-in variants (session 15, prepared without a GPU; 0 = the measured kernel, whose SASS they leave
-// byte-identical):
 // FLASHMLA_PREFILL_SCALE0_FIRST=1: warpgroup 0's Scale0 arrival is issued before the 32 exp2 of P0.
 // ptxas hoists those MUFU.EX2 (and their FADDs) above the bar.arrive that precedes them in the PTX,
 // so warpgroup 1, done with S1 ~170 cycles after warpgroup 0's S0 and waiting on that barrier,
@@ -129,6 +145,8 @@ constexpr bool kP0Reuse = FLASHMLA_PREFILL_P0_REUSE != 0;
 // then rebuilds them there: 75 -> 160 instructions between the barrier and the P0 arrival), so it
 // builds only on top of PADDR.
 static_assert(!kP0Reuse || kPAddr, "FLASHMLA_PREFILL_P0_REUSE needs FLASHMLA_PREFILL_PADDR");
+static_assert(!kSrcAhead || (kPAddr && kProducerRegs >= 48),
+              "FLASHMLA_PREFILL_SRC_AHEAD needs FLASHMLA_PREFILL_PADDR and a producer budget >= 48");
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -243,19 +261,31 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   // (never read; zero-filled). Kept as 32-bit indices so the producer fits in few registers; each
   // copy_slabs turns a row into its source address with one wide multiply-add.
   struct Rows {
-    int idx[4];
+    int idx[4];                   // (not kept with SRC_AHEAD)
+    const __nv_bfloat16* src[4];  // SRC_AHEAD: row_src of each row, computed by load_rows
+    uint32_t inv;                 // SRC_AHEAD: bit i set when row i's slot is invalid
   };
+  const __nv_bfloat16* const kv_c8 = kvb + w_c8 * 8;  // chunk w_c8 of slab 0 of token 0
+  // Source of chunk w_c8 of slab 0 of a row's token (the tensor's base for an invalid slot).
+  auto idx_src = [&](int idx) { return kv_c8 + (idx >= 0 ? static_cast<int64_t>(idx) * p.kv_stride_s : 0); };
   auto load_rows = [&](int blk, Rows& r) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int idx = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
       r.idx[i] = idx >= 0 && idx < p.s_kv ? idx : -1;
+      if constexpr (kSrcAhead) r.src[i] = idx_src(r.idx[i]);
     }
+    if constexpr (kSrcAhead)
+      r.inv = (r.idx[0] < 0 ? 1u : 0u) | (r.idx[1] < 0 ? 2u : 0u) | (r.idx[2] < 0 ? 4u : 0u) | (r.idx[3] < 0 ? 8u : 0u);
   };
-  const __nv_bfloat16* const kv_c8 = kvb + w_c8 * 8;  // chunk w_c8 of slab 0 of token 0
-  // Source of chunk w_c8 of slab 0 of row i (the tensor's base for an invalid slot).
+  // Row i's slot is valid (its copies read the source; else they zero-fill).
+  auto row_ok = [&](const Rows& r, int i) {
+    if constexpr (kSrcAhead) return ((r.inv >> i) & 1u) == 0;
+    else return r.idx[i] >= 0;
+  };
   auto row_src = [&](const Rows& r, int i) {
-    return kv_c8 + (r.idx[i] >= 0 ? static_cast<int64_t>(r.idx[i]) * p.kv_stride_s : 0);
+    if constexpr (kSrcAhead) return r.src[i];
+    else return idx_src(r.idx[i]);
   };
   const uint32_t w_dst = sK_u + static_cast<uint32_t>(w_rg * 128 + ((w_c8 ^ (w_rg & 7)) << 4));
   // Slabs [kLo, kHi) of the four rows into stage kStage: one cp.async each, immediate offsets.
@@ -268,7 +298,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       for (int sl = kLo; sl < kHi; ++sl)
         if constexpr (!kDiagNoGather)
           cp_async_16_l2pf(w_dst + static_cast<uint32_t>(kStage * kSmemK + sl * kSlabBytes + i * 16 * 128),
-                           src + sl * 64, r.idx[i] >= 0);
+                           src + sl * 64, row_ok(r, i));
     }
   };
   // Part kPart of stage kStage (slab sets in the file comment), then the two arrivals on its full
@@ -294,7 +324,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       for (int i = 0; i < 4; ++i) {
         const int row = w_rg + 16 * i;
         const __nv_bfloat16* src = row_src(r, i) - w_c8 * 8;
-        const bool ok = r.idx[i] >= 0;
+        const bool ok = row_ok(r, i);
 #pragma unroll 1
         for (int c = lo + w_c8; c < hi; c += 8)
           *reinterpret_cast<uint4*>(dsts + slab_off(row, c)) = ok ? load8_u16(src + c * 8) : make_uint4(0, 0, 0, 0);
@@ -306,10 +336,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
     }
     if (kPart == 0 && w_c8 == 0) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = r.idx[i] >= 0 ? 1 : 0;
+      for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = row_ok(r, i) ? 1 : 0;
     }
     if (kPart == 0) {  // the whole producer warpgroup is here (fill calls are uniform)
-      const bool inv = w_c8 == 0 && (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0);
+      const bool inv = w_c8 == 0 && (kSrcAhead ? r.inv != 0
+                                               : (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0));
       const bool any = __any_sync(0xffffffffu, inv);
       if (lane == 0) sInval[kStage * 4 + (t_wg >> 5)] = any ? 1 : 0;
     }
