@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
   // One block's four rows for this thread: the token index of each slot, -1 for an invalid slot
   // (never read; zero-filled). Kept as 32-bit indices so the producer fits in few registers; each
-  // copy_slabs turns a row into its source address with one wide multiply-add.
+  // copy_slabs turns a row into its source address with one wide multiply-add (with SRC_AHEAD,
+  // load_rows does, and the rows keep their source pointers and an invalid mask instead).
   struct Rows {
     int idx[4];                   // (not kept with SRC_AHEAD)
     const __nv_bfloat16* src[4];  // SRC_AHEAD: row_src of each row, computed by load_rows
