@@ -144,6 +144,20 @@ constexpr bool kP0Reuse = FLASHMLA_PREFILL_P0_REUSE != 0;
 // Alone it would move the address arithmetic of the P0 stores behind the Scale1 barrier (the compiler
 // then rebuilds them there: 75 -> 160 instructions between the barrier and the P0 arrival), so it
 // builds only on top of PADDR.
+// FLASHMLA_PREFILL_KV_PREFETCH=1: when the producer loads a pair's slot indices (the top of the pair,
+// ~2000 cycles before its first free stage part and ~4000 before the last), it prefetches the pair's
+// gathered rows into L2 (prefetch.global.L2, one 128-byte line per thread and row: line w_c8 of its
+// rows, and line 8 from lane w_c8 == 0 at d 576), so the cp.async of each stage part mostly hits L2
+// instead of HBM. (A cp.async.bulk.prefetch.L2 per row takes its address in uniform registers: ptxas
+// serializes it over the lanes.) Aimed at large s_kv, where the KV (75 MB at s_kv 65536, d 576) no longer
+// fits in L2: v3w's ratio falls with s_kv (session 13: V3.2 0.951 at 8192, 0.902 at 65536, 0.888 at
+// 131072) and the refill of a freed stage part is the pair loop's critical path (session 12); sparse
+// decode's producer gained 2-6% from its one-block-ahead L2 bulk prefetch (session 8). 16-byte-aligned
+// rows only (the cp.async path).
+#ifndef FLASHMLA_PREFILL_KV_PREFETCH
+#define FLASHMLA_PREFILL_KV_PREFETCH 0
+#endif
+constexpr bool kKvPrefetch = FLASHMLA_PREFILL_KV_PREFETCH != 0;
 static_assert(!kP0Reuse || kPAddr, "FLASHMLA_PREFILL_P0_REUSE needs FLASHMLA_PREFILL_PADDR");
 static_assert(!kSrcAhead || (kPAddr && kProducerRegs >= 48),
               "FLASHMLA_PREFILL_SRC_AHEAD needs FLASHMLA_PREFILL_PADDR and a producer budget >= 48");
@@ -288,6 +302,18 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
     if constexpr (kSrcAhead) return r.src[i];
     else return idx_src(r.idx[i]);
   };
+  // KV_PREFETCH: 128-byte line w_c8 of each of the thread's four rows (the row group's 8 threads cover
+  // bytes 0-1023 of each row; lane w_c8 == 0 also line 8, the RoPE dims of d 576) into L2. row_src
+  // points at chunk w_c8 (byte 16 w_c8) of the row: + 56 w_c8 elements is byte 128 w_c8.
+  auto prefetch_rows = [&](const Rows& r) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (!row_ok(r, i)) continue;
+      const __nv_bfloat16* src = row_src(r, i);
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 56 * w_c8));
+      if (kD > 512 && w_c8 == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 512));
+    }
+  };
   const uint32_t w_dst = sK_u + static_cast<uint32_t>(w_rg * 128 + ((w_c8 ^ (w_rg & 7)) << 4));
   // Slabs [kLo, kHi) of the four rows into stage kStage: one cp.async each, immediate offsets.
   auto copy_slabs = [&](auto stage_c, auto lo_c, auto hi_c, const Rows& r) {
@@ -411,6 +437,10 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         const bool has1 = 2 * j + 1 < n_blk;
         load_rows(2 * j, r0);
         load_rows(2 * j + 1, r1);
+        if constexpr (kKvPrefetch && decltype(vec_c)::value) {
+          prefetch_rows(r0);
+          prefetch_rows(r1);
+        }
         FLASHMLA_TRACE_EVENT(2, j, 0, t_wg == 0);
         mbar_wait(bar_free(0, 0), fph);
         FLASHMLA_TRACE_EVENT(2, j, 1, t_wg == 0);
