@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Per-variant command for tools/ab-variants.sh: benchmarks and tests chosen by the variant's name.
-#   main  -> all three benchmarks (dense decode, sparse decode, sparse prefill) and, unless
+#   main  -> the benchmarks of AB_FAMILIES (default: dense sparse prefill) and, unless
 #            AB_SKIP_SUITE=1, the whole GPU pytest suite (tests/gpu)
 #   sd*   -> sparse decode: benchmark + tests/gpu/test_sparse_decode_gpu.py
 #            (AB_GRID=1: also the 4748-case spec §5.2 grid, ~130 s)
@@ -17,9 +17,13 @@ rc=0
 case $v in main) fam=all ;; sd*) fam=sparse ;; d*) fam=dense ;; p*) fam=prefill ;; *) fam=all ;; esac
 # Every step under a timeout: a variant that deadlocks must not eat the rest of the device call.
 bench() { timeout 180 python3 "bench/$1" --out "$J" 2>&1 | tail -1; rc=$((rc | ${PIPESTATUS[0]})); }
-[ $fam = all ] || [ $fam = dense ] && bench bench_dense_decode.py
-[ $fam = all ] || [ $fam = sparse ] && bench bench_sparse_decode.py
-[ $fam = all ] || [ $fam = prefill ] && bench bench_sparse_prefill.py
+# main's benchmarks: the families in AB_FAMILIES (default all three; e.g. "sparse prefill" when the
+# call A/Bs only those).
+fams=${AB_FAMILIES:-dense sparse prefill}
+want() { [ $fam = "$1" ] || { [ $fam = all ] && [[ " $fams " == *" $1 "* ]]; }; }
+want dense && bench bench_dense_decode.py
+want sparse && bench bench_sparse_decode.py
+want prefill && bench bench_sparse_prefill.py
 [ "${AB_TESTS:-1}" = 0 ] && exit $rc
 case $fam in
   all)

@@ -345,24 +345,27 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int req = begin_req; req <= end_req; ++req) {
     // kEarlyMeta: the pages of the request's first two blocks, read by the threads that issue their
-    // TMA loads (tid 0; with kSpreadIssue lane 0 of warps 0-3 / 4-7) together with the length and the
-    // split offset, before it is known whether the blocks exist; a page index past the block table's
-    // width is not read (0 instead, never used: such a block would lie past seqlen).
-    int pg_first[2] = {0, 0}, seqlen_e = 0, splits_e = 0;
+    // TMA loads (tid 0 both; with kSpreadIssue lane 0 of warps 0-3 block 0's, of warps 4-7 block 1's)
+    // right behind the length and the split offset, before it is known whether the blocks exist; a
+    // page index past the block table's width is not read (0 instead, never used: such a block would
+    // lie past seqlen). Scalars only (an array indexed by warp would live in local memory).
+    int pg_first0 = 0, pg_first1 = 0, seqlen_e = 0, splits_e = 0;
     if constexpr (kEarlyMeta) {
-      const int blk_lo = req == begin_req ? begin_blk : 0;
-      const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-      if (kSpreadIssue ? lane == 0 : tid == 0) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          if (kSpreadIssue && k != (warp >> 2)) continue;
-          const int tok = (blk_lo + k) * kBlockN;
-          const int pi = pbs_pow2 ? (tok >> lg_pbs) : tok / pbs;
-          if (pi < p.bt_cols) pg_first[k] = ld_global_s32(bt_row + static_cast<int64_t>(pi) * p.bt_stride_j);
-        }
-      }
       seqlen_e = ld_global_s32(p.seqlens + req);
       splits_e = ld_global_s32(p.num_splits + req);
+      const int blk_lo = req == begin_req ? begin_blk : 0;
+      const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
+      auto page_early = [&](int blk) {
+        const int tok = blk * kBlockN;
+        const int pi = pbs_pow2 ? (tok >> lg_pbs) : tok / pbs;
+        return pi < p.bt_cols ? ld_global_s32(bt_row + static_cast<int64_t>(pi) * p.bt_stride_j) : 0;
+      };
+      if (kSpreadIssue) {
+        if (lane == 0) pg_first0 = page_early(blk_lo + (warp >> 2));  // this warp's block
+      } else if (tid == 0) {
+        pg_first0 = page_early(blk_lo);
+        pg_first1 = page_early(blk_lo + 1);
+      }
     }
     const int seqlen = max(kEarlyMeta ? seqlen_e : p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
@@ -456,15 +459,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Lane 0 of warp w: stage w / 4, slabs w % 4 and w % 4 + 4 (and slab 8 for w % 4 == 0).
         const int st = warp >> 2, q4 = warp & 3;
         if (lane == 0 && (st == 0 || n_blk > 1)) {
-          const int blk = blk_lo + st, pg = kEarlyMeta ? (st == 0 ? pg_first[0] : pg_first[1]) : page_of(blk, 0);
+          const int blk = blk_lo + st, pg = kEarlyMeta ? pg_first0 : page_of(blk, 0);
           issue(blk, st, q4, q4 + 1, pg);
           issue(blk, st, q4 + 4, q4 + 5, pg);
           if (q4 == 0) issue(blk, st, 8, 9, pg);
         }
       } else {
         if (tid == 0) {
-          issue(blk_lo, 0, 0, 9, kEarlyMeta ? pg_first[0] : page_of(blk_lo, 0));
-          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, kEarlyMeta ? pg_first[1] : page_of(blk_lo + 1, 0));
+          issue(blk_lo, 0, 0, 9, kEarlyMeta ? pg_first0 : page_of(blk_lo, 0));
+          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, kEarlyMeta ? pg_first1 : page_of(blk_lo + 1, 0));
         }
       }
       cp_async_wait<0>();
