@@ -256,6 +256,19 @@ def test_sink_values(sink_value):
         assert bool((out == 0).all()) and bool(torch.isfinite(lse).all())
 
 
+# softmax_scale is any finite number (spec §2.7; FlashMLA does not reject <= 0). Kernels that take the
+# row max of the unscaled S (FLASHMLA_SPARSE_DECODE_FAST_SOFTMAX: max(S) * c == max(S * c) only for
+# c > 0) must fall back to their general path here; both v4 kernels (64 heads plain, 128 cluster).
+@pytest.mark.parametrize("scale", [-0.05, 0.0], ids=["neg", "zero"])
+@pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512)])
+def test_non_positive_softmax_scale(scale, h_q, d_qk):
+    extra = (300, 128, 64) if d_qk == 512 else None
+    case = Case(1000 + h_q + d_qk, b=4, s_q=2, h_q=h_q, d_qk=d_qk, main=(700, 256, 64), extra=extra,
+                topk_len=True, extra_topk_len=extra is not None)
+    case.scale = scale
+    check_case(case)
+
+
 # ----------------------------------------------------------------------------- regressions
 def test_regression1_zero_lengths():
     """topk_length = 0 for the first / last / all requests: out 0, lse +inf."""
