@@ -11,15 +11,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 V=${1:?variants folder or list file}
-# A list file (e.g. bench/ab/next-dense.txt): one variant per line, "name -DMACRO=1 ...", '#' comments;
-# its folders (a cuda-flags file each, plus "main") are made under /tmp/ab-variants.
+# A list file (e.g. bench/ab/s16-call1-dense.txt): one variant per line, "name -DMACRO=1 ... VAR=value
+# ...", '#' comments; its folders (cuda-flags and env files, plus "main") are made under /tmp/ab-variants.
 if [ -f "$V" ]; then
   list=$V; V=/tmp/ab-variants
   rm -rf "$V"; mkdir -p "$V/main"
-  while read -r name flags; do
+  while read -r name rest; do
     { [ -z "$name" ] || [ "${name#\#}" != "$name" ]; } && continue
     mkdir -p "$V/$name"
-    [ -n "$flags" ] && echo "$flags" > "$V/$name/cuda-flags"
+    for tok in $rest; do
+      case $tok in
+        -D*) echo -n "$tok " >> "$V/$name/cuda-flags" ;;  # a build switch
+        *=*) echo "$tok" >> "$V/$name/env" ;;            # an environment variable of the variant's runs
+      esac
+    done
   done < "$list"
 fi
 FINAL=${OUT:-/tmp/out}
@@ -33,7 +38,11 @@ echo "ab rc $rc" >> "$FINAL/call.log"
 for d in "$AB_JSON"/*/; do
   n=$(basename "$d"); [ "$n" = main ] && continue
   for j in "$d"*.json; do
-    [ -f "$j" ] && [ -f "$AB_JSON/main/$(basename "$j")" ] && python3 bench/compare.py "$AB_JSON/main/$(basename "$j")" "$j"
+    [ -f "$j" ] && [ -f "$AB_JSON/main/$(basename "$j")" ] || continue
+    python3 bench/compare.py "$AB_JSON/main/$(basename "$j")" "$j"
+    case $(basename "$j") in  # decode: also the whole call (scheduler + kernel + combine)
+      *decode*) python3 bench/compare.py --key call_time_us "$AB_JSON/main/$(basename "$j")" "$j" ;;
+    esac
   done
 done > "$FINAL/compare.txt" 2>&1
 tar -czf "$FINAL/json.tgz" -C "$AB_JSON" .

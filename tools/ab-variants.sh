@@ -13,6 +13,7 @@
 # that build first on PYTHONPATH and AB_VARIANT=<name> in the environment, e.g.
 #   bash tools/ab-variants.sh tools/tmp/variants python3 bench/quick_sparse_decode.py
 # Logs: $OUT/ab-<name>-build.log and $OUT/ab-<name>.log (OUT defaults to /tmp/out).
+# A variant may hold a file `env` (KEY=VALUE lines): exported for its runs (switches read per call).
 # A variant may also (or only) hold a file `cuda-flags` (e.g. "-DFLASHMLA_DENSE_DECODE_SPREAD_ISSUE=1"):
 # its content becomes CMAKE_CUDA_FLAGS of that build and AB_CUDA_FLAGS of its runs (for builds the
 # command makes itself, e.g. the C++ GPU tests) — the way to A/B the opt-in macros of the kernels.
@@ -53,7 +54,9 @@ for name in "${names[@]}"; do
     echo "build of $name failed (tail of $OUT/ab-$name-build.log):"; tail -20 "$OUT/ab-$name-build.log"; rc=1; continue
   fi
   echo "=== $name: run $(date +%T)"
-  AB_CUDA_FLAGS=$(cat "$VARIANTS/$name/cuda-flags" 2>/dev/null | tr '\n' ' ') AB_VARIANT=$name PYTHONPATH="/tmp/ab-$name:$PYTHONPATH" "$@" 2>&1 | tee "$OUT/ab-$name.log"
+  ( [ -f "$VARIANTS/$name/env" ] && while read -r kv; do [ -n "$kv" ] && export "$kv"; done < "$VARIANTS/$name/env"
+    AB_CUDA_FLAGS=$(cat "$VARIANTS/$name/cuda-flags" 2>/dev/null | tr '\n' ' ') AB_VARIANT=$name \
+      PYTHONPATH="/tmp/ab-$name:$PYTHONPATH" "$@" ) 2>&1 | tee "$OUT/ab-$name.log"
   rc=$((rc | ${PIPESTATUS[0]}))
 done
 exit $rc

@@ -92,6 +92,20 @@ FLASHMLA_HOST_DEVICE void greedy_tile_schedule(int64_t b, int64_t num_sm_parts, 
   }
 }
 
+/// The request whose split partials part q (of a schedule's metadata rows, 8 int32 each) combines, or
+/// -1: a request has several splits exactly when a part begins inside it (begin_block_idx > 0), and the
+/// first such part takes it (part q - 1 did not begin inside it too). So every split request is named
+/// by exactly one part, at most num_sm_parts - 1 of them (the sparse combine's opt-in compact grid;
+/// tests/cpp: Scheduler.SplitRequestOfPartNamesEachSplitRequestOnce).
+FLASHMLA_HOST_DEVICE inline int split_request_of_part(const int32_t* rows, int64_t q, int64_t b) {
+  if (q <= 0) return -1;
+  const int32_t* row = rows + q * 8;
+  const int32_t r = row[0];  // begin_req_idx
+  if (r >= b || row[2] <= 0) return -1;       // begins at a request's start (or past the last request)
+  if (row[-8] == r && row[-6] > 0) return -1;  // part q - 1 began inside r too: it names r
+  return r;
+}
+
 // ------------------------------------------------------------------ the same partition, request by request
 // greedy_tile_schedule walks parts and, inside each, requests: run by one GPU thread that is
 // ~350 clk per part (23 µs at b = 1 over 132 parts on the H200). The functions below give the

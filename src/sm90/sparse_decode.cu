@@ -16,6 +16,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/tile_schedule_greedy.h"
 #include "sm90/host_utils.h"
 #include "sm90/sm90.h"
 #include "sm90/sparse_decode.h"
@@ -29,11 +30,24 @@ namespace sparse_combine {
 // slice of 128*J output dims (J float4 per lane; see combine_float4s_per_lane).
 // Requests with a single split were written by the main kernel and are skipped
 // (unless out is strided: then the main kernel writes partials for all requests).
-template <int J>
-__global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const SparseCombineParams p) {
+// kCompact (opt-in, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
+// crosses a part boundary has several splits, so there are at most num_sm_parts - 1 of them, and part q
+// takes the request it begins inside (begin_block_idx > 0) unless part q - 1 began inside it too; each
+// split request is combined exactly once, and batches larger than num_sm_parts launch fewer CTAs.
+// kCompact: the parameters plus the schedule (its own struct: a larger SparseCombineParams would change
+// the default kernel's SASS).
+struct CompactParams : SparseCombineParams {
+  const int32_t* tile_scheduler_metadata;  // (num_sm_parts, 8)
+};
+
+template <int J, bool kCompact, class Params = SparseCombineParams>
+__global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t bs = blockIdx.x;
-  const int bi = static_cast<int>(bs / p.s_q), sq = static_cast<int>(bs % p.s_q);
+  int bi_ = static_cast<int>(bs / p.s_q);
+  if constexpr (kCompact) bi_ = core::split_request_of_part(p.tile_scheduler_metadata, bi_, p.b);
+  const int bi = bi_, sq = static_cast<int>(bs % p.s_q);
+  if (kCompact && bi < 0) return;
   const int h = blockIdx.y * 8 + warp;
   if (h >= p.h_q) return;
   const int start = p.num_splits[bi];
@@ -107,13 +121,36 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Sparse
 
 }  // namespace sparse_combine
 
-cudaError_t launch_sparse_combine(const SparseCombineParams& cp, cudaStream_t stream) {
-  const int64_t x = static_cast<int64_t>(cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
+// FLASHMLA_SPARSE_COMBINE_COMPACT=1 (read per call; opt-in, session 15, NOT yet run on a GPU): the
+// compact grid (see the kernel) when out is vector-writable and b > num_sm_parts. Why: the benchmark of
+// record has the combine at 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256, batches
+// whose schedule splits no request at all (every part ends on a request boundary): that time is the
+// launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. With the
+// compact grid: num_sm_parts * s_q * h_q / 8 (1056), one wave. Batches with split requests (b74, b148)
+// also launch 2-4x fewer CTAs. Default (unset / 0): the per-request grid, as measured.
+cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
+                                  cudaStream_t stream) {
+  const char* env = std::getenv("FLASHMLA_SPARSE_COMBINE_COMPACT");
+  const bool compact = env != nullptr && env[0] == '1' && env[1] == '\0' && cp.out_vec_ok && metadata != nullptr &&
+                       num_sm_parts > 0 && num_sm_parts < cp.b;
+  const int64_t x = static_cast<int64_t>(compact ? num_sm_parts : cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
   const int j = combine_float4s_per_lane(x * y);
   const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
-  if (j == 1) sparse_combine::flash_fwd_mla_combine_kernel<1><<<grid, 256, 0, stream>>>(cp);
-  else if (j == 2) sparse_combine::flash_fwd_mla_combine_kernel<2><<<grid, 256, 0, stream>>>(cp);
-  else sparse_combine::flash_fwd_mla_combine_kernel<4><<<grid, 256, 0, stream>>>(cp);
+  auto go = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(cp); };
+  if (compact) {
+    sparse_combine::CompactParams pc;
+    static_cast<SparseCombineParams&>(pc) = cp;
+    pc.tile_scheduler_metadata = metadata;
+    auto go_c = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(pc); };
+    using sparse_combine::CompactParams;
+    if (j == 1) go_c(sparse_combine::flash_fwd_mla_combine_kernel<1, true, CompactParams>);
+    else if (j == 2) go_c(sparse_combine::flash_fwd_mla_combine_kernel<2, true, CompactParams>);
+    else go_c(sparse_combine::flash_fwd_mla_combine_kernel<4, true, CompactParams>);
+  } else {
+    if (j == 1) go(sparse_combine::flash_fwd_mla_combine_kernel<1, false>);
+    else if (j == 2) go(sparse_combine::flash_fwd_mla_combine_kernel<2, false>);
+    else go(sparse_combine::flash_fwd_mla_combine_kernel<4, false>);
+  }
   return cudaGetLastError();
 }
 
@@ -275,7 +312,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     cp.s_q = static_cast<int>(s_q);
     cp.h_q = static_cast<int>(h_q);
     cp.out_vec_ok = vec ? 1 : 0;
-    const cudaError_t e = launch_sparse_combine(cp, stream);
+    const cudaError_t e = launch_sparse_combine(cp, metadata, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel (sparse) launch", e);
   }
   return Status::Ok();

@@ -73,7 +73,9 @@ cudaError_t launch_sparse_tile_scheduler(const int32_t* topk_length, const int32
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
-cudaError_t launch_sparse_combine(const SparseCombineParams& cp, cudaStream_t stream);
+/// `metadata` / `num_sm_parts`: the schedule of the main kernel (the opt-in compact grid reads it).
+cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
+                                  cudaStream_t stream);
 
 Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, int stages);
 

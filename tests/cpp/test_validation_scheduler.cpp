@@ -463,6 +463,37 @@ TEST(Scheduler, CoversEveryBlockExactlyOnce) {
   }
 }
 
+// The sparse combine's compact grid (src/sm90/sparse_decode.cu, opt-in) launches one CTA row per part
+// and lets core::split_request_of_part say which split request, if any, the part combines: every
+// request with more than one split must be named by exactly one part, no other request by any.
+TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
+  std::mt19937_64 rng(15);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int64_t b = 1 + static_cast<int64_t>(rng() % 300);
+    const int64_t parts_choice[] = {1, 2, 3, 7, 33, 66, 132};
+    const int64_t parts = parts_choice[rng() % 7];
+    std::vector<int64_t> lens(b);
+    for (auto& l : lens) {
+      const int kind = static_cast<int>(rng() % 4);
+      l = kind == 0 ? 0 : kind == 1 ? 1 : kind == 2 ? static_cast<int64_t>(rng() % 5000) : static_cast<int64_t>(rng() % 200000);
+    }
+    std::vector<TileSchedulerMetadataRow> rows(parts);
+    std::vector<int32_t> splits(b + 1);
+    core::compute_tile_schedule(lens, parts, rows.data(), splits.data());
+    std::vector<int> named(b, 0);
+    const auto* words = reinterpret_cast<const int32_t*>(rows.data());
+    for (int64_t q = 0; q < parts; ++q) {
+      const int r = core::split_request_of_part(words, q, b);
+      if (r >= 0) {
+        ASSERT_LT(r, b);
+        named[r] += 1;
+      }
+    }
+    for (int64_t i = 0; i < b; ++i)
+      EXPECT_EQ(named[i], splits[i + 1] - splits[i] > 1 ? 1 : 0) << "request " << i << " b " << b << " parts " << parts;
+  }
+}
+
 // The device scheduler (src/sm90/scheduler.cu) computes the partition request by request
 // (core::schedule_requests) and then each part's row independently (core::schedule_part_row);
 // both must give greedy_tile_schedule's rows and num_splits exactly.
