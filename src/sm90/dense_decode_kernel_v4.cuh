@@ -237,17 +237,16 @@ constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
 constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
 
 // Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 1
-// issues P1 V1_R (P1 from registers) right after the exps, and only then stores P1 to shared memory,
-// fences and announces it (kBarP1) — FlashMLA's order, and the sparse decode's P_LATE (session 14,
-// part of its x1.013). Why: P1 V1_R needs only the registers and V1_R, but it waited for 16 STS, the
-// proxy fence (MEMBAR) and the arrival; the tensor pipe gets it that much earlier. The cost is P1's
+// issues P1 V1_R (P1 from registers) right after storing P1 to shared memory, and only then fences the
+// stores for the async proxy and announces P1 (kBarP1). Why: in the default order P1 V1_R waited for
+// the 16 STS, the proxy fence (MEMBAR) and the arrival; the fence is the slow part. The cost is P1's
 // announcement later by the four wgmma issues, and warpgroup 0 consumes P1 (P1 V1_L) only behind
-// P1 V1_R in the pipe anyway. The stores only read the A registers of the wgmma in flight (allowed;
-// ptxas injects no warpgroup.arrive); the partial-block V zeroing (its own warpgroup-1 barrier) moves
-// in front of the announcement with the wgmma. bf16 576 SASS: the 4 HGMMA now precede the 16 STS, the
-// MEMBAR + FENCE.VIEW.ASYNC and the BAR.ARV (before: all of them in front of the HGMMA). ptxas: no
-// C7512 / C7519; spills 12 B in the plain 576 kernels (request prologue only, not in the pair loop),
-// 40/56 B in the staged 576 kernels (one LDL in the pair loop, at warpgroup 0's P0 V0_L issue).
+// P1 V1_R in the pipe anyway. (FlashMLA's dense decode also stores P before this issue and fences
+// after it. The first version of this switch stored P after the issue, reading the A registers of the
+// wgmma in flight — undefined in PTX, though ptxas inserted no wait; the session-15 review.) The
+// partial-block V zeroing (its own warpgroup-1 barrier) stays in front of the stores. ptxas (first
+// version): no C7512 / C7519; spills 12 B in the plain 576 kernels (request prologue only), 40/56 B in
+// the staged 576 kernels (one LDL in the pair loop, at warpgroup 0's P0 V0_L issue).
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
 #define FLASHMLA_DENSE_DECODE_PV1_FIRST 0
@@ -710,10 +709,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
             if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-            gmma::reg_fence(o);
-            gmma::fence();
-            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
-            gmma::commit();
+            // P1's stores before the issue (reading the A registers of a wgmma in flight is undefined in
+            // PTX; review of session 15), the proxy fence after it: the fence (MEMBAR), not the stores,
+            // is what held the issue back.
             uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;  // P1 -> slab 8 of stage 1, as exp_pack_store_p
 #pragma unroll
             for (int t = 0; t < 8; ++t) {
@@ -723,6 +721,10 @@ __global__ void __launch_bounds__(kThreads, 1)
               *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
                   a[t >> 1][(t & 1) * 2 + 1];
             }
+            gmma::reg_fence(o);
+            gmma::fence();
+            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+            gmma::commit();
             gmma::fence_proxy_async();
           }
           bar_arrive(kBarP1, kThreads);

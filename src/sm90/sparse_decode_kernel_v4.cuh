@@ -75,8 +75,10 @@ constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also h
 //   FMNMX per row), scaled once, and P = exp2(S * scale_log2 - m) by one FFMA (32 FMUL fewer per
 //   block and thread); only for scale_log2 > 0 (max(S) * c == max(S * c) needs c > 0; otherwise the
 //   session-14 path). P differs from the default by the FFMA's single rounding.
-// P_AFTER_PV: P V_L(g) (A from registers) is issued before P's 16 stores into slab 8 and their proxy
-//   fence, which then overlap it instead of preceding it (P is announced after the fence, as now).
+// P_AFTER_PV: P V_L(g) (A from registers) is issued before the proxy fence of P's 16 stores into
+//   slab 8, which then overlaps it instead of preceding it (P is announced after the fence, as now).
+//   The stores stay in front of the issue: the first version stored P after it, reading the A
+//   registers of the wgmma in flight (undefined in PTX; the session-15 review).
 #ifndef FLASHMLA_SPARSE_DECODE_S_AHEAD
 #define FLASHMLA_SPARSE_DECODE_S_AHEAD 0
 #endif
@@ -727,10 +729,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if constexpr (kFastSoftmax || kPAfterPv) {
           if (fold) exp_pack<true>(s, p.scale_log2, mu, rs, a);
           else exp_pack<false>(s, 0.f, mu, rs, a);
-          if constexpr (!kPAfterPv) {
-            store_p(a, sP, row_local, tq);
-            gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-          }
+          store_p(a, sP, row_local, tq);
+          if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
         } else {
           exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
           gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
@@ -742,11 +742,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
-        if constexpr (kPAfterPv) {
-          // P_AFTER_PV: the stores only read the fragments P V_L(g) reads (its A operand).
-          store_p(a, sP, row_local, tq);
-          gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        }
+        // P_AFTER_PV: P's proxy fence (MEMBAR) after the issue; the stores stay before it (reading the A
+        // registers of a wgmma in flight is undefined in PTX: the session-15 review).
+        if constexpr (kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
         // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
         // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
@@ -790,10 +788,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           if constexpr (kFastSoftmax || kPAfterPv) {
             if (fold) exp_pack<true>(s, p.scale_log2, mu, rs, a);
             else exp_pack<false>(s, 0.f, mu, rs, a);
-            if constexpr (!kPAfterPv) {
-              store_p(a, sP, row_local, tq);
-              gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-            }
+            store_p(a, sP, row_local, tq);
+            if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
           } else {
             exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
             gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
@@ -805,11 +801,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence();
           pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
           gmma::commit();
-          if constexpr (kPAfterPv) {
-            // P_AFTER_PV: the stores only read the fragments P V_L(g) reads (its A operand).
-            store_p(a, sP, row_local, tq);
-            gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-          }
+          // P_AFTER_PV: P's proxy fence (MEMBAR) after the issue; the stores stay before it (reading the A
+          // registers of a wgmma in flight is undefined in PTX: the session-15 review).
+          if constexpr (kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
           // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
           // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
           bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
