@@ -32,10 +32,20 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # tvm_ffi for the build 
 CUTLASS=$PWD/.deps/cutlass_include
 names=()
 for vdir in "$VARIANTS"/*/; do names+=("$(basename "$vdir")"); done
+# A variant whose folder holds only an `env` file runs the tree's build (no build of its own).
+env_only() { [ -f "$VARIANTS/$1/env" ] && [ "$(ls -A "$VARIANTS/$1")" = env ]; }
+nbuild=0
+for name in "${names[@]}"; do env_only "$name" || nbuild=$((nbuild + 1)); done
 # Parallel level per build: the cores shared among the variants (at least 4).
-per=$(( $(nproc) / ${#names[@]} )); [ "$per" -lt 4 ] && per=4
-echo "=== building ${names[*]} ($per jobs each) $(date +%T)"
+per=$(( $(nproc) / nbuild )); [ "$per" -lt 4 ] && per=4
+echo "=== building ${names[*]} ($nbuild builds, $per jobs each) $(date +%T)"
 for name in "${names[@]}"; do
+  if env_only "$name"; then
+    rm -rf "/tmp/ab-$name" "/tmp/ab-src-$name"
+    ln -s "/tmp/ab-${AB_TREE:-main}" "/tmp/ab-$name"; ln -s "/tmp/ab-src-${AB_TREE:-main}" "/tmp/ab-src-$name"
+    echo 0 > "$OUT/ab-$name-build.rc"
+    continue
+  fi
   src=/tmp/ab-src-$name
   rm -rf "$src"; mkdir -p "$src"
   tar --exclude=./build --exclude=./.git --exclude="./$VARIANTS" -cf - . | tar -xf - -C "$src"

@@ -244,9 +244,9 @@ constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
 // P1 V1_R in the pipe anyway. (FlashMLA's dense decode also stores P before this issue and fences
 // after it. The first version of this switch stored P after the issue, reading the A registers of the
 // wgmma in flight — undefined in PTX, though ptxas inserted no wait; the session-15 review.) The
-// partial-block V zeroing (its own warpgroup-1 barrier) stays in front of the stores. ptxas (first
-// version): no C7512 / C7519; spills 12 B in the plain 576 kernels (request prologue only), 40/56 B in
-// the staged 576 kernels (one LDL in the pair loop, at warpgroup 0's P0 V0_L issue).
+// partial-block V zeroing (its own warpgroup-1 barrier) stays in front of the stores. ptxas (bf16): no
+// C7512 / C7519; spill stores / loads 0 / 0 (plain 512), 12 / 12 B (plain 576), 28 / 44 (staged 512),
+// 48 / 64 (staged 576; the first version had 40 / 56 with one LDL in the pair loop).
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
 #define FLASHMLA_DENSE_DECODE_PV1_FIRST 0
