@@ -7,7 +7,8 @@
 #   d*    -> dense decode: benchmark + tests/gpu/test_dense_decode_gpu.py + the C++ §5.4 grid
 #            (tests/gpu/cpp, built in the variant's source tree with its AB_CUDA_FLAGS)
 #   p*    -> sparse prefill: benchmark + tests/gpu/test_sparse_prefill_gpu.py + the 617-case §5.3 grid
-# AB_TESTS=0: benchmarks only (a first call over many variants; test the winners in the next one).
+# AB_TESTS=0: benchmarks and a smoke test only (a first call over many variants; the winners get the
+# full tests in the next one).
 # Benchmark JSONs go to $AB_JSON/<variant>/ (default /tmp/j); compare them with bench/compare.py.
 set -uo pipefail
 v=${AB_VARIANT:?run under tools/ab-variants.sh}
@@ -24,7 +25,22 @@ want() { [ $fam = "$1" ] || { [ $fam = all ] && [[ " $fams " == *" $1 "* ]]; }; 
 want dense && bench bench_dense_decode.py
 want sparse && bench bench_sparse_decode.py
 want prefill && bench bench_sparse_prefill.py
-[ "${AB_TESTS:-1}" = 0 ] && exit $rc
+# AB_TESTS=0: only a smoke test of the variant's family (a few pytest cases, ~10 s), unless AB_SMOKE=0,
+# so that a variant that computes wrong results is caught in the benchmark call already.
+if [ "${AB_TESTS:-1}" = 0 ]; then
+  if [ "${AB_SMOKE:-1}" = 1 ]; then
+    case $fam in
+      dense) sel=(tests/gpu/test_dense_decode_gpu.py -k "page_block_sizes or regression4") ;;
+      sparse) sel=(tests/gpu/test_sparse_decode_gpu.py -k "correctness_grid or non_positive") ;;
+      prefill) sel=(tests/gpu/test_sparse_prefill_gpu.py -k "rescale_mid_row or (correctness_grid and h128)") ;;
+      *) sel=() ;;
+    esac
+    if [ ${#sel[@]} -gt 0 ]; then
+      timeout 120 python3 -m pytest "${sel[@]}" -q -x 2>&1 | tail -2; rc=$((rc | ${PIPESTATUS[0]}))
+    fi
+  fi
+  exit $rc
+fi
 case $fam in
   all)
     if [ "${AB_SKIP_SUITE:-0}" != 1 ]; then

@@ -110,6 +110,11 @@ constexpr bool kSrcAhead = FLASHMLA_PREFILL_SRC_AHEAD != 0;
 #endif
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
+// setmaxnreg takes multiples of 8 in [24, 256]; the producer may only give registers back and the
+// consumers only take (both from the 168 of the launch).
+static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24 && kProducerRegs <= 168,
+              "FLASHMLA_PREFILL_PRODUCER_REGS: a multiple of 8 in [24, 168]");
+static_assert(kConsumerRegs >= 168 && kConsumerRegs <= 256, "consumer registers out of setmaxnreg's range");
 
 // FLASHMLA_PREFILL_SCALE0_FIRST=1: warpgroup 0's Scale0 arrival is issued before the 32 exp2 of P0.
 // ptxas hoists those MUFU.EX2 (and their FADDs) above the bar.arrive that precedes them in the PTX,
@@ -132,11 +137,15 @@ constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
 #define FLASHMLA_PREFILL_PADDR 0
 #endif
 constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
-// FLASHMLA_PREFILL_P0_REUSE=1: when scale1 is exactly 1 for every row of the warp (the running max did
-// not move: with lazy rescaling nearly every pair once it has settled), warpgroup 0 stores the bf16 P0
-// fragments it already packed for its own P0 V0_L (a[][]) instead of multiplying P0 by scale1 and
-// packing it again: 32 FMUL + 16 F2FP fewer per pair between the Scale1 barrier and the P0 arrival that
-// warpgroup 1's P0 V0_R waits for. Bit-identical (s * 1.f == s); any other scale1 takes the old path.
+// FLASHMLA_PREFILL_P0_REUSE=1: warpgroup 0 stores P0 (unscaled, packed from the fp32 s) right after
+// issuing P0 V0_L, while it waits at the Scale1 barrier, and after the barrier rewrites it as
+// P0 * scale1 only when some row's scale1 is not exactly 1 (with lazy rescaling nearly every pair has
+// all ones once the max has settled): the 32 FMUL + 16 F2FP + 16 STS leave the stretch between the
+// Scale1 barrier and the P0 arrival that warpgroup 1's P0 V0_R waits for. The result is bit-identical
+// (s * 1.f == s). (The first version stored the packed fragments a[][] after the barrier: they are the
+// A operand of P0 V0_L, still in flight there, and reading them before its wait is undefined in PTX —
+// the session-15 review. Slab 8 of stage 0 is free once S0 is complete: warpgroup 1's P0 V0_R of the
+// previous pair finished before it released stage 0 part B, which S0 waited for.)
 #ifndef FLASHMLA_PREFILL_P0_REUSE
 #define FLASHMLA_PREFILL_P0_REUSE 0
 #endif
@@ -611,6 +620,23 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       }
       gmma::commit();
 
+      // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+      uint8_t* sP0 = sK + 8 * kSlabBytes;
+      auto store_p0 = [&](float f0, float f1) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const int key = 8 * t + 2 * tq;
+          uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
+                               : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
+          uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
+          *reinterpret_cast<uint32_t*>(q0) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * f0, s[4 * t + 1] * f0);
+          *reinterpret_cast<uint32_t*>(q1) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * f1, s[4 * t + 3] * f1);
+        }
+      };
+      // kP0Reuse: P0 as it is, stored while warpgroup 0 waits for scale1 (from the fp32 s: the packed
+      // fragments a[][] are the A operand of P0 V0_L in flight, not to be read before its wait).
+      if constexpr (kP0Reuse) store_p0(1.f, 1.f);
+
       named_barrier_sync(kBarScale1, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 5, t_wg == 0);
       float sc1[2];
@@ -619,28 +645,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         sc1[hh] = sS1[row_local[hh]];
         m_run[hh] = sM1[row_local[hh]];
       }
-      // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
-      uint8_t* sP0 = sK + 8 * kSlabBytes;
-      auto store_p0 = [&](auto reuse_c) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          const int key = 8 * t + 2 * tq;
-          uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
-                               : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
-          uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
-          if constexpr (decltype(reuse_c)::value) {  // scale1 == 1: P0's packed fragments as they are
-            *reinterpret_cast<uint32_t*>(q0) = a[t >> 1][(t & 1) * 2 + 0];
-            *reinterpret_cast<uint32_t*>(q1) = a[t >> 1][(t & 1) * 2 + 1];
-          } else {
-            *reinterpret_cast<uint32_t*>(q0) =
-                HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
-            *reinterpret_cast<uint32_t*>(q1) =
-                HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
-          }
-        }
-      };
-      if (kP0Reuse && __all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(std::true_type{});
-      else store_p0(std::false_type{});
+      // kP0Reuse: rewritten only when some row's scale1 is not 1 (the running max moved).
+      if (!kP0Reuse || !__all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(sc1[0], sc1[1]);
       gmma::fence_proxy_async();
       if (!nxt0) {  // the CTA's last pair: this warpgroup's row sums before scale1, and its true row max
 #pragma unroll

@@ -334,6 +334,29 @@ def test_regression9_storage_offsets_unaligned(h_q, d_qk):
     assert torch.equal(res[0], aligned[0]) and torch.equal(res[2], aligned[2])
 
 
+# The rescaling paths. With randn/10 data a row's logits stay far closer together than the lazy
+# rescaling's slack (the running max moves only by more than 8 in base 2), so every other test has
+# scale0 / scale1 exactly 0 or 1 and never rescales O. Here two tokens whose keys are all 1.0 / 2.0
+# sit at slots 70 (block 1) and 300 (block 4) of every row, and q (its offset removed) leans +0.05 on
+# the even heads and -0.05 on the odd ones: the even heads' max jumps by ~20 and ~40 (base 2) mid-row, the odd heads'
+# does not, so every warp holds rows that rescale next to rows that keep scale 1 (the case the
+# opt-in FLASHMLA_PREFILL_P0_REUSE distinguishes; session-15 review).
+@pytest.mark.parametrize("sink", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("d_qk,h_q", [(576, 128), (512, 64), (576, 16)])
+def test_rescale_mid_row(d_qk, h_q, sink):
+    case = Case(4242 + d_qk + h_q, s_q=8, s_kv=1024, topk=512, h_q=h_q, d_qk=d_qk, sink=sink)
+    lean = torch.where(torch.arange(h_q) % 2 == 0, 0.05, -0.05)
+    q = case.q.float()
+    case.q = (q - q.mean() + lean[None, :, None]).to(torch.bfloat16)  # without the per-tensor offset
+    case.kv[10] = 1.0
+    case.kv[20] = 2.0
+    case.indices[:, 0, 70] = 10
+    case.indices[:, 0, 300] = 20
+    out, ml, lse = check_case(case)
+    even, odd = ml[:, 0::2], ml[:, 1::2]
+    assert bool((even > odd + 10).all()), "the large tokens should dominate the even heads only"
+
+
 @pytest.mark.parametrize("sink_value", [math.inf, -math.inf, 3.0], ids=["+inf", "-inf", "finite"])
 @pytest.mark.parametrize("h_q", [32, 128])
 def test_sink_values(sink_value, h_q):
