@@ -81,6 +81,30 @@ def test_grid(case, dtype):
     compare(q, k, bt, ln, causal, out, lse)
 
 
+# The rescaling paths. With randn/10 data every logit of a row stays within the lazy rescaling's slack
+# (the running max moves only by more than 8 in base 2), so the other tests never rescale O. Here the
+# keys of tokens 100 (block 1) and 300 (block 4) of every request are all 6.0 / 16.0 and q (its mean
+# removed) leans +0.05 on the even heads and -0.05 on the odd ones: with the default scale 576^-0.5
+# the even heads' max jumps by ~10 and ~17 (base 2) mid-sequence, past the slack, the odd heads' does
+# not, so each warp holds rows that rescale (in either block of a pair) next to rows that keep scale 1.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pbs,h_q,s_q", [(64, 128, 1), (64, 64, 2), (32, 16, 4)])
+def test_rescale_mid_sequence(pbs, h_q, s_q, causal):
+    lens = [1000, 515, 301]
+    q, k, bt, ln = make_case(3, s_q, h_q, 1, 576, lens, pbs=pbs, seed=pbs + h_q + s_q)
+    lean = torch.where(torch.arange(h_q) % 2 == 0, 0.05, -0.05)
+    qf = q.float()
+    q = (qf - qf.mean() + lean[None, None, :, None]).to(q.dtype)
+    for i in range(3):
+        for tok, val in ((100, 6.0), (300, 16.0)):
+            k[bt[i, tok // pbs], tok % pbs] = val
+    out, lse = run(*to_cuda(q, k, bt, ln), causal)
+    torch.cuda.synchronize()
+    compare(q, k, bt, ln, causal, out, lse)
+    if not causal:  # (causal: the first query rows of a request may not reach token 300)
+        assert bool((lse[:, 0::2] > lse[:, 1::2] + 5).all()), "the large tokens should dominate the even heads only"
+
+
 @pytest.mark.parametrize("lens", [[0], [0, 300, 500], [300, 500, 0], [0, 0, 0, 0]], ids=str)
 def test_regression1_empty_requests(lens):
     q, k, bt, ln = make_case(len(lens), 2, 128, 1, 576, lens)
