@@ -31,7 +31,7 @@ if [ "${AB_TESTS:-1}" = 0 ]; then
   if [ "${AB_SMOKE:-1}" = 1 ]; then
     case $fam in
       dense) sel=(tests/gpu/test_dense_decode_gpu.py -k "page_block_sizes or regression4 or rescale") ;;
-      sparse) sel=(tests/gpu/test_sparse_decode_gpu.py -k "correctness_grid or non_positive") ;;
+      sparse) sel=(tests/gpu/test_sparse_decode_gpu.py -k "correctness_grid or non_positive or rescale") ;;
       prefill) sel=(tests/gpu/test_sparse_prefill_gpu.py -k "rescale_mid_row or (correctness_grid and h128)") ;;
       *) sel=() ;;
     esac

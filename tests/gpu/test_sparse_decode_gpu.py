@@ -70,7 +70,7 @@ class Scope:
 
 
 def gen_scope(rng, g, *, b, s_q, s_k, topk, pbs, d_qk, varlen=True, zero=False, all_invalid=False,
-              have_topk_length=False, topk_length=None, poison_beyond_length=True):
+              have_topk_length=False, topk_length=None, poison_beyond_length=True, spikes=()):
     lens = [max(int(rng.normalvariate(s_k, s_k / 2)), s_q) if varlen else s_k for _ in range(b)]
     if zero:
         lens = [0 if rng.random() < 0.5 else l for l in lens]
@@ -105,6 +105,9 @@ def gen_scope(rng, g, *, b, s_q, s_k, topk, pbs, d_qk, varlen=True, zero=False, 
     referenced = torch.zeros(nb * pbs, dtype=torch.bool)
     referenced[masked[masked >= 0]] = True
     cache.view(nb * pbs, d_qk)[~referenced] = float("nan")
+    for slot, value in spikes:  # (slot, value): the tokens at that slot of every row get keys of `value`
+        tok = masked[:, :, slot]
+        cache.view(nb * pbs, d_qk)[tok[tok >= 0]] = value
 
     if beyond.any() and poison_beyond_length:  # garbage past topk_length: never read
         garbage = torch.tensor([INT_MAX, SENTINEL, -2, -123456, nb * pbs, -1], dtype=torch.int64)
@@ -125,14 +128,14 @@ def gen_sink(g, h_q):
 
 class Case:
     def __init__(self, seed, *, b, s_q, h_q, d_qk, main, extra=None, topk_len=False, extra_topk_len=False,
-                 varlen=True, all_invalid=False, zero=False, sink=True, poison_beyond_length=True):
+                 varlen=True, all_invalid=False, zero=False, sink=True, poison_beyond_length=True, spikes=()):
         rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
         self.q = (torch.randn(b, s_q, h_q, d_qk, generator=g)).clamp(-1, 1).to(torch.bfloat16)
         self.sink = gen_sink(g, h_q) if sink else None
         s_k, topk, pbs = main
         self.main = gen_scope(rng, g, b=b, s_q=s_q, s_k=s_k, topk=topk, pbs=pbs, d_qk=d_qk, varlen=varlen, zero=zero,
                               all_invalid=all_invalid, have_topk_length=topk_len,
-                              poison_beyond_length=poison_beyond_length)
+                              poison_beyond_length=poison_beyond_length, spikes=spikes)
         self.extra = None
         if extra is not None:
             s_k, topk, pbs = extra
@@ -267,6 +270,23 @@ def test_non_positive_softmax_scale(scale, h_q, d_qk):
                 topk_len=True, extra_topk_len=extra is not None)
     case.scale = scale
     check_case(case)
+
+
+# The rescaling paths. With randn/10 keys every logit of a row stays within the lazy rescaling's slack
+# (the running max moves only by more than 8 in base 2), so the other tests never rescale O. Here the
+# tokens at slots 70 (block 1) and 300 (block 4) of every row get keys of all 8.0 / 24.0 (before the FP8
+# quantization) and q (scaled to randn/10) leans +0.05 on the even heads and -0.05 on the odd ones: the
+# even heads' max jumps by ~10 and ~20 (base 2) mid-row, the odd heads' does not. Plain (64 heads) and
+# cluster (128) kernels, both formats.
+@pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512)])
+def test_rescale_mid_row(h_q, d_qk):
+    extra = (300, 128, 64) if d_qk == 512 else None
+    case = Case(2000 + h_q + d_qk, b=4, s_q=2, h_q=h_q, d_qk=d_qk, main=(2000, 512, 64), extra=extra,
+                varlen=False, sink=False, spikes=((70, 8.0), (300, 24.0)))
+    lean = torch.where(torch.arange(h_q) % 2 == 0, 0.05, -0.05)
+    case.q = (case.q.float() / 10 + lean[None, None, :, None]).to(torch.bfloat16)  # (q here is randn, not /10)
+    out, lse, _, _ = check_case(case)
+    assert bool((lse[:, 0::2] > lse[:, 1::2] + 5).all()), "the large tokens should dominate the even heads only"
 
 
 # ----------------------------------------------------------------------------- regressions
