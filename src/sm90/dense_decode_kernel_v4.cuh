@@ -696,31 +696,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPv1First) {
           if (has1) {
             float rs[2] = {0.f, 0.f};
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                s[4 * t + e] = exp2f(s[4 * t + e] - m1u[e >> 1]);
-                rs[e >> 1] += s[4 * t + e];
-              }
-              a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
-              a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
-            }
+            seesaw::exp_pack<false, T>(s, 0.f, m1u, rs, a);
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
             if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
             // P1's stores before the issue (reading the A registers of a wgmma in flight is undefined in
             // PTX; review of session 15), the proxy fence after it: the fence (MEMBAR), not the stores,
             // is what held the issue back.
-            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;  // P1 -> slab 8 of stage 1, as exp_pack_store_p
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-              const int key = 8 * t + 2 * tq;
-              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
-                  a[t >> 1][(t & 1) * 2 + 0];
-              *reinterpret_cast<uint32_t*>(sP1 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
-                  a[t >> 1][(t & 1) * 2 + 1];
-            }
+            seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
             gmma::reg_fence(o);
             gmma::fence();
             pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));

@@ -119,31 +119,6 @@ __device__ __forceinline__ void raw_rowmax(const float (&s)[32], float (&mx)[2])
   }
   quad_rowmax(mx);
 }
-/// P = exp2(S * c - m) (kFold: S unscaled, one FFMA) or exp2(S - m) (S already scaled to base 2)
-/// for the thread's two rows, row sums into rs, packed as the P V A-operand fragments `a`.
-template <bool kFold>
-__device__ __forceinline__ void exp_pack(float (&s)[32], float c, const float (&m)[2], float (&rs)[2],
-                                         uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] = kFold ? exp2f(fmaf(s[4 * t + e], c, -m[e >> 1])) : exp2f(s[4 * t + e] - m[e >> 1]);
-      rs[e >> 1] += s[4 * t + e];
-    }
-    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
-    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
-  }
-}
-/// P (the fragments `a`) into the 128B-swizzled slab sP, as seesaw::exp_pack_store_p stores it.
-__device__ __forceinline__ void store_p(const uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    const int key = 8 * t + 2 * tq;
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
-  }
-}
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
 /// groups (64 bytes, bf16 chunks 8d .. 8d + 7); part A is groups 0-3 (dims 0-255), part B groups
@@ -727,9 +702,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint32_t a[4][4];
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
         if constexpr (kFastSoftmax || kPAfterPv) {
-          if (fold) exp_pack<true>(s, p.scale_log2, mu, rs, a);
-          else exp_pack<false>(s, 0.f, mu, rs, a);
-          store_p(a, sP, row_local, tq);
+          if (fold) seesaw::exp_pack<true>(s, p.scale_log2, mu, rs, a);
+          else seesaw::exp_pack<false>(s, 0.f, mu, rs, a);
+          seesaw::store_p(a, sP, row_local, tq);
           if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
         } else {
           exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
@@ -786,9 +761,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           uint32_t a[4][4];
           uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
           if constexpr (kFastSoftmax || kPAfterPv) {
-            if (fold) exp_pack<true>(s, p.scale_log2, mu, rs, a);
-            else exp_pack<false>(s, 0.f, mu, rs, a);
-            store_p(a, sP, row_local, tq);
+            if (fold) seesaw::exp_pack<true>(s, p.scale_log2, mu, rs, a);
+            else seesaw::exp_pack<false>(s, 0.f, mu, rs, a);
+            seesaw::store_p(a, sP, row_local, tq);
             if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
           } else {
             exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);

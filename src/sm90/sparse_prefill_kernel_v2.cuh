@@ -215,15 +215,9 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
 // (rows r and r + 8 share r & 7, so the swizzle is the same).
 __device__ __forceinline__ void exp_pack_store_p_xor(float (&s)[32], const float (&m)[2], float (&rs)[2],
                                                      uint32_t (&a)[4][4], uint8_t* sP, uint32_t p_off) {
+  seesaw::exp_pack<false>(s, 0.f, m, rs, a);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
-      rs[e >> 1] += s[4 * t + e];
-    }
-    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
-    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
     uint8_t* q = sP + (p_off ^ static_cast<uint32_t>(t << 4));
     *reinterpret_cast<uint32_t*>(q) = a[t >> 1][(t & 1) * 2 + 0];
     *reinterpret_cast<uint32_t*>(q + 1024) = a[t >> 1][(t & 1) * 2 + 1];
