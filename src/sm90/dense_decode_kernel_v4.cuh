@@ -199,7 +199,7 @@ constexpr bool kEarlyMeta = FLASHMLA_DENSE_DECODE_EARLY_META != 0;
 // the read-back is exact; `__syncwarp` orders the tq == 0 lanes' stores before the other lanes' loads.
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_SCALE0_EARLY
-#define FLASHMLA_DENSE_DECODE_SCALE0_EARLY 0
+#define FLASHMLA_DENSE_DECODE_SCALE0_EARLY 1
 #endif
 constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
 
@@ -217,7 +217,7 @@ constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
 // and row (blocks are issued only below n_blk, so the box starts before seqlen).
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_ISSUE_FAST
-#define FLASHMLA_DENSE_DECODE_ISSUE_FAST 0
+#define FLASHMLA_DENSE_DECODE_ISSUE_FAST 1
 #endif
 constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
 
@@ -232,7 +232,7 @@ constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
 // latency stays hidden. Warpgroup 1 reads them inside `has1`: without block 1 there is no next pair.
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_PAGE_LATE
-#define FLASHMLA_DENSE_DECODE_PAGE_LATE 0
+#define FLASHMLA_DENSE_DECODE_PAGE_LATE 1
 #endif
 constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
 
@@ -249,7 +249,7 @@ constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
 // 48 / 64 (staged 576; the first version had 40 / 56 with one LDL in the pair loop).
 // 0 (default) = the kernel measured in session 14.
 #ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
-#define FLASHMLA_DENSE_DECODE_PV1_FIRST 0
+#define FLASHMLA_DENSE_DECODE_PV1_FIRST 1
 #endif
 constexpr bool kPv1First = FLASHMLA_DENSE_DECODE_PV1_FIRST != 0;
 

@@ -134,7 +134,7 @@ constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
 // instructions per thread and warpgroup: in warpgroup 0 between the wgmmas of P0 V0_L, ahead of its P0
 // stores; in warpgroup 1 among P1's exps, ahead of P1 V1_R). Now 7 LOP3 per pair.
 #ifndef FLASHMLA_PREFILL_PADDR
-#define FLASHMLA_PREFILL_PADDR 0
+#define FLASHMLA_PREFILL_PADDR 1
 #endif
 constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
 // FLASHMLA_PREFILL_P0_REUSE=1: warpgroup 0 stores P0 (unscaled, packed from the fp32 s) right after
@@ -147,7 +147,7 @@ constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
 // the session-15 review. Slab 8 of stage 0 is free once S0 is complete: warpgroup 1's P0 V0_R of the
 // previous pair finished before it released stage 0 part B, which S0 waited for.)
 #ifndef FLASHMLA_PREFILL_P0_REUSE
-#define FLASHMLA_PREFILL_P0_REUSE 0
+#define FLASHMLA_PREFILL_P0_REUSE 1
 #endif
 constexpr bool kP0Reuse = FLASHMLA_PREFILL_P0_REUSE != 0;
 // Alone it would move the address arithmetic of the P0 stores behind the Scale1 barrier (the compiler
