@@ -10,7 +10,12 @@ PyPI package nvidia-cutlass, as CMakeLists.txt finds them, or --cutlass DIR); no
 
 The nvcc flags mirror CMakeLists.txt's for the flashmla_core CUDA sources.
 
+With --sass DIR it also writes each unit's machine code (cuobjdump -sass, needs cuobjdump on PATH or
+in CUDA's bin; the PyPI wheel nvidia-cuda-cuobjdump has one) to DIR/<unit>.sass, so that a refactor
+can be proven to leave the kernels unchanged: run before and after, then `diff -r BEFORE AFTER`.
+
 Usage: python3 tools/check-ptxas.py [--cutlass DIR] [--jobs N] [--only NAME ...] [--include DIR] [-D NAME=VALUE]
+                                    [--sass DIR]
 """
 import argparse
 import concurrent.futures
@@ -45,12 +50,26 @@ def find_cutlass(explicit):
         return local if os.path.isdir(local) else None
 
 
-def compile_one(nvcc, cutlass, src, outdir, extra=()):
+def find_cuobjdump(nvcc):
+    for c in (shutil.which("cuobjdump"), os.path.join(os.path.dirname(nvcc), "cuobjdump")):
+        if c and os.path.exists(c):
+            return c
+    return None
+
+
+def compile_one(nvcc, cutlass, src, outdir, extra=(), sass_dir=None, cuobjdump=None):
     obj = os.path.join(outdir, os.path.basename(src) + ".o")
     cmd = [nvcc, *FLAGS, *extra, "-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
            "-isystem", cutlass, "-c", src, "-o", obj]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    return src, r.returncode, r.stdout + r.stderr
+    log = r.stdout + r.stderr
+    if r.returncode == 0 and sass_dir:
+        d = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True)
+        if d.returncode != 0:
+            return src, d.returncode, log + d.stderr
+        with open(os.path.join(sass_dir, os.path.basename(src)[:-3] + ".sass"), "w") as f:
+            f.write(d.stdout)
+    return src, r.returncode, log
 
 
 def parse(log):
@@ -97,6 +116,7 @@ def main():
     ap.add_argument("--include", action="append", default=[],
                     help="a folder searched before src/ (a kernel variant: DIR/sm90/<file>.cuh)")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="extra macro definitions (NAME=VALUE)")
+    ap.add_argument("--sass", metavar="DIR", help="also write each unit's SASS (cuobjdump -sass) to DIR/<unit>.sass")
     a = ap.parse_args()
     nvcc = find_nvcc()
     if nvcc is None:
@@ -106,6 +126,13 @@ def main():
     if not cutlass or not os.path.exists(os.path.join(cutlass, "cute", "tensor.hpp")):
         print("check-ptxas: CUTLASS headers not found (pip install --no-deps 'nvidia-cutlass>=4.2,<5' or --cutlass DIR)")
         return 1
+    cuobjdump = None
+    if a.sass:
+        cuobjdump = find_cuobjdump(nvcc)
+        if cuobjdump is None:
+            print("check-ptxas: --sass needs cuobjdump (pip download nvidia-cuda-cuobjdump; put its bin/ on PATH)")
+            return 1
+        os.makedirs(a.sass, exist_ok=True)
     srcdir = os.path.join(ROOT, "src", "sm90")
     srcs = sorted(os.path.join(srcdir, f) for f in os.listdir(srcdir) if f.endswith(".cu"))
     if a.only:
@@ -113,7 +140,7 @@ def main():
     failed = []
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as ex:
         extra = ["-I" + d for d in a.include] + ["-D" + d for d in a.defines]
-        results = list(ex.map(lambda s: compile_one(nvcc, cutlass, s, tmp, extra), srcs))
+        results = list(ex.map(lambda s: compile_one(nvcc, cutlass, s, tmp, extra, a.sass, cuobjdump), srcs))
     rows = {}
     for src, rc, log in results:
         if rc != 0:
