@@ -14,7 +14,7 @@
 #   bash tools/ab-variants.sh tools/tmp/variants python3 bench/quick_sparse_decode.py
 # Logs: $OUT/ab-<name>-build.log and $OUT/ab-<name>.log (OUT defaults to /tmp/out).
 # A variant may hold a file `env` (KEY=VALUE lines): exported for its runs (switches read per call).
-# A variant may also (or only) hold a file `cuda-flags` (e.g. "-DFLASHMLA_DENSE_DECODE_SPREAD_ISSUE=1"):
+# A variant may also (or only) hold a file `cuda-flags` (e.g. "-DFLASHMLA_SOME_SWITCH=1"):
 # its content becomes CMAKE_CUDA_FLAGS of that build and AB_CUDA_FLAGS of its runs (for builds the
 # command makes itself, e.g. the C++ GPU tests) — the way to A/B the opt-in macros of the kernels.
 # To fill VARIANTS_DIR from git branches (here, before the device call):

@@ -232,7 +232,6 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.block_table = static_cast<const int32_t*>(p.block_table.data);
     kp.bt_stride_b = p.block_table.stride[0];
     kp.bt_stride_j = p.block_table.stride[1];
-    kp.bt_cols = static_cast<int>(std::min<int64_t>(p.block_table.shape[1], INT32_MAX));
     kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
     kp.out = p.out.data;
     kp.o_stride_b = p.out.stride[0];

@@ -40,7 +40,6 @@ struct DenseDecodeKernelParams {
   int flags;         // DenseTuning bits
   int tma_ok;        // v4: a K tensor map was encoded (strides / page size allow TMA)
   int tma_box_tok;   // v4: tokens per TMA box = min(page_block_size, 64)
-  int bt_cols;       // block_table.shape[1] (v4 with FLASHMLA_DENSE_DECODE_EARLY_META: bounds its early page reads)
 };
 
 /// Tuning switches of the main kernels (benchmarks A/B them in one process).

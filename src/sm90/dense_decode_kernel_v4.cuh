@@ -153,105 +153,17 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
-// Opt-in experiment (session 14, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the stage
-// reloads of the pair loop are issued by lane 0 of every warp of the warpgroup that frees the slabs,
-// one or two slabs each, instead of all of them by the warpgroup's first thread (tid 0 / 128), and a
-// request's first two blocks (18 slabs, issued by tid 0 while the whole CTA waits at the barrier after
-// the Q copy) by lane 0 of all eight warps, two or three slabs each. Session 14 found the issuing
-// thread's instructions on the critical path (taking the divisions off it: dense x1.079); spread over
-// the warps, the longest serial issue per warp drops from 5 slabs to 2 in the pair loop and from 18 to
-// 3 per request. ptxas: spills only in the staged 512 kernels (20/28 bytes, 8/8 by default; one STL inside
-// the pair loop, the rest after it).
-// 0 (default) = the kernel measured in session 14.
-#ifndef FLASHMLA_DENSE_DECODE_SPREAD_ISSUE
-#define FLASHMLA_DENSE_DECODE_SPREAD_ISSUE 0
-#endif
-constexpr bool kSpreadIssue = FLASHMLA_DENSE_DECODE_SPREAD_ISSUE != 0;
-
-// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = shorter chains
-// of dependent global loads before a request's first K bytes are requested. The default kernel waits
-// for five global-memory round trips in series before tid 0 issues the first TMA load of a CTA
-// (SASS: meta[0] -> the early-exit test -> meta[1] -> the request-loop test -> meta[2..6] -> seqlens /
-// num_splits of the request -> `n_blk > 0` -> block_table -> TMA), and for two per later request
-// (seqlens -> block_table), plus one more for the second block's page, read only after the first
-// block's nine TMA issues. With 1: all seven metadata words are loaded back to back by every thread
-// before the barrier initialisation (one round trip, under the __syncthreads), and at each request's
-// top the length, the split offset and the pages of its first two blocks are read together, the pages
-// speculatively (bounded by the block table's width, bt_cols; used only when the block exists): two
-// round trips before the first TMA of a CTA, one per later request. A round trip is ~0.6-1 us on an
-// H200 with cold L2 (the benchmarks flush 8 GB before each call) and more under load, while a short
-// request (s_k 256-1024) runs for ~10-20 us: the whole-call cases at 0.72-0.81x are the target.
-#ifndef FLASHMLA_DENSE_DECODE_EARLY_META
-#define FLASHMLA_DENSE_DECODE_EARLY_META 0
-#endif
-constexpr bool kEarlyMeta = FLASHMLA_DENSE_DECODE_EARLY_META != 0;
-
-// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 0's
-// exps of P0 take m0 read back from shared memory (sM0, written just before the Scale0 arrival) instead
-// of the register copy. Why: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
-// P1 V1_R, and in the source the arrival comes right after the sM0 / sS0 stores, before P0's 32 exp2f;
-// but ptxas schedules all of P0's MUFU.EX2 and the row-sum adds above the BAR.ARV (bf16 576: 128
-// instructions, 34 MUFU from the first row-max shuffle to the arrival). A load after the barrier that
-// the exps depend on keeps them below it (28 instructions, 2 MUFU: the scale0 exps). Cost: two LDS
-// (plus a compare / select each) on warpgroup 0's path to P0 V0_L. A conditional branch between the
-// arrival and the exps (the `__any_sync` rescale moved up) did not work: ptxas hoisted the exps
-// across it. m0 is the same value in every lane of a quad (mx is quad-reduced, m_run per row), so
-// the read-back is exact; `__syncwarp` orders the tq == 0 lanes' stores before the other lanes' loads.
-// 0 (default) = the kernel measured in session 14.
-#ifndef FLASHMLA_DENSE_DECODE_SCALE0_EARLY
-#define FLASHMLA_DENSE_DECODE_SCALE0_EARLY 1
-#endif
-constexpr bool kScale0Early = FLASHMLA_DENSE_DECODE_SCALE0_EARLY != 0;
-
-// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = when the page
-// size is a power of two >= 64 (64 / 128 / 256: every anchor case), a block is one TMA box per slab,
-// and `issue` takes a straight-line path: row in page by one mask, transaction bytes a constant, no
-// box loop (its counter, the n_boxes / tx arithmetic, the `j == 0` page select, the page_row branch
-// and their reconvergence). Session 14 found the issuing thread's instructions on the critical path
-// (the divisions off it: x1.079); this removes most of what remains besides the per-slab arrival and
-// TMA issue (bf16 576, pbs 64, from the wgmma wait to the end of the call: 4 slabs ~91 -> 65 dynamic
-// instructions, 5 slabs ~103 -> 77, slab 8 alone ~55 -> 29; per pair tid 0 runs ~237 -> 159 of them,
-// tid 128 ~194 -> 142). Other page sizes (16 / 32: several boxes per slab; 192, 320, ...: divisions)
-// keep the loop. Composes with SPREAD_ISSUE (its 1-2 slab calls are mostly that per-call overhead).
-// The fast path does exactly what the loop does for one box: tx = 1 box * 64 rows * 128 B, same page
-// and row (blocks are issued only below n_blk, so the box starts before seqlen).
-// 0 (default) = the kernel measured in session 14.
-#ifndef FLASHMLA_DENSE_DECODE_ISSUE_FAST
-#define FLASHMLA_DENSE_DECODE_ISSUE_FAST 1
-#endif
-constexpr bool kIssueFast = FLASHMLA_DENSE_DECODE_ISSUE_FAST != 0;
-
-// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = the issuing
-// threads read the next pair's two page ids (block table loads with their 64-bit address arithmetic,
-// ~40 instructions with two branches) while their warpgroup's S is in flight, between the S chain's
-// commit and its wait, instead of at the top of the pair, in front of the S chain. Why: every wgmma
-// of the chain is issued only when all four warps reach it, so the issuing warp's extra instructions
-// before the first S wgmma delay the whole warpgroup (warp 0 of warpgroup 0 also just issued stage
-// 1's reload there); after the commit the warp would only wait. The ids are first used by the
-// reloads after P0 V0_L (warpgroup 0) / P1 V1_R (warpgroup 1), far behind the S wait, so the load
-// latency stays hidden. Warpgroup 1 reads them inside `has1`: without block 1 there is no next pair.
-// 0 (default) = the kernel measured in session 14.
-#ifndef FLASHMLA_DENSE_DECODE_PAGE_LATE
-#define FLASHMLA_DENSE_DECODE_PAGE_LATE 1
-#endif
-constexpr bool kPageLate = FLASHMLA_DENSE_DECODE_PAGE_LATE != 0;
-
-// Opt-in experiment (session 15, compiled and ptxas-checked, NOT yet run on a GPU): 1 = warpgroup 1
-// issues P1 V1_R (P1 from registers) right after storing P1 to shared memory, and only then fences the
-// stores for the async proxy and announces P1 (kBarP1). Why: in the default order P1 V1_R waited for
-// the 16 STS, the proxy fence (MEMBAR) and the arrival; the fence is the slow part. The cost is P1's
-// announcement later by the four wgmma issues, and warpgroup 0 consumes P1 (P1 V1_L) only behind
-// P1 V1_R in the pipe anyway. (FlashMLA's dense decode also stores P before this issue and fences
-// after it. The first version of this switch stored P after the issue, reading the A registers of the
-// wgmma in flight — undefined in PTX, though ptxas inserted no wait; the session-15 review.) The
-// partial-block V zeroing (its own warpgroup-1 barrier) stays in front of the stores. ptxas (bf16): no
-// C7512 / C7519; spill stores / loads 0 / 0 (plain 512), 12 / 12 B (plain 576), 28 / 44 (staged 512),
-// 48 / 64 (staged 576; the first version had 40 / 56 with one LDL in the pair loop).
-// 0 (default) = the kernel measured in session 14.
-#ifndef FLASHMLA_DENSE_DECODE_PV1_FIRST
-#define FLASHMLA_DENSE_DECODE_PV1_FIRST 1
-#endif
-constexpr bool kPv1First = FLASHMLA_DENSE_DECODE_PV1_FIRST != 0;
+// Session 15's changes to the issuing threads and the pair loop, unconditional since the session-16 A/B
+// on an H200 (all four together x1.023 kernel geomean over 44 cases, compute-bound cases +3-7%); each is
+// explained where it is done. Formerly the switches FLASHMLA_DENSE_DECODE_...
+//   ISSUE_FAST: `issue`'s straight-line path for one TMA box per slab;
+//   PAGE_LATE: the next pair's page ids read while the S chain is in flight (`read_next_pages`);
+//   SCALE0_EARLY: warpgroup 0 reads m0 back from shared memory after the Scale0 arrival;
+//   PV1_FIRST: warpgroup 1 issues P1 V1_R before P1's proxy fence and announcement.
+// Dropped after the same A/B:
+//   EARLY_META (the metadata and a request's first pages read speculatively up front): x0.998 (b128 s_k
+//     256 whole calls -2.6%);
+//   SPREAD_ISSUE (the stage reloads issued by lane 0 of every warp instead of by one thread): x0.995.
 
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
@@ -301,13 +213,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
   const int gq = lane / 4, tq = lane % 4;
 
-  // kEarlyMeta: the part's metadata row is requested before the barrier initialisation, all seven
-  // words back to back (volatile asm loads: the compiler may not sink them past the early exit).
-  int meta_w[7];
-  if constexpr (kEarlyMeta) {
-#pragma unroll
-    for (int i = 0; i < 7; ++i) meta_w[i] = ld_global_s32(p.tile_scheduler_metadata + part * 8 + i);
-  }
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < 18; ++i) dense_tma::mbar_init(bar_u + 8 * i, 1);
@@ -317,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
-  const int32_t* meta = kEarlyMeta ? meta_w : p.tile_scheduler_metadata + part * 8;
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) return;
@@ -331,8 +236,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool pbs_pow2 = (pbs & (pbs - 1)) == 0;
   const int lg_pbs = __ffs(pbs) - 1;
   const int lg_box = __ffs(box_tok) - 1;
-  // kIssueFast: one box of 64 tokens per slab, row in page by a mask (box_tok == 64 iff pbs >= 64).
-  const bool one_box = kIssueFast && pbs_pow2 && box_tok == kBlockN;
+  // One box of 64 tokens per slab, row in page by a mask (box_tok == 64 iff pbs >= 64): `issue`'s fast path.
+  const bool one_box = pbs_pow2 && box_tok == kBlockN;
 
   int row_local[2], row_global[2], row_sq[2];
 #pragma unroll
@@ -343,30 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   for (int req = begin_req; req <= end_req; ++req) {
-    // kEarlyMeta: the pages of the request's first two blocks, read by the threads that issue their
-    // TMA loads (tid 0 both; with kSpreadIssue lane 0 of warps 0-3 block 0's, of warps 4-7 block 1's)
-    // right behind the length and the split offset, before it is known whether the blocks exist; a
-    // page index past the block table's width is not read (0 instead, never used: such a block would
-    // lie past seqlen). Scalars only (an array indexed by warp would live in local memory).
-    int pg_first0 = 0, pg_first1 = 0, seqlen_e = 0, splits_e = 0;
-    if constexpr (kEarlyMeta) {
-      seqlen_e = ld_global_s32(p.seqlens + req);
-      splits_e = ld_global_s32(p.num_splits + req);
-      const int blk_lo = req == begin_req ? begin_blk : 0;
-      const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-      auto page_early = [&](int blk) {
-        const int tok = blk * kBlockN;
-        const int pi = pbs_pow2 ? (tok >> lg_pbs) : tok / pbs;
-        return pi < p.bt_cols ? ld_global_s32(bt_row + static_cast<int64_t>(pi) * p.bt_stride_j) : 0;
-      };
-      if (kSpreadIssue) {
-        if (lane == 0) pg_first0 = page_early(blk_lo + (warp >> 2));  // this warp's block
-      } else if (tid == 0) {
-        pg_first0 = page_early(blk_lo);
-        pg_first1 = page_early(blk_lo + 1);
-      }
-    }
-    const int seqlen = max(kEarlyMeta ? seqlen_e : p.seqlens[req], 0);
+    const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
     int blk_hi = req == end_req ? end_blk : n_blk_req;
@@ -376,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (req == begin_req) no_split = !first_splitted;
     else if (req == end_req) no_split = !last_splitted;
     else no_split = true;
-    const int split_slot = (kEarlyMeta ? splits_e : p.num_splits[req]) + (req == begin_req ? begin_split : 0);
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
 
     int limit[2];
 #pragma unroll
@@ -406,18 +288,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (read ahead by the caller); with pages of 16/32 tokens the others are read here. No integer
     // division on this path when pbs is a power of two, and the slab loop is unrolled (lo / hi are
     // constants at every call site): what remains per slab is the barrier arrival and the TMA issue.
+    // one_box (pbs a power of two >= 64: 64 / 128 / 256, every anchor case) takes a straight-line path
+    // that does what the loop does for one box (tx = 64 rows * 128 B, same page and row) without the
+    // loop's counter, the n_boxes / tx arithmetic, the `j == 0` page select, the page_row branch and
+    // their reconvergence. The issuing thread's instructions are on the critical path (session 14);
+    // bf16 576, pbs 64: 4 slabs ~91 -> 65 dynamic instructions, per pair tid 0 ~237 -> 159, tid 128
+    // ~194 -> 142. Other page sizes (16 / 32: several boxes per slab; 192, 320, ...) keep the loop.
     auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
-      if constexpr (kIssueFast) {
-        if (one_box) {  // blk < n_blk: the box starts before seqlen; it ends inside its page (pbs % 64 == 0)
-          const int tip = (blk * kBlockN) & (pbs - 1);
-          const uint32_t fbar0 = bar_u + stage * (9 * 8), fdst = sK_u + stage * kSmemK;
+      if (one_box) {  // blk < n_blk: the box starts before seqlen; it ends inside its page (pbs % 64 == 0)
+        const int tip = (blk * kBlockN) & (pbs - 1);
+        const uint32_t fbar0 = bar_u + stage * (9 * 8), fdst = sK_u + stage * kSmemK;
 #pragma unroll
-          for (int s = lo; s < min(hi, kSlabs); ++s) {
-            dense_tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
-            dense_tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
-          }
-          return;
+        for (int s = lo; s < min(hi, kSlabs); ++s) {
+          dense_tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
+          dense_tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
         }
+        return;
       }
       const int nb = n_boxes(blk);
       const uint32_t tx = static_cast<uint32_t>(nb) << (lg_box + 7);  // nb * box_tok * 128 bytes
@@ -454,20 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? src + c * 8 : src, valid);
       }
       cp_async_commit();
-      if constexpr (kSpreadIssue) {
-        // Lane 0 of warp w: stage w / 4, slabs w % 4 and w % 4 + 4 (and slab 8 for w % 4 == 0).
-        const int st = warp >> 2, q4 = warp & 3;
-        if (lane == 0 && (st == 0 || n_blk > 1)) {
-          const int blk = blk_lo + st, pg = kEarlyMeta ? pg_first0 : page_of(blk, 0);
-          issue(blk, st, q4, q4 + 1, pg);
-          issue(blk, st, q4 + 4, q4 + 5, pg);
-          if (q4 == 0) issue(blk, st, 8, 9, pg);
-        }
-      } else {
-        if (tid == 0) {
-          issue(blk_lo, 0, 0, 9, kEarlyMeta ? pg_first0 : page_of(blk_lo, 0));
-          if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, kEarlyMeta ? pg_first1 : page_of(blk_lo + 1, 0));
-        }
+      if (tid == 0) {
+        issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
+        if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
       }
       cp_async_wait<0>();
       gmma::fence_proxy_async();
@@ -481,51 +356,37 @@ __global__ void __launch_bounds__(kThreads, 1)
     float l_run[2] = {0.f, 0.f};
     const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
     float s[32];
-    // Warpgroup 0's whole S0 over stage 0 (each slab after its TMA barrier), waited.
-    auto s0_whole = [&]() {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = 0.f;
-      gmma::reg_fence(s);
-      s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      phase ^= 1u;
-    };
 
     for (int j = 0; 2 * j < n_blk; ++j) {
       const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
       const bool has1 = 2 * j + 1 < n_blk, nxt0 = 2 * j + 2 < n_blk, nxt1 = 2 * j + 3 < n_blk;
       const int tok0 = b0 * kBlockN, tok1 = tok0 + kBlockN;
       const int valid0 = min(seqlen - tok0, kBlockN), valid1 = min(seqlen - tok1, kBlockN);
-      // Page ids of the next pair, read early by the issuing threads (kSpreadIssue: every warp's lane 0).
+      // Page ids of the next pair, read by the issuing threads (tid 0 / 128) between their warpgroup's S
+      // chain commit and its wait. Every wgmma of the chain is issued only when all four warps reach it,
+      // so these ~40 instructions (block-table loads with their 64-bit address arithmetic, two branches)
+      // in front of the first S wgmma delayed the whole warpgroup, while after the commit the warp only
+      // waits. The ids are first used by the reloads after P0 V0_L (warpgroup 0) / P1 V1_R (warpgroup 1),
+      // far behind the S wait, so the load latency stays hidden.
       int pgA = 0, pgB = 0;
-      if (!kPageLate && (kSpreadIssue ? lane == 0 : t_wg == 0)) {
-        if (nxt0) pgA = page_of(b0 + 2, 0);
-        if (nxt1) pgB = page_of(b1 + 2, 0);
-      }
-      // kPageLate: the same reads, called between an S chain's commit and its wait.
-      auto read_pages_late = [&]() {
-        if (kSpreadIssue ? lane == 0 : t_wg == 0) {
+      auto read_next_pages = [&]() {
+        if (t_wg == 0) {
           if (nxt0) pgA = page_of(b0 + 2, 0);
           if (nxt1) pgB = page_of(b1 + 2, 0);
         }
       };
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
-        if constexpr (kPageLate) {  // s0_whole with the page reads while S0 is computed
+        // S0 over stage 0, each slab after its TMA barrier; the next pair's page ids read while it runs.
 #pragma unroll
-          for (int i = 0; i < 32; ++i) s[i] = 0.f;
-          gmma::reg_fence(s);
-          s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
-          gmma::commit();
-          read_pages_late();
-          gmma::wait<0>();
-          gmma::reg_fence(s);
-          phase ^= 1u;
-        } else {
-          s0_whole();
-        }
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+        gmma::reg_fence(s);
+        s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+        gmma::commit();
+        read_next_pages();
+        gmma::wait<0>();
+        gmma::reg_fence(s);
+        phase ^= 1u;
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -545,14 +406,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         bar_arrive(kBarScale0, kThreads);
 
-        if constexpr (kScale0Early) {
-          // m0 read back: a load after the arrival that the exps depend on (kScale0Early above)
-          __syncwarp();
+        // m0 read back from sM0: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
+        // P1 V1_R, but with the register copy of m0 ptxas scheduled all of P0's MUFU.EX2 and the row-sum
+        // adds above the BAR.ARV (bf16 576: 128 instructions, 34 MUFU from the first row-max shuffle to
+        // the arrival); a load after the arrival that the exps depend on keeps them below it (28
+        // instructions, 2 MUFU: the scale0 exps). Cost: two LDS (and a compare / select each). A branch
+        // between the arrival and the exps did not work: ptxas hoisted the exps across it. Exact: m0 is
+        // the same in every lane of a quad; `__syncwarp` orders the tq == 0 lanes' stores before the loads.
+        __syncwarp();
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float m0 = sM0[row_local[hh]];
-            m0u[hh] = m0 == -INFINITY ? 0.f : m0;
-          }
+        for (int hh = 0; hh < 2; ++hh) {
+          const float m0 = sM0[row_local[hh]];
+          m0u[hh] = m0 == -INFINITY ? 0.f : m0;
         }
         float rs[2] = {0.f, 0.f};
         uint32_t a[4][4];
@@ -605,11 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if constexpr (kSpreadIssue) {
-          if (lane == 0 && nxt0) issue(b0 + 2, 0, wq, wq + 1, pgA);  // stage 0 slabs 0-3 are free
-        } else {
-          if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
-        }
+        if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
         if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
@@ -631,16 +492,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(o);
-          if constexpr (kSpreadIssue) {
-            if (lane == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-              issue(b1 + 2, 1, wq, wq + 1, pgB);
-              if (wq == 0) issue(b1 + 2, 1, 8, 9, pgB);
-            }
-          } else {
-            if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
-              issue(b1 + 2, 1, 0, 4, pgB);
-              issue(b1 + 2, 1, 8, 9, pgB);
-            }
+          if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
+            issue(b1 + 2, 1, 0, 4, pgB);
+            issue(b1 + 2, 1, 8, 9, pgB);
           }
         }
       } else {
@@ -652,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::reg_fence(s);
           s_chain_wg1<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
           gmma::commit();
-          if constexpr (kPageLate) read_pages_late();  // while S1 is computed
+          read_next_pages();  // while S1 is computed; without block 1 there is no next pair
           gmma::wait<0>();
           gmma::reg_fence(s);
           phase ^= 1u;
@@ -692,43 +546,28 @@ __global__ void __launch_bounds__(kThreads, 1)
             o[4 * i + 3] *= c[1];
           }
         }
+        // P1 V1_R (P1 from registers) is issued right after P1's stores to shared memory; only then are
+        // the stores fenced for the async proxy and P1 announced (kBarP1): the fence (MEMBAR), not the
+        // stores, is what held the issue back. P1's announcement comes later by the four wgmma issues,
+        // but warpgroup 0 consumes P1 (P1 V1_L) only behind P1 V1_R in the pipe anyway; FlashMLA's dense
+        // decode orders it the same way. The stores stay in front of the issue: reading the A registers
+        // of a wgmma in flight is undefined in PTX (session-15 review). The partial-block V zeroing (its
+        // own warpgroup-1 barrier) comes before the stores.
         uint32_t a[4][4];
-        if constexpr (kPv1First) {
-          if (has1) {
-            float rs[2] = {0.f, 0.f};
-            seesaw::exp_pack<false, T>(s, 0.f, m1u, rs, a);
+        if (has1) {
+          float rs[2] = {0.f, 0.f};
+          seesaw::exp_pack<T>(s, m1u, rs, a);
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
-            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-            // P1's stores before the issue (reading the A registers of a wgmma in flight is undefined in
-            // PTX; review of session 15), the proxy fence after it: the fence (MEMBAR), not the stores,
-            // is what held the issue back.
-            seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
-            gmma::reg_fence(o);
-            gmma::fence();
-            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
-            gmma::commit();
-            gmma::fence_proxy_async();
-          }
-          bar_arrive(kBarP1, kThreads);
-        } else {
-          if (has1) {
-            float rs[2] = {0.f, 0.f};
-            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-            seesaw::exp_pack_store_p<T>(s, m1u, rs, a, sP1, row_local, tq);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
-            gmma::fence_proxy_async();
-          }
-          bar_arrive(kBarP1, kThreads);
-          if (has1) {
-            if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-            gmma::reg_fence(o);
-            gmma::fence();
-            pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
-            gmma::commit();
-          }
+          for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
+          if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+          seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
+          gmma::reg_fence(o);
+          gmma::fence();
+          pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
+          gmma::commit();
+          gmma::fence_proxy_async();
         }
+        bar_arrive(kBarP1, kThreads);
         named_barrier_sync(kBarP0, kThreads);
         if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
         gmma::fence();
@@ -736,21 +575,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
-        if constexpr (kSpreadIssue) {
-          if (lane == 0 && nxt1) issue(b1 + 2, 1, 4 + wq, 5 + wq, pgB);
-        } else {
-          if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
-        }
+        if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if constexpr (kSpreadIssue) {
-          if (lane == 0 && nxt0) {  // stage 0 slabs 4-8 are free
-            issue(b0 + 2, 0, 4 + wq, 5 + wq, pgA);
-            if (wq == 0) issue(b0 + 2, 0, 8, 9, pgA);
-          }
-        } else {
-          if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
-        }
+        if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
       }
     }
 

@@ -109,17 +109,17 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
   }
 }
 
-// exp_pack_store_p in two steps, for the opt-in variants (session 15) that store P apart from computing
-// it: P = exp2(S * c - m) (kFold: S unscaled, one FFMA per element; c > 0) or exp2(S - m) (S already in
-// base 2) for the thread's two rows, row sums into rs, packed to T as the P.V A-operand fragments `a`;
-template <bool kFold, class T = __nv_bfloat16>
-__device__ __forceinline__ void exp_pack(float (&s)[32], float c, const float (&m)[2], float (&rs)[2],
-                                         uint32_t (&a)[4][4]) {
+// exp_pack_store_p in two steps, for kernels that do other work between computing P and storing it
+// (dense decode v4: the partial-block V zeroing) or store it at their own addresses (sparse prefill):
+// P = exp2(S - m) (S already scaled to base 2) for the thread's two rows, row sums into rs, packed to T
+// as the P.V A-operand fragments `a`;
+template <class T = __nv_bfloat16>
+__device__ __forceinline__ void exp_pack(float (&s)[32], const float (&m)[2], float (&rs)[2], uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] = kFold ? exp2f(fmaf(s[4 * t + e], c, -m[e >> 1])) : exp2f(s[4 * t + e] - m[e >> 1]);
+      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
       rs[e >> 1] += s[4 * t + e];
     }
     a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);

@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 
 }  // namespace sparse_combine
 
-// FLASHMLA_SPARSE_COMBINE_COMPACT=1 (read per call; opt-in, session 15, NOT yet run on a GPU): the
+// FLASHMLA_SPARSE_COMBINE_COMPACT=1 (read per call; opt-in, session 15; session 16 A/B on the H200: whole
+// call x1.011 geomean, -1 to -6 us, its smoke pytest passed, the §5.2 grid not yet run with it): the
 // compact grid (see the kernel) when out is vector-writable and b > num_sm_parts. Why: the benchmark of
 // record has the combine at 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256, batches
 // whose schedule splits no request at all (every part ends on a request boundary): that time is the

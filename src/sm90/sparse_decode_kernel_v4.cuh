@@ -63,62 +63,9 @@ static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg d
 constexpr int kFullCount = kProducers / 32 + kProducers;
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
-// Opt-in consumer variants (session 15, compiled and ptxas-checked, not yet run; 0 = the kernel
-// measured in session 14, SASS byte-identical). All three act on warpgroup 0's block step, the
-// serial chain S(g) -> softmax(g) -> P V_L(g) that the tensor pipe idles through during the softmax.
-// S_AHEAD: warpgroup 0 issues S(g + 1) (same request) right behind its P V_L(g): part A of S(g + 1)
-//   as its own wgmma group, then wait_group 1 retires P V_L(g) and part A of block g is released at
-//   once (session 8's look-ahead released it only after S(g + 1) had finished), then part B of
-//   S(g + 1). The softmax of g + 1 then overlaps warpgroup 1's P V_R(g) on the pipe. 1 = the
-//   cluster kernel only, 2 = both kernels.
-// FAST_SOFTMAX: the row maxima of the raw S by a tree of partial maxima (the chain was 16 dependent
-//   FMNMX per row), scaled once, and P = exp2(S * scale_log2 - m) by one FFMA (32 FMUL fewer per
-//   block and thread); only for scale_log2 > 0 (max(S) * c == max(S * c) needs c > 0; otherwise the
-//   session-14 path). P differs from the default by the FFMA's single rounding.
-// P_AFTER_PV: P V_L(g) (A from registers) is issued before the proxy fence of P's 16 stores into
-//   slab 8, which then overlaps it instead of preceding it (P is announced after the fence, as now).
-//   The stores stay in front of the issue: the first version stored P after it, reading the A
-//   registers of the wgmma in flight (undefined in PTX; the session-15 review).
-#ifndef FLASHMLA_SPARSE_DECODE_S_AHEAD
-#define FLASHMLA_SPARSE_DECODE_S_AHEAD 0
-#endif
-#ifndef FLASHMLA_SPARSE_DECODE_FAST_SOFTMAX
-#define FLASHMLA_SPARSE_DECODE_FAST_SOFTMAX 0
-#endif
-#ifndef FLASHMLA_SPARSE_DECODE_P_AFTER_PV
-#define FLASHMLA_SPARSE_DECODE_P_AFTER_PV 0
-#endif
-static_assert(FLASHMLA_SPARSE_DECODE_S_AHEAD >= 0 && FLASHMLA_SPARSE_DECODE_S_AHEAD <= 2, "S_AHEAD: 0, 1 or 2");
-constexpr bool kFastSoftmax = FLASHMLA_SPARSE_DECODE_FAST_SOFTMAX != 0;
-constexpr bool kPAfterPv = FLASHMLA_SPARSE_DECODE_P_AFTER_PV != 0;
-
-/// FAST_SOFTMAX: slots whose validity byte is 0 set to -inf (S unscaled).
-__device__ __forceinline__ void mask_raw(float (&s)[32], const uint8_t* vf, int tq) {
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    const uint32_t vv = *reinterpret_cast<const uint16_t*>(vf + 8 * t + 2 * tq);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool ok = (e & 1) ? (vv >> 8) != 0 : (vv & 0xFFu) != 0;
-      s[4 * t + e] = ok ? s[4 * t + e] : -INFINITY;
-    }
-  }
-}
-/// FAST_SOFTMAX: the thread's two row maxima of S (16 values each) by a tree, reduced over the quad.
-__device__ __forceinline__ void raw_rowmax(const float (&s)[32], float (&mx)[2]) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float v[8];
-#pragma unroll
-    for (int t = 0; t < 8; ++t) v[t] = fmaxf(s[4 * t + 2 * hh], s[4 * t + 2 * hh + 1]);
-#pragma unroll
-    for (int w = 4; w >= 1; w >>= 1)
-#pragma unroll
-      for (int t = 0; t < w; ++t) v[t] = fmaxf(v[t], v[t + w]);
-    mx[hh] = v[0];
-  }
-  quad_rowmax(mx);
-}
+// (Session 15's three opt-in variants of warpgroup 0's block step were removed after session 16's A/B:
+// a tree row max of the raw S with P = exp2(fma(S, c, -m)) lost, x0.992 kernel geomean; P's proxy
+// fence after the P V_L issue was neutral, x1.002; S(g + 1) issued ahead: at warpgroup 0's loop.)
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
 /// groups (64 bytes, bf16 chunks 8d .. 8d + 7); part A is groups 0-3 (dims 0-255), part B groups
@@ -561,23 +508,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     mbar_arrive(bar_free(buf, part));
     if constexpr (kCluster) cl::arrive_remote(r_bar_free(buf, part));
   };
-  // S_AHEAD: the same release without a branch (predicated arrivals), for warpgroup 0 while S of
-  // the next block is in flight (a divergent path there makes ptxas serialize every wgmma, C7518).
-  auto release_pred = [&](int buf, int part) {
-    __syncwarp();
-    const uint32_t r = kCluster ? r_bar_free(buf, part) : 0u;
-    if constexpr (kCluster)
-      asm volatile(
-          "{\n.reg .pred p;\nsetp.eq.u32 p, %2, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-          "@p mbarrier.arrive.shared::cluster.b64 _, [%1];\n}\n" ::"r"(bar_free(buf, part)),
-          "r"(r), "r"(static_cast<uint32_t>(lane))
-          : "memory");
-    else
-      asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
-                       bar_free(buf, part)),
-                   "r"(static_cast<uint32_t>(lane))
-                   : "memory");
-  };
   auto consumer = [&](auto wg_c) {
   constexpr int kWg = decltype(wg_c)::value;
   int row_local[2];
@@ -636,8 +566,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     if constexpr (kWg == 0) {
       // (Sessions 6-7 issued S of block g + 1 behind P V_L of block g for MODEL1's plain kernel;
       // with one producer warpgroup it ran 13% slower, MODEL1 config1 b128 113 vs 98 us, and was
-      // removed in session 8: bench/NOTES.md.)
-      constexpr bool kSAhead = FLASHMLA_SPARSE_DECODE_S_AHEAD == 2 || (FLASHMLA_SPARSE_DECODE_S_AHEAD == 1 && kCluster);
+      // removed in session 8: bench/NOTES.md. Session 16 A/B: issuing S(g + 1) part A behind P V_L(g),
+      // wait_group 1 releasing part A of g at once, lost, x0.992 kernel geomean.)
       float s[32];
       auto issue_s = [&](int gg) {
         const int xx = gg & 1;
@@ -656,21 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         s_chain<4, kSlabs>(s, dq, db);
         gmma::commit();
       };
-      // S_AHEAD: part PT of S for block gg as its own wgmma group. S is not zeroed here (the chain's
-      // first wgmma overwrites it; zeroed once per request below, before any wgmma is in flight),
-      // so no instruction defines S's registers while P V_L of the previous block is in flight.
-      auto issue_s_part = [&](auto pt_c, int gg) {
-        constexpr int PT = decltype(pt_c)::value;
-        const int xx = gg & 1;
-        const uint64_t db = gmma::make_desc_sw128(sK_u + static_cast<uint32_t>(xx * kSmemK), 16, 1024);
-        full_wait(bar_full(xx, PT), static_cast<uint32_t>((gg >> 1) & 1));
-        gmma::fence_proxy_async();
-        gmma::fence();
-        if constexpr (PT == 0) s_chain<0, 4>(s, dq, db);
-        else s_chain<4, kSlabs>(s, dq, db);
-        gmma::commit();
-      };
-      for (int j = 0; j < n_blk && !kSAhead; ++j, ++g) {
+      for (int j = 0; j < n_blk; ++j, ++g) {
         const int x = g & 1;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
         issue_s(g);
@@ -678,13 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::reg_fence(s);
 
         float mx[2] = {-INFINITY, -INFINITY};
-        const bool fold = kFastSoftmax && p.scale_log2 > 0.f;  // FAST_SOFTMAX (c > 0: see above)
-        if (fold) {
-          if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) != 0) mask_raw(s, sValid + x * kBlockN, tq);
-          raw_rowmax(s, mx);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) mx[hh] *= p.scale_log2;
-        } else if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
+        if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
           scale_rowmax(s, p.scale_log2, mx);
         } else {
           mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
@@ -701,15 +611,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         float rs[2] = {0.f, 0.f};
         uint32_t a[4][4];
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
-        if constexpr (kFastSoftmax || kPAfterPv) {
-          if (fold) seesaw::exp_pack<true>(s, p.scale_log2, mu, rs, a);
-          else seesaw::exp_pack<false>(s, 0.f, mu, rs, a);
-          seesaw::store_p(a, sP, row_local, tq);
-          if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        } else {
-          exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
-          gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        }
+        exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
+        gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
         scale_o(o, sc);
@@ -717,94 +620,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
-        // P_AFTER_PV: P's proxy fence (MEMBAR) after the issue; the stores stay before it (reading the A
-        // registers of a wgmma in flight is undefined in PTX: the session-15 review).
-        if constexpr (kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
         // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
         // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
         gmma::wait<0>();
         gmma::reg_fence(o);
         release(x, 0);  // slabs 0-3 of the buffer are free
-      }
-      if constexpr (kSAhead) {
-        // S_AHEAD: the default loop's step (kept as it is above for the default's SASS) with S(g + 1)
-        // issued behind P V_L(g). The request's last block is peeled off, so no branch separates a
-        // wgmma in flight from its wait and every path into the loop head carries S(g) in flight
-        // (a divergent path there makes ptxas serialize every wgmma of the kernel, C7518).
-        auto step = [&](const int x, const uint32_t sKx_u) {
-          gmma::wait<0>();  // S of block g
-          gmma::reg_fence(s);
-
-          float mx[2] = {-INFINITY, -INFINITY};
-          const bool fold = kFastSoftmax && p.scale_log2 > 0.f;  // FAST_SOFTMAX (c > 0: see above)
-          if (fold) {
-            if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) != 0) mask_raw(s, sValid + x * kBlockN, tq);
-            raw_rowmax(s, mx);
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) mx[hh] *= p.scale_log2;
-          } else if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
-            scale_rowmax(s, p.scale_log2, mx);
-          } else {
-            mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
-          }
-          float mu[2], sc[2];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float m_new = lazy_max(m_run[hh], mx[hh]);
-            mu[hh] = m_new == -INFINITY ? 0.f : m_new;
-            sc[hh] = exp2f(m_run[hh] - mu[hh]);
-            m_run[hh] = m_new;
-            if (tq == 0) sScale[x * 64 + row_local[hh]] = sc[hh];
-          }
-          float rs[2] = {0.f, 0.f};
-          uint32_t a[4][4];
-          uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
-          if constexpr (kFastSoftmax || kPAfterPv) {
-            if (fold) seesaw::exp_pack<true>(s, p.scale_log2, mu, rs, a);
-            else seesaw::exp_pack<false>(s, 0.f, mu, rs, a);
-            seesaw::store_p(a, sP, row_local, tq);
-            if constexpr (!kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-          } else {
-            exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
-            gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-          }
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
-          scale_o(o, sc);
-          gmma::reg_fence(o);
-          gmma::fence();
-          pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
-          gmma::commit();
-          // P_AFTER_PV: P's proxy fence (MEMBAR) after the issue; the stores stay before it (reading the A
-          // registers of a wgmma in flight is undefined in PTX: the session-15 review).
-          if constexpr (kPAfterPv) gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-          // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
-          // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
-          bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
-        };
-        if (n_blk > 0) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) s[i] = 0.f;
-          gmma::reg_fence(s);
-          issue_s_part(std::integral_constant<int, 0>{}, g);
-          issue_s_part(std::integral_constant<int, 1>{}, g);
-          for (int j = 0; j + 1 < n_blk; ++j, ++g) {
-            const int x = g & 1;
-            step(x, sK_u + static_cast<uint32_t>(x * kSmemK));
-            issue_s_part(std::integral_constant<int, 0>{}, g + 1);
-            gmma::wait<1>();  // P V_L(g) done (part A of S(g + 1) may still run)
-            gmma::reg_fence(o);
-            release_pred(x, 0);  // slabs 0-3 of the buffer are free
-            issue_s_part(std::integral_constant<int, 1>{}, g + 1);
-          }
-          const int x = g & 1;
-          step(x, sK_u + static_cast<uint32_t>(x * kSmemK));
-          gmma::wait<0>();
-          gmma::reg_fence(o);
-          release(x, 0);
-          ++g;
-        }
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {

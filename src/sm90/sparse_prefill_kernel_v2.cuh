@@ -86,27 +86,13 @@ constexpr bool kDiagNoMma = FLASHMLA_PREFILL_DIAG == 2;
 constexpr bool kDiagNoQ = FLASHMLA_PREFILL_DIAG == 3;
 constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 
-// Opt-in variants (session 15, prepared without a GPU; 0 = the measured kernel, whose SASS they leave
-// byte-identical):
-// FLASHMLA_PREFILL_SRC_AHEAD=1: the producer turns each pair's 8 slot indices into source addresses
-// when it loads them (at the top of the pair, while it waits ~2000 cycles for the first free stage
-// part) instead of after each free-barrier wait. Within the 40-register budget ptxas rebuilt the
-// addresses of block 2j+1 row by row after the wait (IMAD.WIDE, SEL, IADD3, IMAD.X, LEA, LEA.HI.X, the
-// src-size test; one 64-bit register pair reused by all four rows, so each row also waits for the
-// previous row's LDGSTS to read it): session 13's trace has stage 1 part B issued in 652 cycles and
-// part A in 525, against 300 for stage 0 part B, whose addresses were kept; the producer issues the
-// three parts back to back, and stage 1 part A (last) gates warpgroup 1's S1. The 16 address registers
-// need a producer budget of 48 (at 40 ptxas spills inside the producer's pair loop), which leaves the
-// consumers 224 (setmaxnreg takes multiples of 8): without PADDR they then spill P0's store addresses
-// inside the pair loop, so the switch builds only with PADDR and defaults the producer budget to 48
-// (a plain budget of 48 leaves the producer's code as it is: session 12 measured 48 / 56 neutral).
-#ifndef FLASHMLA_PREFILL_SRC_AHEAD
-#define FLASHMLA_PREFILL_SRC_AHEAD 0
-#endif
-constexpr bool kSrcAhead = FLASHMLA_PREFILL_SRC_AHEAD != 0;
 // Registers per thread after setmaxnreg: 2 * consumer + producer <= 3 * 168 (the launch allocation).
+// The producer keeps each pair's slot indices as 32-bit ints and turns a row into its source address
+// after the free-barrier wait, which fits in 40 (session 12: 48 / 56 neutral). Overridable for
+// experiments (tools/trace/run-prefill-trace.sh). (Session 15's SRC_AHEAD, the 16 addresses built
+// ahead at the top of the pair with a budget of 48, lost on the H200: 0.951 vs 0.962.)
 #ifndef FLASHMLA_PREFILL_PRODUCER_REGS
-#define FLASHMLA_PREFILL_PRODUCER_REGS (FLASHMLA_PREFILL_SRC_AHEAD ? 48 : 40)
+#define FLASHMLA_PREFILL_PRODUCER_REGS 40
 #endif
 constexpr int kProducerRegs = FLASHMLA_PREFILL_PRODUCER_REGS;
 constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
@@ -115,61 +101,6 @@ constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
 static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24 && kProducerRegs <= 168,
               "FLASHMLA_PREFILL_PRODUCER_REGS: a multiple of 8 in [24, 168]");
 static_assert(kConsumerRegs >= 168 && kConsumerRegs <= 256, "consumer registers out of setmaxnreg's range");
-
-// FLASHMLA_PREFILL_SCALE0_FIRST=1: warpgroup 0's Scale0 arrival is issued before the 32 exp2 of P0.
-// ptxas hoists those MUFU.EX2 (and their FADDs) above the bar.arrive that precedes them in the PTX,
-// so warpgroup 1, done with S1 ~170 cycles after warpgroup 0's S0 and waiting on that barrier,
-// passes it ~480 cycles after its S1 (session 13 trace: WG1 e3 170 -> e4 648 against WG0's e0). All
-// four quad lanes now store m0 / scale0 (the same values) and each thread reads its m0 back from
-// sM0 after the arrival: the exps depend on a shared load that ptxas keeps behind the barrier.
-// (Session 13's SCALE0_LATE, the arrival moved the other way, behind P0 V0_L: +0.6-1.9%.)
-#ifndef FLASHMLA_PREFILL_SCALE0_FIRST
-#define FLASHMLA_PREFILL_SCALE0_FIRST 0
-#endif
-constexpr bool kScale0First = FLASHMLA_PREFILL_SCALE0_FIRST != 0;
-// FLASHMLA_PREFILL_PADDR=1: the P stores (warpgroup 0's P0 * scale1, warpgroup 1's P1) address the slab
-// as p_off ^ (t << 4) (+ 1024 for the thread's second row) from one per-thread offset, p_off = row * 128 +
-// ((row & 7) << 4) + 4 * tq. slab_off(row, key >> 3) + (key & 7) * 2 with key = 8 t + 2 tq is the same
-// value, but the compiler does not know tq < 4 and rebuilt all 16 addresses in every pair (~125 integer
-// instructions per thread and warpgroup: in warpgroup 0 between the wgmmas of P0 V0_L, ahead of its P0
-// stores; in warpgroup 1 among P1's exps, ahead of P1 V1_R). Now 7 LOP3 per pair.
-#ifndef FLASHMLA_PREFILL_PADDR
-#define FLASHMLA_PREFILL_PADDR 1
-#endif
-constexpr bool kPAddr = FLASHMLA_PREFILL_PADDR != 0;
-// FLASHMLA_PREFILL_P0_REUSE=1: warpgroup 0 stores P0 (unscaled, packed from the fp32 s) right after
-// issuing P0 V0_L, while it waits at the Scale1 barrier, and after the barrier rewrites it as
-// P0 * scale1 only when some row's scale1 is not exactly 1 (with lazy rescaling nearly every pair has
-// all ones once the max has settled): the 32 FMUL + 16 F2FP + 16 STS leave the stretch between the
-// Scale1 barrier and the P0 arrival that warpgroup 1's P0 V0_R waits for. The result is bit-identical
-// (s * 1.f == s). (The first version stored the packed fragments a[][] after the barrier: they are the
-// A operand of P0 V0_L, still in flight there, and reading them before its wait is undefined in PTX —
-// the session-15 review. Slab 8 of stage 0 is free once S0 is complete: warpgroup 1's P0 V0_R of the
-// previous pair finished before it released stage 0 part B, which S0 waited for.)
-#ifndef FLASHMLA_PREFILL_P0_REUSE
-#define FLASHMLA_PREFILL_P0_REUSE 1
-#endif
-constexpr bool kP0Reuse = FLASHMLA_PREFILL_P0_REUSE != 0;
-// Alone it would move the address arithmetic of the P0 stores behind the Scale1 barrier (the compiler
-// then rebuilds them there: 75 -> 160 instructions between the barrier and the P0 arrival), so it
-// builds only on top of PADDR.
-// FLASHMLA_PREFILL_KV_PREFETCH=1: when the producer loads a pair's slot indices (the top of the pair,
-// ~2000 cycles before its first free stage part and ~4000 before the last), it prefetches the pair's
-// gathered rows into L2 (prefetch.global.L2, one 128-byte line per thread and row: line w_c8 of its
-// rows, and line 8 from lane w_c8 == 0 at d 576), so the cp.async of each stage part mostly hits L2
-// instead of HBM. (A cp.async.bulk.prefetch.L2 per row takes its address in uniform registers: ptxas
-// serializes it over the lanes.) Aimed at large s_kv, where the KV (75 MB at s_kv 65536, d 576) no longer
-// fits in L2: v3w's ratio falls with s_kv (session 13: V3.2 0.951 at 8192, 0.902 at 65536, 0.888 at
-// 131072) and the refill of a freed stage part is the pair loop's critical path (session 12); sparse
-// decode's producer gained 2-6% from its one-block-ahead L2 bulk prefetch (session 8). 16-byte-aligned
-// rows only (the cp.async path).
-#ifndef FLASHMLA_PREFILL_KV_PREFETCH
-#define FLASHMLA_PREFILL_KV_PREFETCH 0
-#endif
-constexpr bool kKvPrefetch = FLASHMLA_PREFILL_KV_PREFETCH != 0;
-static_assert(!kP0Reuse || kPAddr, "FLASHMLA_PREFILL_P0_REUSE needs FLASHMLA_PREFILL_PADDR");
-static_assert(!kSrcAhead || (kPAddr && kProducerRegs >= 48),
-              "FLASHMLA_PREFILL_SRC_AHEAD needs FLASHMLA_PREFILL_PADDR and a producer budget >= 48");
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
@@ -210,22 +141,23 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
-// PADDR: seesaw::exp_pack_store_p with the P slab addressed from p_off (see kPAddr): the 4-byte pair of
-// key 8 t + 2 tq of the thread's rows r and r + 8 is at sP + (p_off ^ (t << 4)) and 1024 bytes further
-// (rows r and r + 8 share r & 7, so the swizzle is the same).
+// The P stores (warpgroup 0's P0, warpgroup 1's P1) address their slab from one per-thread offset,
+// p_off = row * 128 + ((row & 7) << 4) + 4 * tq (row = the thread's first row r): the 4-byte pair of
+// key 8 t + 2 tq of rows r and r + 8 is at sP + (p_off ^ (t << 4)) and 1024 bytes further (rows r and
+// r + 8 share r & 7, so the swizzle is the same). That is slab_off(row, key >> 3) + (key & 7) * 2, but
+// from slab_off the compiler, not knowing tq < 4, rebuilt all 16 addresses in every pair (~125 integer
+// instructions per thread and warpgroup, in warpgroup 0 ahead of its P0 stores, in warpgroup 1 among
+// P1's exps); this way it is 7 LOP3 per pair (session 15, PADDR).
+// exp_pack_store_p_xor: seesaw::exp_pack_store_p with that addressing.
 __device__ __forceinline__ void exp_pack_store_p_xor(float (&s)[32], const float (&m)[2], float (&rs)[2],
                                                      uint32_t (&a)[4][4], uint8_t* sP, uint32_t p_off) {
-  seesaw::exp_pack<false>(s, 0.f, m, rs, a);
+  seesaw::exp_pack(s, m, rs, a);
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
     uint8_t* q = sP + (p_off ^ static_cast<uint32_t>(t << 4));
     *reinterpret_cast<uint32_t*>(q) = a[t >> 1][(t & 1) * 2 + 0];
     *reinterpret_cast<uint32_t*>(q + 1024) = a[t >> 1][(t & 1) * 2 + 1];
   }
-}
-// Two floats 32 bytes apart (rows r and r + 8 of a [64] float array), loaded back to back.
-__device__ __forceinline__ void ld_shared_f32x2_stride32(uint32_t a, float (&v)[2]) {
-  asm volatile("ld.shared.f32 %0, [%2];\n\tld.shared.f32 %1, [%2+32];\n" : "=f"(v[0]), "=f"(v[1]) : "r"(a) : "memory");
 }
 template <int kD>
 __global__ void __launch_bounds__(kThreadsProd, 1)
@@ -262,7 +194,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   int row_local[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) row_local[hh] = wq * 16 + gq + 8 * hh;
-  // PADDR: byte offset of the thread's first P pair in a P slab (row_local[0] & 7 == gq).
+  // Byte offset of the thread's first P pair in a P slab (row_local[0] & 7 == gq; exp_pack_store_p_xor).
   const uint32_t p_off = static_cast<uint32_t>(row_local[0] * 128 + (gq << 4) + 4 * tq);
 
   const int lim = row_limit(p, sq);
@@ -276,12 +208,9 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   const int w_rg = t_wg >> 3, w_c8 = t_wg & 7;
   // One block's four rows for this thread: the token index of each slot, -1 for an invalid slot
   // (never read; zero-filled). Kept as 32-bit indices so the producer fits in few registers; each
-  // copy_slabs turns a row into its source address with one wide multiply-add (with SRC_AHEAD,
-  // load_rows does, and the rows keep their source pointers and an invalid mask instead).
+  // copy_slabs turns a row into its source address with one wide multiply-add.
   struct Rows {
-    int idx[4];                   // (not kept with SRC_AHEAD)
-    const __nv_bfloat16* src[4];  // SRC_AHEAD: row_src of each row, computed by load_rows
-    uint32_t inv;                 // SRC_AHEAD: bit i set when row i's slot is invalid
+    int idx[4];
   };
   const __nv_bfloat16* const kv_c8 = kvb + w_c8 * 8;  // chunk w_c8 of slab 0 of token 0
   // Source of chunk w_c8 of slab 0 of a row's token (the tensor's base for an invalid slot).
@@ -291,32 +220,11 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
     for (int i = 0; i < 4; ++i) {
       const int idx = blk < n_blk ? fetch_index(p, sq, blk * kBlockN + w_rg + 16 * i, lim) : -1;
       r.idx[i] = idx >= 0 && idx < p.s_kv ? idx : -1;
-      if constexpr (kSrcAhead) r.src[i] = idx_src(r.idx[i]);
     }
-    if constexpr (kSrcAhead)
-      r.inv = (r.idx[0] < 0 ? 1u : 0u) | (r.idx[1] < 0 ? 2u : 0u) | (r.idx[2] < 0 ? 4u : 0u) | (r.idx[3] < 0 ? 8u : 0u);
   };
   // Row i's slot is valid (its copies read the source; else they zero-fill).
-  auto row_ok = [&](const Rows& r, int i) {
-    if constexpr (kSrcAhead) return ((r.inv >> i) & 1u) == 0;
-    else return r.idx[i] >= 0;
-  };
-  auto row_src = [&](const Rows& r, int i) {
-    if constexpr (kSrcAhead) return r.src[i];
-    else return idx_src(r.idx[i]);
-  };
-  // KV_PREFETCH: 128-byte line w_c8 of each of the thread's four rows (the row group's 8 threads cover
-  // bytes 0-1023 of each row; lane w_c8 == 0 also line 8, the RoPE dims of d 576) into L2. row_src
-  // points at chunk w_c8 (byte 16 w_c8) of the row: + 56 w_c8 elements is byte 128 w_c8.
-  auto prefetch_rows = [&](const Rows& r) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if (!row_ok(r, i)) continue;
-      const __nv_bfloat16* src = row_src(r, i);
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 56 * w_c8));
-      if (kD > 512 && w_c8 == 0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + 512));
-    }
-  };
+  auto row_ok = [&](const Rows& r, int i) { return r.idx[i] >= 0; };
+  auto row_src = [&](const Rows& r, int i) { return idx_src(r.idx[i]); };
   const uint32_t w_dst = sK_u + static_cast<uint32_t>(w_rg * 128 + ((w_c8 ^ (w_rg & 7)) << 4));
   // Slabs [kLo, kHi) of the four rows into stage kStage: one cp.async each, immediate offsets.
   auto copy_slabs = [&](auto stage_c, auto lo_c, auto hi_c, const Rows& r) {
@@ -369,8 +277,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       for (int i = 0; i < 4; ++i) sValid[kStage * kBlockN + w_rg + 16 * i] = row_ok(r, i) ? 1 : 0;
     }
     if (kPart == 0) {  // the whole producer warpgroup is here (fill calls are uniform)
-      const bool inv = w_c8 == 0 && (kSrcAhead ? r.inv != 0
-                                               : (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0));
+      const bool inv = w_c8 == 0 && (r.idx[0] < 0 || r.idx[1] < 0 || r.idx[2] < 0 || r.idx[3] < 0);
       const bool any = __any_sync(0xffffffffu, inv);
       if (lane == 0) sInval[kStage * 4 + (t_wg >> 5)] = any ? 1 : 0;
     }
@@ -438,12 +345,9 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       for (int j = 1; 2 * j < n_blk; ++j) {
         const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
         const bool has1 = 2 * j + 1 < n_blk;
+        // (Session 15's KV_PREFETCH, prefetch.global.L2 of these rows here, lost on the H200: 0.920 vs 0.946.)
         load_rows(2 * j, r0);
         load_rows(2 * j + 1, r1);
-        if constexpr (kKvPrefetch && decltype(vec_c)::value) {
-          prefetch_rows(r0);
-          prefetch_rows(r1);
-        }
         FLASHMLA_TRACE_EVENT(2, j, 0, t_wg == 0);
         mbar_wait(bar_free(0, 0), fph);
         FLASHMLA_TRACE_EVENT(2, j, 1, t_wg == 0);
@@ -576,20 +480,15 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         const float m0 = lazy_max(m_run[hh], mx[hh]);
         m0u[hh] = m0 == -INFINITY ? 0.f : m0;
         sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
-        if (kScale0First || tq == 0) {  // SCALE0_FIRST: every quad lane stores the same values
+        if (tq == 0) {
           sM0[row_local[hh]] = m0;
           sS0[row_local[hh]] = sc0[hh];
         }
       }
+      // Ahead of P0's exps in the PTX (ptxas hoists their MUFU.EX2 above it). Session 15's SCALE0_FIRST,
+      // which kept them behind it by rereading m0 from sM0, was x0.998; session 13's SCALE0_LATE (behind
+      // P0 V0_L) lost too.
       bar_arrive(kBarScale0, kThreads);
-      if constexpr (kScale0First) {
-        // This thread's own two m0 back from shared memory (two loads ptxas keeps behind the bar.arrive
-        // above, issued back to back: one load latency): the P0 exps below depend on them.
-        float m0r[2];
-        ld_shared_f32x2_stride32(static_cast<uint32_t>(__cvta_generic_to_shared(sM0 + row_local[0])), m0r);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) m0u[hh] = m0r[hh] == -INFINITY ? 0.f : m0r[hh];
-      }
       FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
       float rs[2] = {0.f, 0.f};
@@ -614,22 +513,28 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       }
       gmma::commit();
 
-      // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+      // P0 * scale1 -> slab 8 of stage 0, addressed from p_off (exp_pack_store_p_xor). Slab 8 of stage 0
+      // is free once S0 is complete: warpgroup 1's P0 V0_R of the previous pair finished before it
+      // released stage 0 part B, which S0 waited for.
       uint8_t* sP0 = sK + 8 * kSlabBytes;
       auto store_p0 = [&](float f0, float f1) {
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
-          const int key = 8 * t + 2 * tq;
-          uint8_t* q0 = kPAddr ? sP0 + (p_off ^ static_cast<uint32_t>(t << 4))
-                               : sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2;
-          uint8_t* q1 = kPAddr ? q0 + 1024 : sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2;
+          uint8_t* q0 = sP0 + (p_off ^ static_cast<uint32_t>(t << 4));
+          uint8_t* q1 = q0 + 1024;
           *reinterpret_cast<uint32_t*>(q0) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0] * f0, s[4 * t + 1] * f0);
           *reinterpret_cast<uint32_t*>(q1) = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2] * f1, s[4 * t + 3] * f1);
         }
       };
-      // kP0Reuse: P0 as it is, stored while warpgroup 0 waits for scale1 (from the fp32 s: the packed
-      // fragments a[][] are the A operand of P0 V0_L in flight, not to be read before its wait).
-      if constexpr (kP0Reuse) store_p0(1.f, 1.f);
+      // P0 as it is, stored right after issuing P0 V0_L while warpgroup 0 waits for scale1, and rewritten
+      // as P0 * scale1 after the Scale1 barrier only when some row's scale1 is not exactly 1 (with lazy
+      // rescaling nearly every pair has all ones once the max has settled): the 32 FMUL + 16 F2FP + 16 STS
+      // stay out of the stretch between the Scale1 barrier and the P0 arrival that warpgroup 1's P0 V0_R
+      // waits for. Bit-identical (s * 1.f == s). From the fp32 s, not the packed fragments a[][]: they
+      // are the A operand of P0 V0_L, in flight here, and reading them before its wait is undefined in
+      // PTX (session-15 review). With slab_off addresses the compiler rebuilt them behind the barrier
+      // (75 -> 160 instructions there): p_off is what makes the early store pay (session 15, P0_REUSE).
+      store_p0(1.f, 1.f);
 
       named_barrier_sync(kBarScale1, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 5, t_wg == 0);
@@ -639,8 +544,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         sc1[hh] = sS1[row_local[hh]];
         m_run[hh] = sM1[row_local[hh]];
       }
-      // kP0Reuse: rewritten only when some row's scale1 is not 1 (the running max moved).
-      if (!kP0Reuse || !__all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(sc1[0], sc1[1]);
+      // Rewritten only when some row's scale1 is not 1 (the running max moved).
+      if (!__all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(sc1[0], sc1[1]);
       gmma::fence_proxy_async();
       if (!nxt0) {  // the CTA's last pair: this warpgroup's row sums before scale1, and its true row max
 #pragma unroll
@@ -749,8 +654,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       if (has1) {
         float rs[2] = {0.f, 0.f};
         uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-        if constexpr (kPAddr) exp_pack_store_p_xor(s, m1u, rs, a, sP1, p_off);
-        else exp_pack_store_p(s, m1u, rs, a, sP1, row_local, tq);
+        exp_pack_store_p_xor(s, m1u, rs, a, sP1, p_off);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
         gmma::fence_proxy_async();

@@ -24,13 +24,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
-// A 32-bit global load that stays where it is written (volatile asm: the compiler may not sink it
-// into a later branch), so that independent loads leave back to back instead of one per round trip.
-__device__ __forceinline__ int ld_global_s32(const int32_t* ptr) {
-  int v;
-  asm volatile("ld.global.s32 %0, [%1];\n" : "=r"(v) : "l"(ptr));
-  return v;
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

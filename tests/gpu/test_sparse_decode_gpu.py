@@ -259,9 +259,9 @@ def test_sink_values(sink_value):
         assert bool((out == 0).all()) and bool(torch.isfinite(lse).all())
 
 
-# softmax_scale is any finite number (spec §2.7; FlashMLA does not reject <= 0). Kernels that take the
-# row max of the unscaled S (FLASHMLA_SPARSE_DECODE_FAST_SOFTMAX: max(S) * c == max(S * c) only for
-# c > 0) must fall back to their general path here; both v4 kernels (64 heads plain, 128 cluster).
+# softmax_scale is any finite number (spec §2.7; FlashMLA does not reject <= 0). A kernel that takes the
+# row max of the unscaled S (max(S) * c == max(S * c) only for c > 0; session 15's sparse decode variant,
+# removed in session 16) must fall back to its general path here; both v4 kernels (64 heads plain, 128 cluster).
 @pytest.mark.parametrize("scale", [-0.05, 0.0], ids=["neg", "zero"])
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512)])
 def test_non_positive_softmax_scale(scale, h_q, d_qk):
