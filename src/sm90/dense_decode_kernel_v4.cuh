@@ -42,6 +42,61 @@
 #include "sm90/wgmma.cuh"
 #include "sm90/host_utils.h"
 #include "sm90/seesaw.cuh"
+#include "sm90/trace.cuh"
+
+// ---- Optional event timeline (diagnostics only: tools/trace/dense_trace.cu). Without FLASHMLA_TRACE every
+// trace macro below expands to nothing and the machine code is unchanged. Record layout of trace.cuh
+// (g_trace[((slot * kRoles + role) * kMaxSteps + step) * kEvents + event]) with the linear CTA index
+// blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) (FLASHMLA_TRACE_DECL_CTA). Roles 0-2 are
+// keyed by the CTA's running pair counter (0, 1, ... over all its requests; pairs >= kMaxSteps dropped),
+// values clock64() of the CTA's SM. Role 3 holds records of 3 steps each: record 0 the CTA, record 1 + k
+// the CTA's k-th request (k < 12): step 3r = %globaltimer (ns) of events 0..6, step 3r + 1 = clock64() of
+// the same events (read right after), step 3r + 2 = values. Every (role, step, event) has one writer
+// thread (tid 0 or tid 128 as listed); events are plain global stores, no barrier or fence. The only
+// trace-only actions besides the stores, in traced CTAs: tid 0 waits on stage 0's slab-0 barrier after a
+// request's Q __syncthreads (role 3 event 3), and with pair events tid 0 / tid 128 wait on their
+// warpgroup's first slab barrier before each S chain; in both places the thread's next wait is the S
+// chain's wait on that same barrier and parity, so the order of the kernel's waits is unchanged.
+//   role 0 (WG0, tid 0):    0 pair top, 1 stage 0 slab 0 full (the wait above), 2 S0 done (wgmma wait),
+//                           3 Scale0 published (bar.arrive), 4 P0 V0_L issued, 5 Scale1 received,
+//                           6 P0 stored + announced, 7 P0 V0_L done, 8 P1 received, 9 P1 V1_L issued,
+//                           10 P1 V1_L done, 11 pair end (after the stage 1 reloads)
+//   role 1 (WG1, tid 128):  0 pair top, 1 stage 1 slab 4 full, 2 S1 done, 3 Scale0 received, 4 Scale1
+//                           published, 5 P1 V1_R issued, 6 P1 announced, 7 P0 received, 8 P0 V0_R
+//                           issued, 9 P1 V1_R done, 10 P0 V0_R done, 11 pair end (after the reload)
+//                           (1, 2, 5, 9 only with a block 1)
+//   role 2 (TMA issue):     0 tid 0 stage 0 slabs 0-3 reloaded, 1 tid 0 stage 1 slabs 0-3 + 8 reloaded,
+//                           2 tid 128 stage 1 slabs 4-7 reloaded, 3 tid 128 stage 0 slabs 4-8 reloaded
+//                           (for the next pair, after the issue); at the request's first pair (tid 0):
+//                           4 Q cp.async issued, 5 the request's first two blocks issued
+//   role 3 record 0 (tid 0): events 0 entry, 1 barriers initialised (after __syncthreads), 2 metadata
+//                           read (after the early-exit test), 3 exit; values 0 %smid, 1 begin_req,
+//                           2 end_req, 3 begin_blk, 4 end_blk, 5 requests done, 6 first / last splitted
+//                           (bits 0 / 1)
+//   role 3 record 1 + k (tid 0): events 0 request top, 1 shared memory free (after the request's first
+//                           __syncthreads), 2 Q in shared memory, 3 first block's slab 0 full, 4 epilogue
+//                           start, 5 L exchanged (after the epilogue __syncthreads), 6 epilogue end (O / L
+//                           stores or bulk copies issued); values 0 req, 1 n_blk, 2 no_split, 3 first pair
+//                           index (roles 0-2), 4 blk_lo, 5 split_slot, 6 seqlen (2, 3, 5 only with blocks)
+// Role 3 record `rec`, event `ev`: %globaltimer then clock64 (tid 0).
+#define FLASHMLA_DV4_TRACE_CTA(rec, ev)                  \
+  do {                                                   \
+    FLASHMLA_TRACE_EVENT_NS(3, 3 * (rec), ev, tid == 0); \
+    FLASHMLA_TRACE_EVENT(3, 3 * (rec) + 1, ev, tid == 0); \
+  } while (0)
+#define FLASHMLA_DV4_TRACE_VAL(rec, ev, value) FLASHMLA_TRACE_VALUE(3, 3 * (rec) + 2, ev, tid == 0, value)
+// Roles 0-2: event `ev` of the current pair. With FLASHMLA_DV4_TRACE_CTA_ONLY as well, role 3 alone is
+// recorded (no trace code in the pair loop: the closest timing of the CTA-level events; request value 3,
+// the first pair index, is not written).
+#if defined(FLASHMLA_TRACE) && !defined(FLASHMLA_DV4_TRACE_CTA_ONLY)
+#define FLASHMLA_DV4_TRACE_STEP(role, ev, first_thread) FLASHMLA_TRACE_EVENT(role, dtrace_step, ev, first_thread)
+#define FLASHMLA_DV4_STEP_ONLY(...) __VA_ARGS__
+#else
+#define FLASHMLA_DV4_TRACE_STEP(role, ev, first_thread) \
+  do {                                                  \
+  } while (0)
+#define FLASHMLA_DV4_STEP_ONLY(...)
+#endif
 
 namespace flashmla::sm90::dense_v4 {
 
@@ -212,6 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4, t_wg = tid % 128;
   const int gq = lane / 4, tq = lane % 4;
+  FLASHMLA_TRACE_DECL_CTA(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+  FLASHMLA_TRACE_ONLY(int dtrace_req = 0;)       // requests begun (role 3 record 1 + dtrace_req)
+  FLASHMLA_DV4_STEP_ONLY(int dtrace_step = 0;)  // pairs begun (the step of roles 0-2)
+  FLASHMLA_DV4_TRACE_CTA(0, 0);
+  FLASHMLA_DV4_TRACE_VAL(0, 0, flashmla_trace_smid());
 
   if (tid == 0) {
 #pragma unroll
@@ -220,12 +280,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     dense_tma::prefetch_tensormap(&tmap_k);
   }
   __syncthreads();
+  FLASHMLA_DV4_TRACE_CTA(0, 1);
   uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
   const int32_t* meta = p.tile_scheduler_metadata + part * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  if (begin_req >= p.b) {
+    FLASHMLA_DV4_TRACE_CTA(0, 2);
+    FLASHMLA_DV4_TRACE_CTA(0, 3);
+    FLASHMLA_DV4_TRACE_VAL(0, 1, begin_req);
+    return;
+  }
+  FLASHMLA_DV4_TRACE_CTA(0, 2);
 
   const int pbs = p.page_block_size;
   const int box_tok = p.tma_box_tok;  // min(pbs, 64)
@@ -248,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   for (int req = begin_req; req <= end_req; ++req) {
+    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 0);
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
@@ -272,6 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_wait<0>();
     if constexpr (kStaged) dense_tma::bulk_wait_read();  // the previous request's O rows have left shared memory
     __syncthreads();  // the previous request is done with all shared memory
+    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 1);
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
     auto page_idx = [&](int tok) { return pbs_pow2 ? (tok >> lg_pbs) : tok / pbs; };
@@ -340,13 +409,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? src + c * 8 : src, valid);
       }
       cp_async_commit();
+      FLASHMLA_DV4_TRACE_STEP(2, 4, tid == 0);
       if (tid == 0) {
         issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
         if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
+        FLASHMLA_DV4_TRACE_STEP(2, 5, true);
       }
       cp_async_wait<0>();
       gmma::fence_proxy_async();
       __syncthreads();  // Q in shared memory, visible to wgmma
+      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 2);
+      // The first block's slab 0 (tid 0's next wait is S0's wait on it: nothing moves).
+      FLASHMLA_TRACE_ONLY(if (FLASHMLA_TRACE_ACTIVE() && tid == 0) dense_tma::mbar_wait(bar_u, phase);)
+      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 3);
     }
 
     float o[128];
@@ -378,6 +453,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
         // S0 over stage 0, each slab after its TMA barrier; the next pair's page ids read while it runs.
+        FLASHMLA_DV4_TRACE_STEP(0, 0, t_wg == 0);
+        FLASHMLA_DV4_STEP_ONLY(if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) dense_tma::mbar_wait(bar_u, phase);)
+        FLASHMLA_DV4_TRACE_STEP(0, 1, t_wg == 0);
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
@@ -387,6 +465,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(s);
         phase ^= 1u;
+        FLASHMLA_DV4_TRACE_STEP(0, 2, t_wg == 0);
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -405,6 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         bar_arrive(kBarScale0, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(0, 3, t_wg == 0);
 
         // m0 read back from sM0: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
         // P1 V1_R, but with the register copy of m0 ptxas scheduled all of P0's MUFU.EX2 and the row-sum
@@ -447,8 +527,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::fence();
         pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
         gmma::commit();
+        FLASHMLA_DV4_TRACE_STEP(0, 4, t_wg == 0);
 
         named_barrier_sync(kBarScale1, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(0, 5, t_wg == 0);
         float sc1[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -467,10 +549,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         gmma::fence_proxy_async();
         bar_arrive(kBarP0, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(0, 6, t_wg == 0);
 
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if (tid == 0 && nxt0) issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
+        FLASHMLA_DV4_TRACE_STEP(0, 7, t_wg == 0);
+        if (tid == 0 && nxt0) {
+          issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
+          FLASHMLA_DV4_TRACE_STEP(2, 0, true);
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
         if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
@@ -483,6 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         named_barrier_sync(kBarP1, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(0, 8, t_wg == 0);
         if (has1) {
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK, valid1, t_wg, kBarWG0);
           gmma::reg_fence(o);
@@ -490,17 +578,25 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
                          gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
           gmma::commit();
+          FLASHMLA_DV4_TRACE_STEP(0, 9, t_wg == 0);
           gmma::wait<0>();
           gmma::reg_fence(o);
+          FLASHMLA_DV4_TRACE_STEP(0, 10, t_wg == 0);
           if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
             issue(b1 + 2, 1, 0, 4, pgB);
             issue(b1 + 2, 1, 8, 9, pgB);
+            FLASHMLA_DV4_TRACE_STEP(2, 1, true);
           }
         }
+        FLASHMLA_DV4_TRACE_STEP(0, 11, t_wg == 0);
       } else {
         // ---------------- warpgroup 1: block 1, O[:, 256:512]
         float mx[2] = {-INFINITY, -INFINITY};
+        FLASHMLA_DV4_TRACE_STEP(1, 0, t_wg == 0);
         if (has1) {
+          FLASHMLA_DV4_STEP_ONLY(
+              if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) dense_tma::mbar_wait(bar_u + 9 * 8 + 4 * 8, phase);)
+          FLASHMLA_DV4_TRACE_STEP(1, 1, t_wg == 0);
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = 0.f;
           gmma::reg_fence(s);
@@ -510,6 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::wait<0>();
           gmma::reg_fence(s);
           phase ^= 1u;
+          FLASHMLA_DV4_TRACE_STEP(1, 2, t_wg == 0);
           const bool need_mask = tok1 + kBlockN > min_limit;
           scale_mask_rowmax(s, p.scale_log2, need_mask, tok1, tq, limit, mx);
 #pragma unroll
@@ -519,6 +616,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         named_barrier_sync(kBarScale0, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(1, 3, t_wg == 0);
         float m1u[2], c[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -535,6 +633,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           m_run[hh] = m1;
         }
         bar_arrive(kBarScale1, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(1, 4, t_wg == 0);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
         if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
@@ -565,24 +664,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::fence();
           pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
           gmma::commit();
+          FLASHMLA_DV4_TRACE_STEP(1, 5, t_wg == 0);
           gmma::fence_proxy_async();
         }
         bar_arrive(kBarP1, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(1, 6, t_wg == 0);
         named_barrier_sync(kBarP0, kThreads);
+        FLASHMLA_DV4_TRACE_STEP(1, 7, t_wg == 0);
         if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
         gmma::fence();
         pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
+        FLASHMLA_DV4_TRACE_STEP(1, 8, t_wg == 0);
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
-        if (tid == 128 && nxt1) issue(b1 + 2, 1, 4, 8, pgB);
+        FLASHMLA_DV4_TRACE_STEP(1, 9, t_wg == 0);
+        if (tid == 128 && nxt1) {
+          issue(b1 + 2, 1, 4, 8, pgB);
+          FLASHMLA_DV4_TRACE_STEP(2, 2, true);
+        }
         gmma::wait<0>();
         gmma::reg_fence(o);
-        if (tid == 128 && nxt0) issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
+        FLASHMLA_DV4_TRACE_STEP(1, 10, t_wg == 0);
+        if (tid == 128 && nxt0) {
+          issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
+          FLASHMLA_DV4_TRACE_STEP(2, 3, true);
+        }
+        FLASHMLA_DV4_TRACE_STEP(1, 11, t_wg == 0);
       }
+      FLASHMLA_DV4_STEP_ONLY(++dtrace_step;)
     }
 
     // ---- epilogue: L = WG0's part + WG1's part
+    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 4);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
@@ -594,6 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hh = 0; hh < 2; ++hh)
         if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
       __syncthreads();
+      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 5);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
     }
@@ -723,8 +838,28 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
+    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 6);
+    FLASHMLA_TRACE_ONLY({
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 0, req);
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 1, n_blk);
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 2, no_split);
+      FLASHMLA_DV4_STEP_ONLY(FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 3, dtrace_step - (n_blk + 1) / 2);)
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 4, blk_lo);
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 5, split_slot);
+      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 6, seqlen);
+      ++dtrace_req;
+    })
   }
   if constexpr (kStaged) dense_tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
+  FLASHMLA_DV4_TRACE_CTA(0, 3);
+  FLASHMLA_TRACE_ONLY({
+    FLASHMLA_DV4_TRACE_VAL(0, 1, begin_req);
+    FLASHMLA_DV4_TRACE_VAL(0, 2, end_req);
+    FLASHMLA_DV4_TRACE_VAL(0, 3, begin_blk);
+    FLASHMLA_DV4_TRACE_VAL(0, 4, end_blk);
+    FLASHMLA_DV4_TRACE_VAL(0, 5, dtrace_req);
+    FLASHMLA_DV4_TRACE_VAL(0, 6, (first_splitted ? 1 : 0) | (last_splitted ? 2 : 0));
+  })
 }
 
 template <typename T, int kD>
@@ -748,3 +883,8 @@ cudaError_t launch_main(const DenseDecodeKernelParams& kp, const CUtensorMap& tm
 }
 
 }  // namespace flashmla::sm90::dense_v4
+
+#undef FLASHMLA_DV4_TRACE_CTA
+#undef FLASHMLA_DV4_TRACE_VAL
+#undef FLASHMLA_DV4_TRACE_STEP
+#undef FLASHMLA_DV4_STEP_ONLY

@@ -39,7 +39,102 @@
 #include "sm90/host_utils.h"
 #include "sm90/seesaw.cuh"
 #include "sm90/sparse_decode_kernel.cuh"
+#include "sm90/trace.cuh"
 #include "sm90/wgmma.cuh"
+
+// ---- Optional event timeline (diagnostics only: tools/trace/sparse_decode_trace.cu). Without
+// FLASHMLA_TRACE every FLASHMLA_V4_TRACE_* below expands to nothing and the machine code is unchanged.
+// Uses trace.cuh's buffer, constants and symbols (g_trace, g_trace_every, g_trace_slots) with this
+// kernel's own CTA numbering: the grid is (s_q * head tiles, num_sm_parts), so the traced CTA id is
+// blockIdx.y * gridDim.x + blockIdx.x (trace.cuh's FLASHMLA_TRACE_DECL keys on blockIdx.x alone, which
+// would make the partitions of one head tile write the same records). Record layout as trace.cuh:
+// g_trace[((slot * kRoles + role) * kMaxSteps + step) * kEvents + event], slot = id / g_trace_every.
+// Roles 0, 1: consumer warpgroups 0, 1; role 2: the producer warpgroup; all three keyed by the CTA's
+// running block counter g (0, 1, ... across all of the CTA's (request, split) items, the same sequence
+// in every role) minus g_sparse_decode_trace_step0 (a window offset; steps outside 0 .. kMaxSteps-1 are
+// dropped). Role 3 (CTA): step r = the request's ordinal in the CTA (req - begin_req, r < kMaxSteps - 1),
+// step kMaxSteps - 1 the CTA's summary. Values are clock64() of the CTA's SM unless noted. Each
+// (role, step, event) has exactly one writer thread (thread 0 of the role's warpgroup; role 3 as
+// listed). The events are plain global stores, no barrier or fence.
+//   role 0 (WG0, tid 0):   0 step start = before the full wait of part A, 1 part A full, 2 S part-A
+//                          wgmmas issued, 3 part B full, 4 S done (wgmma wait), 5 softmax done (P stored,
+//                          fenced), 6 P V_L issued (commit), 7 P announced (bar.arrive), 8 P V_L done,
+//                          9 part A released
+//   role 1 (WG1, tid 128): 0 step start = before the P barrier, 1 P barrier passed, 2 before the full
+//                          wait of part B (after the O rescale in program order; the compiler may move
+//                          the FMULs), 3 part B full, 4 P V_R issued, 5 P V_R done, 6 part B released
+//   role 2 (producer, tid 256): 0 block start, 1 part A and B FP8 loads issued = before the free wait
+//                          of part A, 2 part A free, 3 part A dequantized + stored, 4 part A arrived,
+//                          5 next addresses = before the free wait of part B, 6 part B free, 7 part B
+//                          (and RoPE cp.async) stored, 8 part B arrived
+//   role 3, step r (request r of the CTA): 0 WG0 request start, 1 WG0 first consumer barrier passed
+//                          (Q copy starts), 2 WG0 Q loaded (second barrier passed), 3 WG0 epilogue start,
+//                          4 WG0 epilogue barrier passed, 5 WG0 epilogue end, 6 WG1 epilogue start
+//                          (tid 128), 7 WG1 epilogue end (tid 128) (events 0-7 only when the request has
+//                          blocks), 8 value: g of the request's first block, 9 value: its block count
+//                          n_blk, 10 value: req, 11 value: no_split (8-11 always)
+//   role 3, step kMaxSteps - 1 (tid 0): 0 entry, 1 barriers initialised, 2 consumers done, 3 exit (after
+//                          the cluster sync), 4 %globaltimer (ns) at entry, 5 %globaltimer at exit,
+//                          6 value %smid, 7 value cluster rank, 8 value blocks of the CTA (final g),
+//                          9 value begin_req, 10 value end_req, 11 value 0x100 | 2 * (V32) | kCluster
+#ifdef FLASHMLA_TRACE
+__device__ int g_sparse_decode_trace_step0 = 0;  // window: blocks step0 .. step0 + kMaxSteps - 1 of every CTA
+__device__ __forceinline__ unsigned long long flashmla_v4_trace_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ unsigned long long flashmla_v4_trace_smid() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
+  return r;
+}
+#define FLASHMLA_V4_TRACE_DECL()                                                                       \
+  const unsigned flashmla_v4_trace_id_ = blockIdx.y * gridDim.x + blockIdx.x;                          \
+  unsigned long long* const flashmla_v4_trace_cta_ =                                                   \
+      (g_trace != nullptr && flashmla_v4_trace_id_ % static_cast<unsigned>(g_trace_every) == 0u &&     \
+       static_cast<int>(flashmla_v4_trace_id_ / static_cast<unsigned>(g_trace_every)) < g_trace_slots) \
+          ? g_trace + static_cast<long long>(flashmla_v4_trace_id_ / static_cast<unsigned>(g_trace_every)) * \
+                          (::flashmla::sm90::trace::kRoles * ::flashmla::sm90::trace::kMaxSteps *      \
+                           ::flashmla::sm90::trace::kEvents)                                           \
+          : nullptr;                                                                                   \
+  const int flashmla_v4_trace_step0_ = g_sparse_decode_trace_step0
+// `value` is evaluated only by the writing thread of a traced CTA, after the checks.
+#define FLASHMLA_V4_TRACE_PUT(role, step, event, first_thread, value)                                   \
+  do {                                                                                                 \
+    const int flashmla_v4_s_ = (step);                                                                 \
+    if (flashmla_v4_trace_cta_ != nullptr && (first_thread) && flashmla_v4_s_ >= 0 &&                  \
+        flashmla_v4_s_ < ::flashmla::sm90::trace::kMaxSteps)                                           \
+      flashmla_v4_trace_cta_[((role) * ::flashmla::sm90::trace::kMaxSteps + flashmla_v4_s_) *          \
+                                 ::flashmla::sm90::trace::kEvents +                                    \
+                             (event)] = static_cast<unsigned long long>(value);                        \
+  } while (0)
+// Role 0-2 event of block g (window offset applied).
+#define FLASHMLA_V4_TRACE_BLK(role, g, event, first_thread) \
+  FLASHMLA_V4_TRACE_PUT(role, (g) - flashmla_v4_trace_step0_, event, first_thread, clock64())
+// Role 3 event / value of request ordinal r (only r < kMaxSteps - 1).
+#define FLASHMLA_V4_TRACE_REQ(r, event, first_thread) \
+  FLASHMLA_V4_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, clock64())
+#define FLASHMLA_V4_TRACE_REQ_VAL(r, event, first_thread, value) \
+  FLASHMLA_V4_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, value)
+// Role 3 summary step.
+#define FLASHMLA_V4_TRACE_CTA(event, first_thread, value) \
+  FLASHMLA_V4_TRACE_PUT(3, ::flashmla::sm90::trace::kMaxSteps - 1, event, first_thread, value)
+#else
+#define FLASHMLA_V4_TRACE_DECL() static_assert(true, "")
+#define FLASHMLA_V4_TRACE_BLK(role, g, event, first_thread) \
+  do {                                                      \
+  } while (0)
+#define FLASHMLA_V4_TRACE_REQ(r, event, first_thread) \
+  do {                                                \
+  } while (0)
+#define FLASHMLA_V4_TRACE_REQ_VAL(r, event, first_thread, value) \
+  do {                                                           \
+  } while (0)
+#define FLASHMLA_V4_TRACE_CTA(event, first_thread, value) \
+  do {                                                    \
+  } while (0)
+#endif
 
 namespace flashmla::sm90::sparse::v4 {
 
@@ -283,6 +378,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4;
   const int gq = lane / 4, tq = lane % 4;
+  FLASHMLA_V4_TRACE_DECL();
+  FLASHMLA_V4_TRACE_CTA(0, tid == 0, clock64());
+  FLASHMLA_V4_TRACE_CTA(4, tid == 0, flashmla_v4_trace_globaltimer());
 
   const int32_t* meta = p.tile_scheduler_metadata + part_id * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
@@ -299,6 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
   if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
   else __syncthreads();
+  FLASHMLA_V4_TRACE_CTA(1, tid == 0, clock64());
   // Cluster variant: this CTA's rank and the peer's barriers (shared::cluster addresses).
   const uint32_t rank = kCluster ? cl::rank() : 0u;
   const uint32_t r_bar_u = kCluster ? cl::mapa(bar_u, rank ^ 1u) : 0u;
@@ -400,6 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
       };
       for (int g = 0;; ++g) {
+        FLASHMLA_V4_TRACE_BLK(2, g, 0, t == 0);
         ++nb;
         skip_empty();
         const bool more = nreq <= end_req;
@@ -435,7 +535,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
           row_part_load<F, 1>(pb, my_rec, my_scl, j);
+          FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
+          FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
@@ -445,20 +547,26 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
           publish_any_invalid(ra, x);
+          FLASHMLA_V4_TRACE_BLK(2, g, 3, t == 0);
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
+          FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
           next_addresses(hi ? 1 : 0, hi ? 2 : 1);
+          FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
           row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
           row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
+          FLASHMLA_V4_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
+          FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         } else {
           RowPart<F, 0> pa0, pa1;
           RowPart<F, 1> pb0, pb1;
@@ -467,7 +575,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
+          FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
+          FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa0, row[0], j, put);
           row_part_store<F, 0>(pa1, row[1], j, put);
           if (j == 0) {
@@ -475,18 +585,24 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
           publish_any_invalid(ra, x);
+          FLASHMLA_V4_TRACE_BLK(2, g, 3, t == 0);
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
+          FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
           next_addresses(0, 2);
+          FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
           row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
           row_part_store<F, 1>(pb0, row[0], j, put);
           row_part_store<F, 1>(pb1, row[1], j, put);
+          FLASHMLA_V4_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), 0);
+          FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         }
         if (!more) break;
         ra = rn;
@@ -525,9 +641,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else no_split = true;
     if (!p.out_vec_ok) no_split = false;
     const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 8, tid == 0, g);
+    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 9, tid == 0, n_blk);
+    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 10, tid == 0, req);
+    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 11, tid == 0, no_split ? 1 : 0);
 
     if (n_blk > 0) {
+      FLASHMLA_V4_TRACE_REQ(req - begin_req, 0, tid == 0);
       named_barrier_sync(kBarConsumers, kConsumers);  // S of the previous request done, its sM / sL read
+      FLASHMLA_V4_TRACE_REQ(req - begin_req, 1, tid == 0);
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (the row's address once per
       // thread and request, as in dense decode v4 since session 10; the block loops' SASS is
@@ -555,6 +677,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       cp_async_wait<0>();
       gmma::fence_proxy_async();
       named_barrier_sync(kBarConsumers, kConsumers);  // Q in shared memory, visible to wgmma
+      FLASHMLA_V4_TRACE_REQ(req - begin_req, 2, tid == 0);
     }
 
     float o[128];
@@ -576,11 +699,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
         const uint64_t db = gmma::make_desc_sw128(sK_u + static_cast<uint32_t>(xx * kSmemK), 16, 1024);
+        FLASHMLA_V4_TRACE_BLK(0, gg, 0, tid == 0);
         full_wait(bar_full(xx, 0), phh);
+        FLASHMLA_V4_TRACE_BLK(0, gg, 1, tid == 0);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<0, 4>(s, dq, db);
+        FLASHMLA_V4_TRACE_BLK(0, gg, 2, tid == 0);
         full_wait(bar_full(xx, 1), phh);
+        FLASHMLA_V4_TRACE_BLK(0, gg, 3, tid == 0);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<4, kSlabs>(s, dq, db);
@@ -592,6 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         issue_s(g);
         gmma::wait<0>();  // S of block g
         gmma::reg_fence(s);
+        FLASHMLA_V4_TRACE_BLK(0, g, 4, tid == 0);
 
         float mx[2] = {-INFINITY, -INFINITY};
         if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
@@ -613,6 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
         exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
         gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
+        FLASHMLA_V4_TRACE_BLK(0, g, 5, tid == 0);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
         scale_o(o, sc);
@@ -620,37 +749,49 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
+        FLASHMLA_V4_TRACE_BLK(0, g, 6, tid == 0);
         // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
         // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
+        FLASHMLA_V4_TRACE_BLK(0, g, 7, tid == 0);
         gmma::wait<0>();
         gmma::reg_fence(o);
+        FLASHMLA_V4_TRACE_BLK(0, g, 8, tid == 0);
         release(x, 0);  // slabs 0-3 of the buffer are free
+        FLASHMLA_V4_TRACE_BLK(0, g, 9, tid == 0);
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
         const int x = g & 1;
         const uint32_t ph = static_cast<uint32_t>((g >> 1) & 1);
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
+        FLASHMLA_V4_TRACE_BLK(1, g, 0, tid == 128);
         named_barrier_sync(kBarP0 + x, kConsumers);  // P and the rescale factors of block g
+        FLASHMLA_V4_TRACE_BLK(1, g, 1, tid == 128);
         float sc[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) sc[hh] = sScale[x * 64 + row_local[hh]];
         scale_o(o, sc);
+        FLASHMLA_V4_TRACE_BLK(1, g, 2, tid == 128);
         full_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
+        FLASHMLA_V4_TRACE_BLK(1, g, 3, tid == 128);
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
         pv_ss_chain(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
                     gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
+        FLASHMLA_V4_TRACE_BLK(1, g, 4, tid == 128);
         gmma::wait<0>();
         gmma::reg_fence(o);
+        FLASHMLA_V4_TRACE_BLK(1, g, 5, tid == 128);
         release(x, 1);  // slabs 4-8 of the buffer are free
+        FLASHMLA_V4_TRACE_BLK(1, g, 6, tid == 128);
       }
     }
 
     // ---- epilogue: warpgroup 0 holds the rows' m and l; warpgroup 1 reads them from shared memory
+    FLASHMLA_V4_TRACE_REQ(req - begin_req, kWg == 0 ? 3 : 6, n_blk > 0 && tid == kWg * 128);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
       if constexpr (kWg == 0) {
@@ -665,6 +806,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         }
       }
       named_barrier_sync(kBarConsumers, kConsumers);
+      FLASHMLA_V4_TRACE_REQ(req - begin_req, 4, tid == 0);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         L[hh] = sL[row_local[hh]];
@@ -703,7 +845,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (kWg == 0 && tq == 0) p.lse_accum[arow] = lse2;
       }
     }
+    FLASHMLA_V4_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
   }
+  FLASHMLA_V4_TRACE_CTA(8, tid == 0, g);
   };
   if (wg == 0) {
     setmaxnreg_inc<kWg0Regs>();
@@ -714,7 +858,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else setmaxnreg_dec<kWg1Regs>();
     consumer(std::integral_constant<int, 1>{});
   }
+  FLASHMLA_V4_TRACE_CTA(2, tid == 0, clock64());
   if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
+  FLASHMLA_V4_TRACE_CTA(3, tid == 0, clock64());
+  FLASHMLA_V4_TRACE_CTA(5, tid == 0, flashmla_v4_trace_globaltimer());
+  FLASHMLA_V4_TRACE_CTA(6, tid == 0, flashmla_v4_trace_smid());
+  FLASHMLA_V4_TRACE_CTA(7, tid == 0, rank);
+  FLASHMLA_V4_TRACE_CTA(9, tid == 0, begin_req);
+  FLASHMLA_V4_TRACE_CTA(10, tid == 0, end_req);
+  FLASHMLA_V4_TRACE_CTA(11, tid == 0, 0x100u | (F == Fmt::kV32 ? 2u : 0u) | (kCluster ? 1u : 0u));
 }
 
 /// v4 serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; v1 / v2 the rest.
