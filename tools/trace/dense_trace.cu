@@ -50,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "trace_host.cuh"
 #include "core/scheduler.h"
 #include "sm90/dense_decode.h"
 #include "sm90/dense_decode_kernel_v4.cuh"
@@ -87,14 +88,6 @@ namespace {
 
 using namespace flashmla;
 
-#define CHECK(x)                                                                               \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
 
 __device__ __forceinline__ uint64_t mix64(uint64_t x) {
   x += 0x9E3779B97F4A7C15ull;

@@ -62,6 +62,7 @@
 #include <string>
 #include <vector>
 
+#include "trace_host.cuh"
 #include "core/scheduler.h"
 #include "sm90/sparse_decode.h"
 #include "sm90/sparse_decode_kernel_v4.cuh"
@@ -81,24 +82,8 @@ using flashmla::sm90::SparseDecodeKernelParams;
 using flashmla::sm90::SparseScope;
 using flashmla::sm90::sparse::Fmt;
 
-#define CHECK(x)                                                                                 \
-  do {                                                                                           \
-    cudaError_t e_ = (x);                                                                        \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));    \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
 
 // ---------------------------------------------------------------- inputs
-__host__ __device__ inline uint32_t mix(uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return static_cast<uint32_t>(x);
-}
 // ~N(0, 1) from four uniforms (Irwin-Hall; the values do not affect the speed).
 __device__ inline float normalish(uint64_t key) {
   const uint32_t a = mix(key * 4 + 0), b = mix(key * 4 + 1), c = mix(key * 4 + 2), d = mix(key * 4 + 3);
