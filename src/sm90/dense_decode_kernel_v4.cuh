@@ -75,16 +75,16 @@
 //                           (bits 0 / 1)
 //   role 3 record 1 + k (tid 0): events 0 request top, 1 shared memory free (after the request's first
 //                           __syncthreads), 2 Q in shared memory, 3 first block's slab 0 full, 4 epilogue
-//                           start, 5 L exchanged (after the epilogue __syncthreads), 6 epilogue end (O / L
+//                           start (tid 0 leaves warpgroup 0's pair loop; warpgroup 1 may still be in its last P·V), 5 L exchanged (after the epilogue __syncthreads), 6 epilogue end (O / L
 //                           stores or bulk copies issued); values 0 req, 1 n_blk, 2 no_split, 3 first pair
 //                           index (roles 0-2), 4 blk_lo, 5 split_slot, 6 seqlen (2, 3, 5 only with blocks)
 // Role 3 record `rec`, event `ev`: %globaltimer then clock64 (tid 0).
 #define FLASHMLA_DV4_TRACE_CTA(rec, ev)                  \
   do {                                                   \
-    FLASHMLA_TRACE_EVENT_NS(3, 3 * (rec), ev, tid == 0); \
-    FLASHMLA_TRACE_EVENT(3, 3 * (rec) + 1, ev, tid == 0); \
+    FLASHMLA_TRACE_EVENT_NS(3, 3 * (rec), ev, tid == 0 && (rec) <= 12); \
+    FLASHMLA_TRACE_EVENT(3, 3 * (rec) + 1, ev, tid == 0 && (rec) <= 12); \
   } while (0)
-#define FLASHMLA_DV4_TRACE_VAL(rec, ev, value) FLASHMLA_TRACE_VALUE(3, 3 * (rec) + 2, ev, tid == 0, value)
+#define FLASHMLA_DV4_TRACE_VAL(rec, ev, value) FLASHMLA_TRACE_VALUE(3, 3 * (rec) + 2, ev, tid == 0 && (rec) <= 12, value)
 // Roles 0-2: event `ev` of the current pair. With FLASHMLA_DV4_TRACE_CTA_ONLY as well, role 3 alone is
 // recorded (no trace code in the pair loop: the closest timing of the CTA-level events; request value 3,
 // the first pair index, is not written).
@@ -678,7 +678,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::commit();
         FLASHMLA_DV4_TRACE_STEP(1, 8, t_wg == 0);
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
-        FLASHMLA_DV4_TRACE_STEP(1, 9, t_wg == 0);
+        FLASHMLA_DV4_TRACE_STEP(1, 9, t_wg == 0 && has1);  // (without block 1 there is no P1 V1_R)
         if (tid == 128 && nxt1) {
           issue(b1 + 2, 1, 4, 8, pgB);
           FLASHMLA_DV4_TRACE_STEP(2, 2, true);

@@ -73,7 +73,7 @@
 //                          (tid 128), 7 WG1 epilogue end (tid 128) (events 0-7 only when the request has
 //                          blocks), 8 value: g of the request's first block, 9 value: its block count
 //                          n_blk, 10 value: req, 11 value: no_split (8-11 always)
-//   role 3, step kMaxSteps - 1 (tid 0): 0 entry, 1 barriers initialised, 2 consumers done, 3 exit (after
+//   role 3, step kMaxSteps - 1 (tid 0): 0 entry, 1 barriers initialised, 2 consumers done (warpgroup 0 only), 3 exit (after
 //                          the cluster sync), 4 %globaltimer (ns) at entry, 5 %globaltimer at exit,
 //                          6 value %smid, 7 value cluster rank, 8 value blocks of the CTA (final g),
 //                          9 value begin_req, 10 value end_req, 11 value 0x100 | 2 * (V32) | kCluster

@@ -455,9 +455,9 @@ int analyze(const std::vector<unsigned long long>& h, std::vector<Calib> cal0, s
   print_dist("req top -> first KV slab full", v_topkv, 1e-3, "us");
   print_dist("1st request: Q in smem (from earliest entry)", v_q_abs, 1e-3, "us");
   print_dist("1st request: first KV (from earliest entry)", v_first_kv_abs, 1e-3, "us");
-  print_dist("request compute (first KV -> epilogue start)", v_comp, 1e-3, "us");
+  print_dist("request compute (first KV -> WG0 leaves the pair loop)", v_comp, 1e-3, "us");
   print_dist("  the same per pair of blocks", v_comp_pair, 1e-3, "us");
-  print_dist("epilogue start -> L exchanged", v_epi_l, 1e-3, "us");
+  print_dist("WG0 pair loop end -> L exchanged (incl. WG1's tail)", v_epi_l, 1e-3, "us");
   print_dist("L exchanged -> epilogue end (stores issued)", v_epi_st, 1e-3, "us");
   print_dist("epilogue (start -> end)", v_epi, 1e-3, "us");
   print_dist("epilogue end -> next request top", v_gap, 1e-3, "us");

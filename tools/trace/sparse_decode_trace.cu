@@ -380,7 +380,7 @@ int analyze(const std::vector<unsigned long long>& h, int slots, int every, int 
     const double g = med(ghz);
     std::printf("CTAs with records %zu: blocks per CTA min %.0f median %.0f max %.0f; CTA entry->exit median %.0f cycles "
                 "(max %.0f), %.1f us by %%globaltimer (max %.1f); cycles / ns %.3f; consumer cycles per block "
-                "(init -> consumers done) / blocks: median %.0f\n",
+                "(init -> WG0 done) / blocks: median %.0f\n",
                 ctas.size(), quant(nb, 0), med(nb), quant(nb, 1), med(dur_clk), quant(dur_clk, 1), med(dur_ns) / 1e3,
                 quant(dur_ns, 1) / 1e3, g, med(per_blk));
     std::printf("CTA start spread (globaltimer): %.1f us between the first and the last traced CTA\n",
@@ -582,7 +582,7 @@ int analyze(const std::vector<unsigned long long>& h, int slots, int every, int 
     std::printf("timeline of CTA %d (rank %d, SM %d, requests %d..%d, %d blocks; cycles from its entry; F / L: first / "
                 "last block of a request):\n",
                 c.id, c.rank, c.smid, c.begin_req, c.end_req, c.n_blk);
-    std::printf("  init %lld, consumers done %lld, exit %lld\n", static_cast<long long>(c.clk_init - c.clk_entry),
+    std::printf("  init %lld, WG0 done %lld, exit %lld\n", static_cast<long long>(c.clk_init - c.clk_entry),
                 static_cast<long long>(c.clk_done - c.clk_entry), static_cast<long long>(c.clk_exit - c.clk_entry));
     for (int k = 0; k < c.W; ++k)
       for (int role = 0; role < 3; ++role) {
