@@ -110,7 +110,9 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
 }
 
 // exp_pack_store_p in two steps, for kernels that do other work between computing P and storing it
-// (dense decode v4: the partial-block V zeroing) or store it at their own addresses (sparse prefill):
+// (dense decode v4: the partial-block V zeroing) or store it at their own addresses (sparse prefill).
+// (exp_pack_store_p is not written as exp_pack + store_p: storing after all the exps instead of after
+// each t changes ptxas's schedule of sparse decode v4, the measured kernel; checked in session 16.)
 // P = exp2(S - m) (S already scaled to base 2) for the thread's two rows, row sums into rs, packed to T
 // as the P.V A-operand fragments `a`;
 template <class T = __nv_bfloat16>

@@ -493,16 +493,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
 
       float rs[2] = {0.f, 0.f};
       uint32_t a[4][4];
-#pragma unroll
-      for (int t = 0; t < 8; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[4 * t + e] = exp2f(s[4 * t + e] - m0u[e >> 1]);
-          rs[e >> 1] += s[4 * t + e];
-        }
-        a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 0], s[4 * t + 1]);
-        a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<__nv_bfloat16>::pack(s[4 * t + 2], s[4 * t + 3]);
-      }
+      seesaw::exp_pack(s, m0u, rs, a);  // P0 (the P0 V0_L A operand)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc0[hh] + rs[hh];
       scale_o(o, sc0);
