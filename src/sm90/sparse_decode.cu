@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "core/tile_schedule_greedy.h"
 #include "sm90/host_utils.h"
@@ -137,20 +138,21 @@ cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* 
   const int64_t x = static_cast<int64_t>(compact ? num_sm_parts : cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
   const int j = combine_float4s_per_lane(x * y);
   const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
-  auto go = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(cp); };
+  // One of the three J instantiations, with the default or the compact grid's parameters.
+  auto go = [&](auto compact_tag, const auto& params) {
+    constexpr bool kC = decltype(compact_tag)::value;
+    using P = std::decay_t<decltype(params)>;
+    if (j == 1) sparse_combine::flash_fwd_mla_combine_kernel<1, kC, P><<<grid, 256, 0, stream>>>(params);
+    else if (j == 2) sparse_combine::flash_fwd_mla_combine_kernel<2, kC, P><<<grid, 256, 0, stream>>>(params);
+    else sparse_combine::flash_fwd_mla_combine_kernel<4, kC, P><<<grid, 256, 0, stream>>>(params);
+  };
   if (compact) {
     sparse_combine::CompactParams pc;
     static_cast<SparseCombineParams&>(pc) = cp;
     pc.tile_scheduler_metadata = metadata;
-    auto go_c = [&](auto kernel) { kernel<<<grid, 256, 0, stream>>>(pc); };
-    using sparse_combine::CompactParams;
-    if (j == 1) go_c(sparse_combine::flash_fwd_mla_combine_kernel<1, true, CompactParams>);
-    else if (j == 2) go_c(sparse_combine::flash_fwd_mla_combine_kernel<2, true, CompactParams>);
-    else go_c(sparse_combine::flash_fwd_mla_combine_kernel<4, true, CompactParams>);
+    go(std::true_type{}, pc);
   } else {
-    if (j == 1) go(sparse_combine::flash_fwd_mla_combine_kernel<1, false>);
-    else if (j == 2) go(sparse_combine::flash_fwd_mla_combine_kernel<2, false>);
-    else go(sparse_combine::flash_fwd_mla_combine_kernel<4, false>);
+    go(std::false_type{}, cp);
   }
   return cudaGetLastError();
 }
