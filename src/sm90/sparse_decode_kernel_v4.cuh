@@ -151,6 +151,10 @@ constexpr int kLaunchRegs = 168;
 #ifndef FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
 #define FLASHMLA_SPARSE_DECODE_LOAD_AHEAD 0
 #endif
+// Session 17 switch (A/B): the conversion-free dequantization (row_part_store, dequant8_bits).
+#ifndef FLASHMLA_SPARSE_DECODE_BITDEQ
+#define FLASHMLA_SPARSE_DECODE_BITDEQ 0
+#endif
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 128;
@@ -246,6 +250,34 @@ __device__ __forceinline__ __nv_bfloat162 group_scale(uint2 sc, int d) {
 template <Fmt F, int PT, class Put>
 __device__ __forceinline__ void row_part_store(const RowPart<F, PT>& r, int row, int j, Put&& put) {
   using M = PartMap<F, PT>;
+#if FLASHMLA_SPARSE_DECODE_BITDEQ
+  {
+    // The conversion-free path (sparse_decode_kernel.cuh, dequant8_bits) when its preconditions hold for
+    // the whole part (no e4m3 NaN byte, every group scale * 2^120 a normal bf16); else dequant8 below.
+    uint32_t nan = 0;
+#pragma unroll
+    for (int d = 0; d < M::kGroups; ++d) nan |= e4m3_nan_bytes(r.u[d]);
+    bool ok = nan == 0;
+    uint32_t s120[M::kGroups];
+#pragma unroll
+    for (int d = 0; d < M::kGroups; ++d) {
+      const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
+      ok &= scale_bits_120(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&s)), s120[d]);
+    }
+    if (ok) {
+#pragma unroll
+      for (int d = 0; d < M::kGroups; ++d) {
+        const uint32_t h = s120[d] & 0xFFFFu;
+        uint32_t hh = h | (h << 16);
+        const __nv_bfloat162 s = *reinterpret_cast<__nv_bfloat162*>(&hh);
+        const int c = 8 * (M::kG0 + d) + 2 * j;
+        put(slab_off(row, c), dequant8_bits(make_uint2(r.u[d].x, r.u[d].y), s));
+        put(slab_off(row, c + 1), dequant8_bits(make_uint2(r.u[d].z, r.u[d].w), s));
+      }
+      return;
+    }
+  }
+#endif
 #pragma unroll
   for (int d = 0; d < M::kGroups; ++d) {
     const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
