@@ -122,18 +122,19 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 
 }  // namespace sparse_combine
 
-// FLASHMLA_SPARSE_COMBINE_COMPACT=1 (read per call; opt-in, session 15; session 16 A/B on the H200: whole
-// call x1.011 geomean, -1 to -6 us, its smoke pytest passed, the §5.2 grid not yet run with it): the
-// compact grid (see the kernel) when out is vector-writable and b > num_sm_parts. Why: the benchmark of
-// record has the combine at 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256, batches
-// whose schedule splits no request at all (every part ends on a request boundary): that time is the
-// launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. With the
-// compact grid: num_sm_parts * s_q * h_q / 8 (1056), one wave. Batches with split requests (b74, b148)
-// also launch 2-4x fewer CTAs. Default (unset / 0): the per-request grid, as measured.
+// The compact combine grid (see the kernel), the default since session 17, when out is vector-writable and
+// b > num_sm_parts; FLASHMLA_SPARSE_COMBINE_COMPACT=0 (read per call) keeps the per-request grid. Why: with
+// the per-request grid the combine took 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256,
+// batches whose schedule splits no request at all (every part ends on a request boundary): that time was
+// the launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. The compact
+// grid launches num_sm_parts * s_q * h_q / 8 (1056), one wave; batches with split requests (b74, b148)
+// also launch 2-4x fewer CTAs. Measured on the H200: whole call x1.011 geomean (session 16), x1.008
+// (session 17 call 2, which also passed the sparse pytest and the 4748-case spec §5.2 grid with it).
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
                                   cudaStream_t stream) {
   const char* env = std::getenv("FLASHMLA_SPARSE_COMBINE_COMPACT");
-  const bool compact = env != nullptr && env[0] == '1' && env[1] == '\0' && cp.out_vec_ok && metadata != nullptr &&
+  const bool opted_out = env != nullptr && env[0] == '0' && env[1] == '\0';
+  const bool compact = !opted_out && cp.out_vec_ok && metadata != nullptr &&
                        num_sm_parts > 0 && num_sm_parts < cp.b;
   const int64_t x = static_cast<int64_t>(compact ? num_sm_parts : cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
   const int j = combine_float4s_per_lane(x * y);
