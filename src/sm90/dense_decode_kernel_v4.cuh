@@ -35,7 +35,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "sm90/dense_decode.h"
 #include "sm90/dense_decode_tma.cuh"
@@ -100,14 +99,6 @@
 #endif
 
 namespace flashmla::sm90::dense_v4 {
-
-// Session 17 switch (A/B; bench/NOTES.md "Session 17"): the staged epilogue writes out by 4-D TMA tensor
-// stores (4 per warpgroup) instead of one bulk copy per 512-byte row half.
-#ifndef FLASHMLA_DENSE_DECODE_OUT_TMA
-#define FLASHMLA_DENSE_DECODE_OUT_TMA 0
-#endif
-// A kernel-only bit of DenseDecodeKernelParams::flags (above the DenseTuning bits): tmap_o is valid.
-constexpr int kFlagOutTma = 1 << 20;
 
 constexpr int kThreads = 256;
 constexpr int kBlockM = 64;
@@ -255,11 +246,7 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
 // host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
 template <typename T, int kD, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
-    flash_fwd_splitkv_mla_kernel_v4(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k
-#if FLASHMLA_DENSE_DECODE_OUT_TMA
-                                    , const __grid_constant__ CUtensorMap tmap_o
-#endif
-                                    ) {
+    flash_fwd_splitkv_mla_kernel_v4(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
   constexpr int kSlabs = kD / 64;
   constexpr int kChunks = kD / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -291,9 +278,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 18; ++i) dense_tma::mbar_init(bar_u + 8 * i, 1);
     dense_tma::fence_barrier_init();
     dense_tma::prefetch_tensormap(&tmap_k);
-#if FLASHMLA_DENSE_DECODE_OUT_TMA
-    if (kStaged && (p.flags & kFlagOutTma)) dense_tma::prefetch_tensormap(&tmap_o);
-#endif
   }
   __syncthreads();
   FLASHMLA_DV4_TRACE_CTA(0, 1);
@@ -741,39 +725,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         float inv[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) inv[hh] = L[hh] > 0.f ? 1.f / L[hh] : 0.f;
-#if FLASHMLA_DENSE_DECODE_OUT_TMA
-        if (no_split && (p.flags & kFlagOutTma)) {
-          // O by four 4-D TMA tensor stores per warpgroup (session 17: the 1 KB row copies cost ~33 cycles
-          // of TMA issue each, 128 per 64-row tile, ~2.3 us of a b 128, s_k 256, h_q 64 call): the
-          // warpgroup's 256 columns as 4 slabs [64 rows][128 B] in its K stage, 128-byte swizzled (the box
-          // layout of tmap_o, make_out_tensor_map); rows of 8-row groups past m_rows are not staged (their
-          // box rows lie past s_q and are clipped by the TMA unit).
-          const uint32_t stg_u = sK_u + static_cast<uint32_t>((wg + rq0) * kSmemK);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            if (row0 + wq_e * 16 + 8 * hh >= p.m_rows) continue;  // warp-uniform
-#pragma unroll
-            for (int j = 0; j < 32; ++j)
-              *reinterpret_cast<uint32_t*>(stg + slab_off(rl[hh], j) + 4 * tq_e) =
-                  HalfTraits<T>::pack(o[4 * j + 2 * hh] * inv[hh], o[4 * j + 2 * hh + 1] * inv[hh]);
-          }
-          gmma::fence_proxy_async();  // generic stores -> the tensor stores' (async proxy) reads
-          if (wg == 0) named_barrier_sync(kBarWG0, 128);
-          else named_barrier_sync(kBarWG1, 128);
-          if ((tid_e & 127) == 0) {
-            // Rows row0 .. row0 + 63 = (query token, head in group) pairs, s_q-major: group >= 64 (a
-            // multiple of 64): one token, heads from row0 % group; group < 64 (divides 64): 64 / group
-            // tokens from row0 / group, all heads of the group.
-            const int r0 = row0 - rq0;
-            const int c1 = kv_head * p.group + (p.group >= 64 ? r0 % p.group : 0), c2 = r0 / p.group;
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-              dense_tma::tma_store_4d(&tmap_o, stg_u + static_cast<uint32_t>(k * kSlabBytes), wg * 256 + 64 * k, c1, c2,
-                                      req);
-            dense_tma::bulk_commit();
-          }
-        } else
-#endif
         if (no_split) {
 #pragma unroll
           for (int j = 0; j < 32; ++j)
@@ -902,36 +853,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   })
 }
 
-#if FLASHMLA_DENSE_DECODE_OUT_TMA
-// Tensor map of out (b, s_q, h_q, 512) (bf16 / fp16) for the staged epilogue's tensor stores: dims (512, h_q,
-// s_q, b), box 64 columns x min(group, 64) heads x 64 / min(group, 64) tokens x 1 request, 128-byte swizzle
-// (the staging slabs' layout), so that one box holds a 64-row tile's rows in the kernel's order (s_q-major
-// (token, head in group) pairs). Only when group is a multiple of 64 or divides 64 (every power of two up
-// to 128; a box's heads start at kv_head * group and stay inside that KV head's group), out's rows
-// 16-byte aligned with a contiguous last dim; false otherwise or when the encoder refuses (the kernel then
-// copies 512-byte row halves).
-inline bool make_out_tensor_map(const DenseDecodeKernelParams& p, CUtensorMap* map) {
-  if (!p.out_bulk_ok || p.o_stride_d != 1 || reinterpret_cast<uintptr_t>(p.out) % 16 != 0) return false;
-  if (p.group <= 0 || !(p.group % 64 == 0 || 64 % p.group == 0)) return false;
-  for (int64_t st : {p.o_stride_h, p.o_stride_s, p.o_stride_b})
-    if (st <= 0 || (st * 2) % 16 != 0 || st * 2 >= (int64_t{1} << 40)) return false;
-  EncodeTiledFn fn = encode_tiled_fn();
-  if (fn == nullptr) return false;
-  const int bh = p.group < 64 ? p.group : 64;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kDimV), static_cast<cuuint64_t>(p.h_q),
-                              static_cast<cuuint64_t>(p.s_q), static_cast<cuuint64_t>(p.b)};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(p.o_stride_h * 2), static_cast<cuuint64_t>(p.o_stride_s * 2),
-                                 static_cast<cuuint64_t>(p.o_stride_b * 2)};
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(bh), static_cast<cuuint32_t>(64 / bh), 1};
-  const cuuint32_t estr[4] = {1, 1, 1, 1};
-  std::memset(map, 0, sizeof(*map));
-  const CUresult r = fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, p.out, dims, strides, box, estr,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
-}
-#endif
-
 template <typename T, int kD>
 cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
                           cudaStream_t stream) {
@@ -941,15 +862,7 @@ cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& 
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
   const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);
-#if FLASHMLA_DENSE_DECODE_OUT_TMA
-  alignas(64) CUtensorMap tmap_o;
-  DenseDecodeKernelParams kq = kp;
-  if (kp.staged_epilogue && make_out_tensor_map(kp, &tmap_o)) kq.flags |= kFlagOutTma;
-  else std::memset(&tmap_o, 0, sizeof(tmap_o));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kq, tmap, tmap_o);
-#else
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, tmap);
-#endif
   return cudaGetLastError();
 }
 

@@ -36,15 +36,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// 4-D tiled bulk tensor store shared -> global (bulk-group completion: bulk_commit / bulk_wait_read).
-// Box elements outside the tensor are not written (the TMA unit clips them).
-__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
 // Bulk shared -> global copies: the shared helpers of utils.cuh (also used by the sparse prefill).
 using ::flashmla::sm90::bulk_commit;
 using ::flashmla::sm90::bulk_store;

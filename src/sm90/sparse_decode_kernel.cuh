@@ -121,52 +121,6 @@ __device__ __forceinline__ uint4 dequant8(uint2 w, __nv_bfloat162 sc) {
   return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-// ---- Conversion-free dequantization (session 17). Hopper issues the F2FP conversions of dequant8 at a
-// fraction of the integer / fp16x2 rate, and the session 17 trace showed the producer's part
-// dequantization taking ~2000 cycles per block while the consumers' softmax (which converts P with
-// F2FP too) ran. Every finite e4m3 value x is exactly x * 2^-120 when its 7 magnitude bits are placed
-// at bf16 bits 4..10 (exponent field e -> e + 120 - 7 ... i.e. 2^(e-7) -> 2^(e-127); the e4m3
-// subnormals m * 2^-9 land on the bf16 subnormals m * 2^-129) and its sign at bit 15. The bf16 product
-// of that with the bf16 scale times 2^120 is the same real number as x times the bf16 scale, so its
-// rounding (one bf16 multiply, as in dequant8) gives the same bits. Preconditions, checked by
-// the callers per part, else they take dequant8: no e4m3 NaN byte (0x7F / 0xFF: the bit trick would give
-// a finite value) and scale * 2^120 a normal bf16 (scale exponent field 1 .. 134).
-
-// Sign-extended bytes of `w` selected by `sel` (prmt: a selector nibble with bit 3 set replicates the
-// sign bit of its byte), shifted and masked: bf16x2 bits of the two e4m3 values, each times 2^-120.
-__device__ __forceinline__ uint32_t e4m3x2_bits_scaled(uint32_t w, uint32_t sel) {
-  uint32_t s16;
-  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(s16) : "r"(w), "r"(sel));
-  return (s16 << 4) & 0x87F087F0u;
-}
-// 8 e4m3 values (little-endian in `w`) -> 8 bf16, each x * sc_bits' (bf16x2 bits of scale * 2^120): dequant8's
-// result when the preconditions above hold.
-__device__ __forceinline__ uint4 dequant8_bits(uint2 w, __nv_bfloat162 sc120) {
-  uint32_t r[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t word = k < 2 ? w.x : w.y;
-    uint32_t b = e4m3x2_bits_scaled(word, (k & 1) ? 0xB3A2u : 0x9180u);
-    __nv_bfloat162 v = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&b), sc120);
-    r[k] = *reinterpret_cast<uint32_t*>(&v);
-  }
-  return make_uint4(r[0], r[1], r[2], r[3]);
-}
-// Nonzero iff one of the 16 bytes of `a` is an e4m3 NaN (0x7F / 0xFF): (b | 0x80) + 1 carries out of
-// exactly those bytes, clearing their bit 7 (a carry into the next byte can only set bits).
-__device__ __forceinline__ uint32_t e4m3_nan_bytes(uint4 a) {
-  const uint32_t t0 = (a.x | 0x80808080u) + 0x01010101u, t1 = (a.y | 0x80808080u) + 0x01010101u;
-  const uint32_t t2 = (a.z | 0x80808080u) + 0x01010101u, t3 = (a.w | 0x80808080u) + 0x01010101u;
-  return ~(t0 & t1 & t2 & t3) & 0x80808080u;
-}
-// bf16 bits `b` of a scale -> bf16 bits of b * 2^120, and whether that is exact and normal (exponent
-// field 1 .. 134; zero, subnormal, huge, inf and NaN scales return false: take dequant8).
-__device__ __forceinline__ bool scale_bits_120(uint32_t b, uint32_t& out) {
-  const uint32_t e = (b >> 7) & 0xFFu;
-  out = b + (120u << 7);
-  return e >= 1u && e <= 134u;
-}
-
 // UE8M0 byte -> bf16 bits of 2^(e-127) (0xFF -> NaN).
 __device__ __forceinline__ uint16_t e8m0_to_bf16_bits(uint32_t e) {
   if (e == 0xFFu) return 0x7FC0u;

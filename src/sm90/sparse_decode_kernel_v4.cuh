@@ -146,15 +146,6 @@ constexpr int kProducers = 128;
 // Register split of the CTA's pool (384 x 168, moved by setmaxnreg): S + softmax + half of O /
 // half of O / producers.
 constexpr int kLaunchRegs = 168;
-// Session 17 switch (A/B; bench/NOTES.md "Session 17"): the producer loads block g + 1's FP8 bytes during
-// step g (see the producer loop).
-#ifndef FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-#define FLASHMLA_SPARSE_DECODE_LOAD_AHEAD 0
-#endif
-// Session 17 switch (A/B): the conversion-free dequantization (row_part_store, dequant8_bits).
-#ifndef FLASHMLA_SPARSE_DECODE_BITDEQ
-#define FLASHMLA_SPARSE_DECODE_BITDEQ 0
-#endif
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 128;
@@ -250,34 +241,6 @@ __device__ __forceinline__ __nv_bfloat162 group_scale(uint2 sc, int d) {
 template <Fmt F, int PT, class Put>
 __device__ __forceinline__ void row_part_store(const RowPart<F, PT>& r, int row, int j, Put&& put) {
   using M = PartMap<F, PT>;
-#if FLASHMLA_SPARSE_DECODE_BITDEQ
-  {
-    // The conversion-free path (sparse_decode_kernel.cuh, dequant8_bits) when its preconditions hold for
-    // the whole part (no e4m3 NaN byte, every group scale * 2^120 a normal bf16); else dequant8 below.
-    uint32_t nan = 0;
-#pragma unroll
-    for (int d = 0; d < M::kGroups; ++d) nan |= e4m3_nan_bytes(r.u[d]);
-    bool ok = nan == 0;
-    uint32_t s120[M::kGroups];
-#pragma unroll
-    for (int d = 0; d < M::kGroups; ++d) {
-      const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
-      ok &= scale_bits_120(static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&s)), s120[d]);
-    }
-    if (ok) {
-#pragma unroll
-      for (int d = 0; d < M::kGroups; ++d) {
-        const uint32_t h = s120[d] & 0xFFFFu;
-        uint32_t hh = h | (h << 16);
-        const __nv_bfloat162 s = *reinterpret_cast<__nv_bfloat162*>(&hh);
-        const int c = 8 * (M::kG0 + d) + 2 * j;
-        put(slab_off(row, c), dequant8_bits(make_uint2(r.u[d].x, r.u[d].y), s));
-        put(slab_off(row, c + 1), dequant8_bits(make_uint2(r.u[d].z, r.u[d].w), s));
-      }
-      return;
-    }
-  }
-#endif
 #pragma unroll
   for (int d = 0; d < M::kGroups; ++d) {
     const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
@@ -528,34 +491,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool ext = block_indices(v);
         addresses(v, ext, ra);
       }
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-      // Load-ahead (session 17's trace: the producer waited ~1500 cycles per block for the FP8 bytes it
-      // had just issued): the FP8 bytes and scales of block g + 1 are loaded into the registers of
-      // block g's part right after that part is stored, so their latency runs under the rest of step g
-      // (the part B dequantization, both free waits) instead of at the start of step g + 1.
-      // Block 0's bytes here; the cluster kernel loads its one row (row[rank]), the plain kernel both.
-      const bool hi0 = kCluster && rank != 0;
-      RowPart<F, 0> pa0, pa1;
-      RowPart<F, 1> pb0, pb1;
-      auto load_part_a = [&](const RowAddr& r) {
-        if constexpr (kCluster) {
-          row_part_load<F, 0>(pa0, hi0 ? r.rec[1] : r.rec[0], hi0 ? r.scl[1] : r.scl[0], j);
-        } else {
-          row_part_load<F, 0>(pa0, r.rec[0], r.scl[0], j);
-          row_part_load<F, 0>(pa1, r.rec[1], r.scl[1], j);
-        }
-      };
-      auto load_part_b = [&](const RowAddr& r) {
-        if constexpr (kCluster) {
-          row_part_load<F, 1>(pb0, hi0 ? r.rec[1] : r.rec[0], hi0 ? r.scl[1] : r.scl[0], j);
-        } else {
-          row_part_load<F, 1>(pb0, r.rec[0], r.scl[0], j);
-          row_part_load<F, 1>(pb1, r.rec[1], r.scl[1], j);
-        }
-      };
-      load_part_a(ra);
-      load_part_b(ra);
-#endif
       // One any-invalid flag per producer warp for buffer x (warpgroup 0 skips the masking of a block
       // whose 64 slots are all valid); every producer lane calls this, before the part-A arrivals
       // that publish it.
@@ -596,17 +531,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           const int my = hi ? row[1] : row[0];
           const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-          (void)my_rec;
-          (void)my_scl;
-          RowPart<F, 0>& pa = pa0;
-          RowPart<F, 1>& pb = pb0;
-#else
           RowPart<F, 0> pa;
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
           row_part_load<F, 1>(pb, my_rec, my_scl, j);
-#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
@@ -625,9 +553,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
           next_addresses(hi ? 1 : 0, hi ? 2 : 1);
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-          if (more) load_part_a(rn);  // block g + 1's part A into pa (stored above)
-#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
@@ -641,19 +566,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-          if (more) load_part_b(rn);  // block g + 1's part B into pb (stored above)
-#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         } else {
-#if !FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
           RowPart<F, 0> pa0, pa1;
           RowPart<F, 1> pb0, pb1;
           row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
-#endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
@@ -671,9 +591,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           producer_arrive(bar_full(x, 0), 0);
           FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
           next_addresses(0, 2);
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-          if (more) load_part_a(rn);
-#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
@@ -685,9 +602,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), 0);
-#if FLASHMLA_SPARSE_DECODE_LOAD_AHEAD
-          if (more) load_part_b(rn);
-#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         }
         if (!more) break;
