@@ -463,7 +463,7 @@ TEST(Scheduler, CoversEveryBlockExactlyOnce) {
   }
 }
 
-// The sparse combine's compact grid (src/sm90/sparse_decode.cu, opt-in) launches one CTA row per part
+// The sparse combine's compact grid (src/sm90/sparse_decode.cu, the default since session 17) launches one CTA row per part
 // and lets core::split_request_of_part say which split request, if any, the part combines: every
 // request with more than one split must be named by exactly one part, no other request by any.
 TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
