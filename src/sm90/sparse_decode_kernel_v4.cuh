@@ -146,6 +146,11 @@ constexpr int kProducers = 128;
 // Register split of the CTA's pool (384 x 168, moved by setmaxnreg): S + softmax + half of O /
 // half of O / producers.
 constexpr int kLaunchRegs = 168;
+// Diagnostic switch prepared in session 17, not yet run (bench/NOTES.md "First device calls ... end of
+// session 17"): 1 drops the producer's L2 bulk prefetch of the next block's records.
+#ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
+#define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 0
+#endif
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 128;
@@ -516,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         auto next_addresses = [&](int i_lo, int i_hi) {
           if (!more) return;
           addresses(vn, extn, rn);
-          if (j == 0)
+          if (j == 0 && !FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH)
 #pragma unroll
             for (int i = 0; i < 2; ++i)
               if (i >= i_lo && i < i_hi && rn.rec[i] != 0) {
