@@ -1,0 +1,226 @@
+// tools/trace/gather_bench.cu — how fast can one warpgroup per SM gather V3.2 FP8 records (656 bytes each,
+// the sparse decode's access pattern) with each load method? A diagnostic for the sparse-decode producer
+// (bench/NOTES.md "Session 17", Learned (1)-(2): its gathers take 3000+ cycles from issue to use while DRAM
+// moves only ~0.8 TB/s). Written in session 17, not yet run on a GPU.
+//
+// One CTA of 128 threads per SM (the producer warpgroup's size; the dynamic shared memory forces one CTA
+// per SM), each gathering `blocks` blocks of 64 random records (uniform over a `gb`-GB buffer, so nearly
+// every record comes from DRAM) and reading their first 528 bytes (512 FP8 + 16 scale bytes), as the
+// producer does (FlashMLA's token mapping: thread t takes rows 8 (t / 32) + t % 8 and that + 32, quarter
+// (t % 32) / 8 of each 64-byte group). Methods (argument 1, or all):
+//   0 ldg         per block: the rows' indices, then the 18 loads per thread, then their use
+//   1 ldg-ahead   indices one block ahead (the kernel's order: loads of block g issued at its step start)
+//   2 ldg-l2pf    1 + a cp.async.bulk.prefetch.L2 of block g + 1's records while block g is used (the kernel)
+//   3 ldg-regs2   the loads of block g + 1 issued before block g is used (two register sets)
+//   4 bulk        one 528-byte cp.async.bulk per row into a two-stage shared buffer, one block ahead
+//   5 cpasync     16-byte cp.async per thread chunk into the same buffer, one block ahead
+// Prints per method: time, GB/s of record bytes (64 x 528 per block), cycles per block per CTA.
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc -Itools/trace -o /tmp/gather_bench \
+//        tools/trace/gather_bench.cu && /tmp/gather_bench [method|-1] [blocks] [gb] [ctas]
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "sm90/utils.cuh"
+#include "trace_host.cuh"
+
+using namespace flashmla::sm90;
+
+constexpr int kRec = 656;           // V3.2 record bytes (spec §3.3)
+constexpr int kUse = 528;           // bytes the producer reads by LDG (FP8 + scales; RoPE goes by cp.async)
+constexpr int kRows = 64;           // records per block
+constexpr int kStage = kRows * kUse;  // 33792 bytes per shared-memory stage (methods 4, 5)
+constexpr int kSmem = 120 * 1024;   // > half of the SM: one CTA per SM
+
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+struct Loaded {
+  uint4 u[2][8];
+  uint2 s[2];
+};
+
+template <int kMethod>
+__global__ void __launch_bounds__(128, 1)
+    gather_kernel(const uint8_t* __restrict__ recs, const int32_t* __restrict__ idx, int blocks,
+                  unsigned long long* cycles, uint32_t* sink) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int t = threadIdx.x, j = (t & 31) >> 3;
+  const int row[2] = {(t >> 5) * 8 + (t & 7), (t >> 5) * 8 + (t & 7) + 32};
+  const int32_t* my = idx + static_cast<int64_t>(blockIdx.x) * blocks * kRows;
+  const uint32_t s_u = smem_u32(smem), bar_u = s_u + 2 * kStage;
+  uint32_t acc = 0;
+  auto rec_of = [&](int g, int i) { return recs + static_cast<int64_t>(my[g * kRows + row[i]]) * kRec; };
+  auto load = [&](Loaded& L, const uint8_t* a0, const uint8_t* a1) {
+    const uint8_t* a[2] = {a0, a1};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int d = 0; d < 8; ++d) L.u[i][d] = ldg16(a[i] + 64 * d + 16 * j);
+      L.s[i] = ldg8(a[i] + 512 + 8 * (j & 1));
+    }
+  };
+  auto use = [&](const Loaded& L) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int d = 0; d < 8; ++d) acc ^= L.u[i][d].x + L.u[i][d].y * 3u + L.u[i][d].z * 5u + L.u[i][d].w * 7u;
+      acc ^= L.s[i].x + L.s[i].y;
+    }
+  };
+  if (kMethod >= 4 && t == 0) {
+    mbar_init(bar_u, 1);
+    mbar_init(bar_u + 8, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+  const unsigned long long c0 = clock64();
+  if constexpr (kMethod == 0) {
+    for (int g = 0; g < blocks; ++g) {
+      Loaded L;
+      load(L, rec_of(g, 0), rec_of(g, 1));
+      use(L);
+    }
+  } else if constexpr (kMethod == 1 || kMethod == 2) {
+    int v0 = my[row[0]], v1 = my[row[1]];
+    for (int g = 0; g < blocks; ++g) {
+      const bool more = g + 1 < blocks;
+      const int n0 = more ? my[(g + 1) * kRows + row[0]] : 0, n1 = more ? my[(g + 1) * kRows + row[1]] : 0;
+      Loaded L;
+      load(L, recs + static_cast<int64_t>(v0) * kRec, recs + static_cast<int64_t>(v1) * kRec);
+      use(L);
+      if (kMethod == 2 && more && j == 0) {
+        prefetch_l2_bulk(recs + static_cast<int64_t>(n0) * kRec, kRec);
+        prefetch_l2_bulk(recs + static_cast<int64_t>(n1) * kRec, kRec);
+      }
+      v0 = n0;
+      v1 = n1;
+    }
+  } else if constexpr (kMethod == 3) {
+    Loaded A, B;
+    load(A, rec_of(0, 0), rec_of(0, 1));
+    for (int g = 0; g < blocks; g += 2) {
+      if (g + 1 < blocks) load(B, rec_of(g + 1, 0), rec_of(g + 1, 1));
+      use(A);
+      if (g + 1 >= blocks) break;
+      if (g + 2 < blocks) load(A, rec_of(g + 2, 0), rec_of(g + 2, 1));
+      use(B);
+    }
+  } else {
+    // Stage g & 1 holds block g's 64 x 528 bytes (row r at r * 528); filled one block ahead.
+    auto issue = [&](int g) {
+      const uint32_t st = s_u + static_cast<uint32_t>((g & 1) * kStage), bar = bar_u + 8u * (g & 1);
+      if constexpr (kMethod == 4) {
+        if (t == 0) expect_tx(bar, kStage);
+        __syncwarp();
+        if (t < kRows) bulk_load(st + t * kUse, recs + static_cast<int64_t>(my[g * kRows + t]) * kRec, kUse, bar);
+      } else {
+        // 33 16-byte chunks per row: thread t copies chunks t % 33 ... of rows, strided over the CTA.
+        for (int c = t; c < kRows * (kUse / 16); c += 128) {
+          const int r = c / (kUse / 16), k = c % (kUse / 16);
+          cp_async_16(st + r * kUse + 16 * k, recs + static_cast<int64_t>(my[g * kRows + r]) * kRec + 16 * k, true);
+        }
+        cp_async_commit();
+      }
+    };
+    issue(0);
+    for (int g = 0; g < blocks; ++g) {
+      if (g + 1 < blocks) {
+        __syncthreads();  // everyone is done reading stage (g + 1) & 1 (block g - 1)
+        issue(g + 1);
+      }
+      if constexpr (kMethod == 4) {
+        mbar_wait(bar_u + 8u * (g & 1), static_cast<uint32_t>((g >> 1) & 1));
+      } else {
+        if (g + 1 < blocks) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        __syncthreads();
+      }
+      const uint8_t* st = smem + (g & 1) * kStage;
+      Loaded L;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int d = 0; d < 8; ++d) L.u[i][d] = *reinterpret_cast<const uint4*>(st + row[i] * kUse + 64 * d + 16 * j);
+        L.s[i] = *reinterpret_cast<const uint2*>(st + row[i] * kUse + 512 + 8 * (j & 1));
+      }
+      use(L);
+    }
+  }
+  const unsigned long long c1 = clock64();
+  if (t == 0) cycles[blockIdx.x] = c1 - c0;
+  if (acc == 0x12345678u) sink[0] = acc;  // keeps the loads alive
+}
+
+template <int kM>
+static void run(const char* name, const uint8_t* recs, const int32_t* idx, int blocks, int ctas,
+                unsigned long long* d_cyc, uint32_t* d_sink) {
+  auto k = gather_kernel<kM>;
+  CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  k<<<ctas, 128, kSmem>>>(recs, idx, blocks, d_cyc, d_sink);  // warm-up
+  CHECK(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  float best = 1e30f;
+  for (int rep = 0; rep < 5; ++rep) {
+    CHECK(cudaEventRecord(e0));
+    k<<<ctas, 128, kSmem>>>(recs, idx, blocks, d_cyc, d_sink);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (ms < best) best = ms;
+  }
+  std::vector<unsigned long long> cyc(ctas);
+  CHECK(cudaMemcpy(cyc.data(), d_cyc, ctas * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  double mean = 0;
+  for (auto c : cyc) mean += static_cast<double>(c);
+  mean /= ctas;
+  const double bytes = static_cast<double>(ctas) * blocks * kRows * kUse;
+  std::printf("%-10s ctas %4d blocks %5d: %8.1f us  %7.1f GB/s of record bytes  %7.0f cycles per block per CTA\n",
+              name, ctas, blocks, best * 1e3, bytes / (best * 1e-3) / 1e9, mean / blocks);
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
+}
+
+int main(int argc, char** argv) {
+  const int method = argc > 1 ? std::atoi(argv[1]) : -1;
+  const int blocks = argc > 2 ? std::atoi(argv[2]) : 256;
+  const double gb = argc > 3 ? std::atof(argv[3]) : 4.0;
+  int n_sm = 0;
+  CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
+  const int ctas = argc > 4 ? std::atoi(argv[4]) : n_sm;
+  const int64_t n_rec = static_cast<int64_t>(gb * 1e9 / kRec);
+  uint8_t* recs = nullptr;
+  int32_t* idx = nullptr;
+  unsigned long long* d_cyc = nullptr;
+  uint32_t* d_sink = nullptr;
+  CHECK(cudaMalloc(&recs, n_rec * kRec));
+  CHECK(cudaMemset(recs, 0x3C, n_rec * kRec));
+  const int64_t n_idx = static_cast<int64_t>(ctas) * blocks * kRows;
+  std::vector<int32_t> h(n_idx);
+  for (int64_t i = 0; i < n_idx; ++i) h[i] = static_cast<int32_t>(mix(static_cast<uint64_t>(i) + 17) % n_rec);
+  CHECK(cudaMalloc(&idx, n_idx * sizeof(int32_t)));
+  CHECK(cudaMemcpy(idx, h.data(), n_idx * sizeof(int32_t), cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&d_cyc, ctas * sizeof(unsigned long long)));
+  CHECK(cudaMalloc(&d_sink, sizeof(uint32_t)));
+  std::printf("gather bench: %lld records of %d bytes (%.1f GB), %d CTAs x %d blocks x %d rows, %d bytes read per row\n",
+              static_cast<long long>(n_rec), kRec, gb, ctas, blocks, kRows, kUse);
+  if (method < 0 || method == 0) run<0>("ldg", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 1) run<1>("ldg-ahead", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 2) run<2>("ldg-l2pf", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 3) run<3>("ldg-regs2", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 4) run<4>("bulk", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 5) run<5>("cpasync", recs, idx, blocks, ctas, d_cyc, d_sink);
+  return 0;
+}
