@@ -95,7 +95,7 @@ FLASHMLA_HOST_DEVICE void greedy_tile_schedule(int64_t b, int64_t num_sm_parts, 
 /// The request whose split partials part q (of a schedule's metadata rows, 8 int32 each) combines, or
 /// -1: a request has several splits exactly when a part begins inside it (begin_block_idx > 0), and the
 /// first such part takes it (part q - 1 did not begin inside it too). So every split request is named
-/// by exactly one part, at most num_sm_parts - 1 of them (the sparse combine's opt-in compact grid;
+/// by exactly one part, at most num_sm_parts - 1 of them (the sparse combine's compact grid, its default;
 /// tests/cpp: Scheduler.SplitRequestOfPartNamesEachSplitRequestOnce).
 FLASHMLA_HOST_DEVICE inline int split_request_of_part(const int32_t* rows, int64_t q, int64_t b) {
   if (q <= 0) return -1;

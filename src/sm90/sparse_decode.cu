@@ -31,7 +31,7 @@ namespace sparse_combine {
 // slice of 128*J output dims (J float4 per lane; see combine_float4s_per_lane).
 // Requests with a single split were written by the main kernel and are skipped
 // (unless out is strided: then the main kernel writes partials for all requests).
-// kCompact (opt-in, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
+// kCompact (the default since session 17, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
 // crosses a part boundary has several splits, so there are at most num_sm_parts - 1 of them, and part q
 // takes the request it begins inside (begin_block_idx > 0) unless part q - 1 began inside it too; each
 // split request is combined exactly once, and batches larger than num_sm_parts launch fewer CTAs.
@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 }  // namespace sparse_combine
 
 // The compact combine grid (see the kernel), the default since session 17, when out is vector-writable and
-// b > num_sm_parts; FLASHMLA_SPARSE_COMBINE_COMPACT=0 (read per call) keeps the per-request grid. Why: with
+// b > num_sm_parts; FLASHMLA_SPARSE_COMBINE_COMPACT=0 (read per call; exactly "0", any other value keeps the
+// default) selects the per-request grid. Why: with
 // the per-request grid the combine took 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256,
 // batches whose schedule splits no request at all (every part ends on a request boundary): that time was
 // the launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. The compact

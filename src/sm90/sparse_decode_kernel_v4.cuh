@@ -147,7 +147,8 @@ constexpr int kProducers = 128;
 // half of O / producers.
 constexpr int kLaunchRegs = 168;
 // Diagnostic switch prepared in session 17, not yet run (bench/NOTES.md "First device calls ... end of
-// session 17"): 1 drops the producer's L2 bulk prefetch of the next block's records.
+// session 17"): 1 drops the producer's L2 bulk prefetch of the next block's records (and, MODEL1, the
+// prefetch.global.L2 of their scale records).
 #ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
 #define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 0
 #endif

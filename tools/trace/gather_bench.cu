@@ -10,11 +10,15 @@
 // (t % 32) / 8 of each 64-byte group). Methods (argument 1, or all):
 //   0 ldg         per block: the rows' indices, then the 18 loads per thread, then their use
 //   1 ldg-ahead   indices one block ahead (the kernel's order: loads of block g issued at its step start)
-//   2 ldg-l2pf    1 + a cp.async.bulk.prefetch.L2 of block g + 1's records while block g is used (the kernel)
-//   3 ldg-regs2   the loads of block g + 1 issued before block g is used (two register sets)
+//   2 ldg-l2pf    1 + a cp.async.bulk.prefetch.L2 of block g + 2's records at step g (indices two ahead;
+//                 the kernel prefetches g + 1 after its part A, with the rest of its step as lead time)
+//   3 ldg-regs2   the loads of block g + 1 issued before block g is used (two register sets, indices
+//                 one block ahead; check the SASS: the LDGs of g + 1 must precede the first use of g)
 //   4 bulk        one 528-byte cp.async.bulk per row into a two-stage shared buffer, one block ahead
 //   5 cpasync     16-byte cp.async per thread chunk into the same buffer, one block ahead
-// Prints per method: time, GB/s of record bytes (64 x 528 per block), cycles per block per CTA.
+// Every timed launch follows a 256 MB memset (L2 flush) and reads its own slice of the index array, so a
+// single-CTA run does not re-read records from L2. Prints per method: the best of 5 launches' time, GB/s
+// of record bytes (64 x 528 per block) and that launch's cycles per block per CTA.
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc -Itools/trace -o /tmp/gather_bench \
 //        tools/trace/gather_bench.cu && /tmp/gather_bench [method|-1] [blocks] [gb] [ctas]
 #include <cuda_runtime.h>
@@ -91,28 +95,48 @@ __global__ void __launch_bounds__(128, 1)
       use(L);
     }
   } else if constexpr (kMethod == 1 || kMethod == 2) {
-    int v0 = my[row[0]], v1 = my[row[1]];
+    auto ix = [&](int g, int i) { return g < blocks ? my[g * kRows + row[i]] : 0; };
+    int v0 = ix(0, 0), v1 = ix(0, 1);
+    int p0 = ix(1, 0), p1 = ix(1, 1);  // method 2: block g + 1's indices (its prefetch was issued at g - 1)
+    if (kMethod == 2 && j == 0) {
+      prefetch_l2_bulk(recs + static_cast<int64_t>(p0) * kRec, kRec);
+      prefetch_l2_bulk(recs + static_cast<int64_t>(p1) * kRec, kRec);
+    }
     for (int g = 0; g < blocks; ++g) {
-      const bool more = g + 1 < blocks;
-      const int n0 = more ? my[(g + 1) * kRows + row[0]] : 0, n1 = more ? my[(g + 1) * kRows + row[1]] : 0;
+      const int n0 = ix(g + 1, 0), n1 = ix(g + 1, 1);
       Loaded L;
       load(L, recs + static_cast<int64_t>(v0) * kRec, recs + static_cast<int64_t>(v1) * kRec);
-      use(L);
-      if (kMethod == 2 && more && j == 0) {
-        prefetch_l2_bulk(recs + static_cast<int64_t>(n0) * kRec, kRec);
-        prefetch_l2_bulk(recs + static_cast<int64_t>(n1) * kRec, kRec);
+      if constexpr (kMethod == 2) {
+        const int q0 = ix(g + 2, 0), q1 = ix(g + 2, 1);
+        if (g + 2 < blocks && j == 0) {
+          prefetch_l2_bulk(recs + static_cast<int64_t>(q0) * kRec, kRec);
+          prefetch_l2_bulk(recs + static_cast<int64_t>(q1) * kRec, kRec);
+        }
       }
+      use(L);
       v0 = n0;
       v1 = n1;
     }
   } else if constexpr (kMethod == 3) {
+    // Indices one block ahead; block g + 1's loads (clamped to the last block, so unconditional) are
+    // issued before block g's first use.
+    auto addr = [&](int g, int i) {
+      const int gg = g < blocks ? g : blocks - 1;
+      return recs + static_cast<int64_t>(my[gg * kRows + row[i]]) * kRec;
+    };
     Loaded A, B;
-    load(A, rec_of(0, 0), rec_of(0, 1));
+    load(A, addr(0, 0), addr(0, 1));
+    const uint8_t* n0 = addr(1, 0);
+    const uint8_t* n1 = addr(1, 1);
     for (int g = 0; g < blocks; g += 2) {
-      if (g + 1 < blocks) load(B, rec_of(g + 1, 0), rec_of(g + 1, 1));
+      load(B, n0, n1);
+      n0 = addr(g + 2, 0);
+      n1 = addr(g + 2, 1);
       use(A);
       if (g + 1 >= blocks) break;
-      if (g + 2 < blocks) load(A, rec_of(g + 2, 0), rec_of(g + 2, 1));
+      load(A, n0, n1);
+      n0 = addr(g + 3, 0);
+      n1 = addr(g + 3, 1);
       use(B);
     }
   } else {
@@ -163,28 +187,33 @@ __global__ void __launch_bounds__(128, 1)
 
 template <int kM>
 static void run(const char* name, const uint8_t* recs, const int32_t* idx, int blocks, int ctas,
-                unsigned long long* d_cyc, uint32_t* d_sink) {
+                unsigned long long* d_cyc, uint32_t* d_sink, void* flush, size_t flush_bytes) {
   auto k = gather_kernel<kM>;
   CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  k<<<ctas, 128, kSmem>>>(recs, idx, blocks, d_cyc, d_sink);  // warm-up
+  const int64_t slice = static_cast<int64_t>(ctas) * blocks * kRows;  // indices per launch
+  k<<<ctas, 128, kSmem>>>(recs, idx, blocks, d_cyc, d_sink);  // warm-up (slice 0)
   CHECK(cudaDeviceSynchronize());
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
   float best = 1e30f;
+  std::vector<unsigned long long> cyc(ctas), best_cyc(ctas);
   for (int rep = 0; rep < 5; ++rep) {
+    CHECK(cudaMemset(flush, rep, flush_bytes));  // L2 flush
     CHECK(cudaEventRecord(e0));
-    k<<<ctas, 128, kSmem>>>(recs, idx, blocks, d_cyc, d_sink);
+    k<<<ctas, 128, kSmem>>>(recs, idx + (rep + 1) * slice, blocks, d_cyc, d_sink);
     CHECK(cudaEventRecord(e1));
     CHECK(cudaEventSynchronize(e1));
     float ms = 0.f;
     CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    if (ms < best) best = ms;
+    CHECK(cudaMemcpy(cyc.data(), d_cyc, ctas * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    if (ms < best) {
+      best = ms;
+      best_cyc = cyc;
+    }
   }
-  std::vector<unsigned long long> cyc(ctas);
-  CHECK(cudaMemcpy(cyc.data(), d_cyc, ctas * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
   double mean = 0;
-  for (auto c : cyc) mean += static_cast<double>(c);
+  for (auto c : best_cyc) mean += static_cast<double>(c);
   mean /= ctas;
   const double bytes = static_cast<double>(ctas) * blocks * kRows * kUse;
   std::printf("%-10s ctas %4d blocks %5d: %8.1f us  %7.1f GB/s of record bytes  %7.0f cycles per block per CTA\n",
@@ -200,6 +229,10 @@ int main(int argc, char** argv) {
   int n_sm = 0;
   CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
   const int ctas = argc > 4 ? std::atoi(argv[4]) : n_sm;
+  if (blocks < 1 || ctas < 1 || gb <= 0.0) {
+    std::fprintf(stderr, "usage: gather_bench [method|-1] [blocks >= 1] [gb > 0] [ctas >= 1]\n");
+    return 2;
+  }
   const int64_t n_rec = static_cast<int64_t>(gb * 1e9 / kRec);
   uint8_t* recs = nullptr;
   int32_t* idx = nullptr;
@@ -207,7 +240,10 @@ int main(int argc, char** argv) {
   uint32_t* d_sink = nullptr;
   CHECK(cudaMalloc(&recs, n_rec * kRec));
   CHECK(cudaMemset(recs, 0x3C, n_rec * kRec));
-  const int64_t n_idx = static_cast<int64_t>(ctas) * blocks * kRows;
+  const int64_t n_idx = 6 * static_cast<int64_t>(ctas) * blocks * kRows;  // warm-up + 5 timed slices
+  const size_t flush_bytes = size_t{256} << 20;
+  void* flush = nullptr;
+  CHECK(cudaMalloc(&flush, flush_bytes));
   std::vector<int32_t> h(n_idx);
   for (int64_t i = 0; i < n_idx; ++i) h[i] = static_cast<int32_t>(mix(static_cast<uint64_t>(i) + 17) % n_rec);
   CHECK(cudaMalloc(&idx, n_idx * sizeof(int32_t)));
@@ -216,11 +252,11 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&d_sink, sizeof(uint32_t)));
   std::printf("gather bench: %lld records of %d bytes (%.1f GB), %d CTAs x %d blocks x %d rows, %d bytes read per row\n",
               static_cast<long long>(n_rec), kRec, gb, ctas, blocks, kRows, kUse);
-  if (method < 0 || method == 0) run<0>("ldg", recs, idx, blocks, ctas, d_cyc, d_sink);
-  if (method < 0 || method == 1) run<1>("ldg-ahead", recs, idx, blocks, ctas, d_cyc, d_sink);
-  if (method < 0 || method == 2) run<2>("ldg-l2pf", recs, idx, blocks, ctas, d_cyc, d_sink);
-  if (method < 0 || method == 3) run<3>("ldg-regs2", recs, idx, blocks, ctas, d_cyc, d_sink);
-  if (method < 0 || method == 4) run<4>("bulk", recs, idx, blocks, ctas, d_cyc, d_sink);
-  if (method < 0 || method == 5) run<5>("cpasync", recs, idx, blocks, ctas, d_cyc, d_sink);
+  if (method < 0 || method == 0) run<0>("ldg", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 1) run<1>("ldg-ahead", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 2) run<2>("ldg-l2pf", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 3) run<3>("ldg-regs2", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 4) run<4>("bulk", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 5) run<5>("cpasync", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
   return 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build and run tools/trace/gather_bench.cu (the sparse-decode producer's gather pattern by six load
 # methods) on an sm_90a machine: one CTA per SM, then a single CTA (the latency-bound case), then the
-# producer's load of ~128 blocks per CTA. Needs no CUTLASS. Writes $OUT/gather-bench.txt.
+# producer's load of ~128 blocks per CTA over an 8 GB buffer. Every timed launch is L2-flushed and reads
+# its own indices (the single-CTA run is latency-bound on DRAM, not on L2). Needs no CUTLASS. Writes $OUT/gather-bench.txt.
 #   OUT=/tmp/o bash tools/trace/run-gather-bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
