@@ -16,11 +16,7 @@ using flashmla::sm90::fence_barrier_init;
 using flashmla::sm90::mbar_init;
 using flashmla::sm90::mbar_try_wait;
 using flashmla::sm90::mbar_wait;
-
-// One arrival + expect `bytes` of transaction count on the current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
+using flashmla::sm90::mbar_arrive_expect_tx;
 
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -122,18 +122,10 @@ __device__ __forceinline__ unsigned long long flashmla_v4_trace_smid() {
   FLASHMLA_V4_TRACE_PUT(3, ::flashmla::sm90::trace::kMaxSteps - 1, event, first_thread, value)
 #else
 #define FLASHMLA_V4_TRACE_DECL() static_assert(true, "")
-#define FLASHMLA_V4_TRACE_BLK(role, g, event, first_thread) \
-  do {                                                      \
-  } while (0)
-#define FLASHMLA_V4_TRACE_REQ(r, event, first_thread) \
-  do {                                                \
-  } while (0)
-#define FLASHMLA_V4_TRACE_REQ_VAL(r, event, first_thread, value) \
-  do {                                                           \
-  } while (0)
-#define FLASHMLA_V4_TRACE_CTA(event, first_thread, value) \
-  do {                                                    \
-  } while (0)
+#define FLASHMLA_V4_TRACE_BLK(...) static_cast<void>(0)
+#define FLASHMLA_V4_TRACE_REQ(...) static_cast<void>(0)
+#define FLASHMLA_V4_TRACE_REQ_VAL(...) static_cast<void>(0)
+#define FLASHMLA_V4_TRACE_CTA(...) static_cast<void>(0)
 #endif
 
 namespace flashmla::sm90::sparse::v4 {
@@ -303,10 +295,6 @@ __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
                ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
                : "memory");
-}
-/// This thread's arrival on a local mbarrier that also expects `bytes` of transaction this phase.
-__device__ __forceinline__ void arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
 /// Arrival on an mbarrier of the peer CTA. Session 9: release at CTA scope (the PTX default, as
 /// CUTLASS's ClusterBarrier::arrive(cta_id) issues it); the cluster-scope release cost an ERRBAR
@@ -486,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     auto producer_arrive = [&](uint32_t bar, uint32_t peer_bytes) {
       __syncwarp();
       if ((t & 31) != 0) return;
-      if (kCluster && t == 0) cl::arrive_expect_tx(bar, peer_bytes);
+      if (kCluster && t == 0) mbar_arrive_expect_tx(bar, peer_bytes);
       else mbar_arrive(bar);
     };
     skip_empty();

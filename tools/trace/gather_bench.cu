@@ -44,9 +44,6 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-__device__ __forceinline__ void expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
 
 struct Loaded {
   uint4 u[2][8];
@@ -144,7 +141,7 @@ __global__ void __launch_bounds__(128, 1)
     auto issue = [&](int g) {
       const uint32_t st = s_u + static_cast<uint32_t>((g & 1) * kStage), bar = bar_u + 8u * (g & 1);
       if constexpr (kMethod == 4) {
-        if (t == 0) expect_tx(bar, kStage);
+        if (t == 0) mbar_arrive_expect_tx(bar, kStage);
         __syncwarp();
         if (t < kRows) bulk_load(st + t * kUse, recs + static_cast<int64_t>(my[g * kRows + t]) * kRec, kUse, bar);
       } else {

@@ -485,57 +485,28 @@ int analyze(const std::vector<unsigned long long>& h, int slots, int every, int 
                 100.0 * f_wg0, 100.0 * f_prod, 100.0 * f_wg1p, v);
   }
 
-  // Cross-role (one SM clock per CTA): the handoffs of block g.
-  auto handoff = [&](const char* what, auto f, auto waited) {
+  // Cross-role (one SM clock per CTA): the handoffs of block g. Each is event (ra, ea) of block k minus
+  // event (rb, eb) of block k - back; "waited" = the waiting role wr spent > 200 cycles from its event w0
+  // to w1 of block k.
+  auto handoff = [&](const char* what, int ra, int ea, int rb, int eb, int back, int wr, int w0, int w1) {
     std::vector<double> all, wt;
     for (const Cta& c : ctas)
       for (int k = 0; k < c.W; ++k) {
-        if (!inner(c, k)) continue;
-        double v;
-        if (!f(c, k, v)) continue;
+        if (!inner(c, k) || k < back || !has(c, ra, k, ea) || !has(c, rb, k - back, eb)) continue;
+        const double v = ev(c, ra, k, ea) - ev(c, rb, k - back, eb);
         all.push_back(v);
-        if (waited(c, k)) wt.push_back(v);
+        if (ev(c, wr, k, w1) - ev(c, wr, k, w0) > 200) wt.push_back(v);
       }
     std::printf("  %-70s median %7.0f p10 %7.0f p90 %7.0f (n %zu); when the waiter waited > 200: median %7.0f (n %zu)\n",
                 what, med(all), quant(all, 0.1), quant(all, 0.9), all.size(), med(wt), wt.size());
   };
   std::printf("handoffs of block g (cycles; the events are warp 0's of each warpgroup, the barriers wait for all "
               "warps; cluster: a wait that ends well after this CTA's own arrivals / releases was for the peer CTA):\n");
-  handoff("WG0 part A full minus producer warp 0's A arrival (same block)",
-          [&](const Cta& c, int k, double& v) {
-            if (!has(c, 0, k, 1) || !has(c, 2, k, 4)) return false;
-            v = ev(c, 0, k, 1) - ev(c, 2, k, 4);
-            return true;
-          },
-          [&](const Cta& c, int k) { return ev(c, 0, k, 1) - ev(c, 0, k, 0) > 200; });
-  handoff("WG0 part B full minus producer warp 0's B arrival (same block)",
-          [&](const Cta& c, int k, double& v) {
-            if (!has(c, 0, k, 3) || !has(c, 2, k, 8)) return false;
-            v = ev(c, 0, k, 3) - ev(c, 2, k, 8);
-            return true;
-          },
-          [&](const Cta& c, int k) { return ev(c, 0, k, 3) - ev(c, 0, k, 2) > 200; });
-  handoff("producer warp 0's B arrival minus WG0's block start (< 0: in time)",
-          [&](const Cta& c, int k, double& v) {
-            if (!has(c, 0, k, 0) || !has(c, 2, k, 8)) return false;
-            v = ev(c, 2, k, 8) - ev(c, 0, k, 0);
-            return true;
-          },
-          [&](const Cta& c, int k) { return ev(c, 0, k, 3) - ev(c, 0, k, 0) > 200; });
-  handoff("producer part A free minus WG0 warp 0's release of A of block g - 2",
-          [&](const Cta& c, int k, double& v) {
-            if (k < 2 || !has(c, 2, k, 2) || !has(c, 0, k - 2, 9)) return false;
-            v = ev(c, 2, k, 2) - ev(c, 0, k - 2, 9);
-            return true;
-          },
-          [&](const Cta& c, int k) { return ev(c, 2, k, 2) - ev(c, 2, k, 1) > 200; });
-  handoff("producer part B free minus WG1 warp 4's release of B of block g - 2",
-          [&](const Cta& c, int k, double& v) {
-            if (k < 2 || !has(c, 2, k, 6) || !has(c, 1, k - 2, 6)) return false;
-            v = ev(c, 2, k, 6) - ev(c, 1, k - 2, 6);
-            return true;
-          },
-          [&](const Cta& c, int k) { return ev(c, 2, k, 6) - ev(c, 2, k, 5) > 200; });
+  handoff("WG0 part A full minus producer warp 0's A arrival (same block)", 0, 1, 2, 4, 0, 0, 0, 1);
+  handoff("WG0 part B full minus producer warp 0's B arrival (same block)", 0, 3, 2, 8, 0, 0, 2, 3);
+  handoff("producer warp 0's B arrival minus WG0's block start (< 0: in time)", 2, 8, 0, 0, 0, 0, 0, 3);
+  handoff("producer part A free minus WG0 warp 0's release of A of block g - 2", 2, 2, 0, 9, 2, 2, 1, 2);
+  handoff("producer part B free minus WG1 warp 4's release of B of block g - 2", 2, 6, 1, 6, 2, 2, 5, 6);
 
   // All roles' events relative to WG0's event 0 of the same block.
   std::printf("all roles relative to WG0 e0 of the same block (median cycles, inner steps; columns e0, e1, ...):\n");
