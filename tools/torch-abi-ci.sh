@@ -7,9 +7,14 @@
 #   3. the SAME wheel is installed into venv A and into venv B (torch 2.11) and
 #      tests/python/test_torch_ops.py runs in both (opcheck, torch.compile, values, errors);
 #   4. and into a small venv without torch: the TVM-FFI path works, test_torch_ops skips.
-# Two venvs only (torch from PyPI pulls ~3 GB of CUDA libraries each); pip's cache is reused.
+# Disk: a torch venv from PyPI is 5-6 GB (CUDA libraries); one CI run ran out of disk with both
+# venvs and pip's cache of both torches (~17 GB). So pip's cache is off here (nothing of venv A's
+# wheels is reused by venv B), venv A is deleted once its tests pass, and free space is printed
+# before each venv. When less than FLASHMLA_CI_MIN_FREE_GB (default 8) is free before venv B, the
+# torch-2.11 step is skipped with a loud message instead of dying half-way in pip.
 # Env: PYTHON (interpreter for the venvs), FLASHMLA_CI_TORCH_NEW (default "torch"),
-# FLASHMLA_CI_TORCH_OLD (default "torch==2.11.*"), FLASHMLA_CI_VENVS (default build/ci-venvs).
+# FLASHMLA_CI_TORCH_OLD (default "torch==2.11.*"), FLASHMLA_CI_VENVS (default build/ci-venvs),
+# FLASHMLA_CI_KEEP_VENVS=1 keeps venv A, FLASHMLA_CI_MIN_FREE_GB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -17,7 +22,8 @@ TORCH_NEW=${FLASHMLA_CI_TORCH_NEW:-torch}
 TORCH_OLD=${FLASHMLA_CI_TORCH_OLD:-torch==2.11.*}
 VENVS=$(realpath -m "${FLASHMLA_CI_VENVS:-build/ci-venvs}")
 WHEELDIR=$PWD/build/ci-wheel
-export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
+MIN_FREE_GB=${FLASHMLA_CI_MIN_FREE_GB:-8}
 # Flaky networks: more connection retries and resumed downloads (the torch venvs pull ~3 GB of
 # CUDA wheels; a dropped connection once failed a whole CI run). Older pips ignore the last one.
 export PIP_RETRIES=${PIP_RETRIES:-10} PIP_TIMEOUT=${PIP_TIMEOUT:-60} PIP_RESUME_RETRIES=${PIP_RESUME_RETRIES:-20}
@@ -25,6 +31,8 @@ RUNTIME_DEPS=("apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12" "numpy>=1.24,<3" "ml_dtypes
               "tqdm>=4.60,<5" "pytest>=7,<10")
 t0=$SECONDS
 stamp() { echo "   [torch-abi $((SECONDS - t0)) s] $*"; }
+mkdir -p "$VENVS"
+free_gb() { df -Pk "$VENVS" | awk 'NR==2 {printf "%d", $4 / 1048576}'; }
 
 make_venv() {  # make_venv DIR TORCH_SPEC
   local dir=$1 spec=$2
@@ -39,7 +47,7 @@ make_venv() {  # make_venv DIR TORCH_SPEC
   stamp "$dir: $("$dir/bin/python" -c 'import torch, sys; print("torch", torch.__version__, "python", sys.version.split()[0])')"
 }
 
-echo "== torch ABI: venv A ($TORCH_NEW), build one wheel"
+echo "== torch ABI: venv A ($TORCH_NEW), build one wheel ($(free_gb) GB free under $VENVS)"
 make_venv "$VENVS/torch-new" "$TORCH_NEW"
 A="$VENVS/torch-new/bin/python"
 "$A" -m pip install -q "scikit-build-core>=0.10,<2" "cmake>=3.28,<5" "ninja>=1.11,<2"
@@ -76,9 +84,18 @@ run_tests() {  # run_tests PYTHON LABEL [TEST PATHS...]
 "$A" -m pip install -q "jax[cpu]>=0.4.31,<1" "jax-tvm-ffi>=0.1.3,<0.2" "transformers>=5,<6"
 echo "== torch ABI: the same wheel under $TORCH_NEW (+ JAX, transformers): the whole tests/python"
 run_tests "$A" "$TORCH_NEW" tests/python
-echo "== torch ABI: the same wheel under $TORCH_OLD"
-make_venv "$VENVS/torch-old" "$TORCH_OLD"
-run_tests "$VENVS/torch-old/bin/python" "$TORCH_OLD"
+if [ "${FLASHMLA_CI_KEEP_VENVS:-0}" = "0" ]; then
+  rm -rf "$VENVS/torch-new"
+  stamp "venv A deleted (FLASHMLA_CI_KEEP_VENVS=1 keeps it)"
+fi
+echo "== torch ABI: the same wheel under $TORCH_OLD ($(free_gb) GB free under $VENVS)"
+if [ "$(free_gb)" -lt "$MIN_FREE_GB" ] && [ ! -x "$VENVS/torch-old/bin/python" ]; then
+  echo "   !!! SKIPPED: the torch 2.11 venv needs ~${MIN_FREE_GB} GB and only $(free_gb) GB is free;"
+  echo "   !!! the wheel was tested under $TORCH_NEW only in this run"
+else
+  make_venv "$VENVS/torch-old" "$TORCH_OLD"
+  run_tests "$VENVS/torch-old/bin/python" "$TORCH_OLD"
+fi
 
 echo "== torch ABI: the same wheel without torch (TVM-FFI path only; a small venv)"
 NT="$VENVS/no-torch"
