@@ -30,11 +30,12 @@ def test_prefill_geomean_and_worst_case():
     worst = _by_target(block, "every")
     assert worst["worst_case"] == "b" and worst["cases_below"] == 1 and not worst["met"]
     assert block["all_met"] is False and block["why_not"]
+    assert block["why_not_summary"] == targets.WHY_NOT["sparse-prefill"] and block["why_not_summary"]
 
 
 def test_all_met_when_every_case_is_fast():
     block = targets.summarize("sparse-prefill", [_case("a", 1.1), _case("b", 1.06)])
-    assert block["all_met"] is True and block["why_not"] is None
+    assert block["all_met"] is True and block["why_not"] is None and block["why_not_summary"] is None
 
 
 def test_sparse_decode_evaluates_kernel_only_and_with_combine():
