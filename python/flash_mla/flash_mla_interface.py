@@ -10,12 +10,18 @@ Errors: bad arguments raise ``ValueError`` (shapes, values), ``TypeError``
 (dtypes) or ``NotImplementedError`` (valid input with no backend for it); each
 message names the argument, what was expected and what was given. Misuse of a
 scheduler object raises :class:`SchedMetaMismatchError`, which is both a
-``ValueError`` and an ``AssertionError`` (FlashMLA raises the latter).
+``ValueError`` and an ``AssertionError`` (FlashMLA raises the latter). The other checks that
+FlashMLA's wrapper makes with Python ``assert`` (spec §1.3 steps 0, 3 and 4: the scheduler
+object's type, ``num_splits`` None, no ``causal`` and an FP8 cache for sparse decoding, no
+sparse-only argument and both ``block_table`` and ``cache_seqlens`` for dense decoding) raise
+exceptions that are also ``AssertionError``, so code written for FlashMLA that catches
+``AssertionError`` behaves the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -37,6 +43,14 @@ __all__ = [
 
 class SchedMetaMismatchError(ValueError, AssertionError):
     """A FlashMLASchedMeta was reused for a call it was not computed for."""
+
+
+class _AssertValueError(ValueError, AssertionError):
+    """A value check that FlashMLA's wrapper makes with ``assert`` (spec §1.3 steps 0, 3, 4)."""
+
+
+class _AssertTypeError(TypeError, AssertionError):
+    """A type check that FlashMLA's wrapper makes with ``assert`` (spec §1.3 step 0)."""
 
 
 @dataclasses.dataclass
@@ -132,10 +146,12 @@ def _jax_use_xla(q: Any, **others: Any) -> bool:
 
 
 def _int_arg(name: str, value: Any) -> int:
-    """`int(value)`, with a TypeError naming the argument for None / non-numbers."""
+    """An integer argument (Python / NumPy / 0-d array integers, via ``operator.index``), with a
+    TypeError naming the argument for anything else: None, strings and floats such as 512.9 are not
+    truncated (FlashMLA's C++ ``int`` parameters reject them too)."""
     try:
-        return int(value)
-    except (TypeError, ValueError):
+        return operator.index(value)
+    except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}") from None
 
 
@@ -198,19 +214,22 @@ def flash_mla_with_kvcache(
     ``lse`` ``(b, h_q, s_q)`` float32, natural log. Rows with no valid key give
     ``out = 0`` and ``lse = +inf``. ``attn_sink`` scales ``out`` only.
 
-    Raises (each message names the argument): ``TypeError`` for a missing / non-tensor argument,
-    a wrong dtype or a non-numeric scalar; ``ValueError`` for wrong ranks or shapes, ``head_dim_v``
-    other than 512, tensors on different devices, a non-contiguous last dimension, block-table
-    entries or indices out of range, negative lengths; :class:`SchedMetaMismatchError` when the
-    scheduler object is reused with other shapes, flags or lengths.
+    Raises (each message names the argument): ``TypeError`` for a missing / non-tensor ``q`` or
+    ``k_cache``, a non-tensor optional argument, a wrong dtype or a non-numeric / non-integer scalar;
+    ``ValueError`` for wrong ranks or shapes, a missing ``block_table`` / ``cache_seqlens`` in dense
+    mode, a sparse-only argument in dense mode, ``head_dim_v`` other than 512, tensors on
+    different devices, a non-contiguous last dimension, block-table entries or indices out of
+    range, negative lengths; :class:`SchedMetaMismatchError` when the scheduler object is reused
+    with other shapes, flags or lengths. The checks FlashMLA makes with ``assert`` raise exceptions
+    that are also ``AssertionError`` (module docstring).
     """
     if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
-        raise TypeError(
+        raise _AssertTypeError(
             "tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), "
             f"got {type(tile_scheduler_metadata).__name__}"
         )
     if num_splits is not None:
-        raise ValueError("num_splits: must be None (the scheduler object carries the splits)")
+        raise _AssertValueError("num_splits: must be None (the scheduler object carries the splits)")
     sched = tile_scheduler_metadata
     _require_tensors(q=q, k_cache=k_cache)
     if len(q.shape) != 4:
@@ -222,7 +241,9 @@ def flash_mla_with_kvcache(
     for name, t, rank, layout in (("indices", indices, 3, "(b, s_q, topk)"),
                                   ("extra_k_cache", extra_k_cache, 4, "(num_blocks, page_block_size, 1, last)"),
                                   ("extra_indices_in_kvcache", extra_indices_in_kvcache, 3, "(b, s_q, extra_topk)")):
-        if t is not None and hasattr(t, "shape") and len(t.shape) != rank:
+        if t is not None and not hasattr(t, "shape"):
+            raise TypeError(f"{name}: expected a {rank}-D tensor {layout} or None, got {type(t).__name__}")
+        if t is not None and len(t.shape) != rank:
             raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
     d_qk = int(q.shape[-1])
     if softmax_scale is None:
@@ -305,9 +326,10 @@ def flash_mla_with_kvcache(
         )
     if topk is not None:
         if causal:
-            raise ValueError("causal: sparse decoding (indices given) does not support causal=True")
+            raise _AssertValueError("causal: sparse decoding (indices given) does not support causal=True")
         if not is_fp8_kvcache:
-            raise ValueError("is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
+            raise _AssertValueError(
+                "is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
         if use_torch:
             res = _torch_ops.sparse_decode_fwd(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
@@ -331,9 +353,9 @@ def flash_mla_with_kvcache(
                           ("extra_indices_in_kvcache", extra_indices_in_kvcache),
                           ("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
             if val is not None:
-                raise ValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
+                raise _AssertValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
         if block_table is None or cache_seqlens is None:
-            raise ValueError("block_table and cache_seqlens: required for dense decoding, got None")
+            raise _AssertValueError("block_table and cache_seqlens: required for dense decoding, got None")
         # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
         # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
         if use_torch:

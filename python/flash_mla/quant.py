@@ -69,7 +69,12 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     """
     x, device = _to_cpu(kv_cache)
     fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
+    if len(x.shape) != 4:
+        raise ValueError(f"kv_cache: expected a 4-D tensor (num_blocks, page_block_size, 1, d_qk), got shape "
+                         f"{tuple(int(s) for s in x.shape)}")
     nb, pbs = int(x.shape[0]), int(x.shape[1])
+    if pbs <= 0:
+        raise ValueError(f"kv_cache: page_block_size (dimension 1) must be > 0, got shape {tuple(int(s) for s in x.shape)}")
     stride = block_stride if block_stride is not None else default_block_stride(fmt, pbs)
     if stride < pbs * _BYTES[fmt]:
         raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {pbs * _BYTES[fmt]}, got {stride}")

@@ -376,3 +376,70 @@ def test_ndarray_subclass_results_are_numpy(dense):
     assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint16), ref[0].view(np.uint16))
     np.testing.assert_array_equal(np.asarray(lse), ref[1])
+
+
+# ----------------------------------------------------------------------------- session 18 review findings
+@pytest.mark.parametrize("name,bad", [("indices", "list"), ("indices", "tuple"), ("indices", "str"),
+                                      ("extra_k_cache", "list"), ("extra_indices_in_kvcache", "list")])
+def test_sparse_non_tensor_optional_arguments_name_the_argument(sparse, name, bad):
+    # Once a bare AttributeError ('list' object has no attribute 'shape') from the wrapper.
+    value = {"list": [[[0, 1]]], "tuple": (1, 2, 3), "str": "abc"}[bad]
+    over = {name: value}
+    if name == "extra_indices_in_kvcache":
+        over["extra_k_cache"] = sparse.main.packed
+    with pytest.raises(TypeError, match=f"^{name}: expected a "):
+        call_sparse(sparse, **over)
+
+
+@pytest.mark.parametrize("value", [512.9, 512.0, "512", b"512", None])
+def test_integer_arguments_are_not_truncated(dense, sparse, prefill, value):
+    # int(512.9) == 512 once made head_dim_v=512.9 run; FlashMLA's int parameters reject floats.
+    with pytest.raises(TypeError, match="^head_dim_v: expected an int"):
+        call_dense(dense, head_dim_v=value)
+    with pytest.raises(TypeError, match="^head_dim_v: expected an int"):
+        call_sparse(sparse, head_dim_v=value)
+    with pytest.raises(TypeError, match="^d_v: expected an int"):
+        call_prefill(prefill, d_v=value)
+
+
+def test_numpy_integer_arguments_are_accepted(dense, prefill):
+    out, _ = call_dense(dense, head_dim_v=np.int64(512))
+    ref_out, _ = call_dense(dense)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref_out).view(np.uint16))
+    call_prefill(prefill, d_v=np.array(512, np.int32))
+
+
+def _assertion_class(err):
+    return isinstance(err, AssertionError) and isinstance(err, (ValueError, TypeError))
+
+
+def test_flashmla_asserts_are_also_assertion_errors(dense, sparse):
+    # FlashMLA's wrapper checks these with Python `assert` (spec §1.3 steps 0, 3, 4): code that
+    # catches AssertionError must behave the same here; the class stays ValueError / TypeError.
+    cases = [
+        lambda: call_dense(dense, tile_scheduler_metadata=None),
+        lambda: call_dense(dense, num_splits=np.zeros(3, np.int32)),
+        lambda: call_sparse(sparse, causal=True),
+        lambda: call_sparse(sparse, is_fp8_kvcache=False),
+        lambda: call_dense(dense, attn_sink=np.zeros(16, np.float32)),
+        lambda: call_dense(dense, topk_length=np.zeros(2, np.int32)),
+        lambda: call_dense(dense, block_table=None),
+        lambda: call_dense(dense, cache_seqlens=None),
+    ]
+    for i, fn in enumerate(cases):
+        with pytest.raises(AssertionError) as info:
+            fn()
+        assert _assertion_class(info.value), (i, type(info.value).__mro__)
+    with pytest.raises(TypeError, match="^tile_scheduler_metadata"):
+        call_dense(dense, tile_scheduler_metadata=object())
+    with pytest.raises(ValueError, match="^block_table and cache_seqlens"):
+        call_dense(dense, block_table=None)
+
+
+def test_quantize_zero_page_block_size_names_kv_cache():
+    from flash_mla import quant
+
+    with pytest.raises(ValueError, match="^kv_cache: page_block_size"):
+        quant.quantize_k_cache(np.zeros((2, 0, 1, 512), BF16))
+    with pytest.raises(ValueError, match="^kv_cache: expected a 4-D tensor"):
+        quant.quantize_k_cache(np.zeros((2, 1, 512), BF16))
