@@ -149,6 +149,8 @@ def _int_arg(name: str, value: Any) -> int:
     """An integer argument (Python / NumPy / 0-d array integers, via ``operator.index``), with a
     TypeError naming the argument for anything else: None, strings and floats such as 512.9 are not
     truncated (FlashMLA's C++ ``int`` parameters reject them too)."""
+    if isinstance(value, int):  # the common case, and the one torch.compile traces
+        return int(value)
     try:
         return operator.index(value)
     except TypeError:
