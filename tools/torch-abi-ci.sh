@@ -8,7 +8,7 @@
 #      tests/python/test_torch_ops.py runs in both (opcheck, torch.compile, values, errors);
 #   4. and into a small venv without torch: the TVM-FFI path works, test_torch_ops skips.
 # Disk: a torch venv from PyPI is 5-6 GB (CUDA libraries); one CI run ran out of disk with both
-# venvs and pip's cache of both torches (~17 GB). So pip's cache is off here (nothing of venv A's
+# venvs (6.2 + 4.7 GB) and pip's cache of both torches' wheels. So pip's cache is off here (nothing of venv A's
 # wheels is reused by venv B), venv A is deleted once its tests pass, and free space is printed
 # before each venv. When less than FLASHMLA_CI_MIN_FREE_GB (default 8) is free before venv B, the
 # torch-2.11 step is skipped with a loud message instead of dying half-way in pip (and the whole
