@@ -32,12 +32,15 @@ constexpr int kScaleBytesPerToken = 8;   // 7 e8m0 + 1 pad, the second part of a
 
 constexpr int kDimV = 512;
 
-/// FP8 format implied by a head dim: 576 -> kFP8V32, 512 -> kFP8Model1.
+/// FP8 format implied by a head dim: 576 -> kFP8V32, 512 -> kFP8Model1; any other head dim has
+/// no FP8 format and gives kBF16 (check `is_fp8_format` of the result).
 inline KVFormat fp8_format_for_head_dim(int64_t d_qk) {
-  return d_qk == model1::kDimQK ? KVFormat::kFP8Model1 : KVFormat::kFP8V32;
+  return d_qk == model1::kDimQK ? KVFormat::kFP8Model1 : d_qk == v32::kDimQK ? KVFormat::kFP8V32 : KVFormat::kBF16;
 }
+inline bool is_fp8_format(KVFormat f) { return f == KVFormat::kFP8V32 || f == KVFormat::kFP8Model1; }
+/// Bytes per token of an FP8 format (656 V32, 584 MODEL1); 0 for the non-FP8 formats.
 inline int64_t fp8_bytes_per_token(KVFormat f) {
-  return f == KVFormat::kFP8Model1 ? model1::kBytesPerToken : v32::kBytesPerToken;
+  return f == KVFormat::kFP8Model1 ? model1::kBytesPerToken : f == KVFormat::kFP8V32 ? v32::kBytesPerToken : 0;
 }
 
 }  // namespace flashmla

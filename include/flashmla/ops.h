@@ -2,7 +2,7 @@
 //
 // Every operator takes one parameter struct of non-owning TensorRefs and returns
 // a Status; it never throws, never allocates device memory and never
-// synchronises the stream. Inputs are validated in one place (src/core/validate.cpp)
+// synchronises the stream. Inputs are validated in one place (the core's validation)
 // before dispatch to a backend chosen by the device of `q`:
 //   CPU  -> reference backend (src/reference/, float32 accumulation, multithreaded)
 //   CUDA -> sm90 backend (src/sm90/) when built with CUDA and the device is
@@ -28,13 +28,40 @@
 //                   and outputs with negative strides or two elements at one address;
 //   kNotImplemented valid input on a device without a backend (no CUDA build, not sm_90);
 //   kRuntime        CUDA launch / runtime failures (fwd only).
+//   Also kValue: a null `plan` / `workspace_bytes` pointer, sizes or strides whose element
+//   count or byte offsets overflow int64, an unset scale (the NaN default), and in `<op>_fwd` an
+//   output (or the workspace, or metadata being computed) whose memory range overlaps an input
+//   or another output: outputs are written while inputs are read, so every output must be its
+//   own buffer.
 // Messages name the argument, what was expected and what was given.
 //
-// Semantics follow FlashMLA at commit 9241ae3 (shared/spec/flashmla-behaviour.md,
-// cited below as "spec §N").
+// Streams and devices: `stream` is the cudaStream_t the GPU work is queued on (nullptr: the
+// device's legacy default stream); the call makes the device of `q` current and restores the
+// previous device before it returns. CPU calls are synchronous and ignore `stream`.
+//
+// Threads and memory: the operators keep no state between calls; concurrent calls from several
+// threads are safe when they write different outputs. A CPU call computes on
+// `reference_num_threads()` std::threads started for the call (env FLASHMLA_NUM_THREADS) and
+// allocates host scratch memory; out of host memory gives kRuntime. GPU calls allocate nothing.
+//
+// Never read (so they may hold anything, NaN included): K/V tokens at or past a request's
+// `cache_seqlens` and block-table entries past its last used page (dense decode); index slots
+// at or past `topk_length` or equal to -1 and the tokens they would name (sparse decode); slots
+// with an index < 0 or >= s_kv or at or past `topk_length` (sparse prefill); FP8 padding bytes.
+// On the CPU the scheduler metadata (`tile_scheduler_metadata`, `num_splits`) is computed as
+// specified but the reference computes each row directly; on the GPU the kernels follow it.
+//
+// GPU layout requirements: dense decode needs `q` and `k_cache` bases and non-last strides that
+// are multiples of 16 bytes (kValue otherwise); sparse decode and prefill accept any alignment
+// (unaligned tensors take slower kernels); `workspace` must be 16-byte aligned.
+//
+// Semantics follow FlashMLA at commit 9241ae3. "spec §N" below cites the project's written
+// description of FlashMLA's behaviour (shared/spec/flashmla-behaviour.md in the development
+// tree; not installed); what a caller needs is stated in these comments.
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "flashmla/kv_format.h"
 #include "flashmla/status.h"
@@ -73,7 +100,9 @@ struct DenseDecodeParams {
   TensorRef block_table;    ///< (b, max_blocks_per_seq) int32, last dim contiguous
   TensorRef cache_seqlens;  ///< (b,) int32, contiguous; 0 is legal (out 0, lse +inf)
   int64_t head_dim_v = kDimV;  ///< must be 512; V = k_cache[..., :512]
-  float softmax_scale = 0.f;   ///< multiplies q.k (FlashMLA default d_qk^-0.5, applied by the binding)
+  /// Multiplies q.k; must be set (the NaN default is rejected as "not set"). FlashMLA's Python
+  /// default is d_qk^-0.5 (the bindings apply it); 0 is legal (uniform weights over the valid keys).
+  float softmax_scale = std::numeric_limits<float>::quiet_NaN();
   bool causal = false;         ///< bottom-right aligned causal mask; ignored when s_q == 1
 
   /// Split-KV scheduler metadata (spec §4): (num_sm_parts, 8) int32 and (b+1,) int32.
@@ -110,20 +139,22 @@ struct SparseDecodeParams {
   TensorRef q;        ///< (b, s_q, h_q, d_qk) bf16; d_qk 576 -> V32 format, 512 -> MODEL1
   TensorRef k_cache;  ///< (num_blocks, page_block_size, 1, 656|584) 1-byte dtype, stride(1) == 656|584
   TensorRef indices;  ///< (b, s_q, topk) int32: flat token index block*pbs+row, -1 = invalid
-  TensorRef topk_length;  ///< optional (b,) int32: slots >= topk_length[i] are invalid
-  TensorRef attn_sink;    ///< optional (h_q,) float32 (may hold +-inf): out *= 1/(1+exp(sink-lse))
+  TensorRef topk_length;  ///< optional (b,) int32: slots >= topk_length[i] are invalid; values > topk act as topk
+  TensorRef attn_sink;    ///< optional (h_q,) float32 (may hold +-inf; NaN gives NaN rows, as in FlashMLA):
+                          ///< out *= 1/(1+exp(sink-lse))
   TensorRef extra_k_cache;           ///< optional second FP8 cache, same format, any page size
   TensorRef extra_indices_in_kvcache;  ///< optional (b, s_q, extra_topk) int32 into extra_k_cache
-  TensorRef extra_topk_length;       ///< optional (b,) int32
+  TensorRef extra_topk_length;       ///< optional (b,) int32: as topk_length, for extra_indices_in_kvcache
   int64_t head_dim_v = kDimV;        ///< must be 512
-  float softmax_scale = 0.f;
+  float softmax_scale = std::numeric_limits<float>::quiet_NaN();  ///< as in DenseDecodeParams
 
   TensorRef tile_scheduler_metadata;  ///< as in DenseDecodeParams
   TensorRef num_splits;
   bool metadata_ready = false;
 
   TensorRef out;  ///< (b, s_q, h_q, 512) bf16, written
-  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log (sink not included), written
+  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log (sink not included), +inf for rows with no valid slot
+                  ///< (out 0 there), written
 
   void* workspace = nullptr;
   int64_t workspace_bytes = 0;
@@ -145,7 +176,7 @@ struct SparsePrefillParams {
   TensorRef indices;  ///< (s_q, 1, topk) int32; slot invalid iff idx < 0 or idx >= s_kv
   TensorRef attn_sink;    ///< optional (h_q,) float32
   TensorRef topk_length;  ///< optional (s_q,) int32: per query token
-  float sm_scale = 0.f;
+  float sm_scale = std::numeric_limits<float>::quiet_NaN();  ///< must be set (no default, as FlashMLA)
   int64_t d_v = kDimV;  ///< must be 512
 
   TensorRef out;         ///< (s_q, h_q, 512) bf16, written

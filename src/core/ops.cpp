@@ -63,6 +63,7 @@ int num_sms(Device d) {
 // ------------------------------------------------------------------ dense decode
 Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv,
                                     DecodePlan* plan) {
+  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
   if (b < 1 || s_q < 1 || h_kv < 1 || h_q < 1 || h_q % h_kv != 0)
     return Status::Error(ErrorKind::kValue,
                          "dense decode plan: expected b, s_q, h_q, h_kv >= 1 with h_q % h_kv == 0, got b=" +
@@ -94,6 +95,7 @@ Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64
 }
 
 Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
+  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_decode_inputs(p));
   return dense_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], p.k_cache.shape[2], plan);
 }
@@ -104,6 +106,7 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(dense_decode_plan(p, &plan));
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, p.q.dtype, p.tile_scheduler_metadata,
                                                          p.num_splits, plan, p.workspace_bytes, p.workspace));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
   if (p.q.device.type == DeviceType::kCPU) {
     if (!p.metadata_ready) {
       std::vector<int64_t> work(p.q.shape[0]);
@@ -121,6 +124,7 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
 
 // ------------------------------------------------------------------ sparse decode
 Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, DecodePlan* plan) {
+  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
   if (b < 1 || s_q < 1 || h_q < 1)
     return Status::Error(ErrorKind::kValue, "sparse decode plan: expected b, s_q, h_q >= 1, got b=" +
                                                 std::to_string(b) + " s_q=" + std::to_string(s_q) +
@@ -146,6 +150,7 @@ Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int6
 }
 
 Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
+  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_decode_inputs(p));
   return sparse_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], plan);
 }
@@ -157,6 +162,7 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16,
                                                          p.tile_scheduler_metadata, p.num_splits, plan,
                                                          p.workspace_bytes, p.workspace));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
   if (p.q.device.type != DeviceType::kCPU) {
 #ifdef FLASHMLA_WITH_CUDA
     // Metadata (when not ready) is computed on the device, on the op's stream.
@@ -185,6 +191,7 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
 
 // ------------------------------------------------------------------ sparse prefill
 Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_bytes) {
+  if (workspace_bytes == nullptr) return Status::Error(ErrorKind::kValue, "workspace_bytes: the pointer is null");
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_inputs(p));
   *workspace_bytes = 0;
   if (p.q.device.type == DeviceType::kCUDA) {
@@ -202,6 +209,7 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p) {
   int64_t ws = 0;
   FLASHMLA_RETURN_IF_ERROR(sparse_prefill_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_outputs(p));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
   if (p.q.device.type != DeviceType::kCPU) {
 #ifdef FLASHMLA_WITH_CUDA
     return sm90::sparse_prefill(p);

@@ -26,6 +26,15 @@ std::string cat(const Args&... args) {
 Status value_error(const std::string& msg) { return Status::Error(ErrorKind::kValue, msg); }
 Status type_error(const std::string& msg) { return Status::Error(ErrorKind::kType, msg); }
 
+/// A softmax scale: finite; NaN is the params structs' "not set" default.
+Status check_scale(float scale, const char* name) {
+  if (std::isnan(scale))
+    return value_error(cat(name, ": not set (NaN, the default of the params struct); FlashMLA's bindings pass "
+                                 "d_qk^-0.5 when the caller gives none"));
+  if (!std::isfinite(scale)) return value_error(cat(name, ": must be a finite number, got ", scale));
+  return Status::Ok();
+}
+
 Status require(const TensorRef& t, const char* name) {
   if (!t.defined) return value_error(cat(name, ": a tensor is required, got None"));
   return Status::Ok();
@@ -109,6 +118,22 @@ Status check_ref(const TensorRef& t, const char* name) {
   for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] < 0)
       return value_error(cat(name, ": negative size in dim ", i, " of shape ", shape_string(t)));
+  // Element counts (and products of any sizes, zeros skipped: the checks multiply pairs of them)
+  // and byte sizes must fit int64, or numel() would wrap and hide a null pointer.
+  int64_t n = 1;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 0 && __builtin_mul_overflow(n, t.shape[i], &n))
+      return value_error(cat(name, ": shape ", shape_string(t), " has more elements than 64-bit sizes can count"));
+  if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(t.dtype)), &n))
+    return value_error(cat(name, ": shape ", shape_string(t), " has more bytes than 64-bit sizes can count"));
+  int64_t reach = 0;  // elements between the first and the farthest element, through the strides
+  for (int i = 0; i < t.ndim; ++i) {
+    int64_t r = 0;
+    if (t.shape[i] > 1 && (__builtin_mul_overflow(t.stride[i] < 0 ? -t.stride[i] : t.stride[i], t.shape[i] - 1, &r) ||
+                           __builtin_add_overflow(reach, r, &reach) ||
+                           __builtin_mul_overflow(reach + 1, static_cast<int64_t>(dtype_size(t.dtype)), &r)))
+      return value_error(cat(name, ": stride ", t.stride[i], " of dim ", i, " reaches beyond 64-bit byte offsets"));
+  }
   if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA)
     return value_error(cat(name, ": ", device_name(t.device), " (expected cpu or cuda)"));
   return Status::Ok();
@@ -144,9 +169,56 @@ Status check_all_refs(const Params& p) {
   return Status::Ok();
 }
 Status check_data(const std::vector<Named>& tensors) {
-  for (const auto& [t, n] : tensors)
+  for (const auto& [t, n] : tensors) {
+    FLASHMLA_RETURN_IF_ERROR(check_ref(*t, n));  // a valid rank and sizes before numel() reads them
     if (t->defined && t->numel() > 0 && t->data == nullptr)
       return value_error(cat(n, ": the data pointer is null for a tensor of shape ", shape_string(*t)));
+  }
+  return Status::Ok();
+}
+
+/// Bytes [lo, hi) a tensor with elements can touch through its strides (negative strides included).
+struct Span {
+  uintptr_t lo = 0, hi = 0;
+};
+Span span_of(const TensorRef& t) {
+  const int64_t es = dtype_size(t.dtype);
+  int64_t lo = 0, hi = 0;  // element offsets of the lowest and highest element
+  for (int i = 0; i < t.ndim; ++i) {
+    const int64_t reach = t.stride[i] * (t.shape[i] - 1);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  return {base + static_cast<uintptr_t>(lo * es), base + static_cast<uintptr_t>((hi + 1) * es)};
+}
+bool has_bytes(const TensorRef& t) { return t.defined && t.data != nullptr && t.numel() > 0; }
+
+/// No output may share bytes with another argument: the operators read their inputs while they
+/// write the outputs (the CPU backend from several threads), so an overlap gives a wrong answer
+/// that depends on the timing. Spans are compared, so two interleaved strided tensors in one
+/// buffer are rejected too, even if no element is shared.
+Status check_outputs_disjoint(const std::vector<Named>& inputs, const std::vector<Named>& outputs,
+                              const void* workspace, int64_t workspace_bytes) {
+  std::vector<std::pair<Span, const char*>> ins, outs;
+  for (const auto& [t, n] : inputs)
+    if (has_bytes(*t)) ins.push_back({span_of(*t), n});
+  for (const auto& [t, n] : outputs)
+    if (has_bytes(*t)) outs.push_back({span_of(*t), n});
+  if (workspace != nullptr && workspace_bytes > 0) {
+    const auto w = reinterpret_cast<uintptr_t>(workspace);
+    outs.push_back({Span{w, w + static_cast<uintptr_t>(workspace_bytes)}, "workspace"});
+  }
+  auto overlap = [](const Span& a, const Span& b) { return a.lo < b.hi && b.lo < a.hi; };
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (const auto& [s, n] : ins)
+      if (overlap(outs[i].first, s))
+        return value_error(cat(outs[i].second, ": the output's memory overlaps the input ", n,
+                               "; pass separate buffers"));
+    for (size_t j = 0; j < i; ++j)
+      if (overlap(outs[i].first, outs[j].first))
+        return value_error(cat(outs[i].second, ": the output's memory overlaps the output ", outs[j].second,
+                               "; pass separate buffers"));
+  }
   return Status::Ok();
 }
 
@@ -209,8 +281,7 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 or 512, got ", d_qk));
   if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
-  if (!std::isfinite(p.softmax_scale))
-    return value_error(cat("softmax_scale: must be a finite number, got ", p.softmax_scale));
+  FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
 
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.k_cache, "k_cache", 4, "(num_blocks, page_block_size, h_kv, d_qk)"));
   if (p.k_cache.dtype != p.q.dtype)
@@ -329,8 +400,7 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 (V32) or 512 (MODEL1), got ", d_qk));
   if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
-  if (!std::isfinite(p.softmax_scale))
-    return value_error(cat("softmax_scale: must be a finite number, got ", p.softmax_scale));
+  FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
   const KVFormat format = fp8_format_for_head_dim(d_qk);
   FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(p.k_cache, "k_cache", format));
 
@@ -413,7 +483,7 @@ Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   if (d_qk != 576 && d_qk != 512)
     return value_error(cat("q: head dim d_qk = q.shape[2] must be 576 or 512, got ", d_qk));
   if (p.d_v != kDimV) return value_error(cat("d_v: must be 512, got ", p.d_v));
-  if (!std::isfinite(p.sm_scale)) return value_error(cat("sm_scale: must be a finite number, got ", p.sm_scale));
+  FLASHMLA_RETURN_IF_ERROR(check_scale(p.sm_scale, "sm_scale"));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.kv, "kv", 3, "(s_kv, h_kv, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.kv, "kv", {DType::kBFloat16}));
   if (p.kv.shape[1] != 1)
@@ -534,11 +604,29 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const Tensor
   return Status::Ok();
 }
 
+namespace {
+/// Splits an operator's arguments (tensors_of order: inputs, metadata, outputs) into what it reads
+/// and what it writes; the metadata buffers are written unless `metadata_ready`.
+template <typename Params>
+Status check_aliasing(const Params& p, size_t num_outputs, size_t num_metadata, bool metadata_ready) {
+  const std::vector<Named> all = tensors_of(p);
+  const size_t first_written = all.size() - num_outputs - (metadata_ready ? 0 : num_metadata);
+  std::vector<Named> ins(all.begin(), all.begin() + first_written), outs(all.begin() + first_written, all.end());
+  return check_outputs_disjoint(ins, outs, p.workspace, p.workspace_bytes);
+}
+}  // namespace
+
 Status validate_data(const DenseDecodeParams& p) { return check_data(tensors_of(p)); }
 Status validate_data(const SparseDecodeParams& p) { return check_data(tensors_of(p)); }
 Status validate_data(const SparsePrefillParams& p) { return check_data(tensors_of(p)); }
+Status validate_no_aliasing(const DenseDecodeParams& p) { return check_aliasing(p, 2, 2, p.metadata_ready); }
+Status validate_no_aliasing(const SparseDecodeParams& p) { return check_aliasing(p, 2, 2, p.metadata_ready); }
+Status validate_no_aliasing(const SparsePrefillParams& p) { return check_aliasing(p, 3, 0, true); }
 Status validate_kv_quant_data(const TensorRef& kv_bf16, const TensorRef& packed, bool packed_is_output) {
   FLASHMLA_RETURN_IF_ERROR(check_data({{&kv_bf16, "kv_cache"}, {&packed, "packed"}}));
+  const Named kv{&kv_bf16, "kv_cache"}, pk{&packed, "packed"};
+  FLASHMLA_RETURN_IF_ERROR(packed_is_output ? check_outputs_disjoint({kv}, {pk}, nullptr, 0)
+                                            : check_outputs_disjoint({pk}, {kv}, nullptr, 0));
   return packed_is_output ? check_output_layout(packed, "packed") : check_output_layout(kv_bf16, "kv_cache");
 }
 

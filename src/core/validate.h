@@ -27,8 +27,14 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv_bf16, const T
 Status validate_data(const DenseDecodeParams& p);
 Status validate_data(const SparseDecodeParams& p);
 Status validate_data(const SparsePrefillParams& p);
+/// For the operator calls, after the outputs are validated: no output (nor the workspace, nor the
+/// metadata buffers unless `metadata_ready`) shares memory with an input or another output.
+Status validate_no_aliasing(const DenseDecodeParams& p);
+Status validate_no_aliasing(const SparseDecodeParams& p);
+Status validate_no_aliasing(const SparsePrefillParams& p);
 /// The FP8 conversions: both tensors have data, and the one written (`packed` when quantizing,
-/// `kv_bf16` when dequantizing) has non-negative strides mapping no two elements to one address.
+/// `kv_bf16` when dequantizing) has non-negative strides mapping no two elements to one address
+/// and shares no memory with the other.
 Status validate_kv_quant_data(const TensorRef& kv_bf16, const TensorRef& packed, bool packed_is_output);
 
 }  // namespace flashmla::core

@@ -253,6 +253,7 @@ TEST(ValidationPrefill, Checks) {
   std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
   std::vector<int32_t> idx(4 * 64, 0);
   SparsePrefillParams p;
+  p.sm_scale = 0.05f;
   p.q = make_tensor_ref(q.data(), DType::kBFloat16, {4, 16, 512});
   p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
   p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
@@ -336,6 +337,7 @@ TEST(ValidationCpp, OutputStridesMustNotOverlapOrBeNegative) {
   std::vector<int32_t> idx(4 * 64, 0);
   std::vector<float> ml(4 * 16), lse(4 * 16);
   SparsePrefillParams p;
+  p.sm_scale = 0.05f;
   p.q = make_tensor_ref(q.data(), DType::kBFloat16, {4, 16, 512});
   p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
   p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
@@ -374,11 +376,134 @@ TEST(ValidationCpp, BadTensorRefsAreValueErrors) {
   std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
   std::vector<int32_t> idx(4 * 64, 0);
   SparsePrefillParams p;  // a negative s_q (the shape check's wildcards once let it through)
+  p.sm_scale = 0.05f;
   p.q = make_tensor_ref(q.data(), DType::kBFloat16, {-2, 16, 512});
   p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
   p.indices = make_tensor_ref(idx.data(), DType::kInt32, {-2, 1, 64});
   int64_t ws = 0;
   expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "q: negative size in dim 0");
+}
+
+// Found by a C++-user review (session 18): aliasing outputs, null plan pointers, sizes that
+// overflow int64, a hand-set ndim read before it was checked, an unset scale.
+TEST(ValidationCpp, OutputsMustNotShareMemoryWithOtherArguments) {
+  {
+    DenseRun r;  // out over the KV cache: once accepted, with a thread-timing-dependent answer
+    std::vector<uint16_t> big(r.c.k.size() + r.out.size());
+    std::memcpy(big.data(), r.c.k.data(), r.c.k.size() * 2);
+    r.c.p.k_cache.data = big.data();
+    r.c.p.out.data = big.data() + 64;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "out: the output's memory overlaps the input k_cache");
+  }
+  {
+    DenseRun r;  // lse inside out
+    r.c.p.lse.data = r.out.data();
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "lse: the output's memory overlaps the output out");
+  }
+  {
+    DenseRun r;  // metadata written over q when not ready; read-only (allowed to be anywhere) when ready
+    r.c.p.num_splits.data = r.c.q.data();
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "num_splits: the output's memory overlaps the input q");
+  }
+  {
+    DenseRun r;
+    ASSERT_TRUE(dense_decode_fwd(r.c.p).ok());
+    r.c.p.metadata_ready = true;  // reused metadata is an input: two readers may share it
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
+  {
+    DenseRun r;  // out and lse in one buffer, side by side: fine
+    std::vector<uint16_t> both(r.out.size() + 2 * r.lse.size());
+    r.c.p.out.data = both.data();
+    r.c.p.lse.data = both.data() + r.out.size();
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
+  SparseCase s;
+  std::vector<uint16_t> out(s.b * s.s_q * s.h_q * 512);
+  std::vector<float> lse(s.b * s.h_q * s.s_q);
+  DecodePlan plan;
+  ASSERT_TRUE(sparse_decode_plan(s.p, &plan).ok());
+  std::vector<int32_t> tsm(plan.num_sm_parts * 8), splits(plan.num_splits_len);
+  s.p.out = make_tensor_ref(out.data(), DType::kBFloat16, {s.b, s.s_q, s.h_q, 512});
+  s.p.lse = make_tensor_ref(s.indices.data(), DType::kFloat32, {s.b, s.h_q, s.s_q});
+  s.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {plan.num_sm_parts, 8});
+  s.p.num_splits = make_tensor_ref(splits.data(), DType::kInt32, {plan.num_splits_len});
+  expect_error(sparse_decode_fwd(s.p), ErrorKind::kValue, "lse: the output's memory overlaps the input indices");
+  s.p.lse = make_tensor_ref(lse.data(), DType::kFloat32, {s.b, s.h_q, s.s_q});
+  EXPECT_TRUE(sparse_decode_fwd(s.p).ok());
+
+  std::vector<uint16_t> kv(2 * 4 * 512, 0x3f80);
+  std::vector<uint8_t> packed(2 * 4 * 584 + 4096);
+  const TensorRef kv_ref = make_tensor_ref(kv.data(), DType::kBFloat16, {2, 4, 1, 512});
+  EXPECT_TRUE(quantize_kv_cache(KVFormat::kFP8Model1, kv_ref,
+                                make_tensor_ref(packed.data(), DType::kUInt8, {2, 4, 1, 584})).ok());
+  expect_error(quantize_kv_cache(KVFormat::kFP8Model1, kv_ref,
+                                 make_tensor_ref(kv.data(), DType::kUInt8, {2, 4, 1, 584})),
+               ErrorKind::kValue, "packed: the output's memory overlaps the input kv_cache");
+}
+
+TEST(ValidationCpp, NullPlanPointersAreValueErrors) {
+  DenseCase c;
+  expect_error(dense_decode_plan(c.p, nullptr), ErrorKind::kValue, "plan: the DecodePlan pointer is null");
+  expect_error(dense_decode_plan_for_shapes(c.p.q.device, 2, 1, 16, 1, nullptr), ErrorKind::kValue, "plan:");
+  SparseCase s;
+  expect_error(sparse_decode_plan(s.p, nullptr), ErrorKind::kValue, "plan: the DecodePlan pointer is null");
+  expect_error(sparse_decode_plan_for_shapes(s.p.q.device, 2, 1, 64, nullptr), ErrorKind::kValue, "plan:");
+  SparsePrefillParams p;
+  expect_error(sparse_prefill_plan(p, nullptr), ErrorKind::kValue, "workspace_bytes: the pointer is null");
+}
+
+TEST(ValidationCpp, SizesBeyondInt64AndBadRanksInTheOperators) {
+  {
+    DenseRun r;  // 2^32 * 2^32 elements once wrapped to 0 and let a null pointer through
+    r.c.p.k_cache.shape[0] = r.c.p.k_cache.shape[1] = int64_t{1} << 32;
+    r.c.p.k_cache.data = nullptr;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "k_cache: shape");
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "64-bit");
+  }
+  {
+    DenseRun r;  // a stride whose reach overflows byte offsets
+    r.c.p.k_cache.stride[0] = int64_t{1} << 62;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "k_cache: stride");
+  }
+  {
+    DenseRun r;  // a hand-set rank beyond kMaxTensorDims is rejected before numel() reads shape[6..]
+    r.c.p.q.ndim = 100;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "q: invalid tensor");
+  }
+  SparseCase s;  // (2^32, 2^32, 1, 656) bytes: the int32 token-count check once overflowed
+  s.p.k_cache.shape[0] = s.p.k_cache.shape[1] = int64_t{1} << 32;
+  DecodePlan plan;
+  expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "k_cache: shape");
+}
+
+TEST(ValidationCpp, UnsetScaleIsAValueError) {
+  DenseCase c;
+  DecodePlan plan;
+  c.p.softmax_scale = DenseDecodeParams{}.softmax_scale;
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "softmax_scale: not set");
+  c.p.softmax_scale = 0.f;  // legal: uniform weights
+  EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
+  SparseCase s;
+  s.p.softmax_scale = SparseDecodeParams{}.softmax_scale;
+  expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "softmax_scale: not set");
+  std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
+  std::vector<int32_t> idx(4 * 64, 0);
+  SparsePrefillParams p;
+  p.q = make_tensor_ref(q.data(), DType::kBFloat16, {4, 16, 512});
+  p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
+  p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
+  int64_t ws = 0;
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "sm_scale: not set");
+}
+
+TEST(KvFormat, HeadDimsWithoutAnFp8Format) {
+  EXPECT_EQ(fp8_format_for_head_dim(576), KVFormat::kFP8V32);
+  EXPECT_EQ(fp8_format_for_head_dim(512), KVFormat::kFP8Model1);
+  EXPECT_FALSE(is_fp8_format(fp8_format_for_head_dim(128)));
+  EXPECT_EQ(fp8_bytes_per_token(fp8_format_for_head_dim(128)), 0);
+  EXPECT_EQ(fp8_bytes_per_token(KVFormat::kFP8V32), 656);
+  EXPECT_EQ(fp8_bytes_per_token(KVFormat::kFP8Model1), 584);
 }
 
 TEST(ValidationGpu, NoCudaBackendIsNotImplemented) {
