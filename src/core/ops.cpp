@@ -1,5 +1,6 @@
 // Public operator entry points: validate once, plan, dispatch to a backend.
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,18 @@ Status no_gpu_backend(const char* op, Device d) {
   return Status::Error(ErrorKind::kNotImplemented,
                        std::string(op) + ": the Hopper (sm90) kernel for this operator is not implemented yet; "
                                          "pass CPU tensors to use the reference backend.");
+}
+
+/// The shapes-only plans' sizes: b + 1 entries of num_splits are int32, and b * s_q * h_q rows of
+/// 512 float32 partials (per split) must stay far from int64 overflow in the workspace sizing.
+Status check_plan_sizes(const char* what, int64_t b, int64_t s_q, int64_t h_q) {
+  int64_t n = 0;
+  if (b >= std::numeric_limits<int32_t>::max() || __builtin_mul_overflow(b, s_q, &n) ||
+      __builtin_mul_overflow(n, h_q, &n) || __builtin_mul_overflow(n, int64_t{4096}, &n) || n > (int64_t{1} << 60))
+    return Status::Error(ErrorKind::kValue,
+                         std::string(what) + ": sizes too large (b must be < 2^31 and b * s_q * h_q * 4096 < 2^60), got b=" +
+                             std::to_string(b) + " s_q=" + std::to_string(s_q) + " h_q=" + std::to_string(h_q));
+  return Status::Ok();
 }
 
 /// Host schedule written into CPU metadata buffers (spec §4).
@@ -69,6 +82,7 @@ Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64
                          "dense decode plan: expected b, s_q, h_q, h_kv >= 1 with h_q % h_kv == 0, got b=" +
                              std::to_string(b) + " s_q=" + std::to_string(s_q) + " h_q=" + std::to_string(h_q) +
                              " h_kv=" + std::to_string(h_kv));
+  FLASHMLA_RETURN_IF_ERROR(check_plan_sizes("dense decode plan", b, s_q, h_q));
   plan->num_splits_len = b + 1;
   plan->num_sm_parts = core::dense_decode_num_sm_parts(num_sms(device), s_q, h_q, h_kv);
   plan->workspace_bytes = 0;
@@ -129,6 +143,7 @@ Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int6
     return Status::Error(ErrorKind::kValue, "sparse decode plan: expected b, s_q, h_q >= 1, got b=" +
                                                 std::to_string(b) + " s_q=" + std::to_string(s_q) +
                                                 " h_q=" + std::to_string(h_q));
+  FLASHMLA_RETURN_IF_ERROR(check_plan_sizes("sparse decode plan", b, s_q, h_q));
   plan->num_splits_len = b + 1;
   plan->num_sm_parts = core::sparse_decode_num_sm_parts(num_sms(device), s_q, h_q);
   plan->workspace_bytes = 0;

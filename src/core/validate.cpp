@@ -126,12 +126,20 @@ Status check_ref(const TensorRef& t, const char* name) {
       return value_error(cat(name, ": shape ", shape_string(t), " has more elements than 64-bit sizes can count"));
   if (__builtin_mul_overflow(n, static_cast<int64_t>(dtype_size(t.dtype)), &n))
     return value_error(cat(name, ": shape ", shape_string(t), " has more bytes than 64-bit sizes can count"));
-  int64_t reach = 0;  // elements between the first and the farthest element, through the strides
-  for (int i = 0; i < t.ndim; ++i) {
-    int64_t r = 0;
-    if (t.shape[i] > 1 && (__builtin_mul_overflow(t.stride[i] < 0 ? -t.stride[i] : t.stride[i], t.shape[i] - 1, &r) ||
-                           __builtin_add_overflow(reach, r, &reach) ||
-                           __builtin_mul_overflow(reach + 1, static_cast<int64_t>(dtype_size(t.dtype)), &r)))
+  // Bytes between the first and the farthest element through the strides (unsigned: |INT64_MIN|
+  // is representable): (reach + 1) * element size must fit int64, so span_of cannot overflow.
+  // Tensors without elements have arbitrary strides and are not checked.
+  bool empty = false;
+  for (int i = 0; i < t.ndim; ++i) empty = empty || t.shape[i] == 0;
+  const uint64_t es = static_cast<uint64_t>(dtype_size(t.dtype));
+  const uint64_t max_reach = static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) / es - 1;
+  uint64_t reach = 0;
+  for (int i = 0; i < t.ndim && !empty; ++i) {
+    if (t.shape[i] <= 1) continue;
+    const uint64_t st = t.stride[i] < 0 ? 0 - static_cast<uint64_t>(t.stride[i]) : static_cast<uint64_t>(t.stride[i]);
+    uint64_t r = 0;
+    if (__builtin_mul_overflow(st, static_cast<uint64_t>(t.shape[i] - 1), &r) || __builtin_add_overflow(reach, r, &reach) ||
+        reach > max_reach)
       return value_error(cat(name, ": stride ", t.stride[i], " of dim ", i, " reaches beyond 64-bit byte offsets"));
   }
   if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA)
@@ -178,18 +186,25 @@ Status check_data(const std::vector<Named>& tensors) {
 }
 
 /// Bytes [lo, hi) a tensor with elements can touch through its strides (negative strides included).
+/// check_ref bounds (reach + 1) * element size by INT64_MAX, so the offsets below do not overflow;
+/// false when the range wraps around the address space (no real allocation does).
 struct Span {
   uintptr_t lo = 0, hi = 0;
 };
-Span span_of(const TensorRef& t) {
+bool span_of(const TensorRef& t, Span* span) {
   const int64_t es = dtype_size(t.dtype);
   int64_t lo = 0, hi = 0;  // element offsets of the lowest and highest element
   for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] <= 1) continue;
     const int64_t reach = t.stride[i] * (t.shape[i] - 1);
     (reach < 0 ? lo : hi) += reach;
   }
   const auto base = reinterpret_cast<uintptr_t>(t.data);
-  return {base + static_cast<uintptr_t>(lo * es), base + static_cast<uintptr_t>((hi + 1) * es)};
+  const auto below = static_cast<uintptr_t>(-lo) * static_cast<uintptr_t>(es);
+  const auto above = static_cast<uintptr_t>(hi + 1) * static_cast<uintptr_t>(es);
+  if (below > base || base + above < base) return false;
+  *span = {base - below, base + above};
+  return true;
 }
 bool has_bytes(const TensorRef& t) { return t.defined && t.data != nullptr && t.numel() > 0; }
 
@@ -200,12 +215,19 @@ bool has_bytes(const TensorRef& t) { return t.defined && t.data != nullptr && t.
 Status check_outputs_disjoint(const std::vector<Named>& inputs, const std::vector<Named>& outputs,
                               const void* workspace, int64_t workspace_bytes) {
   std::vector<std::pair<Span, const char*>> ins, outs;
-  for (const auto& [t, n] : inputs)
-    if (has_bytes(*t)) ins.push_back({span_of(*t), n});
-  for (const auto& [t, n] : outputs)
-    if (has_bytes(*t)) outs.push_back({span_of(*t), n});
+  for (auto [list, dst] : {std::pair{&inputs, &ins}, {&outputs, &outs}})
+    for (const auto& [t, n] : *list) {
+      Span sp;
+      if (!has_bytes(*t)) continue;
+      if (!span_of(*t, &sp))
+        return value_error(cat(n, ": the tensor's byte range wraps around the address space (data pointer and "
+                                  "strides)"));
+      dst->push_back({sp, n});
+    }
   if (workspace != nullptr && workspace_bytes > 0) {
     const auto w = reinterpret_cast<uintptr_t>(workspace);
+    if (w + static_cast<uintptr_t>(workspace_bytes) < w)
+      return value_error("workspace: the byte range wraps around the address space");
     outs.push_back({Span{w, w + static_cast<uintptr_t>(workspace_bytes)}, "workspace"});
   }
   auto overlap = [](const Span& a, const Span& b) { return a.lo < b.hi && b.lo < a.hi; };
@@ -328,6 +350,7 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
         return value_error(cat("block_table too short for cache_seqlens: request ", i, " has cache_seqlens = ",
                                len, " which needs ", pages, " pages of ", pbs,
                                " tokens, but block_table has ", max_blocks, " columns"));
+      if (pages == 0) continue;  // (an empty block table may have no data: no pointer arithmetic on it)
       const int32_t* row = host_i32(p.block_table) + i * p.block_table.stride[0];
       for (int64_t j = 0; j < pages; ++j) {
         const int64_t blk = row[j * p.block_table.stride[1]];

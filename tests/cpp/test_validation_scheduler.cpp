@@ -7,6 +7,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/scheduler.h"
@@ -475,6 +476,37 @@ TEST(ValidationCpp, SizesBeyondInt64AndBadRanksInTheOperators) {
   s.p.k_cache.shape[0] = s.p.k_cache.shape[1] = int64_t{1} << 32;
   DecodePlan plan;
   expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "k_cache: shape");
+}
+
+TEST(ValidationCpp, OverflowEdgesOfTheSizeChecks) {
+  // Found by a second review of the checks above (session 18).
+  DecodePlan plan;
+  const Device cpu{};
+  for (auto [b, s_q, h_q] : {std::tuple<int64_t, int64_t, int64_t>{1, int64_t{1} << 32, int64_t{1} << 32},
+                             {1, int64_t{1} << 62, 4}, {INT64_MAX, 1, 1}}) {
+    // rows = s_q * h_q once wrapped to 0 and divided by zero (SIGFPE); b + 1 wrapped num_splits_len
+    expect_error(dense_decode_plan_for_shapes(cpu, b, s_q, h_q, 1, &plan), ErrorKind::kValue, "sizes too large");
+    expect_error(sparse_decode_plan_for_shapes(cpu, b, s_q, h_q, &plan), ErrorKind::kValue, "sizes too large");
+  }
+  {
+    SparseCase s;  // a 1-byte cache whose reach is INT64_MAX: (reach + 1) once overflowed and passed
+    s.p.k_cache = make_tensor_ref(s.cache.data(), DType::kUInt8, {2, 1, 1, 656}, {INT64_MAX - 655, 656, 656, 1});
+    expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "k_cache: stride");
+    s.p.k_cache = make_tensor_ref(s.cache.data(), DType::kUInt8, {2, 1, 1, 656}, {INT64_MIN, 656, 656, 1});
+    expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "k_cache: stride");
+  }
+  {
+    DenseRun r;  // a range that wraps around the address space hides no overlap
+    r.c.p.k_cache.stride[0] = int64_t{1} << 59;  // 3 * 2^60 bytes from the first block to the last
+    r.c.p.k_cache.data = reinterpret_cast<void*>(~uintptr_t{0} - 4095);
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "k_cache: the tensor's byte range wraps");
+  }
+  {
+    DenseRun r;  // tensors without elements keep arbitrary strides
+    r.c.p.block_table = make_tensor_ref(nullptr, DType::kInt32, {r.c.b, 0}, {INT64_MAX / 2, 1});
+    r.c.seqlens.assign(r.c.b, 0);
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
 }
 
 TEST(ValidationCpp, UnsetScaleIsAValueError) {
