@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: install, build and run the C++ tests (GoogleTest/CTest), then pytest
+# The test suite: install, build and run the C++ tests (GoogleTest/CTest, again under ASan + UBSan), then pytest
 # (tests/python everywhere; tests/gpu skip themselves without a Hopper GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +14,18 @@ echo "== C++ tests (reference backend, validation, scheduler)"
 cmake -S . -B build/cpp-tests -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUILD_TESTS=ON >/dev/null
 cmake --build build/cpp-tests -j "$JOBS"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$JOBS"
+
+# The same C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer (the validation's size and
+# overlap arithmetic, the reference backend's indexing); skipped when the compiler cannot link them.
+if echo 'int main() { return 0; }' | ${CXX:-c++} -fsanitize=address,undefined -x c++ - -o build/.san-probe 2>/dev/null; then
+  echo "== C++ tests under ASan + UBSan"
+  cmake -S . -B build/cpp-tests-san -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
+    -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" >/dev/null
+  cmake --build build/cpp-tests-san -j "$JOBS" > build/cpp-tests-san.log 2>&1 || { tail -40 build/cpp-tests-san.log; exit 1; }
+  ctest --test-dir build/cpp-tests-san --output-on-failure -j "$JOBS" | tail -3
+else
+  echo "== C++ tests under ASan + UBSan: SKIPPED (the compiler cannot link -fsanitize=address,undefined)"
+fi
 
 echo "== C++ user example: install the core, find_package(flashmla), link flashmla::core, run"
 cmake --install build/cpp-tests --prefix build/cpp-install >/dev/null
