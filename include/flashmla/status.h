@@ -18,7 +18,14 @@ enum class ErrorKind : int { kOk = 0, kValue, kType, kNotImplemented, kRuntime }
 /// Name of the Python exception class an `ErrorKind` maps to ("ValueError", ...).
 const char* error_kind_name(ErrorKind kind);
 
-struct Status {
+#if __cplusplus >= 201703L
+#define FLASHMLA_NODISCARD [[nodiscard]]
+#else
+#define FLASHMLA_NODISCARD
+#endif
+
+/// Result of every core entry point (C++17 and later warn when one is ignored).
+struct FLASHMLA_NODISCARD Status {
   ErrorKind kind = ErrorKind::kOk;
   std::string message;
 
