@@ -22,7 +22,9 @@ if echo 'int main() { return 0; }' | ${CXX:-c++} -fsanitize=address,undefined -x
   cmake -S . -B build/cpp-tests-san -G Ninja -DFLASHMLA_ENABLE_CUDA=OFF -DFLASHMLA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
     -DCMAKE_CXX_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" >/dev/null
   cmake --build build/cpp-tests-san -j "$JOBS" > build/cpp-tests-san.log 2>&1 || { tail -40 build/cpp-tests-san.log; exit 1; }
-  ctest --test-dir build/cpp-tests-san --output-on-failure -j "$JOBS" | tail -3
+  ctest --test-dir build/cpp-tests-san --output-on-failure -j "$JOBS" > build/cpp-tests-san-ctest.log 2>&1 ||
+    { tail -80 build/cpp-tests-san-ctest.log; exit 1; }
+  tail -3 build/cpp-tests-san-ctest.log
 else
   echo "== C++ tests under ASan + UBSan: SKIPPED (the compiler cannot link -fsanitize=address,undefined)"
 fi

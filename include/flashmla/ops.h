@@ -124,8 +124,9 @@ struct DenseDecodeParams {
 Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan);
 /// The same sizes from shapes alone, for callers that must allocate before they
 /// hold any tensor (XLA custom calls traced under jax.jit): b, s_q, h_q of q and
-/// h_kv of k_cache on `device`. Errors: kValue for non-positive sizes or
-/// h_q % h_kv != 0; kNotImplemented for a GPU without the sm90 backend.
+/// h_kv of k_cache on `device`. Errors: kValue for non-positive sizes, h_q % h_kv != 0,
+/// b >= 2^31 or b * s_q * h_q * 4096 >= 2^60, or a null `plan`; kNotImplemented for a GPU
+/// without the sm90 backend.
 Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64_t h_q, int64_t h_kv,
                                     DecodePlan* plan);
 /// Validates inputs and outputs, computes the metadata unless `metadata_ready`, writes out/lse.

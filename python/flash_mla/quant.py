@@ -66,15 +66,18 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     Returns uint8 ``(num_blocks, page_block_size, 1, 656 | 584)`` with ``stride(1)`` equal
     to the bytes per token and ``stride(0) = block_stride`` bytes (default
     :func:`default_block_stride`), on the device and in the framework of ``kv_cache``.
+
+    Raises ``ValueError`` for a head dim other than 576 / 512, a shape other than
+    ``(num_blocks, page_block_size > 0, 1, d_qk)`` or a ``block_stride`` below
+    ``page_block_size`` times the bytes per token; ``TypeError`` for a dtype other than bf16 or a
+    tensor of another framework than PyTorch / NumPy.
     """
     x, device = _to_cpu(kv_cache)
     fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
     if len(x.shape) != 4:
         raise ValueError(f"kv_cache: expected a 4-D tensor (num_blocks, page_block_size, 1, d_qk), got shape "
                          f"{tuple(int(s) for s in x.shape)}")
-    nb, pbs = int(x.shape[0]), int(x.shape[1])
-    if pbs <= 0:
-        raise ValueError(f"kv_cache: page_block_size (dimension 1) must be > 0, got shape {tuple(int(s) for s in x.shape)}")
+    nb, pbs = int(x.shape[0]), int(x.shape[1])  # (page_block_size > 0 is checked by the core, naming kv_cache)
     stride = block_stride if block_stride is not None else default_block_stride(fmt, pbs)
     if stride < pbs * _BYTES[fmt]:
         raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {pbs * _BYTES[fmt]}, got {stride}")
@@ -90,6 +93,8 @@ def dequantize_k_cache(packed: Any, d_qk: int = 576):
     """Inverse of :func:`quantize_k_cache`: FP8 bytes -> bf16 ``(num_blocks, pbs, 1, d_qk)``.
 
     ``packed`` may be uint8 / int8 / float8_e4m3fn. ``d_qk`` 576 reads V32, 512 MODEL1.
+    Raises ``ValueError`` for another head dim or a ``packed`` shape / stride that is not the
+    format's ``(num_blocks, page_block_size, 1, 656 | 584)`` layout, ``TypeError`` for another dtype.
     """
     fmt = format_for_head_dim(int(d_qk))
     p, device = _to_cpu(packed)

@@ -108,8 +108,7 @@ Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64
   return Status::Ok();
 }
 
-Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {
-  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
+Status dense_decode_plan(const DenseDecodeParams& p, DecodePlan* plan) {  // (null plan: *_plan_for_shapes)
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_decode_inputs(p));
   return dense_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], p.k_cache.shape[2], plan);
 }
@@ -164,8 +163,7 @@ Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int6
   return Status::Ok();
 }
 
-Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {
-  if (plan == nullptr) return Status::Error(ErrorKind::kValue, "plan: the DecodePlan pointer is null");
+Status sparse_decode_plan(const SparseDecodeParams& p, DecodePlan* plan) {  // (null plan: *_plan_for_shapes)
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_decode_inputs(p));
   return sparse_decode_plan_for_shapes(p.q.device, p.q.shape[0], p.q.shape[1], p.q.shape[2], plan);
 }

@@ -612,6 +612,8 @@ Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const Tensor
   FLASHMLA_RETURN_IF_ERROR(check_dtype(kv, "kv_cache", {DType::kBFloat16}));
   if (kv.shape[2] != 1)
     return value_error(cat("kv_cache: FP8 KV caches have h_kv = 1, got shape ", shape_string(kv)));
+  if (kv.shape[1] <= 0)
+    return value_error(cat("kv_cache: page_block_size (dim 1) must be > 0, got shape ", shape_string(kv)));
   if (kv.shape[3] != d)
     return value_error(cat("kv_cache: the ", format == KVFormat::kFP8V32 ? "V32" : "MODEL1",
                            " format needs d_qk = ", d, ", got shape ", shape_string(kv)));

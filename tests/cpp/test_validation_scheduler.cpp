@@ -441,6 +441,10 @@ TEST(ValidationCpp, OutputsMustNotShareMemoryWithOtherArguments) {
   expect_error(quantize_kv_cache(KVFormat::kFP8Model1, kv_ref,
                                  make_tensor_ref(kv.data(), DType::kUInt8, {2, 4, 1, 584})),
                ErrorKind::kValue, "packed: the output's memory overlaps the input kv_cache");
+  // A page size of 0 is named on the input (once on the internal `packed` buffer of the Python helper).
+  expect_error(quantize_kv_cache(KVFormat::kFP8Model1, make_tensor_ref(kv.data(), DType::kBFloat16, {2, 0, 1, 512}),
+                                 make_tensor_ref(packed.data(), DType::kUInt8, {2, 0, 1, 584})),
+               ErrorKind::kValue, "kv_cache: page_block_size (dim 1) must be > 0");
 }
 
 TEST(ValidationCpp, NullPlanPointersAreValueErrors) {

@@ -439,7 +439,7 @@ def test_flashmla_asserts_are_also_assertion_errors(dense, sparse):
 def test_quantize_zero_page_block_size_names_kv_cache():
     from flash_mla import quant
 
-    with pytest.raises(ValueError, match="^kv_cache: page_block_size"):
+    with pytest.raises(ValueError, match="^kv_cache: page_block_size \\(dim 1\\) must be > 0"):
         quant.quantize_k_cache(np.zeros((2, 0, 1, 512), BF16))
     with pytest.raises(ValueError, match="^kv_cache: expected a 4-D tensor"):
         quant.quantize_k_cache(np.zeros((2, 1, 512), BF16))
