@@ -203,6 +203,56 @@ struct RowPart {
   uint2 sc;  // V32: the fp32 scales of the part's two 128-dim tiles; MODEL1: the 8-byte e8m0 record
 };
 
+// Cache policy of the producer's FP8 gathers (A/B switch, default 0 = the measured kernel):
+//   0: ld.global.nc.L1::no_allocate (each 64-byte group goes to L2 on its own);
+//   1: ld.global.nc.L1::evict_last.L2::256B: the record's lines are allocated in L1, so the groups of
+//      one record that share a 128-byte line (V3.2 records are 656 bytes, only 16-byte aligned) are
+//      one L2 request, and L2 fetches 256-byte neighbourhoods from DRAM;
+//   2: ld.global.nc.L1::evict_last (allocate, no L2 prefetch hint).
+// How far ahead the producer loads its rows' cache indices (A/B switch, default 1 = the measured
+// kernel): 1 = block g + 1's at the start of step g (used after part A of g, ~3300 cycles later, and
+// session 17's trace still saw a ~1500-cycle wait there); 2 = block g + 2's, a whole step earlier.
+#ifndef FLASHMLA_SPARSE_DECODE_INDEX_AHEAD
+#define FLASHMLA_SPARSE_DECODE_INDEX_AHEAD 1
+#endif
+// Where the RoPE bf16 bytes of a block come from (A/B switch, default 0 = the measured kernel):
+//   0: cp.async.cg of all 64 rows into each CTA (L2 -> shared memory, no L1 allocation);
+//   1: the same with cp.async.ca (allocated in L1: the CTA's own rows' RoPE lines are also the lines
+//      of their scales and last FP8 group);
+//   2: through registers, loaded with the FP8 bytes under FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY; a
+//      cluster CTA loads only the rows it dequantizes and sends them to the peer by st.async.
+#ifndef FLASHMLA_SPARSE_DECODE_ROPE_MODE
+#define FLASHMLA_SPARSE_DECODE_ROPE_MODE 0
+#endif
+#ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
+#define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 0
+#endif
+__device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
+#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0
+  return ldg16(a);
+#else
+  uint4 v;
+#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 1
+  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+#else
+  asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+#endif
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(a));
+  return v;
+#endif
+}
+
+__device__ __forceinline__ uint2 ldg8_fp8(const uint8_t* a) {
+#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0
+  return ldg8(a);
+#else
+  uint2 v;
+  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(a));
+  return v;
+#endif
+}
+
 /// Loads part PT of the row at `rec` (zeros for an invalid row: rec == 0).
 template <Fmt F, int PT>
 __device__ __forceinline__ void row_part_load(RowPart<F, PT>& r, uint64_t rec, uint64_t scl, int j) {
@@ -213,9 +263,9 @@ __device__ __forceinline__ void row_part_load(RowPart<F, PT>& r, uint64_t rec, u
   r.sc = make_uint2(0u, 0u);
   if (a != nullptr) {
 #pragma unroll
-    for (int d = 0; d < M::kGroups; ++d) r.u[d] = ldg16(a + 64 * (M::kG0 + d) + 16 * j);
-    if constexpr (F == Fmt::kV32) r.sc = ldg8(a + FmtCfg<F>::kScaleRaw + 4 * (M::kG0 / 2));
-    else r.sc = ldg8(reinterpret_cast<const uint8_t*>(scl));
+    for (int d = 0; d < M::kGroups; ++d) r.u[d] = ldg16_fp8(a + 64 * (M::kG0 + d) + 16 * j);
+    if constexpr (F == Fmt::kV32) r.sc = ldg8_fp8(a + FmtCfg<F>::kScaleRaw + 4 * (M::kG0 / 2));
+    else r.sc = ldg8_fp8(reinterpret_cast<const uint8_t*>(scl));
   }
 }
 
@@ -256,10 +306,35 @@ __device__ __forceinline__ void row_rope(uint64_t rec, int row, int j, uint32_t 
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int c = 4 * k + j;
-    cp_async_16(sKx_u + slab_off(row, PartMap<F, 1>::kRopeChunk0 + c),
-                a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c : static_cast<const uint8_t*>(any_global),
-                a != nullptr);
+    const uint32_t dst = sKx_u + slab_off(row, PartMap<F, 1>::kRopeChunk0 + c);
+    const uint8_t* src = a != nullptr ? a + FmtCfg<F>::kRopeRaw + 16 * c : static_cast<const uint8_t*>(any_global);
+#if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 1
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(a != nullptr ? 16 : 0)
+                 : "memory");
+#else
+    cp_async_16(dst, src, a != nullptr);
+#endif
   }
+}
+
+/// RoPE mode 2: a row's RoPE chunks j and 4 + j through registers (loaded with the FP8 bytes, with
+/// the same cache policy, so they share the record's L1 lines), zeros for an invalid row.
+struct RowRope {
+  uint4 v[2];
+};
+template <Fmt F>
+__device__ __forceinline__ void row_rope_load(RowRope& r, uint64_t rec, int j) {
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
+  r.v[0] = r.v[1] = make_uint4(0u, 0u, 0u, 0u);
+  if (a != nullptr) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) r.v[k] = ldg16_fp8(a + FmtCfg<F>::kRopeRaw + 16 * (4 * k + j));
+  }
+}
+template <Fmt F, class Put>
+__device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j, Put&& put) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) put(slab_off(row, PartMap<F, 1>::kRopeChunk0 + 4 * k + j), r.v[k]);
 }
 
 // ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats
@@ -331,7 +406,8 @@ __device__ __forceinline__ void sync() {
 /// Bytes one CTA's producers write into the peer's buffer for part PT of a block: 32 rows x the
 /// part's 64-dim groups x 128 bytes (each thread stores every chunk it owns, valid row or not).
 template <Fmt F, int PT>
-constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F, PT>::kGroups);
+constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F, PT>::kGroups) +
+                                    (PT == 1 && FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2 ? 32u * 128u : 0u);
 
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
@@ -492,14 +568,37 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool any = __any_sync(0xffffffffu, j == 0 && (r.rec[0] == 0 || r.rec[1] == 0));
         if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
       };
+#if FLASHMLA_SPARSE_DECODE_INDEX_AHEAD == 2
+      // Block 1's indices before the loop; step g loads block g + 2's.
+      int va[2] = {-1, -1};
+      bool exta = false;
+      ++nb;
+      skip_empty();
+      bool more_a = nreq <= end_req;
+      if (more_a) exta = block_indices(va);
+#endif
       for (int g = 0;; ++g) {
         FLASHMLA_V4_TRACE_BLK(2, g, 0, t == 0);
+#if FLASHMLA_SPARSE_DECODE_INDEX_AHEAD == 2
+        const bool more = more_a;
+        const int vn[2] = {va[0], va[1]};
+        const bool extn = exta;
+        if (more_a) {
+          ++nb;
+          skip_empty();
+          more_a = nreq <= end_req;
+          va[0] = va[1] = -1;
+          exta = false;
+          if (more_a) exta = block_indices(va);
+        }
+#else
         ++nb;
         skip_empty();
         const bool more = nreq <= end_req;
         int vn[2] = {-1, -1};
         bool extn = false;
         if (more) extn = block_indices(vn);
+#endif
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -529,6 +628,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
           row_part_load<F, 1>(pb, my_rec, my_scl, j);
+#if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
+          RowRope rr;
+          row_rope_load<F>(rr, my_rec, j);
+#endif
           FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
@@ -550,8 +653,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
+#if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
+          row_rope_store<F>(rr, my, j, [&](uint32_t off, uint4 v) {
+            *reinterpret_cast<uint4*>(sKx + off) = v;
+            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
+          });
+#else
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
           row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
+#endif
           row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
@@ -568,6 +678,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
+#if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
+          RowRope rr0, rr1;
+          row_rope_load<F>(rr0, ra.rec[0], j);
+          row_rope_load<F>(rr1, ra.rec[1], j);
+#endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
@@ -588,8 +703,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
+#if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
+          row_rope_store<F>(rr0, row[0], j, put);
+          row_rope_store<F>(rr1, row[1], j, put);
+#else
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
           row_rope<F>(ra.rec[1], row[1], j, sKx_u, p.q);
+#endif
           row_part_store<F, 1>(pb0, row[0], j, put);
           row_part_store<F, 1>(pb1, row[1], j, put);
           FLASHMLA_V4_TRACE_BLK(2, g, 7, t == 0);
