@@ -11,7 +11,7 @@ metadata being reused as across layers; the kernel-only rate is reported too. Th
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
 --ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
-(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v4 for h_q > 32, v1 between; or the one forced by
+(automatic choice, src/sm90/decode/sparse_fp8/sparse_decode.cu: v2 for h_q <= 16, v4 for h_q > 32, v1 between; or the one forced by
 FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v4 when that is set; the alternative is v1, or v2 where v1 is
 the default): fields kernel_default, alt_kernel,
 alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
@@ -39,7 +39,7 @@ ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v4" force that main kern
 
 def default_kernel(h_q):
     """Main kernel the library runs for h_q (mirrors sparse_decode_kernel_version() in
-    src/sm90/sparse_decode.cu; the benchmark's caches are 16-byte aligned, as v2 needs)."""
+    src/sm90/decode/sparse_fp8/sparse_decode.cu; the benchmark's caches are 16-byte aligned, as v2 needs)."""
     forced = os.environ.get(ENV)
     if forced in ("v1", "v2"):
         return forced

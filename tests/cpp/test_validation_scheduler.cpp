@@ -624,7 +624,7 @@ TEST(Scheduler, CoversEveryBlockExactlyOnce) {
   }
 }
 
-// The sparse combine's compact grid (src/sm90/sparse_decode.cu, the default since session 17) launches one CTA row per part
+// The sparse combine's compact grid (src/sm90/decode/sparse_fp8/sparse_decode.cu, the default since session 17) launches one CTA row per part
 // and lets core::split_request_of_part say which split request, if any, the part combines: every
 // request with more than one split must be named by exactly one part, no other request by any.
 TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
@@ -655,7 +655,7 @@ TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
   }
 }
 
-// The device scheduler (src/sm90/scheduler.cu) computes the partition request by request
+// The device scheduler (src/sm90/common/scheduler.cu) computes the partition request by request
 // (core::schedule_requests) and then each part's row independently (core::schedule_part_row);
 // both must give greedy_tile_schedule's rows and num_splits exactly.
 TEST(Scheduler, RequestWisePassEqualsTheGreedy) {

@@ -210,7 +210,7 @@ def test_correctness_grid(c):
     check_case(case)
 
 
-# The kernel choice is by shape (src/sm90/sparse_decode.cu: v4 for h_q > 32, its 2-CTA cluster
+# The kernel choice is by shape (src/sm90/decode/sparse_fp8/sparse_decode.cu: v4 for h_q > 32, its 2-CTA cluster
 # variant for h_q = 128 when the grid fits in one wave); v1 stays reachable through
 # FLASHMLA_SPARSE_DECODE_KERNEL (read on every call) and must stay correct on the 64/128-head cases
 # (it still serves 16 < h_q <= 32 and unaligned caches), and so must v4's plain kernel at 128 heads

@@ -1,10 +1,10 @@
 // tools/trace/dense_trace.cu — event timeline of the dense MLA decode kernel v4 (diagnostic, not a test).
 //
-// The library's own host path runs the call: src/sm90/dense_decode.cu (kernel parameters, K tensor map,
-// staged / direct epilogue choice, stage order), src/sm90/scheduler.cu (the device split-KV scheduler) and
-// src/sm90/combine.cu are compiled into this program unchanged; only the two main-kernel entry points that
+// The library's own host path runs the call: src/sm90/decode/dense/dense_decode.cu (kernel parameters, K tensor map,
+// staged / direct epilogue choice, stage order), src/sm90/common/scheduler.cu (the device split-KV scheduler) and
+// src/sm90/common/combine.cu are compiled into this program unchanged; only the two main-kernel entry points that
 // dense_decode.cu calls (launch_dense_main_bf16 / _fp16, normally src/sm90/dense_decode_{bf16,fp16}.cu) are
-// defined here, launching the v4 kernel (src/sm90/dense_decode_kernel_v4.cuh) compiled in this file with
+// defined here, launching the v4 kernel (src/sm90/decode/dense/wgmma_seesaw_kernel.cuh) compiled in this file with
 // FLASHMLA_TRACE. num_sm_parts is the library's rule (core::dense_decode_num_sm_parts).
 //
 // Inputs as bench/bench_dense_decode.py: bf16, d_qk 576, h_kv 1, uniform lengths s_k, q / k = randn / 10
@@ -26,8 +26,8 @@
 // Build and run on an sm_90a machine (from the repository root; tools/trace/run-dense-trace.sh does both):
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include
 //        -DFLASHMLA_WITH_CUDA=1 -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math
-//        -o /tmp/dense_trace tools/trace/dense_trace.cu src/sm90/dense_decode.cu src/sm90/scheduler.cu
-//        src/sm90/combine.cu src/core/scheduler.cpp          (one command line)
+//        -o /tmp/dense_trace tools/trace/dense_trace.cu src/sm90/decode/dense/dense_decode.cu src/sm90/common/scheduler.cu
+//        src/sm90/common/combine.cu src/core/scheduler.cpp          (one command line)
 //   /tmp/dense_trace 128 1 8 256          # b s_q h_q s_k [pbs=64] [staged=auto|0|1] [every=1]
 // With -DFLASHMLA_DV4_TRACE_CTA_ONLY as well: only the CTA-level events (no trace code in the pair loop).
 // Environment: DTRACE_REPS (timed runs, default 20), DTRACE_CTA_LINES=0 (no per-CTA lines),
@@ -52,8 +52,8 @@
 
 #include "trace_host.cuh"
 #include "core/scheduler.h"
-#include "sm90/dense_decode.h"
-#include "sm90/dense_decode_kernel_v4.cuh"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/wgmma_seesaw_kernel.cuh"
 #include "sm90/sm90.h"
 
 #ifndef FLASHMLA_TRACE
@@ -77,7 +77,7 @@ cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUte
   dtrace::last_tma = tmap != nullptr && kp.tma_ok;
   ++dtrace::launches;
   if (!dtrace::last_tma || kp.d_qk != 576) return cudaErrorNotSupported;  // this tool builds v4, d_qk 576 only
-  return dense_v4::launch_main_d<__nv_bfloat16, 576>(kp, *tmap, num_sm_parts, stream);
+  return dense_seesaw::launch_main_d<__nv_bfloat16, 576>(kp, *tmap, num_sm_parts, stream);
 }
 cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams&, const CUtensorMap*, int, int, cudaStream_t) {
   return cudaErrorNotSupported;
@@ -199,7 +199,7 @@ TensorRef tref(void* data, DType dt, std::initializer_list<int64_t> shape) {
   return t;
 }
 
-// Record layout of src/sm90/dense_decode_kernel_v4.cuh (its header comment).
+// Record layout of src/sm90/decode/dense/wgmma_seesaw_kernel.cuh (its header comment).
 constexpr int kCtaRecReqMax = 12;  // request records per CTA (role 3 records 1 .. 12)
 const char* kEvNames[3][12] = {
     {"pair top", "stage0 slab0 full", "S0 done", "Scale0 published", "P0V0_L issued", "Scale1 received",
@@ -806,7 +806,7 @@ int main(int argc, char** argv) {
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   const sm90::DenseDecodeKernelParams kp = sm90::dtrace::last_kp;
-  const int m_tiles = (kp.m_rows + sm90::dense_v4::kBlockM - 1) / sm90::dense_v4::kBlockM;
+  const int m_tiles = (kp.m_rows + sm90::dense_seesaw::kBlockM - 1) / sm90::dense_seesaw::kBlockM;
   const int n_cta = m_tiles * kp.h_kv * sm90::dtrace::last_parts;
   auto check_out = [&](const char* when) {
     std::vector<uint16_t> ho(static_cast<size_t>(b) * s_q * h_q * 512);

@@ -28,7 +28,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "sm90/utils.cuh"
+#include "sm90/common/utils.cuh"
 #include "trace_host.cuh"
 
 using namespace flashmla::sm90;

@@ -17,7 +17,7 @@ LOG="$OUT/trace-dense.txt"
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 CASES=${CASES:-"128 1 8 256;128 1 16 256;128 1 64 256;128 1 128 256;128 1 16 1024;128 1 128 1024;128 1 8 256 64 0"}
 LONG_CASES=${LONG_CASES:-"128 1 128 8192"}
-SRCS="tools/trace/dense_trace.cu src/sm90/dense_decode.cu src/sm90/scheduler.cu src/sm90/combine.cu src/core/scheduler.cpp"
+SRCS="tools/trace/dense_trace.cu src/sm90/decode/dense/dense_decode.cu src/sm90/common/scheduler.cu src/sm90/common/combine.cu src/core/scheduler.cpp"
 FLAGS="-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include -DFLASHMLA_WITH_CUDA=1
   -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math -Xptxas=--warn-on-spills"
 

@@ -23,7 +23,7 @@ echo "=== build $(date +%T) ($(git rev-parse --short HEAD 2>/dev/null || echo '?
 # shellcheck disable=SC2086  # NVCC_DEFS: a list of flags
 timeout 300 "$NVCC" ${NVCC_DEFS:-} -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include \
   -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math \
-  -Xptxas=-v,--warn-on-spills -o "$BIN" tools/trace/sparse_decode_trace.cu src/sm90/scheduler.cu src/core/scheduler.cpp \
+  -Xptxas=-v,--warn-on-spills -o "$BIN" tools/trace/sparse_decode_trace.cu src/sm90/common/scheduler.cu src/core/scheduler.cpp \
   >/tmp/trace-bin/sparse_decode_trace.log 2>&1
 rc=$?
 grep -E "error|warning|C75[0-9][0-9]" /tmp/trace-bin/sparse_decode_trace.log | tee -a "$LOG"

@@ -1,6 +1,6 @@
 // tools/trace/sparse_decode_trace.cu — event timeline of the sparse FP8 decode kernel v4 (diagnostic).
 //
-// Question it answers: do the consumer warpgroups of src/sm90/sparse_decode_kernel_v4.cuh wait for the
+// Question it answers: do the consumer warpgroups of src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh wait for the
 // producer warpgroup (its FP8 dequantization into the two K buffers), and where in the block step?
 //
 // Builds the v4 kernel with FLASHMLA_TRACE defined (the events of the header's FLASHMLA_V4_TRACE_*
@@ -9,7 +9,7 @@
 // order with -1 for the slots past a short request's length, FP8 caches in the exact V32 / MODEL1
 // byte layouts of spec §3.3 / §3.4 with FlashMLA's padded block strides, power-of-two scales 2^-7,
 // RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on, softmax scale d_qk^-0.55),
-// runs the project's device scheduler (src/sm90/scheduler.cu) with num_sm_parts from
+// runs the project's device scheduler (src/sm90/common/scheduler.cu) with num_sm_parts from
 // core::sparse_decode_num_sm_parts, picks the plain or 2-CTA cluster kernel with the library's rule
 // (sparse::v4::launch: FLASHMLA_SPARSE_DECODE_CLUSTER, head-tile pairs, clusters resident), times the
 // main kernel alone (CUDA events, an L2 flush of FLASHMLA_TRACE_FLUSH_GB GB, default 8 as the benchmark,
@@ -23,7 +23,7 @@
 // MODEL1's, 0 or unset both) and run:
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include
 //        -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math
-//        -o /tmp/sparse_decode_trace tools/trace/sparse_decode_trace.cu src/sm90/scheduler.cu src/core/scheduler.cpp
+//        -o /tmp/sparse_decode_trace tools/trace/sparse_decode_trace.cu src/sm90/common/scheduler.cu src/core/scheduler.cpp
 //   (one command line; tools/trace/run-sparse-decode-trace.sh runs it)
 //   /tmp/sparse_decode_trace v32 128            # format(v32|model1|model1c4) [b=128] [h_q=128] [every=1]
 // model1 = MODEL1 config2 (topk 128 in a page-256 cache + extra_topk 1024 in a page-64 cache);
@@ -64,8 +64,8 @@
 
 #include "trace_host.cuh"
 #include "core/scheduler.h"
-#include "sm90/sparse_decode.h"
-#include "sm90/sparse_decode_kernel_v4.cuh"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh"
 
 #ifndef FLASHMLA_TRACE
 #error "build with -DFLASHMLA_TRACE"

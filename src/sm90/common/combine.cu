@@ -1,4 +1,4 @@
-// src/sm90/combine.cu — merges the split-KV partials of dense decode (spec §4.5).
+// src/sm90/common/combine.cu — merges the split-KV partials of dense decode (spec §4.5).
 //
 // Grid (b*s_q, ceil(h_q/8), 4/J): b*s_q on x (no 65535 limit), one warp per query
 // head and slice of 128*J output dims (J float4 per lane; small grids split the 512 dims
@@ -11,9 +11,9 @@
 
 #include <cmath>
 
-#include "sm90/dense_decode.h"
+#include "sm90/decode/dense/dense_decode.h"
 #include "sm90/sm90.h"
-#include "sm90/utils.cuh"
+#include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
 

@@ -1,4 +1,4 @@
-// src/sm90/host_utils.h — host-side helpers shared by the sm90 launchers.
+// src/sm90/common/host_utils.h — host-side helpers shared by the sm90 launchers.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types (the function itself via the runtime)

@@ -1,13 +1,13 @@
-// src/sm90/scheduler.cu — device version of the split-KV tile scheduler
+// src/sm90/common/scheduler.cu — device version of the split-KV tile scheduler
 // (spec §4.2-§4.3). Runs on the op's stream so it is CUDA-graph capturable;
 // its output equals core::compute_tile_schedule (src/core/scheduler.cpp)
 // element for element.
 #include <cstdint>
 
 #include "core/tile_schedule_greedy.h"
-#include "sm90/dense_decode.h"
-#include "sm90/host_utils.h"
-#include "sm90/sparse_decode.h"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/host_utils.h"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
 
 namespace flashmla::sm90 {
 
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_kernel(const i
 // Sparse decode work of spec §4.2: s = topk_length[i] (or topk), 0 -> 1; with an
 // extra cache s = ceil64(s) + (extra_topk_length[i] or extra_topk). Negative
 // lengths (not validated on the GPU) count as 0. Must match the main kernel's
-// block count (src/sm90/sparse_decode_kernel.cuh, request_blocks).
+// block count (src/sm90/decode/sparse_fp8/mma_sync_kernel.cuh, request_blocks).
 __device__ __forceinline__ int64_t sparse_work(const int32_t* topk_length, const int32_t* extra_topk_length,
                                                int topk, int extra_topk, int64_t i) {
   int64_t s = topk_length != nullptr ? max(topk_length[i], 0) : topk;

@@ -1,4 +1,4 @@
-// src/sm90/seesaw.cuh — pieces shared by the sm90 "seesaw" kernels (spec §7.1): two
+// src/sm90/common/seesaw.cuh — pieces shared by the sm90 "seesaw" kernels (spec §7.1): two
 // consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
 // over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
 // named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill kernel
@@ -11,8 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sm90/utils.cuh"
-#include "sm90/wgmma.cuh"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
 
 namespace flashmla::sm90::seesaw {
 

@@ -1,4 +1,4 @@
-// src/sm90/dense_decode_tma.cuh — PTX wrappers for the bulk tensor copy engine (TMA)
+// src/sm90/common/tma.cuh — PTX wrappers for the bulk tensor copy engine (TMA)
 // (with the transaction-count mbarrier arrival it completes on), used by the dense-decode v4 kernel. Own namespace so
 // that other sm90 kernels can define their own helpers without clashes.
 #pragma once
@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "sm90/utils.cuh"
+#include "sm90/common/utils.cuh"
 
-namespace flashmla::sm90::dense_tma {
+namespace flashmla::sm90::tma {
 
 // The mbarrier wrappers are shared (utils.cuh).
 using flashmla::sm90::fence_barrier_init;
@@ -45,4 +45,4 @@ __device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int c0, 
                : "memory");
 }
 
-}  // namespace flashmla::sm90::dense_tma
+}  // namespace flashmla::sm90::tma

@@ -1,4 +1,4 @@
-// src/sm90/trace.cuh — optional event timeline of a kernel's roles, for diagnostics only.
+// src/sm90/common/trace.cuh — optional event timeline of a kernel's roles, for diagnostics only.
 //
 // Off by default: FLASHMLA_TRACE_EVENT(...) expands to nothing and the kernels' machine code is
 // unchanged. A diagnostic program (tools/trace/) defines FLASHMLA_TRACE before including a kernel,

@@ -1,4 +1,4 @@
-// src/sm90/utils.cuh — small PTX helpers shared by the sm90 kernels
+// src/sm90/common/utils.cuh — small PTX helpers shared by the sm90 kernels
 // (cp.async, ldmatrix, mma.sync m16n8k16, named barriers, type traits).
 #pragma once
 

@@ -1,4 +1,4 @@
-// src/sm90/wgmma.cuh — generated wrappers of the sm90a wgmma instructions used by
+// src/sm90/common/wgmma.cuh — generated wrappers of the sm90a wgmma instructions used by
 // the dense-decode v2 kernel (m64n32k16 for S = Q K^T, m64n256k16 for O += P V),
 // plus shared-memory matrix descriptors (spec: PTX ISA "Matrix Descriptor Format").
 #pragma once

@@ -29,7 +29,7 @@
 #include "core/scheduler.h"
 #include "flashmla/flashmla.h"
 #include "reference/reference.h"
-#include "sm90/dense_decode.h"
+#include "sm90/decode/dense/dense_decode.h"
 #include "sm90/sm90.h"
 
 using namespace flashmla;

@@ -1,4 +1,4 @@
-// src/sm90/dense_decode.cu — host side of the sm90 backend: device queries and
+// src/sm90/decode/dense/dense_decode.cu — host side of the sm90 backend: device queries and
 // the dense-decode entry points of src/sm90/sm90.h (scheduler -> split-KV main
 // kernel -> combine, all on the caller's stream, no synchronisation, no allocation).
 #include <cuda.h>
@@ -11,8 +11,8 @@
 #include <cstring>
 #include <string>
 
-#include "sm90/host_utils.h"
-#include "sm90/dense_decode.h"
+#include "sm90/common/host_utils.h"
+#include "sm90/decode/dense/dense_decode.h"
 #include "sm90/sm90.h"
 
 namespace flashmla::sm90 {

@@ -1,4 +1,4 @@
-// src/sm90/dense_decode.h — internal interface of the sm90 dense-decode kernels
+// src/sm90/decode/dense/dense_decode.h — internal interface of the sm90 dense-decode kernels
 // (plain parameter structs and launchers). Used by src/sm90/*.cu and by the GPU
 // tests in tests/gpu/cpp; not part of the public API.
 #pragma once

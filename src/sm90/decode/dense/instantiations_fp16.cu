@@ -1,7 +1,7 @@
 // Instantiation of the dense-decode main kernels for fp16 (compiled in parallel with the other dtype).
-#include "sm90/dense_decode_kernel.cuh"
-#include "sm90/dense_decode_kernel_v2.cuh"
-#include "sm90/dense_decode_kernel_v4.cuh"
+#include "sm90/decode/dense/mma_sync_kernel.cuh"
+#include "sm90/decode/dense/wgmma_kernel.cuh"
+#include "sm90/decode/dense/wgmma_seesaw_kernel.cuh"
 
 namespace flashmla::sm90 {
 cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
@@ -12,8 +12,8 @@ cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUte
   // map, else automatic). `version` = dense_effective_kernel_version() (explicit setting or
   // FLASHMLA_DENSE_DECODE_KERNEL).
   const bool tma = tmap != nullptr && kp.tma_ok;
-  if (tma && (version == 0 || version == 4)) return dense_v4::launch_main<__half>(kp, *tmap, num_sm_parts, stream);
-  if (version == 2 || (version != 1 && kp.m_rows > 32)) return dense_v2::launch_main<__half>(kp, num_sm_parts, stream);
-  return dense_v1::launch_main<__half>(kp, num_sm_parts, stream);
+  if (tma && (version == 0 || version == 4)) return dense_seesaw::launch_main<__half>(kp, *tmap, num_sm_parts, stream);
+  if (version == 2 || (version != 1 && kp.m_rows > 32)) return dense_wgmma::launch_main<__half>(kp, num_sm_parts, stream);
+  return dense_mma::launch_main<__half>(kp, num_sm_parts, stream);
 }
 }  // namespace flashmla::sm90

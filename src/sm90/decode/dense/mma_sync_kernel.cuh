@@ -1,4 +1,4 @@
-// src/sm90/dense_decode_kernel.cuh — split-KV dense MLA decode, version 1
+// src/sm90/decode/dense/mma_sync_kernel.cuh — split-KV dense MLA decode, version 1
 // (mma.sync m16n8k16 tensor cores, cp.async double buffering).
 //
 // One CTA = (row tile, KV head, scheduler partition). It walks the (request,
@@ -21,11 +21,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sm90/dense_decode.h"
-#include "sm90/utils.cuh"
-#include "sm90/host_utils.h"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/host_utils.h"
 
-namespace flashmla::sm90::dense_v1 {
+namespace flashmla::sm90::dense_mma {
 
 constexpr int kThreads = 256;
 constexpr int kBlockN = 64;        // tokens per K tile (= scheduler block)
@@ -404,4 +404,4 @@ cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cud
   return launch_main_r<T, 4>(kp, num_sm_parts, stream);
 }
 
-}  // namespace flashmla::sm90::dense_v1
+}  // namespace flashmla::sm90::dense_mma

@@ -1,4 +1,4 @@
-// src/sm90/dense_decode_kernel_v2.cuh — split-KV dense MLA decode, version 2:
+// src/sm90/decode/dense/wgmma_kernel.cuh — split-KV dense MLA decode, version 2:
 // 64-row tiles on wgmma (sm_90a), used when M = s_q*h_q/h_kv > 32.
 //
 // Same schedule, masking and epilogue as v1 (dense_decode_kernel.cuh); the
@@ -21,11 +21,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sm90/dense_decode.h"
-#include "sm90/utils.cuh"
-#include "sm90/wgmma.cuh"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
 
-namespace flashmla::sm90::dense_v2 {
+namespace flashmla::sm90::dense_wgmma {
 
 constexpr int kThreads = 256;
 constexpr int kBlockM = 64;
@@ -67,7 +67,7 @@ struct Mma<__half> {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(const DenseDecodeKernelParams p) {
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmma(const DenseDecodeKernelParams p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base_u;
   uint8_t* base = smem_align_1024(smem_raw, base_u);
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_v2(c
 
 template <typename T>
 cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_kernel_v2<T>;
+  auto kernel = flash_fwd_splitkv_mla_kernel_wgmma<T>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
@@ -353,4 +353,4 @@ cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cud
   return cudaGetLastError();
 }
 
-}  // namespace flashmla::sm90::dense_v2
+}  // namespace flashmla::sm90::dense_wgmma

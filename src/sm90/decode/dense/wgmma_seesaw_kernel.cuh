@@ -1,4 +1,4 @@
-// src/sm90/dense_decode_kernel_v4.cuh — split-KV dense MLA decode, version 4:
+// src/sm90/decode/dense/wgmma_seesaw_kernel.cuh — split-KV dense MLA decode, version 4:
 // FlashMLA's "seesaw" schedule (spec §7.1) on 64-row tiles, K fed by the tensor copy
 // engine. Two 64-token blocks per step, block 0 in stage 0 and block 1 in stage 1;
 // warpgroup 0 owns O[:, 0:256] (O_L), warpgroup 1 owns O[:, 256:512] (O_R), and the
@@ -36,13 +36,13 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sm90/dense_decode.h"
-#include "sm90/dense_decode_tma.cuh"
-#include "sm90/utils.cuh"
-#include "sm90/wgmma.cuh"
-#include "sm90/host_utils.h"
-#include "sm90/seesaw.cuh"
-#include "sm90/trace.cuh"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/tma.cuh"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
+#include "sm90/common/host_utils.h"
+#include "sm90/common/seesaw.cuh"
+#include "sm90/common/trace.cuh"
 
 // ---- Optional event timeline (diagnostics only: tools/trace/dense_trace.cu). Without FLASHMLA_TRACE every
 // trace macro below expands to nothing and the machine code is unchanged. Record layout of trace.cuh
@@ -98,7 +98,7 @@
 #define FLASHMLA_DV4_STEP_ONLY(...)
 #endif
 
-namespace flashmla::sm90::dense_v4 {
+namespace flashmla::sm90::dense_seesaw {
 
 constexpr int kThreads = 256;
 constexpr int kBlockM = 64;
@@ -168,7 +168,7 @@ __device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db
 // S over the slabs kSls in that order (the first one overwrites s), each after its TMA barrier.
 template <typename T, int kFirst, int... kSls>
 __device__ __forceinline__ void s_chain_seq(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
-  ((dense_tma::mbar_wait(bar0 + 8 * kSls, parity), gmma::fence(), s_step<T, kSls, 0, kFirst>(s, da0, db0)), ...);
+  ((tma::mbar_wait(bar0 + 8 * kSls, parity), gmma::fence(), s_step<T, kSls, 0, kFirst>(s, da0, db0)), ...);
 }
 // Warpgroup 0 (block 0, stage 0): slabs in order. Warpgroup 1 (block 1, stage 1): slabs in the order
 // stage 1 is reloaded — 4-7 (freed by its own P1 V1_R) before 0-3 and 8 (freed by warpgroup 0's
@@ -246,7 +246,7 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
 // host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
 template <typename T, int kD, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
-    flash_fwd_splitkv_mla_kernel_v4(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
+    flash_fwd_splitkv_mla_kernel_seesaw(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
   constexpr int kSlabs = kD / 64;
   constexpr int kChunks = kD / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -275,9 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < 18; ++i) dense_tma::mbar_init(bar_u + 8 * i, 1);
-    dense_tma::fence_barrier_init();
-    dense_tma::prefetch_tensormap(&tmap_k);
+    for (int i = 0; i < 18; ++i) tma::mbar_init(bar_u + 8 * i, 1);
+    tma::fence_barrier_init();
+    tma::prefetch_tensormap(&tmap_k);
   }
   __syncthreads();
   FLASHMLA_DV4_TRACE_CTA(0, 1);
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int min_limit = min(limit[0], limit[1]);
 
     cp_async_wait<0>();
-    if constexpr (kStaged) dense_tma::bulk_wait_read();  // the previous request's O rows have left shared memory
+    if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory
     __syncthreads();  // the previous request is done with all shared memory
     FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 1);
 
@@ -369,8 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t fbar0 = bar_u + stage * (9 * 8), fdst = sK_u + stage * kSmemK;
 #pragma unroll
         for (int s = lo; s < min(hi, kSlabs); ++s) {
-          dense_tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
-          dense_tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
+          tma::mbar_arrive_expect_tx(fbar0 + 8 * s, kSlabBytes);
+          tma::tma_load_4d(fdst + s * kSlabBytes, &tmap_k, fbar0 + 8 * s, 64 * s, kv_head, tip, pg0);
         }
         return;
       }
@@ -385,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int tip = page_row(blk * kBlockN + j * box_tok);
 #pragma unroll
         for (int s = lo; s < s_hi; ++s) {
-          if (j == 0) dense_tma::mbar_arrive_expect_tx(bar0 + 8 * s, tx);
-          dense_tma::tma_load_4d(dst + s * kSlabBytes + j * box_tok * 128, &tmap_k, bar0 + 8 * s, 64 * s, kv_head,
+          if (j == 0) tma::mbar_arrive_expect_tx(bar0 + 8 * s, tx);
+          tma::tma_load_4d(dst + s * kSlabBytes + j * box_tok * 128, &tmap_k, bar0 + 8 * s, 64 * s, kv_head,
                                  tip, pg);
         }
       }
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();  // Q in shared memory, visible to wgmma
       FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 2);
       // The first block's slab 0 (tid 0's next wait is S0's wait on it: nothing moves).
-      FLASHMLA_TRACE_ONLY(if (FLASHMLA_TRACE_ACTIVE() && tid == 0) dense_tma::mbar_wait(bar_u, phase);)
+      FLASHMLA_TRACE_ONLY(if (FLASHMLA_TRACE_ACTIVE() && tid == 0) tma::mbar_wait(bar_u, phase);)
       FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 3);
     }
 
@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
         // S0 over stage 0, each slab after its TMA barrier; the next pair's page ids read while it runs.
         FLASHMLA_DV4_TRACE_STEP(0, 0, t_wg == 0);
-        FLASHMLA_DV4_STEP_ONLY(if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) dense_tma::mbar_wait(bar_u, phase);)
+        FLASHMLA_DV4_STEP_ONLY(if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) tma::mbar_wait(bar_u, phase);)
         FLASHMLA_DV4_TRACE_STEP(0, 1, t_wg == 0);
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -586,7 +586,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMLA_DV4_TRACE_STEP(1, 0, t_wg == 0);
         if (has1) {
           FLASHMLA_DV4_STEP_ONLY(
-              if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) dense_tma::mbar_wait(bar_u + 9 * 8 + 4 * 8, phase);)
+              if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) tma::mbar_wait(bar_u + 9 * 8 + 4 * 8, phase);)
           FLASHMLA_DV4_TRACE_STEP(1, 1, t_wg == 0);
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = 0.f;
@@ -756,9 +756,9 @@ __global__ void __launch_bounds__(kThreads, 1)
                 const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
                 dst = p.o_accum + arow * kDimV + wg * 256;
               }
-              dense_tma::bulk_store(dst, sK_u + wg * kSmemK + rr * rstride, no_split ? 512u : 1024u);
+              tma::bulk_store(dst, sK_u + wg * kSmemK + rr * rstride, no_split ? 512u : 1024u);
             }
-            dense_tma::bulk_commit();
+            tma::bulk_commit();
           }
         } else {
 #pragma unroll 1
@@ -841,7 +841,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       ++dtrace_req;
     })
   }
-  if constexpr (kStaged) dense_tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
+  if constexpr (kStaged) tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
   FLASHMLA_DV4_TRACE_CTA(0, 3);
   FLASHMLA_TRACE_ONLY({
     FLASHMLA_DV4_TRACE_VAL(0, 1, begin_req);
@@ -856,8 +856,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 template <typename T, int kD>
 cudaError_t launch_main_d(const DenseDecodeKernelParams& kp, const CUtensorMap& tmap, int num_sm_parts,
                           cudaStream_t stream) {
-  auto kernel = kp.staged_epilogue ? flash_fwd_splitkv_mla_kernel_v4<T, kD, true>
-                                   : flash_fwd_splitkv_mla_kernel_v4<T, kD, false>;
+  auto kernel = kp.staged_epilogue ? flash_fwd_splitkv_mla_kernel_seesaw<T, kD, true>
+                                   : flash_fwd_splitkv_mla_kernel_seesaw<T, kD, false>;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
@@ -873,7 +873,7 @@ cudaError_t launch_main(const DenseDecodeKernelParams& kp, const CUtensorMap& tm
   return launch_main_d<T, 576>(kp, tmap, num_sm_parts, stream);
 }
 
-}  // namespace flashmla::sm90::dense_v4
+}  // namespace flashmla::sm90::dense_seesaw
 
 #undef FLASHMLA_DV4_TRACE_CTA
 #undef FLASHMLA_DV4_TRACE_VAL

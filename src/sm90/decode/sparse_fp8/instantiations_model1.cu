@@ -1,7 +1,7 @@
-// src/sm90/sparse_decode_model1.cu — instantiations of the sparse FP8 decode kernel
+// src/sm90/decode/sparse_fp8/instantiations_model1.cu — instantiations of the sparse FP8 decode kernel
 // for the MODEL1 format (d_qk 512, per-page-block data + scale records).
-#include "sm90/sparse_decode_kernel_v2.cuh"
-#include "sm90/sparse_decode_kernel_v4.cuh"
+#include "sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh"
+#include "sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh"
 
 namespace flashmla::sm90 {
 

@@ -1,8 +1,8 @@
-// src/sm90/sparse_decode_v32.cu — instantiations of the sparse FP8 decode kernel
+// src/sm90/decode/sparse_fp8/instantiations_v32.cu — instantiations of the sparse FP8 decode kernel
 // for the V32 format (d_qk 576, 656 bytes/token). One file per format so the
 // two compile in parallel.
-#include "sm90/sparse_decode_kernel_v2.cuh"
-#include "sm90/sparse_decode_kernel_v4.cuh"
+#include "sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh"
+#include "sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh"
 
 namespace flashmla::sm90 {
 

@@ -1,4 +1,4 @@
-// src/sm90/sparse_decode_kernel_v2.cuh — sparse FP8 MLA decode v2: warp-specialised
+// src/sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh — sparse FP8 MLA decode v2: warp-specialised
 // (producer warpgroup gathers + dequantizes, two consumer warpgroups run v1's MMA core).
 //
 // 384 threads. Warps 0-7 (consumers, 256 threads) are v1's compute: R row groups of
@@ -16,13 +16,13 @@
 // Only for 16-byte aligned caches (v1 keeps the byte-copy path).
 #pragma once
 
-#include "sm90/sparse_decode_kernel.cuh"
-#include "sm90/host_utils.h"
-#include "sm90/seesaw.cuh"
+#include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
+#include "sm90/common/host_utils.h"
+#include "sm90/common/seesaw.cuh"
 
 namespace flashmla::sm90::sparse {
 
-namespace ws {
+namespace small_heads {
 
 constexpr int kThreads = 384;
 constexpr int kConsumers = 256;
@@ -52,13 +52,13 @@ struct Cfg2 {
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
-}  // namespace ws
+}  // namespace small_heads
 
 template <Fmt F, int R>
-__global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_ws(const SparseDecodeKernelParams p) {
+__global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads(const SparseDecodeKernelParams p) {
   using FC = FmtCfg<F>;
   using CF = Cfg<R, 1>;
-  using C2 = ws::Cfg2<R>;
+  using C2 = small_heads::Cfg2<R>;
   constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
   constexpr int D_QK = FC::kDQK;
   constexpr int N_CHUNKS = D_QK / 8;  // 16-byte chunks of a bf16 row
@@ -90,8 +90,8 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
   if (tid == 0) {
     mbar_init(bar_full, 128);
     mbar_init(bar_full + 8, 128);
-    mbar_init(bar_empty, ws::kConsumers);
-    mbar_init(bar_empty + 8, ws::kConsumers);
+    mbar_init(bar_empty, small_heads::kConsumers);
+    mbar_init(bar_empty + 8, small_heads::kConsumers);
     fence_barrier_init();
   }
   __syncthreads();
@@ -114,10 +114,10 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
     return r;
   };
 
-  if (tid >= ws::kConsumers) {
+  if (tid >= small_heads::kConsumers) {
     // ======================= producer warpgroup =======================
-    if constexpr (R > 1) seesaw::setmaxnreg_dec<ws::kProdRegs>();  // 16-row tiles fit the launch's 168
-    const int ptid = tid - ws::kConsumers;
+    if constexpr (R > 1) seesaw::setmaxnreg_dec<small_heads::kProdRegs>();  // 16-row tiles fit the launch's 168
+    const int ptid = tid - small_heads::kConsumers;
     const int tok = ptid >> 1, hf = ptid & 1;
     int kc = 0;  // blocks produced so far (buffer kc & 1, phase (kc >> 1) & 1)
     for (int req = begin_req; req <= end_req; ++req) {
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
   }
 
   // ======================= consumer warpgroups (v1's compute) =======================
-  if constexpr (R > 1) seesaw::setmaxnreg_inc<ws::kConsRegs>();
+  if constexpr (R > 1) seesaw::setmaxnreg_inc<small_heads::kConsRegs>();
   const int warp = tid / 32, lane = tid % 32;
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
@@ -234,9 +234,9 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
     const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
 
     if (n_blk > 0) {
-      named_barrier_sync(ws::kBarConsumers, ws::kConsumers);  // every consumer is done with sQ
+      named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // every consumer is done with sQ
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < BM * N_CHUNKS; id += ws::kConsumers) {
+      for (int id = tid; id < BM * N_CHUNKS; id += small_heads::kConsumers) {
         const int r = id / N_CHUNKS, c = id % N_CHUNKS;
         const int h = ht * BM + r;
         const bool valid = h < p.h_q;
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
       }
       cp_async_commit();
       cp_async_wait<0>();
-      named_barrier_sync(ws::kBarConsumers, ws::kConsumers);  // Q visible to all consumers
+      named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // Q visible to all consumers
     }
 
     float o[NT_O][4];
@@ -459,23 +459,23 @@ __global__ void __launch_bounds__(ws::kThreads, 1) flash_fwd_splitkv_mla_fp8_spa
 
 template <Fmt F, int R>
 cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  constexpr int smem = ws::Cfg2<R>::kSmemBytes;
-  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_ws<F, R>;
+  constexpr int smem = small_heads::Cfg2<R>::kSmemBytes;
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads<F, R>;
   if constexpr (R > 1) {
     // The setmaxnreg split needs the CTA pool of the launch (registers of the compiled kernel x
     // 384) to cover it; with fewer registers setmaxnreg.inc would wait forever. Refuse instead.
     static const int regs = [] {
       cudaFuncAttributes a{};
-      return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_ws<F, R>) == cudaSuccess ? a.numRegs
+      return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads<F, R>) == cudaSuccess ? a.numRegs
                                                                                                        : 0;
     }();
-    if (regs * ws::kThreads < 128 * ws::kProdRegs + ws::kConsumers * ws::kConsRegs) return cudaErrorInvalidConfiguration;
+    if (regs * small_heads::kThreads < 128 * small_heads::kProdRegs + small_heads::kConsumers * small_heads::kConsRegs) return cudaErrorInvalidConfiguration;
   }
   cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
-  kernel<<<grid, ws::kThreads, smem, stream>>>(kp);
+  kernel<<<grid, small_heads::kThreads, smem, stream>>>(kp);
   return cudaGetLastError();
 }
 

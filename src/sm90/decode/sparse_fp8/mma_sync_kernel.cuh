@@ -1,4 +1,4 @@
-// src/sm90/sparse_decode_kernel.cuh — split-KV sparse (top-k) FP8 MLA decode
+// src/sm90/decode/sparse_fp8/mma_sync_kernel.cuh — split-KV sparse (top-k) FP8 MLA decode
 // (spec §2.3, §3.2-§3.4, §4.4), mma.sync m16n8k16 tensor cores.
 //
 // One CTA = (query token sq, head tile of BM = 16/32/64 heads, scheduler
@@ -30,9 +30,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sm90/sparse_decode.h"
-#include "sm90/utils.cuh"
-#include "sm90/host_utils.h"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/host_utils.h"
 
 namespace flashmla::sm90::sparse {
 
@@ -129,7 +129,7 @@ __device__ __forceinline__ uint16_t e8m0_to_bf16_bits(uint32_t e) {
 }
 
 /// Blocks of request `req` (spec §4.2 / §4.4): main blocks first, then extra blocks.
-/// Must match sparse_work() in src/sm90/scheduler.cu.
+/// Must match sparse_work() in src/sm90/common/scheduler.cu.
 __device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p, int req, int& n_main,
                                                int& n_total) {
   int64_t s = p.main.topk_length != nullptr ? max(p.main.topk_length[req], 0) : p.main.topk;

@@ -1,4 +1,4 @@
-// src/sm90/sparse_decode.cu — host side of sm90 sparse FP8 decode (spec §2.3):
+// src/sm90/decode/sparse_fp8/sparse_decode.cu — host side of sm90 sparse FP8 decode (spec §2.3):
 // device scheduler (unless metadata_ready) -> split-KV kernel
 // (`flash_fwd_splitkv_mla_fp8_sparse_kernel`, sparse_decode_kernel.cuh) -> combine
 // (`flash_fwd_mla_combine_kernel`, below, with the attention sink), all on the
@@ -18,10 +18,10 @@
 #include <type_traits>
 
 #include "core/tile_schedule_greedy.h"
-#include "sm90/host_utils.h"
+#include "sm90/common/host_utils.h"
 #include "sm90/sm90.h"
-#include "sm90/sparse_decode.h"
-#include "sm90/utils.cuh"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
 

@@ -1,4 +1,4 @@
-// src/sm90/sparse_decode.h — internal interface of the sm90 sparse FP8 decode
+// src/sm90/decode/sparse_fp8/sparse_decode.h — internal interface of the sm90 sparse FP8 decode
 // kernels (plain parameter structs and launchers). Not part of the public API.
 #pragma once
 

@@ -1,4 +1,4 @@
-// src/sm90/sparse_decode_kernel_v4.cuh — sparse FP8 MLA decode v4 for 64-row head tiles (h_q > 32):
+// src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh — sparse FP8 MLA decode v4 for 64-row head tiles (h_q > 32):
 // one 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1
 // while the consumers work on block g (session 4's v3 ran the prefill's seesaw over block pairs,
 // which keeps both buffers busy in every step; bench/NOTES.md "sparse FP8 decode v4").
@@ -36,11 +36,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sm90/host_utils.h"
-#include "sm90/seesaw.cuh"
-#include "sm90/sparse_decode_kernel.cuh"
-#include "sm90/trace.cuh"
-#include "sm90/wgmma.cuh"
+#include "sm90/common/host_utils.h"
+#include "sm90/common/seesaw.cuh"
+#include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
+#include "sm90/common/trace.cuh"
+#include "sm90/common/wgmma.cuh"
 
 // ---- Optional event timeline (diagnostics only: tools/trace/sparse_decode_trace.cu). Without
 // FLASHMLA_TRACE every FLASHMLA_V4_TRACE_* below expands to nothing and the machine code is unchanged.

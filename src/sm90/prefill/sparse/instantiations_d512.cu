@@ -1,15 +1,15 @@
-// src/sm90/sparse_prefill_512.cu — instantiations of the sparse prefill kernels for
+// src/sm90/prefill/sparse/instantiations_d512.cu — instantiations of the sparse prefill kernels for
 // d_qk 512 (MODEL1). One file per head dim so the two compile in parallel.
-#include "sm90/sparse_prefill_kernel.cuh"
-#include "sm90/sparse_prefill_kernel_v2.cuh"
+#include "sm90/prefill/sparse/mma_sync_kernel.cuh"
+#include "sm90/prefill/sparse/wgmma_seesaw_kernel.cuh"
 
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_prefill_v3w_512(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
-  return sparse_prefill::ss::launch<512>(kp, stream);
+  return sparse_prefill::wgmma_seesaw::launch<512>(kp, stream);
 }
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {
-  return sparse_prefill::ms::launch<512>(kp, bm, stream);
+  return sparse_prefill::mma_sync::launch<512>(kp, bm, stream);
 }
 
 }  // namespace flashmla::sm90

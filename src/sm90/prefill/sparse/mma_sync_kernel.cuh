@@ -1,4 +1,4 @@
-// src/sm90/sparse_prefill_kernel.cuh — sparse MLA prefill, `flash_mla_sparse_fwd`
+// src/sm90/prefill/sparse/mma_sync_kernel.cuh — sparse MLA prefill, `flash_mla_sparse_fwd`
 // (spec §1.4, §2.4, §7.3), bf16 KV rows gathered by index.
 //
 // One CTA = (query token s, head tile of BM rows); grid x = s_q * head_tiles (no
@@ -31,10 +31,10 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sm90/sparse_prefill.h"
-#include "sm90/utils.cuh"
-#include "sm90/wgmma.cuh"
-#include "sm90/host_utils.h"
+#include "sm90/prefill/sparse/sparse_prefill.h"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
+#include "sm90/common/host_utils.h"
 
 namespace flashmla::sm90::sparse_prefill {
 
@@ -73,7 +73,7 @@ __device__ __forceinline__ float sink_factor(const SparsePrefillKernelParams& p,
 // =====================================================================================
 // mma.sync kernel (16/32/64-row head tiles)
 // =====================================================================================
-namespace ms {
+namespace mma_sync {
 
 constexpr int kRowBytes = 1152;  // smem bytes per Q/K row (576 bf16), also for d_qk 512
 
@@ -388,6 +388,6 @@ cudaError_t launch(const SparsePrefillKernelParams& kp, int bm, cudaStream_t str
   return launch_r<kD, 4>(kp, stream);
 }
 
-}  // namespace ms
+}  // namespace mma_sync
 
 }  // namespace flashmla::sm90::sparse_prefill

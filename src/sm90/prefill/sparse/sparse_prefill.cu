@@ -1,4 +1,4 @@
-// src/sm90/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
+// src/sm90/prefill/sparse/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
 // spec §1.4, §2.4): one kernel launch on the caller's stream, no workspace, no
 // synchronisation, no allocation. Kernels: sparse_prefill_kernel.cuh (mma.sync, h_q <= 32) and
 // sparse_prefill_kernel_v2.cuh (v3w, 64-row head tiles).
@@ -9,9 +9,9 @@
 #include <cstring>
 #include <string>
 
-#include "sm90/host_utils.h"
+#include "sm90/common/host_utils.h"
 #include "sm90/sm90.h"
-#include "sm90/sparse_prefill.h"
+#include "sm90/prefill/sparse/sparse_prefill.h"
 
 namespace flashmla::sm90 {
 

@@ -1,4 +1,4 @@
-// src/sm90/sparse_prefill.h — internal interface of the sm90 sparse MLA prefill
+// src/sm90/prefill/sparse/sparse_prefill.h — internal interface of the sm90 sparse MLA prefill
 // kernels (`flash_mla_sparse_fwd`, spec §1.4, §2.4): plain parameter struct and
 // launchers. Not part of the public API.
 #pragma once

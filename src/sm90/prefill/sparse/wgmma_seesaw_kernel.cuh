@@ -1,4 +1,4 @@
-// src/sm90/sparse_prefill_kernel_v2.cuh — sparse MLA prefill "v3w" for 64-row head tiles:
+// src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh — sparse MLA prefill "v3w" for 64-row head tiles:
 // dense-decode v4's "seesaw" schedule (spec §7.1, §7.3) fed by a producer warpgroup's cp.async gather.
 //
 // Same semantics as v1 (sparse_prefill_kernel.cuh: slot validity, zero-filled invalid rows
@@ -16,7 +16,7 @@
 // P1 V1_L), and announces P1 only after issuing P0 V0_R, so P0 V0_R (whose slabs WG0's next S0
 // waits for) goes first. The running max moves lazily (seesaw::lazy_max), so most rescales are
 // skipped; max_logits comes from the true row max (m_true).
-// Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/sparse_prefill.cu): a third,
+// Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/prefill/sparse/sparse_prefill.cu): a third,
 // producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384 threads, setmaxnreg
 // 232 for the two consumer warpgroups and 40 for the producer. Each stage is split in two parts,
 // each completing on its own mbarrier (count 256: 128 cp.async.mbarrier.arrive.noinc arrivals for
@@ -50,13 +50,13 @@
 #include <cstring>
 #include <type_traits>
 
-#include "sm90/sparse_prefill.h"
-#include "sm90/sparse_prefill_kernel.cuh"
-#include "sm90/utils.cuh"
-#include "sm90/wgmma.cuh"
-#include "sm90/host_utils.h"
-#include "sm90/seesaw.cuh"
-#include "sm90/trace.cuh"
+#include "sm90/prefill/sparse/sparse_prefill.h"
+#include "sm90/prefill/sparse/mma_sync_kernel.cuh"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
+#include "sm90/common/host_utils.h"
+#include "sm90/common/seesaw.cuh"
+#include "sm90/common/trace.cuh"
 
 namespace flashmla::sm90::sparse_prefill::ss {
 
