@@ -1,7 +1,6 @@
-"""Problems found by an adversarial review (each test asserts the CORRECT behaviour and fails today).
-
-Severity in each docstring. Tests that need PyTorch skip without it (run them with a Python that has
-torch, e.g. `/tmp/vt/bin/python -m pytest tests/python/test_breaker_findings.py`).
+"""Inputs from two frameworks in one call, and argument errors that must name the argument:
+non-tensor or wrongly typed lengths, a missing or NaN scale, float64 q, a scheduler object reused with
+topk_length added. Tests that need PyTorch skip without it.
 """
 
 import math
@@ -40,7 +39,7 @@ def _prefill_np():
 # --- 1. Mixed frameworks: NumPy q + a torch tensor elsewhere -------------------------------------------------------
 
 def test_numpy_bf16_q_with_torch_cache_dense_decode():
-    """MEDIUM. README: 'any DLPack tensor works ... Results come back in the framework of q'. With a NumPy
+    """README: 'any DLPack tensor works ... Results come back in the framework of q'. With a NumPy
     (ml_dtypes bf16) q and a torch k_cache, the call computes and then dies in _ffi.from_ffi with
     `RuntimeError: Unsupported dtype in DLTensor` (the result is a torch bf16 tensor; str(dtype) is
     'torch.bfloat16', so the NumPy bf16 branch is skipped and np.from_dlpack rejects bf16)."""
@@ -55,7 +54,7 @@ def test_numpy_bf16_q_with_torch_cache_dense_decode():
 
 
 def test_numpy_bf16_q_with_torch_kv_sparse_prefill():
-    """MEDIUM. Same as above for flash_mla_sparse_fwd (NumPy q, torch kv)."""
+    """Same as above for flash_mla_sparse_fwd (NumPy q, torch kv)."""
     torch = pytest.importorskip("torch")
     q, kv, idx = _prefill_np()
     ref = flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5)
@@ -67,7 +66,7 @@ def test_numpy_bf16_q_with_torch_kv_sparse_prefill():
 # --- 2. Wrong-dtype length tensors: the error does not name the argument -----------------------------------------
 
 def test_bf16_cache_seqlens_numpy_error_names_argument():
-    """LOW. A bf16 cache_seqlens (NumPy/ml_dtypes) raises `BufferError: DLPack only supports ...` from
+    """A bf16 cache_seqlens (NumPy/ml_dtypes) raises `BufferError: DLPack only supports ...` from
     _host_copy (run before validation) instead of a TypeError naming cache_seqlens."""
     q, kc, bt, sl = _dense_np()
     with pytest.raises(TypeError, match="cache_seqlens"):
@@ -75,7 +74,7 @@ def test_bf16_cache_seqlens_numpy_error_names_argument():
 
 
 def test_bf16_cache_seqlens_torch_error_names_argument():
-    """LOW. A torch bf16 cache_seqlens raises `TypeError: Got unsupported ScalarType BFloat16` (from
+    """A torch bf16 cache_seqlens raises `TypeError: Got unsupported ScalarType BFloat16` (from
     tensor.numpy() in _host_copy), which does not name the argument. Same for topk_length."""
     torch = pytest.importorskip("torch")
     q, kc, bt, sl = _dense_np()
@@ -86,7 +85,7 @@ def test_bf16_cache_seqlens_torch_error_names_argument():
 # --- 3. Non-tensor arguments: the error does not name the argument -----------------------------------------------
 
 def test_python_list_cache_seqlens_error_names_argument():
-    """LOW. cache_seqlens=[10] raises tvm_ffi's `TypeError: Expect from_dlpack to take either a compatible
+    """cache_seqlens=[10] raises tvm_ffi's `TypeError: Expect from_dlpack to take either a compatible
     tensor or PyCapsule` — no argument name (same for attn_sink=[...], topk_length=[...])."""
     q, kc, bt, _ = _dense_np()
     with pytest.raises(TypeError, match="cache_seqlens"):
@@ -94,7 +93,7 @@ def test_python_list_cache_seqlens_error_names_argument():
 
 
 def test_prefill_sm_scale_none_error_names_argument():
-    """LOW. flash_mla_sparse_fwd(q, kv, idx, None) raises `TypeError: float() argument must be ... not
+    """flash_mla_sparse_fwd(q, kv, idx, None) raises `TypeError: float() argument must be ... not
     'NoneType'` without naming sm_scale."""
     q, kv, idx = _prefill_np()
     with pytest.raises(TypeError, match="sm_scale"):
@@ -104,7 +103,7 @@ def test_prefill_sm_scale_none_error_names_argument():
 # --- 4. Unsupported dtypes are reported as raw DLPack codes -------------------------------------------------------
 
 def test_float64_q_error_says_float64_and_what_is_expected():
-    """LOW (UX). README: errors name 'what was expected and what was given'. float64 q gives
+    """README: errors name 'what was expected and what was given'. float64 q gives
     `q: unsupported dtype (DLPack code 2, 64 bits, 1 lanes)`: neither 'float64' nor the expected dtypes."""
     q, kc, bt, sl = _dense_np()
     with pytest.raises(TypeError) as ei:
@@ -116,7 +115,7 @@ def test_float64_q_error_says_float64_and_what_is_expected():
 # --- 5. Non-finite softmax scale: silent 'empty' result ---------------------------------------------------------
 
 def test_nan_softmax_scale_is_rejected_dense():
-    """LOW. softmax_scale=nan silently returns out = 0 and lse = +inf for every row (indistinguishable
+    """softmax_scale=nan silently returns out = 0 and lse = +inf for every row (indistinguishable
     from 'no valid key'); softmax_scale=inf returns NaN. A non-finite scale should be a ValueError."""
     q, kc, bt, sl = _dense_np()
     with pytest.raises(ValueError, match="softmax_scale"):
@@ -124,7 +123,7 @@ def test_nan_softmax_scale_is_rejected_dense():
 
 
 def test_nan_sm_scale_is_rejected_prefill():
-    """LOW. sm_scale=nan in flash_mla_sparse_fwd silently gives out 0, lse +inf, max_logits -inf."""
+    """sm_scale=nan in flash_mla_sparse_fwd silently gives out 0, lse +inf, max_logits -inf."""
     q, kv, idx = _prefill_np()
     with pytest.raises(ValueError, match="sm_scale"):
         flash_mla.flash_mla_sparse_fwd(q, kv, idx, math.nan)
@@ -133,7 +132,7 @@ def test_nan_sm_scale_is_rejected_prefill():
 # --- 6. Scheduler reuse: adding topk_length is not detected -----------------------------------------------------
 
 def test_sched_reuse_adding_topk_length_is_detected():
-    """LOW. README: a FlashMLASchedMeta may be reused only with the same lengths; on the CPU a change
+    """README: a FlashMLASchedMeta may be reused only with the same lengths; on the CPU a change
     raises SchedMetaMismatchError. Reusing an object computed without topk_length for a call with
     topk_length (i.e. different work per request) is silently accepted (only value changes are compared,
     and None is skipped). On the GPU backend that would be a stale split schedule."""

@@ -1,9 +1,8 @@
-"""Second adversarial review (issue 5: torch.ops.flash_mla, JAX custom calls, error parity, scheduler reuse).
-
-Each test asserts the behaviour the README / spec promise; the ones marked DEFECT failed before the fix
-that came with them. The rest re-run the CPU-checkable regressions (shared/regressions.md) through the
-torch.ops path and the JAX-jit path, bit-compared with the NumPy (TVM-FFI) path. CPU only; tests skip
-cleanly without torch / jax / jax_tvm_ffi (or without the op library).
+"""The torch.ops.flash_mla and JAX custom-call ways in against the NumPy (TVM-FFI) one: the same error
+class and message for bad input (eager and under jax.jit), outputs that never require grad, opcheck,
+scheduler objects shared across frameworks, jax.vmap, and FlashMLA's known regressions re-run through
+torch.ops and jax.jit, bit-compared with the NumPy path. CPU only; tests skip cleanly without torch / jax /
+jax_tvm_ffi (or without the op library).
 """
 
 import warnings
@@ -103,7 +102,7 @@ def _run_jit(fn, arrays, rest):
 
 
 # ----------------------------------------------------------------------------- 1. JAX error classes
-# DEFECT (HIGH). README: "Errors raised by the public functions are the same classes and messages on both
+# README: "Errors raised by the public functions are the same classes and messages on both
 # paths"; with JAX arrays every shape/dtype error of the core came out as
 # `jax.errors.JaxRuntimeError: INTERNAL: <message>` (a RuntimeError), eager and under jax.jit, and a few
 # Python-side pre-checks of _jax.py had their own messages (b = 0, h_kv = 0, h_q % h_kv).
@@ -150,8 +149,8 @@ def test_dense_errors_same_on_jax_eager_and_jit(rng, name):
 
 @pytest.mark.parametrize("name", ["q float32", "cache_seqlens bool", "cache_seqlens uint32", "h_kv = 3"])
 def test_dense_errors_same_on_torch_ops(rng, name):
-    """DEFECT (LOW) for the dtype names: the torch op library said `UInt32` where TVM-FFI says `uint32`,
-    and TVM-FFI said `bool8` where torch says `bool`."""
+    """The same messages on torch.ops, dtype names included (the torch op library once said `UInt32`
+    where TVM-FFI says `uint32`, and TVM-FFI `bool8` where torch says `bool`)."""
     _torch()
     d, kw = _dense_variant(rng, name)
     want = outcome(lambda: dense(d["q"], d["kc"], d["bt"], d["sl"], **kw))
@@ -227,7 +226,7 @@ def test_sparse_prefill_errors_same_on_jax_eager_and_jit(rng, name):
 
 
 def test_jax_value_errors_eager_same_class_jit_names_class(rng):
-    """DEFECT (MEDIUM). Value errors (negative lengths, pages out of range) are found when the call runs.
+    """Value errors (negative lengths, pages out of range) are found when the call runs.
     Eager they now raise the NumPy path's class and message (before: 'INTERNAL: ...' text, class varying);
     under jax.jit they can only surface as XLA's runtime error, whose message names the class."""
     jax = _jax()
@@ -243,7 +242,7 @@ def test_jax_value_errors_eager_same_class_jit_names_class(rng):
 
 # ----------------------------------------------------------------------------- 2. autograd
 def test_torch_outputs_do_not_require_grad(rng):
-    """DEFECT (MEDIUM). With q.requires_grad, torch.ops outputs had requires_grad=True and a grad_fn; a
+    """With q.requires_grad, torch.ops outputs had requires_grad=True and a grad_fn; a
     backward through them only warned ('autograd kernel was not registered ... silently incorrect') and
     left q.grad None, i.e. silently no gradient. The TVM-FFI path (FLASHMLA_DISABLE_TORCH_OPS=1) returned
     non-differentiable outputs, as FlashMLA's ops do. Now the public functions agree on every path: outputs
@@ -283,7 +282,7 @@ def test_torch_opcheck_with_requires_grad_and_strided_inputs(rng):
 
 # ----------------------------------------------------------------------------- 3. FlashMLASchedMeta across paths
 def test_sched_meta_reused_from_numpy_to_torch(rng):
-    """DEFECT (MEDIUM). A FlashMLASchedMeta filled by a NumPy call and reused by a torch call (same shapes,
+    """A FlashMLASchedMeta filled by a NumPy call and reused by a torch call (same shapes,
     same lengths: legal per spec §1.2) crashed with torch's 'Expected a value of type Optional[Tensor] ...
     found type ndarray' RuntimeError."""
     torch = _torch()
@@ -300,7 +299,7 @@ def test_sched_meta_reused_from_numpy_to_torch(rng):
 
 
 def test_sched_meta_first_filled_by_jax_still_checks_cpu_lengths(rng):
-    """DEFECT (LOW). A FlashMLASchedMeta first used by a JAX call (which cannot read lengths) never checked
+    """A FlashMLASchedMeta first used by a JAX call (which cannot read lengths) never checked
     lengths again: reused on the CPU through NumPy with changed cache_seqlens it was silently accepted
     (README: 'for lengths on the CPU, a changed value raises SchedMetaMismatchError')."""
     _jax()
@@ -314,7 +313,7 @@ def test_sched_meta_first_filled_by_jax_still_checks_cpu_lengths(rng):
 
 # ----------------------------------------------------------------------------- 4. jax.vmap
 def test_jax_vmap_dense_decode_and_prefill(rng):
-    """DEFECT (LOW). jax.vmap of a call failed with JAX's generic 'vmap is only supported for the ffi_call
+    """jax.vmap of a call failed with JAX's generic 'vmap is only supported for the ffi_call
     primitive when vmap_method is ...' NotImplementedError. The calls are now mapped sequentially."""
     jax = _jax()
     d = _dense_np(rng)
@@ -405,7 +404,7 @@ def test_sparse_regressions_through_torch_ops_and_jax_jit(rng, path):
 
 # ----------------------------------------------------------------------------- 6. mixed frameworks with a JAX q
 def test_jax_q_with_torch_cache(rng):
-    """DEFECT (MEDIUM). README: arguments that mix frameworks take the DLPack (TVM-FFI) path and results
+    """README: arguments that mix frameworks take the DLPack (TVM-FFI) path and results
     come back in q's framework. A concrete JAX q with torch k_cache / block_table / cache_seqlens was sent
     to the XLA custom call and failed inside JAX with an error about the torch value not being a JAX type
     (torch q with a JAX cache worked). Now a concrete mixed call takes the DLPack path; inside jax.jit a
@@ -433,7 +432,7 @@ def test_jax_q_with_torch_cache(rng):
 # ----------------------------------------------------------------------------- 7. scalar arguments
 @pytest.mark.parametrize("fw", ["numpy", "torch", "jax"])
 def test_bad_scalar_arguments_name_the_argument(rng, fw):
-    """DEFECT (LOW). head_dim_v=None / softmax_scale='x' / d_v=None raised bare `int() argument must be ...`
+    """head_dim_v=None / softmax_scale='x' / d_v=None raised bare `int() argument must be ...`
     / `could not convert string to float` errors that do not name the argument."""
     conv = {"numpy": lambda x: x, "torch": lambda x: (_torch(), T(x))[1], "jax": lambda x: (_jax(), J(x))[1]}[fw]
     d = {k: conv(v) for k, v in _dense_np(rng).items()}
@@ -447,7 +446,7 @@ def test_bad_scalar_arguments_name_the_argument(rng, fw):
 
 
 def test_jax_call_with_numpy_int64_lengths_is_rejected(rng):
-    """DEFECT (LOW). With a JAX q, NumPy int64 block_table / cache_seqlens were silently narrowed to int32 by
+    """With a JAX q, NumPy int64 block_table / cache_seqlens were silently narrowed to int32 by
     JAX (x64 off), where every other path raises TypeError (values >= 2^31 would wrap to other pages)."""
     jax = _jax()
     d = _dense_np(rng)
