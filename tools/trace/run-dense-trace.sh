@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build tools/trace/dense_trace.cu twice (CTA + pair events; CTA events only, -DFLASHMLA_DV4_TRACE_CTA_ONLY:
+# Build tools/trace/dense_trace.cu twice (CTA + pair events; CTA events only, -DFLASHMLA_DENSE_TRACE_CTA_ONLY:
 # fewer trace instructions in the pair loop) and run it on the dense-decode whole-call shapes where v4 is
 # 0.72-0.83x of FlashMLA (b 128, s_q 1, s_k 256 / 1024) and on one compute-bound shape (b 128, h_q 128,
 # s_k 8192: the pair loop's per-role step times). On an sm_90a machine, from anywhere in the repository:
@@ -38,7 +38,7 @@ build() {  # name extra-flags
   fi
 }
 build dense_trace "" &
-build dense_trace_cta "-DFLASHMLA_DV4_TRACE_CTA_ONLY" &
+build dense_trace_cta "-DFLASHMLA_DENSE_TRACE_CTA_ONLY" &
 wait
 
 SUMMARY='^(case|time \(|traced run|time base|  entry \(|  exit \(|  request compute|  epilogue \(start|  => )|ALL NaN|NO,'

@@ -11,7 +11,7 @@
 // RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on, softmax scale d_qk^-0.55),
 // runs the project's device scheduler (src/sm90/common/scheduler.cu) with num_sm_parts from
 // core::sparse_decode_num_sm_parts, picks the plain or 2-CTA cluster kernel with the library's rule
-// (sparse::v4::launch: FLASHMLA_SPARSE_DECODE_CLUSTER, head-tile pairs, clusters resident), times the
+// (sparse::v4::launch: head-tile pairs, clusters resident; FLASHMLA_TRACE_CLUSTER=0|1 forces one), times the
 // main kernel alone (CUDA events, an L2 flush of FLASHMLA_TRACE_FLUSH_GB GB, default 8 as the benchmark,
 // before every run), then runs it once more with the trace buffer set and prints, per role, the median
 // cycles between the events of a block step over the traced CTAs' inner steps, the fraction of each
@@ -27,8 +27,9 @@
 //   (one command line; tools/trace/run-sparse-decode-trace.sh runs it)
 //   /tmp/sparse_decode_trace v32 128            # format(v32|model1|model1c4) [b=128] [h_q=128] [every=1]
 // model1 = MODEL1 config2 (topk 128 in a page-256 cache + extra_topk 1024 in a page-64 cache);
-// model1c4 = config4 (extra page 2, random extra_topk_length). Environment: FLASHMLA_SPARSE_DECODE_CLUSTER
-// (as the library), FLASHMLA_TRACE_STEP0=N (trace blocks N .. N + 39 of every CTA instead of 0 .. 39),
+// model1c4 = config4 (extra page 2, random extra_topk_length). Environment (of this tool):
+// FLASHMLA_TRACE_CLUSTER=0|1 (the cluster variant off / on; on, it still runs only where the library's rule
+// allows it: head-tile pairs, clusters resident; unset: the library's default), FLASHMLA_TRACE_STEP0=N (trace blocks N .. N + 39 of every CTA instead of 0 .. 39),
 // FLASHMLA_TRACE_REPS (timed runs, default 20), FLASHMLA_TRACE_FLUSH_GB, FLASHMLA_TRACE_SEED. every: trace the
 // CTAs whose linear id blockIdx.y * gridDim.x + blockIdx.x is a multiple of it (default 1: all; the
 // cluster-peer lines need both CTAs of a pair). `sparse_decode_trace selftest` (no GPU) checks the index
@@ -271,11 +272,12 @@ SparseScope kernel_scope(const Scope& s, int s_q) {
   return k;
 }
 
-// ---------------------------------------------------------------- kernel choice (as v4::launch)
+// ---------------------------------------------------------------- kernel choice (v4::launch's rule, unless
+// FLASHMLA_TRACE_CLUSTER forces the variant)
 template <Fmt F>
 bool library_picks_cluster(const SparseDecodeKernelParams& kp, int num_sm_parts) {
   bool on = v4::kClusterDefault<F>;
-  if (const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER"); env != nullptr && env[0] != '\0')
+  if (const char* env = std::getenv("FLASHMLA_TRACE_CLUSTER"); env != nullptr && env[0] != '\0')
     on = env[0] != '0';
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
@@ -816,10 +818,10 @@ int main(int argc, char** argv) {
       CHECK(cluster ? cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, true>)
                     : cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, false>));
 #endif
-    std::printf("kernel: v4 %s %s (FLASHMLA_SPARSE_DECODE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
+    std::printf("kernel: v4 %s %s (FLASHMLA_TRACE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
                 "%d regs, %zu B local (traced build)\n",
                 v32 ? "V32" : "MODEL1", cluster ? "cluster" : "plain",
-                std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER") ? std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER") : "unset",
+                std::getenv("FLASHMLA_TRACE_CLUSTER") ? std::getenv("FLASHMLA_TRACE_CLUSTER") : "unset",
                 grid.x, grid.y, n_cta, cluster ? " in clusters of 2" : "", num_sm_parts, fa.numRegs,
                 static_cast<size_t>(fa.localSizeBytes));
   }

@@ -1,9 +1,9 @@
 // src/sm90/common/seesaw.cuh — pieces shared by the sm90 "seesaw" kernels (spec §7.1): two
 // consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
 // over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
-// named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill kernel
-// (sparse_prefill_kernel_v2.cuh) and the sparse FP8 decode v4 kernel (sparse_decode_kernel_v4.cuh);
-// the dense decode v4 kernel uses exp_pack_store_p.
+// named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill
+// seesaw kernel (prefill/sparse/wgmma_seesaw_kernel.cuh) and the sparse FP8 decode wgmma producer kernel
+// (decode/sparse_fp8/wgmma_producer_kernel.cuh); the dense decode seesaw kernel uses exp_pack_store_p.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -110,9 +110,9 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
 }
 
 // exp_pack_store_p in two steps, for kernels that do other work between computing P and storing it
-// (dense decode v4: the partial-block V zeroing) or store it at their own addresses (sparse prefill).
+// (dense decode: the partial-block V zeroing) or store it at their own addresses (sparse prefill).
 // (exp_pack_store_p is not written as exp_pack + store_p: storing after all the exps instead of after
-// each t changes ptxas's schedule of sparse decode v4, the measured kernel; checked in session 16.)
+// each t changes ptxas's schedule of the sparse decode wgmma producer kernel, the measured kernel.)
 // P = exp2(S - m) (S already scaled to base 2) for the thread's two rows, row sums into rs, packed to T
 // as the P.V A-operand fragments `a`;
 template <class T = __nv_bfloat16>

@@ -1,6 +1,6 @@
 // src/sm90/common/tma.cuh — PTX wrappers for the bulk tensor copy engine (TMA)
-// (with the transaction-count mbarrier arrival it completes on), used by the dense-decode v4 kernel. Own namespace so
-// that other sm90 kernels can define their own helpers without clashes.
+// (with the transaction-count mbarrier arrival it completes on), used by the dense decode seesaw kernel.
+// Own namespace so that other sm90 kernels can define their own helpers without clashes.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (type only; encoding happens on the host through the driver entry point)

@@ -8,7 +8,7 @@
 // blockIdx.x % g_trace_every == 0 (slot = blockIdx.x / g_trace_every < g_trace_slots); steps past
 // kMaxSteps are dropped. A kernel says FLASHMLA_TRACE_DECL(); once at its start (the CTA's record
 // pointer, loaded once) before any FLASHMLA_TRACE_EVENT.
-// Additions for kernels with a 3-D grid and cross-SM questions (dense decode v4, tools/trace/dense_trace.cu):
+// Additions for kernels with a 3-D grid and cross-SM questions (the dense decode seesaw kernel, tools/trace/dense_trace.cu):
 //   FLASHMLA_TRACE_DECL_CTA(cta)   as FLASHMLA_TRACE_DECL with a given linear CTA index instead of blockIdx.x;
 //   FLASHMLA_TRACE_EVENT_NS(...)   as FLASHMLA_TRACE_EVENT, the value %globaltimer (ns, one clock for all SMs;
 //                                  its update interval depends on the GPU / driver: the tool measures it);

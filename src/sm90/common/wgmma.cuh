@@ -1,5 +1,5 @@
 // src/sm90/common/wgmma.cuh — generated wrappers of the sm90a wgmma instructions used by
-// the dense-decode v2 kernel (m64n32k16 for S = Q K^T, m64n256k16 for O += P V),
+// the sm90 kernels (m64n32k16 / m64n64k16 for S = Q K^T, m64n256k16 for O += P V),
 // plus shared-memory matrix descriptors (spec: PTX ISA "Matrix Descriptor Format").
 #pragma once
 

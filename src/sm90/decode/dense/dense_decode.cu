@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -17,34 +16,16 @@
 
 namespace flashmla::sm90 {
 
+// The main kernel `kernel` (never kAuto) for one dtype (instantiations_bf16.cu / _fp16.cu).
 cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   int version, cudaStream_t stream);
+                                   DenseKernel kernel, cudaStream_t stream);
 cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   int version, cudaStream_t stream);
+                                   DenseKernel kernel, cudaStream_t stream);
 cudaError_t probe_sm90_image();
 
-namespace {
-int g_dense_kernel_version = 0;
-int g_dense_tuning = 0;
-}  // namespace
-
-void set_dense_tuning(int flags) { g_dense_tuning = flags; }
-int dense_tuning() { return g_dense_tuning; }
-
-void set_dense_kernel_version(int version) { g_dense_kernel_version = version; }
-int dense_kernel_version() { return g_dense_kernel_version; }
-
-// FLASHMLA_DENSE_DECODE_KERNEL=v1|v2|v4 (read per call, so a benchmark can A/B kernels in
-// one process by changing the variable between captures); only used while the explicit
-// version is 0 (automatic). Any other value = automatic.
-int dense_effective_kernel_version() {
-  const int v = g_dense_kernel_version;
-  if (v == 1 || v == 2 || v == 4) return v;
-  if (v != 0) return 0;
-  const char* env = std::getenv("FLASHMLA_DENSE_DECODE_KERNEL");
-  if (env == nullptr || env[0] != 'v') return 0;
-  if ((env[1] == '1' || env[1] == '2' || env[1] == '4') && env[2] == '\0') return env[1] - '0';
-  return 0;
+DenseKernel choose_dense_kernel(int64_t m_rows, bool k_tensor_map) {
+  if (k_tensor_map) return DenseKernel::kSeesaw;
+  return m_rows > 32 ? DenseKernel::kWgmma : DenseKernel::kMmaSync;
 }
 
 namespace {
@@ -76,7 +57,7 @@ int64_t lse_accum_bytes(const Dims& d, int64_t num_sm_parts) {
   return align_up((d.b + num_sm_parts) * d.h_kv * d.m_rows * static_cast<int64_t>(sizeof(float)));
 }
 
-// Tensor map of k_cache for the v4 kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
+// Tensor map of k_cache for the seesaw kernel: dims (d_qk, h_kv, page_block_size, num_blocks),
 // box 64 dims x 1 head x min(pbs, 64) tokens x 1 page, 128-byte swizzle (= the kernels'
 // slab layout). False when the strides or the page size do not allow it.
 bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* map, int* box_tok) {
@@ -108,7 +89,7 @@ bool make_k_tensor_map(const DenseDecodeParams& p, const Dims& d, CUtensorMap* m
   return true;
 }
 
-// Rows of out can be written by 16-byte-aligned bulk copies (v4 epilogue).
+// Rows of out can be written by 16-byte-aligned bulk copies (the seesaw kernel's epilogue).
 bool out_bulk_ok(const TensorRef& out) {  // out is bf16 / fp16 (q's dtype)
   return out.stride[3] == 1 && rows_16b_aligned(out, 3);
 }
@@ -183,7 +164,8 @@ int64_t dense_decode_workspace_bytes(const DenseDecodeParams& p, int64_t num_sm_
   return lse_accum_bytes(d, num_sm_parts) + align_up(splits * d.h_kv * d.m_rows * 512 * int64_t{4});
 }
 
-Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages) {
+Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages,
+                           const DenseDecodeOptions& options) {
   const Dims d = dims_of(p);
   if (num_sm_parts <= 0 || num_sm_parts > 65535)
     return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): invalid num_sm_parts");
@@ -210,7 +192,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
   const bool vec = out_vec_ok(p.out);
-  const int tuning = g_dense_tuning;
+  const int tuning = options.tuning;
 
   if ((stages & kStageScheduler) && !p.metadata_ready) {
     const cudaError_t e = launch_tile_scheduler(static_cast<const int32_t*>(p.cache_seqlens.data),
@@ -268,15 +250,22 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.flags = tuning;
     alignas(64) CUtensorMap tmap;
     int box_tok = 64;
-    const int version = dense_effective_kernel_version();
-    const bool want = version == 0 || version == 4;
-    const bool tma = want && !(tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
+    const DenseKernel forced = options.kernel;
+    const bool want_tma = forced == DenseKernel::kAuto || forced == DenseKernel::kSeesaw;
+    const bool tma = want_tma && !(tuning & kTuneNoTma) && make_k_tensor_map(p, d, &tmap, &box_tok);
     if (!tma) std::memset(&tmap, 0, sizeof(tmap));
     kp.tma_ok = tma ? 1 : 0;
     kp.tma_box_tok = box_tok;
+    const DenseKernel kernel = forced == DenseKernel::kAuto ? choose_dense_kernel(d.m_rows, tma) : forced;
+    if (kernel == DenseKernel::kSeesaw && !tma)
+      return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): the seesaw kernel needs a K tensor map, "
+                                              "which this k_cache's page size, strides or alignment do not allow");
+    if (kernel == DenseKernel::kMmaSync && d.m_rows > 32)
+      return Status::Error(ErrorKind::kValue, "flash_mla dense decode (sm90): the mma.sync kernel serves at most 32 "
+                                              "query rows per KV head, got " + std::to_string(d.m_rows));
     const CUtensorMap* tm = tma ? &tmap : nullptr;
-    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), version, stream)
-                                  : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), version, stream);
+    const cudaError_t e = is_fp16 ? launch_dense_main_fp16(kp, tm, static_cast<int>(num_sm_parts), kernel, stream)
+                                  : launch_dense_main_bf16(kp, tm, static_cast<int>(num_sm_parts), kernel, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_kernel launch", e);
   }
 

@@ -33,28 +33,28 @@ struct DenseDecodeKernelParams {
   int b, s_q, h_q, h_kv, group, m_rows, d_qk, page_block_size;
   int causal;
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs
-  int out_bulk_ok;  // out's last dim contiguous, base and strides 16-byte aligned (v4: rows by bulk copy)
-  int accum_bulk_ok;  // o_accum 16-byte aligned (v4: split partial rows by bulk copy)
-  int staged_epilogue;  // v4: the kernel whose epilogue stages O in shared memory (short requests)
+  int out_bulk_ok;  // out's last dim contiguous, base and strides 16-byte aligned (seesaw kernel: rows by bulk copy)
+  int accum_bulk_ok;  // o_accum 16-byte aligned (seesaw kernel: split partial rows by bulk copy)
+  int staged_epilogue;  // seesaw kernel: the kernel whose epilogue stages O in shared memory (short requests)
   float scale_log2;  // softmax_scale * log2(e)
   int flags;         // DenseTuning bits
-  int tma_ok;        // v4: a K tensor map was encoded (strides / page size allow TMA)
-  int tma_box_tok;   // v4: tokens per TMA box = min(page_block_size, 64)
+  int tma_ok;        // seesaw kernel: a K tensor map was encoded (strides / page size allow TMA)
+  int tma_box_tok;   // seesaw kernel: tokens per TMA box = min(page_block_size, 64)
 };
 
-/// Tuning switches of the main kernels (benchmarks A/B them in one process).
-/// kTuneL2Prefetch: v1/v2 L2 prefetch two tiles ahead (slower on the H200, off by default);
-/// kTuneNoTma: no K tensor map (v4 is not used; the automatic choice falls back to v1/v2).
-/// (Bit 4 was kTunePdl, the Programmatic Dependent Launch combine, removed after its A/B:
-/// bench/NOTES.md "dense decode v5".)
-/// kTuneStagedEpilogue / kTuneDirectEpilogue: force v4's staged / direct epilogue (default: staged
-/// when b >= 2, no request can exceed kStagedEpilogueMaxTokens and out's rows are 16-byte aligned,
-/// see dense_decode_launch).
+/// Tuning switches of the main kernels, for tests and benchmarks (DenseDecodeOptions::tuning; 0 in
+/// the library's calls):
+/// kTuneL2Prefetch: the mma.sync / wgmma kernels prefetch K two tiles ahead into L2 (slower on the
+/// H200, hence off);
+/// kTuneNoTma: no K tensor map, so the automatic choice takes the kernels without TMA;
+/// kTuneStagedEpilogue / kTuneDirectEpilogue: force the seesaw kernel's staged / direct epilogue
+/// (default: staged when b >= 2, no request can exceed kStagedEpilogueMaxTokens and out's rows are
+/// 16-byte aligned, see dense_decode_launch).
 enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2, kTuneStagedEpilogue = 8, kTuneDirectEpilogue = 16 };
 
-/// v4 writes O through shared memory and bulk copies (the "staged" epilogue) when every request
-/// of the batch is at most this long (block_table width x page size): there the epilogue is a large
-/// part of a call (session 10: b 128, s_k 256: 47.4 -> 40.0 us), while on long contexts the direct
+/// The seesaw kernel writes O through shared memory and bulk copies (the "staged" epilogue) when every
+/// request of the batch is at most this long (block_table width x page size): there the epilogue is a
+/// large part of a call (H200, b 128, s_k 256: 47.4 -> 40.0 us), while on long contexts the direct
 /// epilogue's kernel is faster (its pair loop keeps more addresses in registers; 2-4%). The bound
 /// is the block table's capacity, not the actual lengths (the host does not read them): a server
 /// whose table is sized for its longest context gets the direct kernel.
@@ -83,22 +83,32 @@ cudaError_t launch_tile_scheduler(const int32_t* seqlens, int b, int num_sm_part
 
 cudaError_t launch_dense_combine(const DenseCombineParams& cp, bool is_fp16, cudaStream_t stream);
 
-/// Kernel choice for tests and benchmarks: 0 = automatic (default: v4 when a K tensor
-/// map can be made, else v2 for M > 32 and v1 below), 1 = force the mma.sync kernel (v1),
-/// 2 = force the wgmma kernel (v2, 64-row tiles), 4 = force v4 (seesaw; falls back as 0
-/// without a tensor map); any other number is treated as 0. (v3, TMA-fed wgmma, and v5, v4
-/// pipelined across block pairs, were removed: bench/NOTES.md.)
-/// With version 0 the environment variable FLASHMLA_DENSE_DECODE_KERNEL (read on every
-/// call: "v1", "v2" or "v4") picks the kernel as the matching number would; unset or any
-/// other value = automatic. The explicit setting wins over the environment.
-void set_dense_kernel_version(int version);
-int dense_kernel_version();
-/// dense_kernel_version(), or the environment's choice when that is 0 (see above).
-int dense_effective_kernel_version();
-void set_dense_tuning(int flags);
-int dense_tuning();
+/// The main kernels of dense decode. M = s_q * h_q / h_kv query rows share one KV head.
+enum class DenseKernel : int {
+  kAuto = 0,     // choose_dense_kernel (what the library runs)
+  kMmaSync = 1,  // mma_sync_kernel.cuh: mma.sync m16n8k16 on 16- or 32-row tiles (M <= 32 only)
+  kWgmma = 2,    // wgmma_kernel.cuh: wgmma on 64-row tiles, K gathered by cp.async
+  kSeesaw = 4,   // wgmma_seesaw_kernel.cuh: the seesaw schedule on 64-row tiles, K fed by TMA (needs a
+                 // K tensor map)
+};
+
+/// The kernel the library runs, a function of the shapes alone: the seesaw kernel whenever a K
+/// tensor map can be encoded (d_qk 576 or 512, page_block_size a multiple of 64 or 16 / 32, k_cache
+/// 16-byte aligned with 16-byte multiple strides: make_k_tensor_map in dense_decode.cu); otherwise
+/// the wgmma kernel when M > 32 and the mma.sync kernel (which does not pad 16 or 32 rows to 64)
+/// for M <= 32.
+DenseKernel choose_dense_kernel(int64_t m_rows, bool k_tensor_map);
+
+/// Explicit choices of dense_decode_launch for tests and benchmarks (the library uses the defaults).
+struct DenseDecodeOptions {
+  /// kAuto: choose_dense_kernel. A forced kernel that cannot serve the call (kSeesaw without a K
+  /// tensor map, kMmaSync with M > 32) makes the launch return a kValue error.
+  DenseKernel kernel = DenseKernel::kAuto;
+  int tuning = 0;  // DenseTuning bits
+};
 
 /// dense_decode with a choice of stages (`stages` is a DenseDecodeStage mask).
-Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages);
+Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int stages,
+                           const DenseDecodeOptions& options = {});
 
 }  // namespace flashmla::sm90

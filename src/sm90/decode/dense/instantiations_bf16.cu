@@ -1,19 +1,23 @@
-// Instantiation of the dense-decode main kernels for bf16 (compiled in parallel with the other dtype).
+// src/sm90/decode/dense/instantiations_bf16.cu — the dense-decode main kernels for bf16 (one file per
+// dtype so the two compile in parallel). The choice of kernel is made in dense_decode.cu.
 #include "sm90/decode/dense/mma_sync_kernel.cuh"
 #include "sm90/decode/dense/wgmma_kernel.cuh"
 #include "sm90/decode/dense/wgmma_seesaw_kernel.cuh"
 
 namespace flashmla::sm90 {
 cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   int version, cudaStream_t stream) {
-  // Automatic choice: v4 (seesaw, TMA-fed wgmma) whenever the host could encode a K
-  // tensor map; otherwise v2 (wgmma) when the rows of a KV head exceed 32 and v1
-  // (mma.sync, 16/32-row tiles) below. 1 / 2 / 4 force v1 / v2 / v4 (v4 needs the tensor
-  // map, else automatic). `version` = dense_effective_kernel_version() (explicit setting or
-  // FLASHMLA_DENSE_DECODE_KERNEL).
-  const bool tma = tmap != nullptr && kp.tma_ok;
-  if (tma && (version == 0 || version == 4)) return dense_seesaw::launch_main<__nv_bfloat16>(kp, *tmap, num_sm_parts, stream);
-  if (version == 2 || (version != 1 && kp.m_rows > 32)) return dense_wgmma::launch_main<__nv_bfloat16>(kp, num_sm_parts, stream);
-  return dense_mma::launch_main<__nv_bfloat16>(kp, num_sm_parts, stream);
+                                   DenseKernel kernel, cudaStream_t stream) {
+  switch (kernel) {
+    case DenseKernel::kSeesaw:
+      if (tmap == nullptr) return cudaErrorInvalidValue;
+      return dense_seesaw::launch_main<__nv_bfloat16>(kp, *tmap, num_sm_parts, stream);
+    case DenseKernel::kWgmma:
+      return dense_wgmma::launch_main<__nv_bfloat16>(kp, num_sm_parts, stream);
+    case DenseKernel::kMmaSync:
+      return dense_mma::launch_main<__nv_bfloat16>(kp, num_sm_parts, stream);
+    case DenseKernel::kAuto:
+      break;
+  }
+  return cudaErrorInvalidValue;
 }
 }  // namespace flashmla::sm90

@@ -1,5 +1,5 @@
-// src/sm90/decode/dense/mma_sync_kernel.cuh — split-KV dense MLA decode, version 1
-// (mma.sync m16n8k16 tensor cores, cp.async double buffering).
+// src/sm90/decode/dense/mma_sync_kernel.cuh — split-KV dense MLA decode on mma.sync m16n8k16, 16- or
+// 32-row tiles, cp.async double buffering: the kernel for M <= 32 when no K tensor map can be made.
 //
 // One CTA = (row tile, KV head, scheduler partition). It walks the (request,
 // 64-token block) range of its partition (spec §4.4). Per request:
@@ -397,11 +397,12 @@ cudaError_t launch_main_r(const DenseDecodeKernelParams& kp, int num_sm_parts, c
   return cudaGetLastError();
 }
 
+/// 16-row tiles for M <= 16, 32-row tiles for M <= 32; larger M is the wgmma kernels' (64-row tiles).
 template <typename T>
 cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   if (kp.m_rows <= 16) return launch_main_r<T, 1>(kp, num_sm_parts, stream);
   if (kp.m_rows <= 32) return launch_main_r<T, 2>(kp, num_sm_parts, stream);
-  return launch_main_r<T, 4>(kp, num_sm_parts, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace flashmla::sm90::dense_mma

@@ -1,7 +1,7 @@
-// src/sm90/decode/dense/wgmma_kernel.cuh — split-KV dense MLA decode, version 2:
-// 64-row tiles on wgmma (sm_90a), used when M = s_q*h_q/h_kv > 32.
+// src/sm90/decode/dense/wgmma_kernel.cuh — split-KV dense MLA decode on wgmma, 64-row tiles, K by
+// cp.async: the kernel for M = s_q*h_q/h_kv > 32 when no K tensor map can be made (dense_decode.cu).
 //
-// Same schedule, masking and epilogue as v1 (dense_decode_kernel.cuh); the
+// Same schedule, masking and epilogue as the mma.sync kernel (mma_sync_kernel.cuh); the
 // matrix work moves from mma.sync to asynchronous warpgroup MMA:
 //   2 warpgroups; WG c computes S[:, 32c .. 32c+31] = Q . K^T with 36 (32 for
 //   d_qk 512) wgmma m64n32k16 (A = Q, B = K rows, both K-major in smem);

@@ -1,4 +1,4 @@
-// src/sm90/decode/dense/wgmma_seesaw_kernel.cuh — split-KV dense MLA decode, version 4:
+// src/sm90/decode/dense/wgmma_seesaw_kernel.cuh — split-KV dense MLA decode, the seesaw kernel:
 // FlashMLA's "seesaw" schedule (spec §7.1) on 64-row tiles, K fed by the tensor copy
 // engine. Two 64-token blocks per step, block 0 in stage 0 and block 1 in stage 1;
 // warpgroup 0 owns O[:, 0:256] (O_L), warpgroup 1 owns O[:, 256:512] (O_R), and the
@@ -10,7 +10,7 @@
 //   WG0: P0 *= scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
 //   WG1: O_R += P0 V0_R (P0 from smem)
 // so one warpgroup's softmax runs under the other's tensor-core work, and S uses
-// m64n64 (Q read once per 64 keys instead of once per 32 as in v2 and the removed v3).
+// m64n64 (Q read once per 64 keys instead of once per 32 as in wgmma_kernel.cuh).
 // Row sums: WG0 keeps the part of P0, WG1 the part of P1; added in the epilogue.
 // P0 / P1 live in slab 8 of their K stage (the RoPE dims, free once S is done; unused
 // for d_qk 512). The next pair's K slabs are issued as soon as their readers are done:
@@ -25,8 +25,9 @@
 // of O / the fp32 split partials, or — for batches of short requests, where the epilogue is a
 // large part of the call — O staged in shared memory (the K stages) and each row written by one
 // bulk copy. Two kernels rather than one runtime branch: the staged epilogue's per-thread
-// constants changed the register allocation of the pair loop (bench/NOTES.md "Session 10").
-// Requires a K tensor map (the host falls back to v2 / v1 otherwise).
+// constants changed the register allocation of the pair loop.
+// Requires a K tensor map (the host runs wgmma_kernel.cuh / mma_sync_kernel.cuh otherwise). Design
+// notes and measurements: docs/dense-decode.md.
 #pragma once
 
 #include <cuda.h>
@@ -79,23 +80,23 @@
 //                           stores or bulk copies issued); values 0 req, 1 n_blk, 2 no_split, 3 first pair
 //                           index (roles 0-2), 4 blk_lo, 5 split_slot, 6 seqlen (2, 3, 5 only with blocks)
 // Role 3 record `rec`, event `ev`: %globaltimer then clock64 (tid 0).
-#define FLASHMLA_DV4_TRACE_CTA(rec, ev)                  \
+#define FLASHMLA_DENSE_TRACE_CTA(rec, ev)                  \
   do {                                                   \
     FLASHMLA_TRACE_EVENT_NS(3, 3 * (rec), ev, tid == 0 && (rec) <= 12); \
     FLASHMLA_TRACE_EVENT(3, 3 * (rec) + 1, ev, tid == 0 && (rec) <= 12); \
   } while (0)
-#define FLASHMLA_DV4_TRACE_VAL(rec, ev, value) FLASHMLA_TRACE_VALUE(3, 3 * (rec) + 2, ev, tid == 0 && (rec) <= 12, value)
-// Roles 0-2: event `ev` of the current pair. With FLASHMLA_DV4_TRACE_CTA_ONLY as well, role 3 alone is
+#define FLASHMLA_DENSE_TRACE_VAL(rec, ev, value) FLASHMLA_TRACE_VALUE(3, 3 * (rec) + 2, ev, tid == 0 && (rec) <= 12, value)
+// Roles 0-2: event `ev` of the current pair. With FLASHMLA_DENSE_TRACE_CTA_ONLY as well, role 3 alone is
 // recorded (no trace code in the pair loop: the closest timing of the CTA-level events; request value 3,
 // the first pair index, is not written).
-#if defined(FLASHMLA_TRACE) && !defined(FLASHMLA_DV4_TRACE_CTA_ONLY)
-#define FLASHMLA_DV4_TRACE_STEP(role, ev, first_thread) FLASHMLA_TRACE_EVENT(role, dtrace_step, ev, first_thread)
-#define FLASHMLA_DV4_STEP_ONLY(...) __VA_ARGS__
+#if defined(FLASHMLA_TRACE) && !defined(FLASHMLA_DENSE_TRACE_CTA_ONLY)
+#define FLASHMLA_DENSE_TRACE_STEP(role, ev, first_thread) FLASHMLA_TRACE_EVENT(role, dtrace_step, ev, first_thread)
+#define FLASHMLA_DENSE_STEP_ONLY(...) __VA_ARGS__
 #else
-#define FLASHMLA_DV4_TRACE_STEP(role, ev, first_thread) \
+#define FLASHMLA_DENSE_TRACE_STEP(role, ev, first_thread) \
   do {                                                  \
   } while (0)
-#define FLASHMLA_DV4_STEP_ONLY(...)
+#define FLASHMLA_DENSE_STEP_ONLY(...)
 #endif
 
 namespace flashmla::sm90::dense_seesaw {
@@ -172,8 +173,8 @@ __device__ __forceinline__ void s_chain_seq(float (&s)[32], uint64_t da0, uint64
 }
 // Warpgroup 0 (block 0, stage 0): slabs in order. Warpgroup 1 (block 1, stage 1): slabs in the order
 // stage 1 is reloaded — 4-7 (freed by its own P1 V1_R) before 0-3 and 8 (freed by warpgroup 0's
-// P1 V1_L) — as FlashMLA's dense decode does (session 9: compute anchors 2-5% faster together with
-// the early reload of slabs 4-7, either alone slower; bench/NOTES.md "Session 9").
+// P1 V1_L) — as FlashMLA's dense decode does (H200: compute anchors 2-5% faster together with the early
+// reload of slabs 4-7, either alone slower).
 template <typename T, int kSlabs>
 __device__ __forceinline__ void s_chain_wg0(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0, uint32_t parity) {
   if constexpr (kSlabs == 9) s_chain_seq<T, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8>(s, da0, db0, bar0, parity);
@@ -208,17 +209,15 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
   named_barrier_sync(bar_id, 128);
 }
 
-// Session 15's changes to the issuing threads and the pair loop, unconditional since the session-16 A/B
-// on an H200 (all four together x1.023 kernel geomean over 44 cases, compute-bound cases +3-7%); each is
-// explained where it is done. Formerly the switches FLASHMLA_DENSE_DECODE_...
-//   ISSUE_FAST: `issue`'s straight-line path for one TMA box per slab;
-//   PAGE_LATE: the next pair's page ids read while the S chain is in flight (`read_next_pages`);
-//   SCALE0_EARLY: warpgroup 0 reads m0 back from shared memory after the Scale0 arrival;
-//   PV1_FIRST: warpgroup 1 issues P1 V1_R before P1's proxy fence and announcement.
-// Dropped after the same A/B:
-//   EARLY_META (the metadata and a request's first pages read speculatively up front): x0.998 (b128 s_k
-//     256 whole calls -2.6%);
-//   SPREAD_ISSUE (the stage reloads issued by lane 0 of every warp instead of by one thread): x0.995.
+// Four details of the issuing threads and the pair loop, together x1.023 kernel geomean over 44 cases on
+// an H200 (compute-bound cases +3-7%); each is explained where it is done:
+//   `issue`'s straight-line path for one TMA box per slab;
+//   the next pair's page ids read while the S chain is in flight (`read_next_pages`);
+//   warpgroup 0 reads m0 back from shared memory after the Scale0 arrival;
+//   warpgroup 1 issues P1 V1_R before P1's proxy fence and announcement.
+// Measured and not used: the metadata and a request's first pages read speculatively up front
+// (x0.998; b128 s_k 256 whole calls -2.6%); the stage reloads issued by lane 0 of every warp instead of
+// by one thread (x0.995).
 
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
@@ -236,7 +235,7 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
       }
   };
   // A CTA-uniform branch: blocks that need no masking (every block but the last one or two) only
-  // scale S and take the row max (session 14: x1.005 geomean, up to +4% on the long compute-bound
+  // scale S and take the row max (H200: x1.005 geomean, up to +4% on the long compute-bound
   // cases, against the compares and selects running predicated in every block).
   if (!need_mask) seesaw::scale_rowmax_local(s, scale_log2, mx);
   else masked();
@@ -269,9 +268,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int gq = lane / 4, tq = lane % 4;
   FLASHMLA_TRACE_DECL_CTA(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
   FLASHMLA_TRACE_ONLY(int dtrace_req = 0;)       // requests begun (role 3 record 1 + dtrace_req)
-  FLASHMLA_DV4_STEP_ONLY(int dtrace_step = 0;)  // pairs begun (the step of roles 0-2)
-  FLASHMLA_DV4_TRACE_CTA(0, 0);
-  FLASHMLA_DV4_TRACE_VAL(0, 0, flashmla_trace_smid());
+  FLASHMLA_DENSE_STEP_ONLY(int dtrace_step = 0;)  // pairs begun (the step of roles 0-2)
+  FLASHMLA_DENSE_TRACE_CTA(0, 0);
+  FLASHMLA_DENSE_TRACE_VAL(0, 0, flashmla_trace_smid());
 
   if (tid == 0) {
 #pragma unroll
@@ -280,24 +279,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     tma::prefetch_tensormap(&tmap_k);
   }
   __syncthreads();
-  FLASHMLA_DV4_TRACE_CTA(0, 1);
+  FLASHMLA_DENSE_TRACE_CTA(0, 1);
   uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
   const int32_t* meta = p.tile_scheduler_metadata + part * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) {
-    FLASHMLA_DV4_TRACE_CTA(0, 2);
-    FLASHMLA_DV4_TRACE_CTA(0, 3);
-    FLASHMLA_DV4_TRACE_VAL(0, 1, begin_req);
+    FLASHMLA_DENSE_TRACE_CTA(0, 2);
+    FLASHMLA_DENSE_TRACE_CTA(0, 3);
+    FLASHMLA_DENSE_TRACE_VAL(0, 1, begin_req);
     return;
   }
-  FLASHMLA_DV4_TRACE_CTA(0, 2);
+  FLASHMLA_DENSE_TRACE_CTA(0, 2);
 
   const int pbs = p.page_block_size;
   const int box_tok = p.tma_box_tok;  // min(pbs, 64)
   // Token -> (page, row in page) without integer divisions on the issuing threads' path. The host
-  // launches v4 only for page sizes 16, 32 or a multiple of 64 (make_k_tensor_map), so box_tok
+  // launches this kernel only for page sizes 16, 32 or a multiple of 64 (make_k_tensor_map), so box_tok
   // (16 / 32 / 64) is a power of two; when pbs is one too (16 ... 256, every usual size) a shift and a
   // mask replace / and % (tokens are >= 0); other multiples of 64 (192, 320, ...) keep the divisions.
   const bool pbs_pow2 = (pbs & (pbs - 1)) == 0;
@@ -315,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   for (int req = begin_req; req <= end_req; ++req) {
-    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 0);
+    FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
@@ -340,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     cp_async_wait<0>();
     if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory
     __syncthreads();  // the previous request is done with all shared memory
-    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 1);
+    FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 1);
 
     const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
     auto page_idx = [&](int tok) { return pbs_pow2 ? (tok >> lg_pbs) : tok / pbs; };
@@ -360,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // one_box (pbs a power of two >= 64: 64 / 128 / 256, every anchor case) takes a straight-line path
     // that does what the loop does for one box (tx = 64 rows * 128 B, same page and row) without the
     // loop's counter, the n_boxes / tx arithmetic, the `j == 0` page select, the page_row branch and
-    // their reconvergence. The issuing thread's instructions are on the critical path (session 14);
+    // their reconvergence. The issuing thread's instructions are on the critical path;
     // bf16 576, pbs 64: 4 slabs ~91 -> 65 dynamic instructions, per pair tid 0 ~237 -> 159, tid 128
     // ~194 -> 142. Other page sizes (16 / 32: several boxes per slab; 192, 320, ...) keep the loop.
     auto issue = [&](int blk, int stage, int lo, int hi, int pg0) {
@@ -394,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (n_blk > 0) {
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (one division per
-      // thread and request; session 10's profile of the short-context case found the old
-      // per-chunk index arithmetic taking more instructions than a pair of blocks).
+      // thread and request; per-chunk index arithmetic took more instructions than a pair of
+      // blocks in the short-context case's profile).
       {
         const int r = tid >> 2, c0 = tid & 3;
         const int grow = m_tile * kBlockM + r;
@@ -409,19 +408,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? src + c * 8 : src, valid);
       }
       cp_async_commit();
-      FLASHMLA_DV4_TRACE_STEP(2, 4, tid == 0);
+      FLASHMLA_DENSE_TRACE_STEP(2, 4, tid == 0);
       if (tid == 0) {
         issue(blk_lo, 0, 0, 9, page_of(blk_lo, 0));
         if (n_blk > 1) issue(blk_lo + 1, 1, 0, 9, page_of(blk_lo + 1, 0));
-        FLASHMLA_DV4_TRACE_STEP(2, 5, true);
+        FLASHMLA_DENSE_TRACE_STEP(2, 5, true);
       }
       cp_async_wait<0>();
       gmma::fence_proxy_async();
       __syncthreads();  // Q in shared memory, visible to wgmma
-      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 2);
+      FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 2);
       // The first block's slab 0 (tid 0's next wait is S0's wait on it: nothing moves).
       FLASHMLA_TRACE_ONLY(if (FLASHMLA_TRACE_ACTIVE() && tid == 0) tma::mbar_wait(bar_u, phase);)
-      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 3);
+      FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 3);
     }
 
     float o[128];
@@ -453,9 +452,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (wg == 0) {
         // ---------------- warpgroup 0: block 0, O[:, 0:256]
         // S0 over stage 0, each slab after its TMA barrier; the next pair's page ids read while it runs.
-        FLASHMLA_DV4_TRACE_STEP(0, 0, t_wg == 0);
-        FLASHMLA_DV4_STEP_ONLY(if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) tma::mbar_wait(bar_u, phase);)
-        FLASHMLA_DV4_TRACE_STEP(0, 1, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 0, t_wg == 0);
+        FLASHMLA_DENSE_STEP_ONLY(if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) tma::mbar_wait(bar_u, phase);)
+        FLASHMLA_DENSE_TRACE_STEP(0, 1, t_wg == 0);
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
@@ -465,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(s);
         phase ^= 1u;
-        FLASHMLA_DV4_TRACE_STEP(0, 2, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 2, t_wg == 0);
 
         const bool need_mask = tok0 + kBlockN > min_limit;
         float mx[2] = {-INFINITY, -INFINITY};
@@ -484,7 +483,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         bar_arrive(kBarScale0, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(0, 3, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 3, t_wg == 0);
 
         // m0 read back from sM0: warpgroup 1 waits at kBarScale0 before its whole softmax, P1 store and
         // P1 V1_R, but with the register copy of m0 ptxas scheduled all of P0's MUFU.EX2 and the row-sum
@@ -518,10 +517,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::fence();
         pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u, kSlabBytes, 1024));
         gmma::commit();
-        FLASHMLA_DV4_TRACE_STEP(0, 4, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 4, t_wg == 0);
 
         named_barrier_sync(kBarScale1, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(0, 5, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 5, t_wg == 0);
         float sc1[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -540,14 +539,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         gmma::fence_proxy_async();
         bar_arrive(kBarP0, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(0, 6, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 6, t_wg == 0);
 
         gmma::wait<0>();
         gmma::reg_fence(o);
-        FLASHMLA_DV4_TRACE_STEP(0, 7, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 7, t_wg == 0);
         if (tid == 0 && nxt0) {
           issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
-          FLASHMLA_DV4_TRACE_STEP(2, 0, true);
+          FLASHMLA_DENSE_TRACE_STEP(2, 0, true);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
@@ -561,7 +560,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         named_barrier_sync(kBarP1, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(0, 8, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 8, t_wg == 0);
         if (has1) {
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK, valid1, t_wg, kBarWG0);
           gmma::reg_fence(o);
@@ -569,25 +568,25 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + kSmemK + 8 * kSlabBytes, 16, 1024),
                          gmma::make_desc_sw128(sK_u + kSmemK, kSlabBytes, 1024));
           gmma::commit();
-          FLASHMLA_DV4_TRACE_STEP(0, 9, t_wg == 0);
+          FLASHMLA_DENSE_TRACE_STEP(0, 9, t_wg == 0);
           gmma::wait<0>();
           gmma::reg_fence(o);
-          FLASHMLA_DV4_TRACE_STEP(0, 10, t_wg == 0);
+          FLASHMLA_DENSE_TRACE_STEP(0, 10, t_wg == 0);
           if (tid == 0 && nxt1) {  // stage 1 slabs 0-3 and 8 are free
             issue(b1 + 2, 1, 0, 4, pgB);
             issue(b1 + 2, 1, 8, 9, pgB);
-            FLASHMLA_DV4_TRACE_STEP(2, 1, true);
+            FLASHMLA_DENSE_TRACE_STEP(2, 1, true);
           }
         }
-        FLASHMLA_DV4_TRACE_STEP(0, 11, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(0, 11, t_wg == 0);
       } else {
         // ---------------- warpgroup 1: block 1, O[:, 256:512]
         float mx[2] = {-INFINITY, -INFINITY};
-        FLASHMLA_DV4_TRACE_STEP(1, 0, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 0, t_wg == 0);
         if (has1) {
-          FLASHMLA_DV4_STEP_ONLY(
+          FLASHMLA_DENSE_STEP_ONLY(
               if (FLASHMLA_TRACE_ACTIVE() && t_wg == 0) tma::mbar_wait(bar_u + 9 * 8 + 4 * 8, phase);)
-          FLASHMLA_DV4_TRACE_STEP(1, 1, t_wg == 0);
+          FLASHMLA_DENSE_TRACE_STEP(1, 1, t_wg == 0);
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = 0.f;
           gmma::reg_fence(s);
@@ -597,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::wait<0>();
           gmma::reg_fence(s);
           phase ^= 1u;
-          FLASHMLA_DV4_TRACE_STEP(1, 2, t_wg == 0);
+          FLASHMLA_DENSE_TRACE_STEP(1, 2, t_wg == 0);
           const bool need_mask = tok1 + kBlockN > min_limit;
           scale_mask_rowmax(s, p.scale_log2, need_mask, tok1, tq, limit, mx);
 #pragma unroll
@@ -607,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         named_barrier_sync(kBarScale0, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(1, 3, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 3, t_wg == 0);
         float m1u[2], c[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -624,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           m_run[hh] = m1;
         }
         bar_arrive(kBarScale1, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(1, 4, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 4, t_wg == 0);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
         if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
@@ -641,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // stores, is what held the issue back. P1's announcement comes later by the four wgmma issues,
         // but warpgroup 0 consumes P1 (P1 V1_L) only behind P1 V1_R in the pipe anyway; FlashMLA's dense
         // decode orders it the same way. The stores stay in front of the issue: reading the A registers
-        // of a wgmma in flight is undefined in PTX (session-15 review). The partial-block V zeroing (its
+        // of a wgmma in flight is undefined in PTX. The partial-block V zeroing (its
         // own warpgroup-1 barrier) comes before the stores.
         uint32_t a[4][4];
         if (has1) {
@@ -655,39 +654,39 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::fence();
           pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
           gmma::commit();
-          FLASHMLA_DV4_TRACE_STEP(1, 5, t_wg == 0);
+          FLASHMLA_DENSE_TRACE_STEP(1, 5, t_wg == 0);
           gmma::fence_proxy_async();
         }
         bar_arrive(kBarP1, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(1, 6, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 6, t_wg == 0);
         named_barrier_sync(kBarP0, kThreads);
-        FLASHMLA_DV4_TRACE_STEP(1, 7, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 7, t_wg == 0);
         if (valid0 < kBlockN) zero_v_rows(sK + 4 * kSlabBytes, valid0, t_wg, kBarWG1);
         gmma::fence();
         pv_ss_chain<T>(o, gmma::make_desc_sw128(sK_u + 8 * kSlabBytes, 16, 1024),
                        gmma::make_desc_sw128(sK_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
-        FLASHMLA_DV4_TRACE_STEP(1, 8, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 8, t_wg == 0);
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
-        FLASHMLA_DV4_TRACE_STEP(1, 9, t_wg == 0 && has1);  // (without block 1 there is no P1 V1_R)
+        FLASHMLA_DENSE_TRACE_STEP(1, 9, t_wg == 0 && has1);  // (without block 1 there is no P1 V1_R)
         if (tid == 128 && nxt1) {
           issue(b1 + 2, 1, 4, 8, pgB);
-          FLASHMLA_DV4_TRACE_STEP(2, 2, true);
+          FLASHMLA_DENSE_TRACE_STEP(2, 2, true);
         }
         gmma::wait<0>();
         gmma::reg_fence(o);
-        FLASHMLA_DV4_TRACE_STEP(1, 10, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 10, t_wg == 0);
         if (tid == 128 && nxt0) {
           issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
-          FLASHMLA_DV4_TRACE_STEP(2, 3, true);
+          FLASHMLA_DENSE_TRACE_STEP(2, 3, true);
         }
-        FLASHMLA_DV4_TRACE_STEP(1, 11, t_wg == 0);
+        FLASHMLA_DENSE_TRACE_STEP(1, 11, t_wg == 0);
       }
-      FLASHMLA_DV4_STEP_ONLY(++dtrace_step;)
+      FLASHMLA_DENSE_STEP_ONLY(++dtrace_step;)
     }
 
     // ---- epilogue: L = WG0's part + WG1's part
-    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 4);
+    FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 4);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
@@ -699,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hh = 0; hh < 2; ++hh)
         if (tq == 0) sL[wg * 64 + row_local[hh]] = l_run[hh];
       __syncthreads();
-      FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 5);
+      FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 5);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) L[hh] = sL[row_local[hh]] + sL[64 + row_local[hh]];
     }
@@ -709,14 +708,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       // fp16 for out, fp32 for a split's partial) in the K stage it reads last (free: every wgmma
       // finished before the barrier above), rows padded by 16 / 32 B (conflict-free stores); then one
       // warp writes each row with one bulk copy when the rows are 16-byte aligned (split partials
-      // always are), else the warpgroup copies element by element. Session 10: the direct register
+      // always are), else the warpgroup copies element by element. The direct register
       // stores (8 rows x 16 B per warp instruction) were ~1/4 of a short-context call.
       {
         const int rstride = no_split ? kDimV + 16 : 4 * 256 + 32;  // bytes per staged row
         // Every per-thread offset below is made to depend on req (rq0 = 0 for every valid request
         // index). As plain per-thread constants the compiler hoists them out of the request loop
         // and holds them through the pair loop, which then recomputes its own P-store addresses
-        // (session 10: +10% instructions in the pair loop, 5% slower on long contexts).
+        // (+10% instructions in the pair loop, 5% slower on long contexts).
         const int rq0 = static_cast<int>(static_cast<uint32_t>(req) >> 31);
         uint8_t* stg = sK + (wg + rq0) * kSmemK;
         const int rl[2] = {row_local[0] + rq0, row_local[1] + rq0}, tq_e = tq + rq0;
@@ -829,27 +828,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    FLASHMLA_DV4_TRACE_CTA(1 + dtrace_req, 6);
+    FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 6);
     FLASHMLA_TRACE_ONLY({
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 0, req);
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 1, n_blk);
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 2, no_split);
-      FLASHMLA_DV4_STEP_ONLY(FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 3, dtrace_step - (n_blk + 1) / 2);)
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 4, blk_lo);
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 5, split_slot);
-      FLASHMLA_DV4_TRACE_VAL(1 + dtrace_req, 6, seqlen);
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 0, req);
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 1, n_blk);
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 2, no_split);
+      FLASHMLA_DENSE_STEP_ONLY(FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 3, dtrace_step - (n_blk + 1) / 2);)
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 4, blk_lo);
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 5, split_slot);
+      FLASHMLA_DENSE_TRACE_VAL(1 + dtrace_req, 6, seqlen);
       ++dtrace_req;
     })
   }
   if constexpr (kStaged) tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
-  FLASHMLA_DV4_TRACE_CTA(0, 3);
+  FLASHMLA_DENSE_TRACE_CTA(0, 3);
   FLASHMLA_TRACE_ONLY({
-    FLASHMLA_DV4_TRACE_VAL(0, 1, begin_req);
-    FLASHMLA_DV4_TRACE_VAL(0, 2, end_req);
-    FLASHMLA_DV4_TRACE_VAL(0, 3, begin_blk);
-    FLASHMLA_DV4_TRACE_VAL(0, 4, end_blk);
-    FLASHMLA_DV4_TRACE_VAL(0, 5, dtrace_req);
-    FLASHMLA_DV4_TRACE_VAL(0, 6, (first_splitted ? 1 : 0) | (last_splitted ? 2 : 0));
+    FLASHMLA_DENSE_TRACE_VAL(0, 1, begin_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 2, end_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 3, begin_blk);
+    FLASHMLA_DENSE_TRACE_VAL(0, 4, end_blk);
+    FLASHMLA_DENSE_TRACE_VAL(0, 5, dtrace_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 6, (first_splitted ? 1 : 0) | (last_splitted ? 2 : 0));
   })
 }
 
@@ -875,7 +874,7 @@ cudaError_t launch_main(const DenseDecodeKernelParams& kp, const CUtensorMap& tm
 
 }  // namespace flashmla::sm90::dense_seesaw
 
-#undef FLASHMLA_DV4_TRACE_CTA
-#undef FLASHMLA_DV4_TRACE_VAL
-#undef FLASHMLA_DV4_TRACE_STEP
-#undef FLASHMLA_DV4_STEP_ONLY
+#undef FLASHMLA_DENSE_TRACE_CTA
+#undef FLASHMLA_DENSE_TRACE_VAL
+#undef FLASHMLA_DENSE_TRACE_STEP
+#undef FLASHMLA_DENSE_STEP_ONLY

@@ -1,24 +1,23 @@
-// src/sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh — sparse FP8 MLA decode v2: warp-specialised
-// (producer warpgroup gathers + dequantizes, two consumer warpgroups run v1's MMA core).
+// src/sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh — sparse FP8 MLA decode for h_q <= 16 (one
+// 16-row head tile): warp-specialised, a producer warpgroup gathers and dequantizes while two
+// consumer warpgroups run the mma.sync core of mma_sync_kernel.cuh.
 //
-// 384 threads. Warps 0-7 (consumers, 256 threads) are v1's compute: R row groups of
-// 16 heads x C column warps, S = Q K^T with mma.sync m16n8k16, base-2 online softmax
-// with the row max exchanged through smem, P (bf16) via smem, O += P V. Warps 8-11
-// (the producer warpgroup, 128 threads, 2 per token slot) load each block's FP8
-// records straight from global memory into registers (ld.global.nc, 16 bytes), the
-// loads of block i+1 being issued before waiting for its buffer, then dequantize them
-// exactly as v1 (spec §2.7: fp8 -> f16 -> f32 -> bf16, x scale in bf16) into one of
-// two bf16 K buffers. Full / empty mbarriers per buffer (producer: 128 arrivals; the
-// consumers: 256) replace v1's two CTA-wide barriers per block, so the dequant and
-// gather of the next block run under the MMAs of the current one.
-// Register split with setmaxnreg (32- and 64-row tiles): producers kProdRegs, consumers kConsRegs.
-// Slot validity, the joint main/extra block order and the outputs are v1's.
-// Only for 16-byte aligned caches (v1 keeps the byte-copy path).
+// 384 threads. Warps 0-7 (consumers, 256 threads) compute as the mma.sync kernel: R = 1 row group of
+// 16 heads x 8 column warps, S = Q K^T with mma.sync m16n8k16, base-2 online softmax with the row
+// max exchanged through smem, P (bf16) via smem, O += P V. Warps 8-11 (the producer warpgroup, 128
+// threads, 2 per token slot) load each block's FP8 records straight from global memory into
+// registers (ld.global.nc, 16 bytes), the loads of block i+1 being issued before waiting for its
+// buffer, then dequantize them exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, x scale in bf16) into
+// one of two bf16 K buffers. Full / empty mbarriers per buffer (producer: 128 arrivals; the
+// consumers: 256) replace the mma.sync kernel's two CTA-wide barriers per block, so the dequant and
+// gather of the next block run under the MMAs of the current one. 16-row tiles fit the launch's
+// 168 registers per thread in both roles, so there is no setmaxnreg split. Slot validity, the joint
+// main/extra block order and the outputs are the mma.sync kernel's.
+// Only for 16-byte aligned caches (the mma.sync kernel keeps the byte-copy path).
 #pragma once
 
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/host_utils.h"
-#include "sm90/common/seesaw.cuh"
 
 namespace flashmla::sm90::sparse {
 
@@ -26,13 +25,6 @@ namespace small_heads {
 
 constexpr int kThreads = 384;
 constexpr int kConsumers = 256;
-// setmaxnreg moves registers within the CTA's own pool, which holds what the launch gave it:
-// 384 threads x 168 (65536 / 384 rounded down to 8) = 64512, not the 65536 of the SM. Asking
-// for more makes setmaxnreg.inc wait forever (the first device run of v2 hung on 96 + 2 x 208).
-constexpr int kLaunchRegs = 168;
-constexpr int kProdRegs = 88;
-constexpr int kConsRegs = 208;
-static_assert(128 * kProdRegs + 256 * kConsRegs <= kThreads * kLaunchRegs, "register pool of the CTA");
 constexpr int kBarConsumers = 5;  // named barrier of the 256 consumer threads (1..4: row groups)
 
 template <int R>
@@ -116,7 +108,6 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
 
   if (tid >= small_heads::kConsumers) {
     // ======================= producer warpgroup =======================
-    if constexpr (R > 1) seesaw::setmaxnreg_dec<small_heads::kProdRegs>();  // 16-row tiles fit the launch's 168
     const int ptid = tid - small_heads::kConsumers;
     const int tok = ptid >> 1, hf = ptid & 1;
     int kc = 0;  // blocks produced so far (buffer kc & 1, phase (kc >> 1) & 1)
@@ -210,8 +201,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
     return;
   }
 
-  // ======================= consumer warpgroups (v1's compute) =======================
-  if constexpr (R > 1) seesaw::setmaxnreg_inc<small_heads::kConsRegs>();
+  // ======================= consumer warpgroups (the mma.sync kernel's compute) =======================
   const int warp = tid / 32, lane = tid % 32;
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
@@ -402,7 +392,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
     }
 
-    // ---- epilogue (v1's): total row sum across the row group's warps
+    // ---- epilogue (as the mma.sync kernel): total row sum across the row group's warps
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
@@ -461,16 +451,6 @@ template <Fmt F, int R>
 cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   constexpr int smem = small_heads::Cfg2<R>::kSmemBytes;
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads<F, R>;
-  if constexpr (R > 1) {
-    // The setmaxnreg split needs the CTA pool of the launch (registers of the compiled kernel x
-    // 384) to cover it; with fewer registers setmaxnreg.inc would wait forever. Refuse instead.
-    static const int regs = [] {
-      cudaFuncAttributes a{};
-      return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads<F, R>) == cudaSuccess ? a.numRegs
-                                                                                                       : 0;
-    }();
-    if (regs * small_heads::kThreads < 128 * small_heads::kProdRegs + small_heads::kConsumers * small_heads::kConsRegs) return cudaErrorInvalidConfiguration;
-  }
   cudaError_t e = set_max_dynamic_smem(kernel, smem);
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
@@ -479,15 +459,13 @@ cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_part
   return cudaGetLastError();
 }
 
-/// v2 (warp-specialised) when kp.kernel_version == 2 and both caches are 16-byte aligned, else v1.
+/// This kernel (one 16-row head tile) when kp.kernel_version == 2 (h_q <= 16, sparse_decode.cu) and
+/// both caches are 16-byte aligned; else the mma.sync kernel of mma_sync_kernel.cuh.
 template <Fmt F>
 cudaError_t launch_main_auto(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   const bool vec_ok = kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
-  if (kp.kernel_version != 2 || !vec_ok) return launch_main<F>(kp, num_sm_parts, stream);
-  const int bm = tile_rows_for(kp.h_q);
-  if (bm == 16) return launch_main_ws_r<F, 1>(kp, num_sm_parts, stream);
-  if (bm == 32) return launch_main_ws_r<F, 2>(kp, num_sm_parts, stream);
-  return launch_main_ws_r<F, 4>(kp, num_sm_parts, stream);
+  if (kp.kernel_version != 2 || !vec_ok || tile_rows_for(kp.h_q) != 16) return launch_main<F>(kp, num_sm_parts, stream);
+  return launch_main_ws_r<F, 1>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90::sparse

@@ -16,7 +16,7 @@
 //   2. dequant sRaw -> sK (bf16, 64 x d_qk, swizzled): fp8 -> f16 -> f32 -> bf16
 //      (exact), times the tile scale converted to bf16, in bf16 (spec §2.7);
 //      RoPE copied. Invalid tokens are all zero, and their scores are set to -inf.
-//   3. as the dense v1 kernel: 8 warps = R row groups x C column warps;
+//   3. as the dense mma.sync kernel: 8 warps = R row groups x C column warps;
 //      S = Q K^T, online softmax in base 2 (row max exchanged through smem),
 //      P (bf16) -> smem, O += P V (V = first 512 dims of K).
 // Output: unsplit requests write out (with the attention sink factor) and lse;

@@ -12,7 +12,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -122,9 +121,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 
 }  // namespace sparse_combine
 
-// The compact combine grid (see the kernel), the default since session 17, when out is vector-writable and
-// b > num_sm_parts; FLASHMLA_SPARSE_COMBINE_COMPACT=0 (read per call; exactly "0", any other value keeps the
-// default) selects the per-request grid. Why: with
+// The compact combine grid (see the kernel) when out is vector-writable and b > num_sm_parts, else the
+// per-request grid. Why: with
 // the per-request grid the combine took 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256,
 // batches whose schedule splits no request at all (every part ends on a request boundary): that time was
 // the launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. The compact
@@ -133,10 +131,7 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 // (session 17 call 2, which also passed the sparse pytest and the 4748-case spec §5.2 grid with it).
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
                                   cudaStream_t stream) {
-  const char* env = std::getenv("FLASHMLA_SPARSE_COMBINE_COMPACT");
-  const bool opted_out = env != nullptr && env[0] == '0' && env[1] == '\0';
-  const bool compact = !opted_out && cp.out_vec_ok && metadata != nullptr &&
-                       num_sm_parts > 0 && num_sm_parts < cp.b;
+  const bool compact = cp.out_vec_ok && metadata != nullptr && num_sm_parts > 0 && num_sm_parts < cp.b;
   const int64_t x = static_cast<int64_t>(compact ? num_sm_parts : cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
   const int j = combine_float4s_per_lane(x * y);
   const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
@@ -208,13 +203,7 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 /// H200 A/B runs: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
 /// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against
 /// session 4's v3 (seesaw over block pairs, now deleted) and v1: bench/NOTES.md "sparse FP8 decode v4".
-/// FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v4 (read per call) forces one for A/B runs (v4 only applies
-/// to h_q > 32; below it v1 runs).
 int sparse_decode_kernel_version(int64_t h_q) {
-  const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_KERNEL");
-  if (env != nullptr && std::strcmp(env, "v1") == 0) return 1;
-  if (env != nullptr && std::strcmp(env, "v2") == 0) return 2;
-  if (env != nullptr && std::strcmp(env, "v4") == 0) return 4;
   return h_q <= 16 ? 2 : (h_q > 32 ? 4 : 1);
 }
 

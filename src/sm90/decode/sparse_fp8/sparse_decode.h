@@ -42,10 +42,12 @@ struct SparseDecodeKernelParams {
   int q_vec;       // q 16-byte aligned rows: cp.async
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
   float scale_log2;  // softmax_scale * log2(e)
-  int kernel_version;  // 1: v1 (mma.sync, all threads dequantize); 2: v2 (warp-specialised producer);
-                       // 4: v4 (one producer warpgroup + two wgmma consumer warpgroups over two
-                       // whole-block K buffers, h_q > 32);
-                       // chosen by shape in sparse_decode.cu (v2 for h_q <= 16, v4 above 32, else v1)
+  int kernel_version;  // the main kernel, chosen by shape in sparse_decode.cu (sparse_decode_kernel_version):
+                       // 1: mma_sync_kernel.cuh (mma.sync, all threads dequantize; 16 < h_q <= 32, and
+                       //    any h_q over caches that are not 16-byte aligned);
+                       // 2: mma_small_heads_kernel.cuh (producer warpgroup + mma.sync consumers; h_q <= 16);
+                       // 4: wgmma_producer_kernel.cuh (producer warpgroup + two wgmma consumer
+                       //    warpgroups over two whole-block K buffers; h_q > 32)
 };
 
 struct SparseCombineParams {
@@ -73,7 +75,7 @@ cudaError_t launch_sparse_tile_scheduler(const int32_t* topk_length, const int32
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
-/// `metadata` / `num_sm_parts`: the schedule of the main kernel (the opt-in compact grid reads it).
+/// `metadata` / `num_sm_parts`: the schedule of the main kernel (the compact grid reads it).
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
                                   cudaStream_t stream);
 

@@ -32,7 +32,6 @@
 #include <cuda_bf16.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <type_traits>
 
@@ -938,8 +937,7 @@ int max_active_clusters() {
   return cache[dev];
 }
 
-/// The default for the 2-CTA cluster variant per format (FLASHMLA_SPARSE_DECODE_CLUSTER=0|1, read
-/// per call, overrides it): on for both, see bench/NOTES.md "sparse FP8 decode v4, session 7"
+/// The 2-CTA cluster variant per format (a build-time switch; A/B runs edit it): on for both, see bench/NOTES.md "sparse FP8 decode v4, session 7"
 /// (V3.2 b128 574 -> 503 us, MODEL1 config2 b128 372 -> 337 us on one H200).
 template <Fmt F>
 constexpr bool kClusterDefault = true;
@@ -949,9 +947,7 @@ constexpr bool kClusterDefault = true;
 /// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  bool on = kClusterDefault<F>;
-  if (const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER"); env != nullptr && env[0] != '\0')
-    on = env[0] != '0';
+  const bool on = kClusterDefault<F>;
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
     if (clusters <= max_active_clusters<F>()) return launch_k<F, true>(kp, num_sm_parts, stream);

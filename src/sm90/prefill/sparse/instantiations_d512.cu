@@ -5,7 +5,7 @@
 
 namespace flashmla::sm90 {
 
-cudaError_t launch_sparse_prefill_v3w_512(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
+cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
   return sparse_prefill::wgmma_seesaw::launch<512>(kp, stream);
 }
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {

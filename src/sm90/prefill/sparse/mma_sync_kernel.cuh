@@ -18,12 +18,10 @@
 // out 0, max_logits -inf, lse +inf.
 //
 // This header: the helpers shared by the prefill kernels and
-//   * sparse_attn_fwd_mma_kernel<d_qk, R>: 16/32/64-row tiles (R row groups of 16) with
-//     mma.sync m16n8k16 (the sparse-decode schedule), so h_q 16/32 are not padded to 64;
-//     the automatic kernel for h_q <= 32 (64-row tiles only with FLASHMLA_SPARSE_PREFILL_KERNEL=mma).
-// 64-row head tiles (h_q > 32) use v3w (sparse_prefill_kernel_v2.cuh). The first 64-row kernel
-// (v1: wgmma on one 64x64 block, the dense-decode v3 schedule) lived here until it was removed as
-// never chosen automatically (git history, bench/NOTES.md "sparse prefill").
+//   * sparse_attn_fwd_mma_kernel<d_qk, R>: 16- or 32-row head tiles (R row groups of 16) with
+//     mma.sync m16n8k16 (the sparse-decode schedule), so h_q 16 / 32 are not padded to 64; the
+//     kernel for h_q <= 32. 64-row head tiles (h_q > 32) use the seesaw kernel
+//     (wgmma_seesaw_kernel.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -381,11 +379,12 @@ cudaError_t launch_r(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+/// bm = rows per head tile: 16 or 32 (64-row tiles are the seesaw kernel's).
 template <int kD>
 cudaError_t launch(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {
   if (bm == 16) return launch_r<kD, 1>(kp, stream);
   if (bm == 32) return launch_r<kD, 2>(kp, stream);
-  return launch_r<kD, 4>(kp, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace mma_sync

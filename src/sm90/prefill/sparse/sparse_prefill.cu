@@ -1,12 +1,10 @@
 // src/sm90/prefill/sparse/sparse_prefill.cu — host side of sm90 sparse MLA prefill (`flash_mla_sparse_fwd`,
 // spec §1.4, §2.4): one kernel launch on the caller's stream, no workspace, no
-// synchronisation, no allocation. Kernels: sparse_prefill_kernel.cuh (mma.sync, h_q <= 32) and
-// sparse_prefill_kernel_v2.cuh (v3w, 64-row head tiles).
+// synchronisation, no allocation. Kernels (chosen by h_q, see sparse_prefill.h): mma_sync_kernel.cuh
+// (mma.sync, h_q <= 32) and wgmma_seesaw_kernel.cuh (64-row head tiles, h_q > 32).
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "sm90/common/host_utils.h"
@@ -30,16 +28,10 @@ bool out_vec_ok(const TensorRef& out) {
 
 }  // namespace
 
-int sparse_prefill_kernel_choice() {
-  const char* env = std::getenv("FLASHMLA_SPARSE_PREFILL_KERNEL");
-  return env != nullptr && std::strcmp(env, "mma") == 0 ? 1 : 0;
-}
-
 Status sparse_prefill(const SparsePrefillParams& p) {
   const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t s_kv = p.kv.shape[0], topk = p.indices.shape[2];
   if (s_q == 0) return Status::Ok();
-  const int choice = sparse_prefill_kernel_choice();
   const int bm = h_q <= 16 ? 16 : (h_q <= 32 ? 32 : 64);
   const int64_t head_tiles = (h_q + bm - 1) / bm;
   if (s_q * head_tiles > 2147483647LL) return value_error("s_q * ceil(h_q / 64) must be < 2^31");
@@ -85,9 +77,8 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   kp.prefetch_ahead = num_sms(p.q.device.id);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   cudaError_t e;
-  // 64-row tiles: v3w (seesaw + producer warpgroup, any alignment) unless "mma" is forced.
-  if (bm == 64 && choice == 0) {
-    e = d_qk == 576 ? launch_sparse_prefill_v3w_576(kp, stream) : launch_sparse_prefill_v3w_512(kp, stream);
+  if (bm == 64) {
+    e = d_qk == 576 ? launch_sparse_prefill_seesaw_576(kp, stream) : launch_sparse_prefill_seesaw_512(kp, stream);
     if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_seesaw_kernel launch", e);
   } else {
     e = d_qk == 576 ? launch_sparse_prefill_mma_576(kp, bm, stream) : launch_sparse_prefill_mma_512(kp, bm, stream);

@@ -38,22 +38,19 @@ struct SparsePrefillKernelParams {
   int out_bulk_ok; // out's last dim contiguous and every (s, h) row 16-byte aligned: bulk row copies
   float scale_log2;  // sm_scale * log2(e)
   int prefetch_ahead;  // > 0: each CTA prefetches into L2 the Q rows and indices of CTA blockIdx.x + this (the SM count)
-  int out_tma;  // set by the v3w launcher: out_map is valid, the epilogue writes O with 3D TMA tensor stores
+  int out_tma;  // set by the seesaw launcher: out_map is valid, the epilogue writes O with 3D TMA tensor stores
   // out as (512 cols, h_q, s_q) bf16, box 64 cols x 64 heads x 1 token, 128-byte swizzle (the slab
   // layout). Read by the kernel from parameter space (__grid_constant__).
   CUtensorMap out_map;  // 64-byte aligned by its type
 };
 
-/// Kernel choice for 64-row head tiles (h_q > 32; 16/32-row tiles always use the mma.sync
-/// kernel), env FLASHMLA_SPARSE_PREFILL_KERNEL read per call: 0 automatic (= "v3w": seesaw with
-/// a producer warpgroup, 8 threads per gathered row, any alignment), 1 = "mma" (the mma.sync
-/// kernel on 64-row tiles too). Other values = automatic. (v1, v2, v3, v4p and the L2-hint
-/// variant were removed: bench/NOTES.md "sparse prefill ...".)
-int sparse_prefill_kernel_choice();
-
-cudaError_t launch_sparse_prefill_v3w_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-cudaError_t launch_sparse_prefill_v3w_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-/// bm = rows per head tile (16, 32 or 64).
+/// The kernel choice, a function of h_q alone: 64-row head tiles (h_q > 32) run the seesaw kernel
+/// (wgmma_seesaw_kernel.cuh: two wgmma consumer warpgroups + a producer warpgroup that gathers,
+/// any alignment); 16- and 32-row tiles (h_q <= 16, h_q <= 32) the mma.sync kernel
+/// (mma_sync_kernel.cuh), which does not pad them to 64 rows.
+cudaError_t launch_sparse_prefill_seesaw_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
+/// bm = rows per head tile (16 or 32).
 cudaError_t launch_sparse_prefill_mma_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 

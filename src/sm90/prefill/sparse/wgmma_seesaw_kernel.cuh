@@ -1,7 +1,7 @@
-// src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh — sparse MLA prefill "v3w" for 64-row head tiles:
-// dense-decode v4's "seesaw" schedule (spec §7.1, §7.3) fed by a producer warpgroup's cp.async gather.
+// src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh — sparse MLA prefill for 64-row head tiles (h_q > 32):
+// the dense decode's "seesaw" schedule (spec §7.1, §7.3) fed by a producer warpgroup's cp.async gather.
 //
-// Same semantics as v1 (sparse_prefill_kernel.cuh: slot validity, zero-filled invalid rows
+// Same semantics as the mma.sync kernel (mma_sync_kernel.cuh: slot validity, zero-filled invalid rows
 // that are never read, topk_length, sink, max_logits / lse conventions, grid x = s_q *
 // head_tiles). Two 64-slot blocks per step, block 2j in K stage 0 and 2j+1 in stage 1;
 // warpgroup 0 owns O[:, 0:256], warpgroup 1 O[:, 256:512]:
@@ -10,17 +10,16 @@
 //   WG0: P0*scale1 -> smem; O_L = O_L*scale1 + P1 V1_L (P1 from smem)
 //   WG1: O_R += P0 V0_R (P0 from smem)
 // P0 / P1 live in slab 8 of their stage (the RoPE dims of d576, free once S is done).
-// Order on the tensor pipe (session 13, as FlashMLA's phase1 kernel): WG0 issues the next pair's S0
-// right behind its P1 V1_L, so it enters each pair with S0 done and its softmax overlaps WG1's S1;
-// WG1 runs S1 over stage 1 part B (freed by its own P1 V1_R) before part A (freed last, by WG0's
-// P1 V1_L), and announces P1 only after issuing P0 V0_R, so P0 V0_R (whose slabs WG0's next S0
-// waits for) goes first. The running max moves lazily (seesaw::lazy_max), so most rescales are
-// skipped; max_logits comes from the true row max (m_true).
-// Gather (v3w, the kernel dispatched for 64-row head tiles, src/sm90/prefill/sparse/sparse_prefill.cu): a third,
-// producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384 threads, setmaxnreg
-// 232 for the two consumer warpgroups and 40 for the producer. Each stage is split in two parts,
-// each completing on its own mbarrier (count 256: 128 cp.async.mbarrier.arrive.noinc arrivals for
-// the copies + 128 release arrivals that publish the slot-validity bytes):
+// Order on the tensor pipe (as FlashMLA's phase1 kernel): WG0 issues the next pair's S0 right behind
+// its P1 V1_L, so it enters each pair with S0 done and its softmax overlaps WG1's S1; WG1 runs S1 over
+// stage 1 part B (freed by its own P1 V1_R) before part A (freed last, by WG0's P1 V1_L), and announces
+// P1 only after issuing P0 V0_R, so P0 V0_R (whose slabs WG0's next S0 waits for) goes first (the three
+// together: -4.3 to -4.7% on the H200; each alone 0-1%). The running max moves lazily
+// (seesaw::lazy_max), so most rescales are skipped; max_logits comes from the true row max (m_true).
+// Gather: a third, producer warpgroup does every gather (FlashMLA's sm90 layout, spec §7.3): 384
+// threads, setmaxnreg 232 for the two consumer warpgroups and 40 for the producer. Each stage is split
+// in two parts, each completing on its own mbarrier (count 256: 128 cp.async.mbarrier.arrive.noinc
+// arrivals for the copies + 128 release arrivals that publish the slot-validity bytes):
 //   stage 0 part A = slabs 0-3 (freed by WG0 after its P0 V0_L);
 //   stage 0 part B = slabs 4-8 (freed by WG1 after its P0 V0_R);
 //   stage 1 part A = slabs 0-3 and 8 (freed by WG0 after its P1 V1_L);
@@ -30,23 +29,18 @@
 // order in which they are freed), 8 threads per gathered row so one warp instruction copies 4 whole
 // 128-byte lines, 16-byte cp.async with the L2::256B prefetch hint. The producer keeps each pair's 8
 // slot indices in registers and issues every copy as one cp.async at a compile-time offset from a
-// per-thread base (session 11: the earlier per-chunk address arithmetic made the producer's
-// instruction stream the kernel's bottleneck, ~1700 cycles per stage part; bench/NOTES.md
-// "Session 11"). Every barrier completes once per
-// processed pair, so the wait parity is the pair's parity. Consumers wait on the barrier and issue
-// fence.proxy.async before their wgmma reads (cp.async writes are generic-proxy writes). Unaligned
-// q / kv rows are handled too (2-byte loads and st.shared, published by the same release arrival),
-// so results do not depend on alignment. 1.11x the v1 kernel on the H200 (bench/NOTES.md "sparse
-// prefill v3w"), 1.15-1.19x that again with the session-11 producer. The steps that led here (v2: the consumer warpgroups gathering; v3: 2 producer
-// threads per row; an L2 evict_last hint) were removed after their H200 A/B runs (source at
-// commit 2bac17c).
+// per-thread base (per-chunk address arithmetic had made the producer's instruction stream the
+// bottleneck, ~1700 cycles per stage part). Every barrier completes once per processed pair, so the
+// wait parity is the pair's parity. Consumers wait on the barrier and issue fence.proxy.async before
+// their wgmma reads (cp.async writes are generic-proxy writes). Unaligned q / kv rows are handled too
+// (2-byte loads and st.shared, published by the same release arrival), so results do not depend on
+// alignment. Design notes and measurements: docs/sparse-prefill.md.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
@@ -58,7 +52,7 @@
 #include "sm90/common/seesaw.cuh"
 #include "sm90/common/trace.cuh"
 
-namespace flashmla::sm90::sparse_prefill::ss {
+namespace flashmla::sm90::sparse_prefill::wgmma_seesaw {
 
 using namespace seesaw;  // slab layout, wgmma chains, barrier wrappers
 
@@ -67,7 +61,7 @@ constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 9 * 64 * 4;  // sM0, sS0, sM1, sS1, sL[2][64], sMx[2][64], sSink[64]
 // Validity bytes [stage][64], then one any-invalid flag per stage and producer warp: a block whose
-// 64 slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax; session 13:
+// 64 slots are all valid skips the masking (seesaw::scale_rowmax instead of mask_rowmax;
 // -1.2 to -1.9% in the trace tool).
 constexpr int kSmemValid = 2 * kBlockN + 8;
 constexpr int kSmemBar = 9 * 8;  // full[stage][part], free[stage][part], q_full
@@ -88,9 +82,9 @@ constexpr bool kDiagNoStore = FLASHMLA_PREFILL_DIAG == 4;
 
 // Registers per thread after setmaxnreg: 2 * consumer + producer <= 3 * 168 (the launch allocation).
 // The producer keeps each pair's slot indices as 32-bit ints and turns a row into its source address
-// after the free-barrier wait, which fits in 40 (session 12: 48 / 56 neutral). Overridable for
-// experiments (tools/trace/run-prefill-trace.sh). (Session 15's SRC_AHEAD, the 16 addresses built
-// ahead at the top of the pair with a budget of 48, lost on the H200: 0.951 vs 0.962.)
+// after the free-barrier wait, which fits in 40 (48 / 56 measured neutral). Overridable for
+// experiments (tools/trace/run-prefill-trace.sh). (Building the 16 addresses ahead at the top of the
+// pair with a budget of 48 lost on the H200: 0.951 vs 0.962.)
 #ifndef FLASHMLA_PREFILL_PRODUCER_REGS
 #define FLASHMLA_PREFILL_PRODUCER_REGS 40
 #endif
@@ -104,7 +98,7 @@ static_assert(kConsumerRegs >= 168 && kConsumerRegs <= 256, "consumer registers 
 
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
-// buffer, each 1 KB row written with one bulk copy (H200, session 12: -4% time at d_qk 576 h_q 128,
+// buffer, each 1 KB row written with one bulk copy (H200: -4% time at d_qk 576 h_q 128,
 // -7% at d_qk 512 h_q 128, -12% at d_qk 512 h_q 64, against every thread storing its 4-byte pairs,
 // which is still the path for other layouts). Once its gathers are issued, the producer's first warp
 // prefetches into L2 the Q rows and index row of CTA blockIdx.x + p.prefetch_ahead (the SM count:
@@ -118,8 +112,8 @@ constexpr int kThreadsProd = 384;
 // P0 V0_R precedes warpgroup 0's last P1 V1_L on the tensor pipe) writes its half while warpgroup 0 still
 // computes, and there is no CTA-wide barrier in the epilogue. The row sums and the true row max are
 // exchanged in the last pair instead (sL, sMx; see "epilogue" below), and attn_sink is staged in shared
-// memory with Q. 8 copies per CTA instead of 64 (session 12: one 64 KB copy instead of 64 x 1 KB rows
-// saved ~850 cycles per CTA).
+// memory with Q. 8 copies per CTA instead of 64 (one 64 KB copy instead of 64 x 1 KB rows saved ~850
+// cycles per CTA).
 enum : int { kBarEpi0 = 6 };  // + warpgroup: the warpgroup's slabs staged
 
 // 4-byte cp.async (zero-fill when !valid).
@@ -147,7 +141,7 @@ __device__ __forceinline__ void cp_async_16_l2pf(uint32_t dst, const void* src, 
 // r + 8 share r & 7, so the swizzle is the same). That is slab_off(row, key >> 3) + (key & 7) * 2, but
 // from slab_off the compiler, not knowing tq < 4, rebuilt all 16 addresses in every pair (~125 integer
 // instructions per thread and warpgroup, in warpgroup 0 ahead of its P0 stores, in warpgroup 1 among
-// P1's exps); this way it is 7 LOP3 per pair (session 15, PADDR).
+// P1's exps); this way it is 7 LOP3 per pair (x1.011 on the H200).
 // exp_pack_store_p_xor: seesaw::exp_pack_store_p with that addressing.
 __device__ __forceinline__ void exp_pack_store_p_xor(float (&s)[32], const float (&m)[2], float (&rs)[2],
                                                      uint32_t (&a)[4][4], uint8_t* sP, uint32_t p_off) {
@@ -309,7 +303,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       // Q first (16-byte-aligned rows; else the consumers copy it): rows w_rg + 16 i of the head tile
       // in the gathers' mapping, completing on q_full. Issued ahead of the first pair's gathers it is
       // in shared memory after ~1400 cycles instead of ~4500 when the consumers copied it alongside
-      // them (session 12: -1% d_qk 576 h_q 128 topk 2048, -4% d_qk 512 h_q 64 topk 512).
+      // them (H200: -1% d_qk 576 h_q 128 topk 2048, -4% d_qk 512 h_q 64 topk 512).
       if constexpr (!kDiagNoQ) {
         if (p.q_vec) {
           const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + static_cast<int64_t>(sq) * p.q_stride_s +
@@ -345,7 +339,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       for (int j = 1; 2 * j < n_blk; ++j) {
         const uint32_t fph = static_cast<uint32_t>((j - 1) & 1);
         const bool has1 = 2 * j + 1 < n_blk;
-        // (Session 15's KV_PREFETCH, prefetch.global.L2 of these rows here, lost on the H200: 0.920 vs 0.946.)
+        // (A prefetch.global.L2 of these rows here lost on the H200: 0.920 vs 0.946.)
         load_rows(2 * j, r0);
         load_rows(2 * j + 1, r1);
         FLASHMLA_TRACE_EVENT(2, j, 0, t_wg == 0);
@@ -485,9 +479,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
           sS0[row_local[hh]] = sc0[hh];
         }
       }
-      // Ahead of P0's exps in the PTX (ptxas hoists their MUFU.EX2 above it). Session 15's SCALE0_FIRST,
-      // which kept them behind it by rereading m0 from sM0, was x0.998; session 13's SCALE0_LATE (behind
-      // P0 V0_L) lost too.
+      // Ahead of P0's exps in the PTX (ptxas hoists their MUFU.EX2 above it). Keeping them behind it by
+      // rereading m0 from sM0 measured x0.998; arriving only after P0 V0_L lost too.
       bar_arrive(kBarScale0, kThreads);
       FLASHMLA_TRACE_EVENT(0, j, 4, t_wg == 0);
 
@@ -523,8 +516,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       // stay out of the stretch between the Scale1 barrier and the P0 arrival that warpgroup 1's P0 V0_R
       // waits for. Bit-identical (s * 1.f == s). From the fp32 s, not the packed fragments a[][]: they
       // are the A operand of P0 V0_L, in flight here, and reading them before its wait is undefined in
-      // PTX (session-15 review). With slab_off addresses the compiler rebuilt them behind the barrier
-      // (75 -> 160 instructions there): p_off is what makes the early store pay (session 15, P0_REUSE).
+      // PTX. With slab_off addresses the compiler rebuilt them behind the barrier (75 -> 160
+      // instructions there): p_off is what makes the early store pay.
       store_p0(1.f, 1.f);
 
       named_barrier_sync(kBarScale1, kThreads);
@@ -839,11 +832,11 @@ cudaError_t launch(const SparsePrefillKernelParams& kp_in, cudaStream_t stream) 
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   SparsePrefillKernelParams kp = kp_in;
-  // FLASHMLA_PREFILL_NO_TMA_OUT=1 (read per call): the 1 KB row copies instead (A/B in one build).
-  kp.out_tma = std::getenv("FLASHMLA_PREFILL_NO_TMA_OUT") == nullptr && make_out_tensor_map(kp, &kp.out_map) ? 1 : 0;
+  // O by TMA tensor stores when out's layout allows a tensor map, else by 1 KB row copies.
+  kp.out_tma = make_out_tensor_map(kp, &kp.out_map) ? 1 : 0;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles), 1, 1);
   kernel<<<grid, kThreadsProd, kSmemBytes, stream>>>(kp);
   return cudaGetLastError();
 }
 
-}  // namespace flashmla::sm90::sparse_prefill::ss
+}  // namespace flashmla::sm90::sparse_prefill::wgmma_seesaw
