@@ -257,8 +257,8 @@ def test_sink_values(sink_value):
 
 
 # softmax_scale is any finite number (spec §2.7; FlashMLA does not reject <= 0). A kernel that takes the
-# row max of the unscaled S (max(S) * c == max(S * c) only for c > 0; session 15's sparse decode variant,
-# removed in session 16) must fall back to its general path here; both v4 kernels (64 heads plain, 128 cluster).
+# row max of the unscaled S (max(S) * c == max(S * c) only for c > 0) must fall back to its general path
+# here; both wgmma producer kernels (64 heads plain, 128 cluster).
 @pytest.mark.parametrize("scale", [-0.05, 0.0], ids=["neg", "zero"])
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512)])
 def test_non_positive_softmax_scale(scale, h_q, d_qk):

@@ -323,7 +323,7 @@ def test_regression9_storage_offsets_unaligned(h_q, d_qk):
 # the even heads and -0.05 on the odd ones: the even heads' max jumps by ~20 and ~40 (base 2) mid-row, the odd heads'
 # does not, so every warp holds rows that rescale next to rows that keep scale 1 (the case that the seesaw kernel's
 # P0 store distinguishes: warpgroup 0 stores P0 unscaled and rewrites it as P0 * scale1 only when
-# some row of the warp has scale1 != 1; session-15 review).
+# some row of the warp has scale1 != 1).
 @pytest.mark.parametrize("sink", [False, True], ids=["nosink", "sink"])
 @pytest.mark.parametrize("d_qk,h_q", [(576, 128), (512, 64), (576, 16)])
 def test_rescale_mid_row(d_qk, h_q, sink):
