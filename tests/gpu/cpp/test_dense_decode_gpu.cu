@@ -662,6 +662,7 @@ struct RunInfo {
 // library's choice). With a forced choice the calls go to sm90::dense_decode_launch (after the public
 // plan), which takes them as explicit options.
 sm90::DenseDecodeOptions g_options;
+int g_skipped = 0;  // cases the forced kernel cannot serve
 
 std::string run_case(const Case& c, Pools& P, int num_sms, RunInfo* info = nullptr, Generated* keep = nullptr,
                      DenseDecodeParams* keep_p = nullptr) {
@@ -700,6 +701,12 @@ std::string run_case(const Case& c, Pools& P, int num_sms, RunInfo* info = nullp
 
   const bool forced = g_options.kernel != sm90::DenseKernel::kAuto || g_options.tuning != 0;
   st = forced ? sm90::dense_decode_launch(p, plan.num_sm_parts, sm90::kStageAll, g_options) : dense_decode_fwd(p);
+  if (!st.ok() && forced && g_options.kernel != sm90::DenseKernel::kAuto && st.kind == ErrorKind::kValue &&
+      (st.message.find("serves at most") != std::string::npos ||
+       st.message.find("needs a K tensor map") != std::string::npos)) {
+    ++g_skipped;  // the forced kernel cannot serve this shape (counted apart, not checked)
+    return "";
+  }
   if (!st.ok()) return "dense_decode_fwd failed: " + st.message;
   cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
@@ -1263,6 +1270,8 @@ int main(int argc, char** argv) {
 
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   std::printf("\nSUMMARY: %d checks, %d failed, %.1f s\n", stats.cases, stats.failed, secs);
+  if (g_skipped > 0)
+    std::printf("(%d of the checks skipped: the forced main kernel cannot serve their shapes)\n", g_skipped);
   for (size_t i = 0; i < stats.failures.size() && i < 50; ++i) std::printf("  %s\n", stats.failures[i].c_str());
   return stats.failed == 0 ? 0 : 1;
 }

@@ -260,157 +260,24 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       const uint8_t* sValidCur = sValid + buf * kBlockN;
 
       // ---- S = Q K^T for this warp's KW keys
-      constexpr int NACC = NT_S >= 4 ? 1 : 2;
-      float sacc[NACC][NT_S][4];
-#pragma unroll
-      for (int a = 0; a < NACC; ++a)
-#pragma unroll
-        for (int j = 0; j < NT_S; ++j) sacc[a][j][0] = sacc[a][j][1] = sacc[a][j][2] = sacc[a][j][3] = 0.f;
-      {
-        const int a_row = rg * 16 + (lane & 15);
-        const int a_cbit = lane >> 4;
-        const uint32_t a_base = sQ_u + a_row * kRowBytes;
-        const int a_x = a_row & 7;
-        const int b_key = cw * KW + (lane & 7) + (NT_S >= 2 ? ((lane >> 4) << 3) : 0);
-        const int b_cbit = (lane >> 3) & 1;
-        const uint32_t b_base = sKb_u + b_key * kRowBytes;
-        const int b_x = b_key & 7;
-        auto k_step = [&](int ks, float (&sa)[NT_S][4]) {
-          uint32_t a[4];
-          ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
-          if constexpr (NT_S >= 2) {
-#pragma unroll
-            for (int np = 0; np < NT_S / 2; ++np) {
-              uint32_t bfr[4];
-              ldmatrix_x4(bfr, b_base + np * 16 * kRowBytes + (((ks * 2 + b_cbit) ^ b_x) << 4));
-              HalfTraits<__nv_bfloat16>::mma(sa[2 * np], a, bfr[0], bfr[1]);
-              HalfTraits<__nv_bfloat16>::mma(sa[2 * np + 1], a, bfr[2], bfr[3]);
-            }
-          } else {
-            uint32_t bfr[2];
-            ldmatrix_x2(bfr, b_base + (((ks * 2 + b_cbit) ^ b_x) << 4));
-            HalfTraits<__nv_bfloat16>::mma(sa[0], a, bfr[0], bfr[1]);
-          }
-        };
-#pragma unroll 2
-        for (int ks = 0; ks < K_STEPS; ks += 2) {
-          k_step(ks, sacc[0]);
-          k_step(ks + 1, sacc[NACC - 1]);
-        }
-      }
       float s[NT_S][4];
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = NACC == 2 ? sacc[0][j][e] + sacc[1][j][e] : sacc[0][j][e];
+      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sKb_u, rg, cw, lane, K_STEPS);
 
       // ---- scale, validity mask, row max (this warp's keys)
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j) {
-        const int key = cw * KW + j * 8 + 2 * tq;
-        const bool v0 = sValidCur[key] != 0, v1 = sValidCur[key + 1] != 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float v = ((e & 1) ? v1 : v0) ? s[j][e] * p.scale_log2 : -INFINITY;
-          s[j][e] = v;
-          mx[e >> 1] = fmaxf(mx[e >> 1], v);
-        }
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-        if (tq == 0) sRed[row_local[hh] * C + cw] = mx[hh];
-      }
-      named_barrier_sync(1 + rg, 32 * C);
-      float m_use[2], alpha[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float bm = sRed[row_local[hh] * C];
-#pragma unroll
-        for (int c = 1; c < C; ++c) bm = fmaxf(bm, sRed[row_local[hh] * C + c]);
-        const float m_new = fmaxf(m_run[hh], bm);
-        m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
-        m_run[hh] = m_new;
-      }
-
-      // ---- P = exp2(S - m), row sums, P -> smem (bf16)
-      float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < NT_S; ++j) {
-        const float p0 = exp2f(s[j][0] - m_use[0]);
-        const float p1 = exp2f(s[j][1] - m_use[0]);
-        const float p2 = exp2f(s[j][2] - m_use[1]);
-        const float p3 = exp2f(s[j][3] - m_use[1]);
-        rs[0] += p0 + p1;
-        rs[1] += p2 + p3;
-        const int key = cw * KW + j * 8 + 2 * tq;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t pk = hh == 0 ? HalfTraits<__nv_bfloat16>::pack(p0, p1) : HalfTraits<__nv_bfloat16>::pack(p2, p3);
-          *reinterpret_cast<uint32_t*>(sP + swz_p(row_local[hh], key >> 3) + (key & 7) * 2) = pk;
-        }
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * alpha[hh] + rs[hh];
-#pragma unroll
-      for (int j = 0; j < NT_O; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-      }
-      named_barrier_sync(1 + rg, 32 * C);
+      float mx[2];
+      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
+      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
 
       // ---- O += P V for this warp's VW columns
-      {
-        const int a_row = rg * 16 + (lane & 15);
-        const int a_cbit = lane >> 4;
-        const uint32_t a_base = sP_u + a_row * (kBlockN * 2);
-        const int a_x = a_row & 7;
-        const int v_key = (lane & 7) + (((lane >> 3) & 1) << 3);
-        const int v_cbit = lane >> 4;
-        const int v_chunk0 = cw * (VW / 8);
-#pragma unroll
-        for (int ks = 0; ks < kBlockN / 16; ++ks) {
-          uint32_t a[4];
-          ldmatrix_x4(a, a_base + (((ks * 2 + a_cbit) ^ a_x) << 4));
-          const int key = ks * 16 + v_key;
-          const uint32_t v_base = sKb_u + key * kRowBytes;
-          const int v_x = key & 7;
-#pragma unroll
-          for (int np = 0; np < NT_O / 2; ++np) {
-            uint32_t bfr[4];
-            ldmatrix_x4_trans(bfr, v_base + (((v_chunk0 + np * 2 + v_cbit) ^ v_x) << 4));
-            HalfTraits<__nv_bfloat16>::mma(o[2 * np], a, bfr[0], bfr[1]);
-            HalfTraits<__nv_bfloat16>::mma(o[2 * np + 1], a, bfr[2], bfr[3]);
-          }
-        }
-      }
+      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sKb_u, rg, cw, lane);
       mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
     }
 
     // ---- epilogue (as the mma.sync kernel): total row sum across the row group's warps
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-    }
+    mma_core::quad_sum(l_run);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        if (tq == 0) sRed[row_local[hh] * C + cw] = l_run[hh];
-      named_barrier_sync(1 + rg, 32 * C);
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float t = 0.f;
-#pragma unroll
-        for (int c = 0; c < C; ++c) t += sRed[row_local[hh] * C + c];
-        L[hh] = t;
-      }
+      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
 #pragma unroll
