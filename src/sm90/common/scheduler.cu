@@ -35,7 +35,7 @@ __host__ __device__ inline int64_t sched_smem_bytes(int64_t b, int64_t /*num_sm_
 // Equal to the greedy of spec §4.3 element for element (tests/cpp: RequestWisePassEqualsTheGreedy;
 // on the GPU, the C++ test program's device-vs-host scheduler check). Not the part-by-part greedy in
 // one thread: ~350 clk per part, 23 µs at b = 1 and 36 µs at b = 128 on the H200
-// (bench/results/2026-11-30-profile-decode-call-run12.log), more than a short decode's kernel.
+// (bench/results/2026-11-30-profile-decode-call-serial-scheduler.log), more than a short decode's kernel.
 template <class Work>
 __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, int32_t* __restrict__ metadata,
                                      int32_t* __restrict__ num_splits) {
