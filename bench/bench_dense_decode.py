@@ -1,6 +1,6 @@
 """Dense MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
 
-Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick] [--ab auto,v1,v2] [--filter compute,memory]
+Usage: python bench/bench_dense_decode.py [--out bench/results] [--quick] [--filter compute,memory]
 
 Cases: compute-bound anchors (b=128, h_q=128, s_q 1/2, varlen mean s_k 4k-32k,
 causal and not), memory-bound anchors (h_q 16/32/64, s_k=8192 fixed), the
@@ -13,13 +13,10 @@ FlashMLASchedMeta (the first computes the split schedule inside the graph, the o
 per call; the eager (plain Python call) time is kept as
 eager_call_us (host overhead leaks into it whenever the host is slower than the L2 flush).
 
---ab V1,V2,...: A/B of kernel variants on the SAME inputs, in one process. Each variant is
-an environment setting read by the library on every call: "auto" (nothing set), "v1", "v2"
-or "v4" (FLASHMLA_DENSE_DECODE_KERNEL; v4 is what "auto" picks whenever a K tensor map can be
-made). Every case is timed once per variant (main kernel, CUDA-graph call) and the outputs
-of each variant are compared with the first one's (max |diff|); the first variant fills the
-usual fields, the others go to case["ab"]; results go to <date>-dense-decode-ab.json (the
-issue's JSON is not overwritten).
+Each case records the main kernel the library runs for it (field "kernel": the seesaw kernel whenever a
+K tensor map can be made, as for every case here). Kernel variants are compared between builds
+(tools/ab-variants.sh builds each variant and runs this script once per build); the C++ GPU test
+(tests/gpu/cpp, --kernel) times every main kernel on the same inputs.
 --filter S1,S2: only cases whose name contains one of the substrings.
 """
 
@@ -100,20 +97,7 @@ def graph_call_us(fn, reps: int = 20):
     return statistics.median(ts)
 
 
-ENV_KERNEL = "FLASHMLA_DENSE_DECODE_KERNEL"
-VARIANTS = ("auto", "v1", "v2", "v4")
-
-
-def set_variant(v):
-    """Environment of an A/B variant (one of VARIANTS); None = leave as is."""
-    if v is None:
-        return
-    os.environ.pop(ENV_KERNEL, None)
-    if v != "auto":
-        os.environ[ENV_KERNEL] = v
-
-
-def time_variant(fn, reuse_meta, fn_layers=None, layers=1):
+def time_call(fn, reuse_meta, fn_layers=None, layers=1):
     """Kernel times of one call (profiler); call time = the CUDA-graph time of `fn_layers` (`layers`
     calls, one per layer cache, sharing one FlashMLASchedMeta as a step's layers do) per call."""
     t = common.kernel_times_us(fn, [KERNEL, COMBINE, "get_mla_metadata", "scheduler"])
@@ -125,7 +109,7 @@ def time_variant(fn, reuse_meta, fn_layers=None, layers=1):
     return t, g
 
 
-def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True, variants=None, layers=1):
+def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_meta=True, layers=1):
     q, k, bt, lens_t, lens = make_inputs(b, s_q, h_q, s_k, varlen)
     sched, _ = flash_mla.get_mla_metadata()
     fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, sched, causal=causal)
@@ -141,24 +125,10 @@ def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_
     if not reuse_meta:
         fn = lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, lens_t, 512, flash_mla.get_mla_metadata()[0],
                                                       causal=causal)
-    ab = {}
-    ref_out = None
-    for v in (variants or [None]):
-        set_variant(v)
-        out = fn()[0].float()
-        torch.cuda.synchronize()
-        diff = 0.0 if ref_out is None else float((out - ref_out).abs().max())
-        nonfinite = int((~torch.isfinite(out)).sum())
-        if ref_out is None:
-            ref_out = out
-        tv, gv = time_variant(fn, reuse_meta, fn_layers, layers)
-        ab[v] = {"time_us": tv[KERNEL], "call_time_us": tv["call"], "eager_call_us": tv["eager"],
-                 "combine_us": tv[COMBINE], "call_is_graph": gv is not None, "max_abs_diff_vs_first": diff,
-                 "nonfinite_outputs": nonfinite}
-        if v == (variants or [None])[0]:
-            t, g = tv, gv
-    if variants:
-        set_variant(variants[0])
+    out = fn()[0].float()
+    torch.cuda.synchronize()
+    nonfinite = int((~torch.isfinite(out)).sum())
+    t, g = time_call(fn, reuse_meta, fn_layers, layers)
     mean_len = sum(lens) / b
     flop = b * h_q * s_q * (2 * 576 * mean_len + 2 * mean_len * 512)
     nbytes = b * (s_q * h_q * 576 * 2 + mean_len * 576 * 2 + s_q * h_q * 512 * 2)
@@ -168,16 +138,12 @@ def bench_case_impl(name, b, s_q, h_q, s_k, causal, varlen, anchor, ceil, reuse_
         "params": {"b": b, "s_q": s_q, "h_q": h_q, "h_kv": 1, "s_k": s_k, "mean_s_k": mean_len, "causal": causal,
                    "varlen": varlen, "page_block_size": 64, "d_qk": 576, "d_v": 512},
         "time_us": kt, "call_time_us": t["call"], "eager_call_us": t["eager"], "call_is_graph": g is not None,
-        "combine_us": t[COMBINE],
+        "combine_us": t[COMBINE], "nonfinite_outputs": nonfinite, "kernel": "wgmma_seesaw",
         "tflops": flop / kt / 1e6, "gbps": nbytes / kt / 1e3,
         "frac_matmul_ceiling": flop / kt / 1e6 / ceil["matmul_tflops"],
         "frac_copy_ceiling": nbytes / kt / 1e3 / ceil["copy_gbps"],
         "anchor_tflops": None, "anchor_gbps": None, "anchor_call_us": None, "ratio_to_anchor": None,
     }
-    if variants:
-        case["ab_variants"] = list(variants)
-        case["ab"] = {v: dict(ab[v], tflops=flop / ab[v]["time_us"] / 1e6, gbps=nbytes / ab[v]["time_us"] / 1e3)
-                      for v in variants}
     if anchor is not None:
         metric, value = anchor
         if metric == "tflops":
@@ -193,23 +159,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", default=None,
-                    help="comma-separated variants among auto,v1,v2,v4, e.g. auto,v2 (first = baseline)")
     ap.add_argument("--filter", default=None, help="comma-separated substrings of case names to run")
     args = ap.parse_args()
-    variants = [v.strip() for v in args.ab.split(",") if v.strip()] if args.ab else None
-    if variants and any(v not in VARIANTS for v in variants):
-        ap.error(f"--ab: variants must be among {','.join(VARIANTS)}")
     filters = [f.strip() for f in args.filter.split(",") if f.strip()] if args.filter else None
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
     print(f"{gpu}: ceilings {ceil}", flush=True)
     cases = []
 
-    def bench_case(name, *a, **kw):  # noqa: F811  (filter + variants for every case below)
+    def bench_case(name, *a, **kw):  # noqa: F811  (the filter for every case below)
         if filters and not any(f in name for f in filters):
             return None
-        return bench_case_impl(name, *a, variants=variants, **kw)
+        return bench_case_impl(name, *a, **kw)
 
     def keep(c):
         if c is not None:
@@ -236,24 +197,6 @@ def main():
               f"eager {c['eager_call_us']:9.1f} us  "
               f"{c['tflops']:7.1f} TFLOP/s {c['gbps']:7.0f} GB/s  ratio {'-' if r is None else f'{r:.3f}'}",
               flush=True)
-        if variants:
-            base = c["ab"][variants[0]]
-            for v in variants:
-                r = c["ab"][v]
-                print(f"    {v:8s} kernel {r['time_us']:9.1f} us ({base['time_us'] / r['time_us']:.3f}x)  "
-                      f"call {r['call_time_us']:9.1f} us ({base['call_time_us'] / r['call_time_us']:.3f}x)  "
-                      f"{r['tflops']:7.1f} TFLOP/s  max|diff| {r['max_abs_diff_vs_first']:.2e}  "
-                      f"nonfinite {r['nonfinite_outputs']}", flush=True)
-    if variants:
-        for v in variants[1:]:
-            for key in ("time_us", "call_time_us"):
-                rs = [c["ab"][variants[0]][key] / c["ab"][v][key] for c in cases]
-                print(f"A/B {v} vs {variants[0]}: {key} speedup geomean "
-                      f"{math.exp(sum(map(math.log, rs)) / len(rs)):.3f} over {len(rs)} cases "
-                      f"(min {min(rs):.3f}, max {max(rs):.3f})", flush=True)
-        path = common.write_results("dense-decode-ab", gpu, ceil, cases, args.out)
-        print(f"wrote {path}")
-        return
     path = common.write_results("dense-decode", gpu, ceil, cases, args.out)
     common.plot_ratios(cases, f"dense decode vs FlashMLA ({gpu})", path.replace(".json", ".png"))
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]

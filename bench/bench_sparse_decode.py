@@ -1,6 +1,6 @@
 """Sparse FP8 MLA decode benchmark on an H200 vs the FlashMLA anchors (shared/anchors-h200.md).
 
-Usage: python bench/bench_sparse_decode.py [--out bench/results] [--quick] [--ab]
+Usage: python bench/bench_sparse_decode.py [--out bench/results] [--quick]
 
 Cases: FlashMLA's sparse-decode perf cases (spec §5.2; s_q=2, varlen, sink on):
 V3.2 (h_q 128, topk 2048, page 64, b 2/64/74/128), MODEL1 configs 1-4 (b 2..256), the
@@ -10,11 +10,9 @@ Time = split-KV kernel + combine kernel durations (summed, from the profiler), t
 metadata being reused as across layers; the kernel-only rate is reported too. The caches
 are filled with random valid FP8 bytes and power-of-two scales directly on the GPU
 (values do not affect the speed; the GPU tests check correctness).
---ab: also time, on the same inputs, the main kernel the library would NOT pick for the case
-(automatic choice, src/sm90/sparse_decode.cu: v2 for h_q <= 16, v4 for h_q > 32, v1 between; or the one forced by
-FLASHMLA_SPARSE_DECODE_KERNEL=v1|v2|v4 when that is set; the alternative is v1, or v2 where v1 is
-the default): fields kernel_default, alt_kernel,
-alt_kernel_us, speedup_alt_vs_default (= default kernel time / alt kernel time, > 1: alt faster).
+Each case records the main kernel the library runs for it (field "kernel": mma_sync, mma_small_heads or
+wgmma_producer; the choice is a function of h_q, see default_kernel). Kernel variants are compared
+between builds (tools/ab-variants.sh builds each variant and runs this script once per build).
 """
 
 from __future__ import annotations
@@ -34,18 +32,14 @@ import flash_mla  # noqa: E402
 
 KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
-ENV = "FLASHMLA_SPARSE_DECODE_KERNEL"  # "v1" / "v2" / "v4" force that main kernel (A/B column)
 
 
 def default_kernel(h_q):
-    """Main kernel the library runs for h_q (mirrors sparse_decode_kernel_version() in
-    src/sm90/sparse_decode.cu; the benchmark's caches are 16-byte aligned, as v2 needs)."""
-    forced = os.environ.get(ENV)
-    if forced in ("v1", "v2"):
-        return forced
-    if forced == "v4":  # h_q > 32 only; v1 below
-        return "v4" if h_q > 32 else "v1"
-    return "v2" if h_q <= 16 else ("v4" if h_q > 32 else "v1")
+    """Main kernel the library runs for h_q (sparse_decode_kernel_version() in
+    src/sm90/decode/sparse_fp8/sparse_decode.cu; the benchmark's caches are 16-byte aligned)."""
+    return "mma_small_heads" if h_q <= 16 else ("wgmma_producer" if h_q > 32 else "mma_sync")
+
+
 BS = [2, 64, 74, 128, 148, 256]
 
 # name -> (params, anchors per b)
@@ -130,7 +124,7 @@ def counts(b, s_q, h_q, d_qk, scopes):
     return flop, nbytes
 
 
-def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
+def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
     gen = random.Random(seed)
     torch.manual_seed(seed)
     h_q, d_qk = cfg["h_q"], cfg["d_qk"]
@@ -151,26 +145,6 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
     kt = t[KERNEL]
     ct = t[COMBINE] if not math.isnan(t[COMBINE]) else 0.0
     tt = kt + ct
-    alt = {}
-    if ab:  # A/B in the same process on the same inputs: the other kernel through an environment switch
-        default = default_kernel(h_q)
-        if ab in ("v1", "v2", "v4"):  # an explicit other kernel (v4 only for h_q > 32)
-            env, other = ENV, (ab if h_q > 32 or ab != "v4" else "v1")
-            value = other
-        else:
-            env, other = ENV, ("v2" if default == "v1" else "v1")
-            value = other
-        saved = os.environ.get(env)
-        os.environ[env] = value
-        try:
-            ka = common.kernel_times_us(fn, [KERNEL, COMBINE], reps=10)[KERNEL]
-        finally:
-            if saved is None:
-                os.environ.pop(env, None)
-            else:
-                os.environ[env] = saved
-        alt = {"kernel_default": default, "alt_kernel": other, "alt_kernel_us": ka,
-               "alt_tflops_kernel_only": flop / ka / 1e6, "speedup_alt_vs_default": kt / ka}
     case = {
         "name": name,
         "params": {"b": b, "s_q": s_q, **cfg},
@@ -181,7 +155,7 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0, ab=False):
         "anchor_tflops": anchor,
         "ratio_to_anchor": None if anchor is None else flop / tt / 1e6 / anchor,
         "ratio_kernel_only": None if anchor is None else flop / kt / 1e6 / anchor,
-        **alt,
+        "kernel": default_kernel(h_q),
     }
     del cache, kw
     torch.cuda.empty_cache()
@@ -192,9 +166,6 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ab", nargs="?", const="kernel", choices=["kernel", "v1", "v2", "v4"],
-                    help=f"also time another kernel per case through {ENV}: v1 (or v2 where v1 is the default), "
-                         "or the one named")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
@@ -202,13 +173,11 @@ def main():
     cases = []
 
     def add(*a, **kw):
-        c = bench_case(*a, ceil=ceil, ab=args.ab, **kw)
+        c = bench_case(*a, ceil=ceil, **kw)
         r = c["ratio_to_anchor"]
         print(f"{c['name']:26s} kernel {c['kernel_us']:8.1f} us combine {c['combine_us']:6.1f} us "
               f"{c['tflops']:6.1f} TFLOP/s (kernel only {c['tflops_kernel_only']:6.1f}) {c['gbps']:6.0f} GB/s "
-              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}" +
-              (f"  {c['alt_kernel']} kernel {c['alt_kernel_us']:8.1f} us (x{c['speedup_alt_vs_default']:.2f})"
-               if "alt_kernel" in c else ""), flush=True)
+              f"anchor {c['anchor_tflops'] or '-'}  ratio {'-' if r is None else f'{r:.3f}'}", flush=True)
         cases.append(c)
 
     for b, a in V32_ANCHORS.items():
@@ -231,12 +200,6 @@ def main():
     rk = [c["ratio_kernel_only"] for c in cases if c["ratio_kernel_only"]]
     gm = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
     print(f"wrote {path}; geomean ratio {gm(rs):.3f} (kernel only {gm(rk):.3f}) over {len(rs)} anchor cases")
-    if args.ab:
-        for dflt, alt in {(c["kernel_default"], c["alt_kernel"]) for c in cases}:
-            sp = [c["speedup_alt_vs_default"] for c in cases if (c["kernel_default"], c["alt_kernel"]) == (dflt, alt)]
-            print(f"{alt} kernel speedup over the default ({dflt}): geomean "
-                  f"{gm(sp):.3f}, min {min(sp):.3f}, max {max(sp):.3f} over {len(sp)} cases")
-
 
 if __name__ == "__main__":
     main()

@@ -1,19 +1,15 @@
 """Sparse MLA prefill (flash_mla_sparse_fwd) benchmark on an H200 vs the FlashMLA anchors
 (shared/anchors-h200.md).
 
-Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 30] [--ab mma] [--main v3w|mma]
+Usage: python bench/bench_sparse_prefill.py [--out bench/results] [--reps 30] [--filter PREFIXES]
 
 Cases: FlashMLA's sparse-prefill perf cases (spec §5.3: s_q = 4096, attn_sink on, all indices
 valid): V3.2 d_qk 576 h_q 128 topk 2048, s_kv 8192..131072; MODEL1 CONFIG1 d_qk 512 h_q 64
 topk 512 and CONFIG2 d_qk 512 h_q 128 topk 1024, s_kv 8192..65536; plus tensor-parallel head
-counts h_q 16/32 (no anchor; the mma.sync kernel, 16/32-row tiles) and two A/B cases of the
-mma.sync kernel forced on 64-row tiles (FLASHMLA_SPARSE_PREFILL_KERNEL=mma). The 64-row kernels
-left are v3w (automatic) and mma (forced); --ab K1,... (each "v3w" or "mma", default none) also
-times every anchor case with those kernels on the same inputs: fields kernel_us_<k>, speedup_vs_<k>
-(= time of k / time of the primary kernel), and ab_kernel, ab_kernel_us, ab_tflops, speedup_vs_ab for
-the first of them; --main K times the anchor cases' primary numbers with K instead of the automatic
-kernel; --filter S keeps only the cases whose name starts with one of the comma-separated prefixes S
-(v32,model1 = the anchor cases only).
+counts h_q 16/32 (no anchor; the mma.sync kernel, 16/32-row tiles; the anchor cases run the wgmma
+seesaw kernel). --filter S keeps only the cases whose name starts with one of the comma-separated
+prefixes S (v32,model1 = the anchor cases only). Kernel variants are compared between builds
+(tools/ab-variants.sh builds each variant and runs this script once per build).
 FLOP and bytes as tests/lib.py::count_flop_and_mem_vol (spec §5.3):
 FLOP = 2 * s_q * topk * h_q * (d_qk + 512); bytes = valid * d_qk * 2 + s_q * h_q * (d_qk + 512) * 2.
 Time = the `sparse_attn_fwd` kernel alone (profiler, L2 flushed between calls).
@@ -34,8 +30,6 @@ import common  # noqa: E402
 import flash_mla  # noqa: E402
 
 KERNEL = "sparse_attn_fwd"
-KERNELS = ("v3w", "mma")  # values of FLASHMLA_SPARSE_PREFILL_KERNEL (v3w = the automatic kernel)
-KERNEL_ENV = "FLASHMLA_SPARSE_PREFILL_KERNEL"
 S_Q = 4096
 V32 = (dict(d_qk=576, h_q=128, topk=2048), {8192: 667, 32768: 615, 65536: 580, 98304: 561, 131072: 563})
 CONFIG1 = (dict(d_qk=512, h_q=64, topk=512), {8192: 513, 32768: 498, 49152: 476, 65536: 462})
@@ -56,21 +50,11 @@ def make_inputs(s_q, s_kv, topk, h_q, d_qk, seed=0):
     return q, kv, idx.to(torch.int32)[:, None, :].contiguous(), sink
 
 
-def _times(fn, kernel, reps):
-    """kernel: None (automatic) or one of KERNELS."""
-    if kernel:
-        os.environ[KERNEL_ENV] = kernel
-    try:
-        return common.kernel_times_us(fn, [KERNEL], reps=reps)
-    finally:
-        os.environ.pop(KERNEL_ENV, None)
-
-
-def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
+def bench_case(name, cfg, s_kv, anchor, ceil, reps):
     d_qk, h_q, topk = cfg["d_qk"], cfg["h_q"], cfg["topk"]
     q, kv, idx, sink = make_inputs(S_Q, s_kv, topk, h_q, d_qk)
     fn = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, sm_scale=d_qk ** -0.5, attn_sink=sink)  # noqa: E731
-    t = _times(fn, kernel, reps)
+    t = common.kernel_times_us(fn, [KERNEL], reps=reps)
     flop = 2 * S_Q * topk * h_q * (d_qk + 512)
     valid = S_Q * topk
     nbytes = valid * d_qk * 2 + S_Q * h_q * (d_qk + 512) * 2
@@ -78,17 +62,13 @@ def bench_case(name, cfg, s_kv, anchor, ceil, reps, kernel=None, ab=None):
     tflops = flop / kt / 1e6
     case = {
         "name": name,
-        "params": {"s_q": S_Q, "s_kv": s_kv, **cfg, "attn_sink": True, "kernel": kernel or "auto"},
+        "params": {"s_q": S_Q, "s_kv": s_kv, **cfg, "attn_sink": True,
+                   "kernel": "wgmma_seesaw" if h_q > 32 else "mma_sync"},
         # time_us: the issue's field (main-kernel time; prefill is one kernel), kernel_us kept for older readers
         "time_us": kt, "kernel_us": kt, "call_time_us": t["call"], "tflops": tflops, "gbps": nbytes / kt / 1e3,
         "frac_matmul_ceiling": tflops / ceil["matmul_tflops"], "frac_copy_ceiling": nbytes / kt / 1e3 / ceil["copy_gbps"],
         "anchor_tflops": anchor, "ratio_to_anchor": None if anchor is None else tflops / anchor,
     }
-    for i, k in enumerate(ab or ()):
-        ta = _times(fn, k, reps)[KERNEL]
-        if i == 0:
-            case.update(ab_kernel=k, ab_kernel_us=ta, ab_tflops=flop / ta / 1e6, speedup_vs_ab=ta / kt)
-        case[f"kernel_us_{k}"], case[f"speedup_vs_{k}"] = ta, ta / kt
     del q, kv, idx, sink
     torch.cuda.empty_cache()
     return case
@@ -98,14 +78,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--reps", type=int, default=30, help="calls per round (bench_kineto num_tests; 30 as FlashMLA's test)")
-    ap.add_argument("--ab", default="", help="kernels timed on every anchor case too, among " + ",".join(KERNELS))
-    ap.add_argument("--main", default=None, choices=KERNELS,
-                    help="kernel of the primary anchor-case times (default: automatic)")
     ap.add_argument("--filter", default=None, help="comma-separated prefixes of the case names to run")
     args = ap.parse_args()
-    ab_list = tuple(k for k in args.ab.split(",") if k)
-    if any(k not in KERNELS for k in ab_list):
-        ap.error(f"--ab: kernels must be among {','.join(KERNELS)}")
     filt = None if args.filter is None else [f for f in args.filter.split(",") if f]
     gpu = torch.cuda.get_device_name()
     ceil = common.measure_ceilings()
@@ -119,19 +93,15 @@ def main():
         r = c["ratio_to_anchor"]
         print(f"{c['name']:34s} kernel {c['kernel_us']:9.1f} us {c['tflops']:6.1f} TFLOP/s {c['gbps']:6.0f} GB/s "
               f"({c['frac_matmul_ceiling']:.2f} of matmul) anchor {c['anchor_tflops'] or '-'} "
-              f"ratio {'-' if r is None else f'{r:.3f}'}"
-              + "".join(f" | {k[10:]} {c[k]:8.1f} us x{c['speedup_vs_' + k[10:]]:.3f}"
-                        for k in c if k.startswith("kernel_us_")), flush=True)
+              f"ratio {'-' if r is None else f'{r:.3f}'}", flush=True)
         cases.append(c)
 
     for label, (cfg, anchors) in (("v32", V32), ("model1-c1", CONFIG1), ("model1-c2", CONFIG2)):
         for s_kv, a in anchors.items():
-            add(f"{label} skv{s_kv}", cfg, s_kv, a, ab=ab_list, kernel=args.main)
+            add(f"{label} skv{s_kv}", cfg, s_kv, a)
     for h_q in (16, 32):
         add(f"tp v32 h{h_q} skv32768", dict(V32[0], h_q=h_q), 32768, None)
         add(f"tp model1-c1 h{h_q} skv32768", dict(CONFIG1[0], h_q=h_q), 32768, None)
-    add("mma-kernel v32 skv8192", V32[0], 8192, None, kernel="mma")
-    add("mma-kernel model1-c1 skv8192", CONFIG1[0], 8192, None, kernel="mma")
 
     path = common.write_results("sparse-prefill", gpu, ceil, cases, args.out)
     common.plot_ratios(cases, f"sparse prefill vs FlashMLA ({gpu}), sparse_attn_fwd kernel",
@@ -139,13 +109,6 @@ def main():
     rs = [c["ratio_to_anchor"] for c in cases if c["ratio_to_anchor"]]
     gm = math.exp(sum(map(math.log, rs)) / len(rs)) if rs else float("nan")
     print(f"wrote {path}; geomean ratio {gm:.3f} over {len(rs)} anchor cases")
-    for k in ab_list:
-        ab = [c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
-        if ab:
-            ra = [c["ratio_to_anchor"] / c[f"speedup_vs_{k}"] for c in cases if f"speedup_vs_{k}" in c]
-            print(f"A/B: geomean speedup vs {k} {math.exp(sum(map(math.log, ab)) / len(ab)):.3f} "
-                  f"(min {min(ab):.3f}, max {max(ab):.3f}); {k} geomean ratio {math.exp(sum(map(math.log, ra)) / len(ra)):.3f}")
-
 
 if __name__ == "__main__":
     main()

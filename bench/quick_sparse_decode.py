@@ -1,9 +1,8 @@
-"""Quick A/B timing of the sparse FP8 decode main kernel on four key cases (no JSON, no ceilings).
+"""Quick timing of the sparse FP8 decode main kernel on four key cases (no JSON, no ceilings).
 
-Prints the kernel time of the library's default kernel and of v1 on the same inputs (and their
-ratio) for V3.2 b128, MODEL1 config 1 / 2 b128 and the h_q 128 d_qk 576 peak case. Meant for
-comparing source variants in one device call (tools/ab-variants.sh sets AB_VARIANT); the full
-benchmark with ceilings and anchors is bench/bench_sparse_decode.py.
+Prints the main kernel's time for V3.2 b128, MODEL1 config 1 / 2 b128 and the h_q 128 d_qk 576 peak
+case. Meant for comparing source variants in one device call (tools/ab-variants.sh sets
+AB_VARIANT); the full benchmark with ceilings and anchors is bench/bench_sparse_decode.py.
 
 Usage: python3 bench/quick_sparse_decode.py
 """
@@ -24,9 +23,9 @@ def main():
              ("model1 config2 b128", B.MODEL1["config2"][0], 128),
              ("peak h128 d576", dict(h_q=128, d_qk=576, s_kv=32768, topk=16384, pbs=64), 148)]
     for name, cfg, b in cases:
-        c = B.bench_case(name, cfg, b, None, unused, ab="v1")
-        print(f"[{tag}] {name:22s} default {c['kernel_default']} {c['kernel_us']:9.1f} us   "
-              f"v1 {c['alt_kernel_us']:9.1f} us   default/v1 {c['kernel_us'] / c['alt_kernel_us']:.3f}", flush=True)
+        c = B.bench_case(name, cfg, b, None, unused)
+        print(f"[{tag}] {name:22s} {c['kernel']} {c['kernel_us']:9.1f} us   combine {c['combine_us']:7.1f} us",
+              flush=True)
 
 
 if __name__ == "__main__":

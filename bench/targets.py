@@ -6,7 +6,7 @@ cases reach, whether it is met, and the benchmark's own description of what is m
 target is missed, `why_not_summary` says why, from the H200 measurements (`WHY_NOT` below). The
 benchmarks call it when they write their JSON; for a JSON written before (or by another run):
 
-    python3 bench/targets.py bench/results/2026-12-01-dense-decode.json   # adds / replaces "targets"
+    python3 bench/targets.py bench/results/2026-12-02-dense-decode.json   # adds / replaces "targets"
 
 Only the standard library is used (no torch), so this also runs where no GPU is.
 
@@ -29,29 +29,31 @@ import sys
 from typing import Dict, List, Optional
 
 GEOMEAN_TARGET = {"dense-decode": 1.05, "sparse-decode": 1.15, "sparse-prefill": 1.05}
+# The design note of each family (docs/).
+DOCS = {"dense-decode": "dense-decode.md", "sparse-decode": "sparse-fp8-decode.md", "sparse-prefill": "sparse-prefill.md"}
 
-# Why the targets are not met: what was measured on the H200 (bench/NOTES.md has the runs). Written
+# Why the targets are not met: what was measured on the H200 (docs/<family>.md has the runs). Written
 # into a result's "targets" block when a target is missed, so the JSON says why on its own. Update it
 # when a measurement changes the reading.
 WHY_NOT = {
     "dense-decode": [
         "Short whole calls (b 128, s_k 256-1024; ratios 0.72-0.81): the 4-block K stream runs at DRAM "
-        "speed (~3.7 TB/s while all CTAs stream, session-17 event trace), but each CTA waits ~5.5 us "
+        "speed (~3.7 TB/s while all CTAs stream, per-CTA event trace), but each CTA waits ~5.5 us "
         "before its first K bytes arrive (barrier init 0.6, metadata 0.5, length load 0.7, Q and block "
         "table 2.1, first slab 1.1), its epilogue takes 1.9 us (h_q 8) to 4.2 us (h_q 64/128), and CTA "
         "exits spread from 16.8 to 21.3 us, against 17.3 us for FlashMLA's whole kernel; the device "
         "scheduler and the combine add to the call.",
         "Compute-bound (h_q 128, long s_k; 0.92-0.98): the seesaw wgmma consumers are shared-memory-"
-        "bandwidth bound, not tensor bound (session 7: re-reading S's operands costs as much as issuing "
+        "bandwidth bound, not tensor bound (diagnostic builds: re-reading S's operands costs as much as issuing "
         "S twice); FlashMLA keeps part of Q in registers as S's A operand, which needs registers this "
         "kernel (255, with a small spill) does not have without ptxas serializing its wgmma.",
         "Tensor-parallel h_q 32 s_q 4 runs 128 query rows per KV head: twice the MMA work of the h_q 64 "
         "read, so it cannot sit within 1.2x of it; the shapes of <= 64 rows are within 1.0x.",
-        "Tried and lost since session 9 (each A/B in bench/NOTES.md): early metadata, early Q/K of the "
-        "next request, PDL, a pipelined v5, TMA tensor-store epilogue, spread issue.",
+        "Tried and lost (each A/B in docs/dense-decode.md): early metadata, early Q/K of the next request, "
+        "PDL, a software-pipelined seesaw, a TMA tensor-store epilogue, spread reload issue.",
     ],
     "sparse-decode": [
-        "The kernel is producer-bound (session-17 event trace): warpgroup 0 waits 30% (V3.2 b128 "
+        "The kernel is producer-bound (per-CTA event trace): warpgroup 0 waits 30% (V3.2 b128 "
         "cluster) to 48% (MODEL1 config2, plain kernel) of every 64-token block step for the producer's "
         "dequantized K; warpgroup 1 waits < 5%.",
         "In the producer's ~6000-cycle step, part A (first use of the gathered FP8 bytes) takes ~2250 "
@@ -68,13 +70,13 @@ WHY_NOT = {
         "MODEL1 config3/4, the peak cases); FlashMLA's anchors time its main kernel only.",
     ],
     "sparse-prefill": [
-        "The seesaw wgmma consumers are shared-memory-bandwidth bound (session 7: re-reading S's "
+        "The seesaw wgmma consumers are shared-memory-bandwidth bound (diagnostic builds: re-reading S's "
         "operand bytes costs +28%, issuing S twice +35%); the pair loop runs at 61-64% of the wgmma "
-        "peak (session-12 event trace), and per CTA ~1400 cycles go to the first Q and ~5500 to the "
+        "peak (per-CTA event trace), and per CTA ~1400 cycles go to the first Q and ~5500 to the "
         "epilogue (~3000 of them the output copies, since moved to TMA tensor stores).",
         "Every ratio is 0.92-1.00 (V3.2 0.96-0.99, MODEL1 config1 0.92-0.99, config2 0.96-1.00): the "
-        "remaining gap is spread over the loop, not one phase; the variants tried since session 12 "
-        "(bench/NOTES.md) gained 1-5% each or lost.",
+        "remaining gap is spread over the loop, not one phase; the variants tried since the per-CTA "
+        "trace (docs/sparse-prefill.md) gained 1-5% each or lost.",
     ],
 }
 
@@ -131,7 +133,8 @@ def summarize(kind: str, cases: List[dict]) -> Dict[str, object]:
                                 "twice the MMA work of h_q 64"})
     all_met = all(t["met"] for t in out)
     return {"all_met": all_met, "targets": out,
-            "why_not": None if all_met else "bench/NOTES.md, section 'Summary' and each kernel's sections",
+            "why_not": None if all_met else f"docs/{DOCS[kind]}, sections 'What was tried and measured' and "
+                                            "'What is next'",
             "why_not_summary": None if all_met else WHY_NOT[kind]}
 
 

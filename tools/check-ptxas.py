@@ -1,18 +1,20 @@
 #!/usr/bin/env python3
-"""Compile every sm_90a translation unit (src/sm90/*.cu) with `ptxas -v` and check the kernels.
+"""Compile every sm_90a translation unit (src/sm90/**/*.cu) with `ptxas -v` and check the kernels.
 
 Prints, per kernel: registers, stack frame and spill bytes, and ptxas's wgmma performance notes.
 Fails (exit 1) when ptxas reports C7512 ("wgmma.mma_async instructions are serialized due to
 insufficient register resources") for any kernel: that silently costs ~20% of a wgmma kernel's
-speed (bench/NOTES.md, session 12: the sparse-prefill build with two S accumulator chains). C7519
+speed (docs/sparse-prefill.md: the sparse-prefill build with two S accumulator chains). C7519
 ("warpgroup.arrive is injected") is listed, not failed. Needs nvcc and the CUTLASS headers (the
 PyPI package nvidia-cutlass, as CMakeLists.txt finds them, or --cutlass DIR); no GPU.
 
 The nvcc flags mirror CMakeLists.txt's for the flashmla_core CUDA sources.
 
-With --sass DIR it also writes each unit's machine code (cuobjdump -sass, needs cuobjdump on PATH or
-in CUDA's bin; the PyPI wheel nvidia-cuda-cuobjdump has one) to DIR/<unit>.sass, so that a refactor
-can be proven to leave the kernels unchanged: run before and after, then `diff -r BEFORE AFTER`.
+With --sass DIR it also writes each unit's machine code (cuobjdump -sass, needs cuobjdump and nvdisasm
+on PATH or in CUDA's bin; the PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm have them) to
+DIR/<unit>.sass, <unit> being the unit's path under src/sm90 with '/' as '.', so that a refactor can be
+proven to leave the kernels unchanged: run before and after, then compare per kernel with
+tools/compare-sass.py (which also matches kernels whose file moved or whose name changed).
 
 Usage: python3 tools/check-ptxas.py [--cutlass DIR] [--jobs N] [--only NAME ...] [--include DIR] [-D NAME=VALUE]
                                     [--sass DIR]
@@ -57,8 +59,13 @@ def find_cuobjdump(nvcc):
     return None
 
 
+def unit_name(src):
+    """A unit's name: its path under src/sm90 without .cu, '/' written as '.' (decode.dense.instantiations_bf16)."""
+    return os.path.relpath(src, os.path.join(ROOT, "src", "sm90"))[:-3].replace(os.sep, ".")
+
+
 def compile_one(nvcc, cutlass, src, outdir, extra=(), sass_dir=None, cuobjdump=None):
-    obj = os.path.join(outdir, os.path.basename(src) + ".o")
+    obj = os.path.join(outdir, unit_name(src) + ".o")
     cmd = [nvcc, *FLAGS, *extra, "-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
            "-isystem", cutlass, "-c", src, "-o", obj]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -67,7 +74,7 @@ def compile_one(nvcc, cutlass, src, outdir, extra=(), sass_dir=None, cuobjdump=N
         d = subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True)
         if d.returncode != 0:
             return src, d.returncode, log + d.stderr
-        with open(os.path.join(sass_dir, os.path.basename(src)[:-3] + ".sass"), "w") as f:
+        with open(os.path.join(sass_dir, unit_name(src) + ".sass"), "w") as f:
             f.write(d.stdout)
     return src, r.returncode, log
 
@@ -112,9 +119,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cutlass", help="CUTLASS/CuTe include directory")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--only", nargs="*", help="translation unit names (e.g. sparse_prefill_576)")
+    ap.add_argument("--only", nargs="*",
+                    help="translation units: file names without .cu (instantiations_d576) or unit names "
+                         "(prefill.sparse.instantiations_d576)")
     ap.add_argument("--include", action="append", default=[],
-                    help="a folder searched before src/ (a kernel variant: DIR/sm90/<file>.cuh)")
+                    help="a folder searched before src/ (a kernel variant: DIR/sm90/<family>/<file>.cuh)")
     ap.add_argument("-D", dest="defines", action="append", default=[], help="extra macro definitions (NAME=VALUE)")
     ap.add_argument("--sass", metavar="DIR", help="also write each unit's SASS (cuobjdump -sass) to DIR/<unit>.sass")
     a = ap.parse_args()
@@ -134,9 +143,9 @@ def main():
             return 1
         os.makedirs(a.sass, exist_ok=True)
     srcdir = os.path.join(ROOT, "src", "sm90")
-    srcs = sorted(os.path.join(srcdir, f) for f in os.listdir(srcdir) if f.endswith(".cu"))
+    srcs = sorted(os.path.join(d, f) for d, _, fs in os.walk(srcdir) for f in fs if f.endswith(".cu"))
     if a.only:
-        srcs = [s for s in srcs if os.path.basename(s)[:-3] in a.only]
+        srcs = [s for s in srcs if os.path.basename(s)[:-3] in a.only or unit_name(s) in a.only]
     failed = []
     with tempfile.TemporaryDirectory() as tmp, concurrent.futures.ThreadPoolExecutor(max(1, a.jobs)) as ex:
         extra = ["-I" + d for d in a.include] + ["-D" + d for d in a.defines]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and check flash_mla on an offline GPU machine (the H200 lent to sessions).
+# Build and check flash_mla on an offline GPU machine (an H200 without network access).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include
 # (bash tools/fetch-device-deps.sh makes both).
 # Usage: bash tools/device-run.sh [build|pytest|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)

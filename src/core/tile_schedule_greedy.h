@@ -1,6 +1,6 @@
 // src/core/tile_schedule_greedy.h — the greedy split-KV partition of spec §4.3, written once for
 // the host (core::compute_tile_schedule, the CPU backend and the tests' oracle) and the device
-// (src/sm90/scheduler.cu, which runs it in one thread out of shared memory).
+// (src/sm90/common/scheduler.cu, which runs it in one thread out of shared memory).
 #pragma once
 
 #include <cstdint>

@@ -13,7 +13,7 @@ bool device_supported(int device_id);
 int num_sms(int device_id);
 /// Float4s per lane (1, 2 or 4) of a split-KV combine launch over `ctas` (request, 8-head)
 /// blocks on the current device: the combines split the 512 output dims over grid z (4/J
-/// slices) while that grid alone would not give every SM two blocks (src/sm90/combine.cu).
+/// slices) while that grid alone would not give every SM two blocks (src/sm90/common/combine.cu).
 int combine_float4s_per_lane(int64_t ctas);
 
 /// Workspace needed by dense decode for the given plan (split-KV partials).

@@ -273,7 +273,7 @@ TEST(ValidationPrefill, Checks) {
   expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kType, "indices: expected dtype int32");
 }
 
-// Found by a breaker run (session 7): C++ callers hand the core raw pointers and strides, so null
+// C++ callers hand the core raw pointers and strides, so null
 // data, too many dimensions, negative sizes and overlapping outputs must come back as a Status.
 
 TEST(ValidationCpp, NullDataIsValueErrorInTheOperatorsOnly) {
@@ -385,7 +385,7 @@ TEST(ValidationCpp, BadTensorRefsAreValueErrors) {
   expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "q: negative size in dim 0");
 }
 
-// Found by a C++-user review (session 18): aliasing outputs, null plan pointers, sizes that
+// Aliasing outputs, null plan pointers, sizes that
 // overflow int64, a hand-set ndim read before it was checked, an unset scale.
 TEST(ValidationCpp, OutputsMustNotShareMemoryWithOtherArguments) {
   {
@@ -483,7 +483,7 @@ TEST(ValidationCpp, SizesBeyondInt64AndBadRanksInTheOperators) {
 }
 
 TEST(ValidationCpp, OverflowEdgesOfTheSizeChecks) {
-  // Found by a second review of the checks above (session 18).
+  // Edges of the checks above.
   DecodePlan plan;
   const Device cpu{};
   for (auto [b, s_q, h_q] : {std::tuple<int64_t, int64_t, int64_t>{1, int64_t{1} << 32, int64_t{1} << 32},
@@ -624,7 +624,7 @@ TEST(Scheduler, CoversEveryBlockExactlyOnce) {
   }
 }
 
-// The sparse combine's compact grid (src/sm90/sparse_decode.cu, the default since session 17) launches one CTA row per part
+// The sparse combine's compact grid (src/sm90/decode/sparse_fp8/sparse_decode.cu) launches one CTA row per part
 // and lets core::split_request_of_part say which split request, if any, the part combines: every
 // request with more than one split must be named by exactly one part, no other request by any.
 TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
@@ -655,7 +655,7 @@ TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
   }
 }
 
-// The device scheduler (src/sm90/scheduler.cu) computes the partition request by request
+// The device scheduler (src/sm90/common/scheduler.cu) computes the partition request by request
 // (core::schedule_requests) and then each part's row independently (core::schedule_part_row);
 // both must give greedy_tile_schedule's rows and num_splits exactly.
 TEST(Scheduler, RequestWisePassEqualsTheGreedy) {

@@ -115,7 +115,7 @@ def test_regression1_empty_requests(lens):
     compare(q, k, bt, ln, True, out, lse)
 
 
-# 192 and 320: multiples of 64 that are not powers of two (v4's page math by division, not shifts).
+# 192 and 320: multiples of 64 that are not powers of two (the seesaw kernel's page math by division, not shifts).
 @pytest.mark.parametrize("pbs", [16, 32, 64, 128, 192, 256, 320])
 def test_page_block_sizes(pbs):
     q, k, bt, ln = make_case(3, 2, 64, 1, 576, [1000, 1, 515], pbs=pbs, seed=pbs)

@@ -144,11 +144,12 @@ class Case:
                                    poison_beyond_length=poison_beyond_length)
         self.scale = d_qk ** -0.55
 
-    def args(self, device, noncontig=True):
-        """Positional q, k_cache and keyword arguments for flash_mla_with_kvcache on `device`."""
+    def args(self, device, noncontig=True, unaligned_cache=False):
+        """Positional q, k_cache and keyword arguments for flash_mla_with_kvcache on `device`;
+        `unaligned_cache`: both caches start 4 bytes past a 16-byte boundary (the kernels' byte-copy path)."""
         cuda = device == "cuda"
         nc = (lambda t: non_contiguousify(t, "cuda")) if (cuda and noncontig) else (lambda t: t.to(device))
-        kv = strided_to_cuda if cuda else (lambda t: t)
+        kv = (lambda t: strided_to_cuda(t, extra_offset=4 if unaligned_cache else 0)) if cuda else (lambda t: t)
         opt = lambda t: None if t is None else t.to(device)  # noqa: E731
         kw = dict(softmax_scale=self.scale, is_fp8_kvcache=True, indices=nc(self.main.indices),
                   attn_sink=opt(self.sink), topk_length=opt(self.main.topk_length))
@@ -168,8 +169,10 @@ def reference(case):
     return run_sparse(q, k, kw)
 
 
-def check_case(case, noncontig=True):
-    q, k, kw = case.args("cuda", noncontig)
+def check_case(case, noncontig=True, unaligned_cache=False):
+    q, k, kw = case.args("cuda", noncontig, unaligned_cache)
+    if unaligned_cache:
+        assert k.data_ptr() % 16 != 0
     out, lse = run_sparse(q, k, kw)
     torch.cuda.synchronize()
     ref_out, ref_lse = reference(case)
@@ -210,25 +213,19 @@ def test_correctness_grid(c):
     check_case(case)
 
 
-# The kernel choice is by shape (src/sm90/sparse_decode.cu: v4 for h_q > 32, its 2-CTA cluster
-# variant for h_q = 128 when the grid fits in one wave); v1 stays reachable through
-# FLASHMLA_SPARSE_DECODE_KERNEL (read on every call) and must stay correct on the 64/128-head cases
-# (it still serves 16 < h_q <= 32 and unaligned caches), and so must v4's plain kernel at 128 heads
-# (FLASHMLA_SPARSE_DECODE_CLUSTER=0, the path taken when the clusters do not fit in one wave).
+# The kernel choice is by shape (src/sm90/decode/sparse_fp8/sparse_decode.cu): for h_q > 32 the wgmma
+# producer kernel over 16-byte aligned caches (its 2-CTA cluster variant for h_q = 128 when the grid fits
+# in one wave), the mma.sync kernel over caches that are not 16-byte aligned. These cases run the wide-head
+# grid through the mma.sync kernel's 64-row tiles and byte-copy gather.
 WIDE = [c for c in CORRECTNESS if c[1] > 32]
-OTHER_KERNELS = [({"FLASHMLA_SPARSE_DECODE_KERNEL": "v1"}, "v1-forced", WIDE),
-                 ({"FLASHMLA_SPARSE_DECODE_CLUSTER": "0"}, "v4-no-cluster", [c for c in WIDE if c[1] == 128])]
 
 
-@pytest.mark.parametrize("env,c", [pytest.param(env, c, id=f"{name}-{_cid(c)}")
-                                   for env, name, cases in OTHER_KERNELS for c in cases])
-def test_other_kernels_on_wide_heads(c, env, monkeypatch):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+@pytest.mark.parametrize("c", WIDE, ids=[_cid(c) for c in WIDE])
+def test_wide_heads_unaligned_cache(c):
     d, h, b, s_q, m, e, tl, etl, vl = c
     case = Case(zlib.crc32(_cid(c).encode()) % 100000 + 7, b=b, s_q=s_q, h_q=h, d_qk=d, main=m, extra=e,
                 topk_len=tl, extra_topk_len=etl, varlen=vl)
-    check_case(case)
+    check_case(case, unaligned_cache=True)
 
 
 # ----------------------------------------------------------------------------- §5.2 corner subset
@@ -260,8 +257,8 @@ def test_sink_values(sink_value):
 
 
 # softmax_scale is any finite number (spec §2.7; FlashMLA does not reject <= 0). A kernel that takes the
-# row max of the unscaled S (max(S) * c == max(S * c) only for c > 0; session 15's sparse decode variant,
-# removed in session 16) must fall back to its general path here; both v4 kernels (64 heads plain, 128 cluster).
+# row max of the unscaled S (max(S) * c == max(S * c) only for c > 0) must fall back to its general path
+# here; both wgmma producer kernels (64 heads plain, 128 cluster).
 @pytest.mark.parametrize("scale", [-0.05, 0.0], ids=["neg", "zero"])
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (128, 576), (128, 512)])
 def test_non_positive_softmax_scale(scale, h_q, d_qk):

@@ -273,7 +273,7 @@ def test_prefill_sm_scale_required(prefill):
 
 @pytest.mark.parametrize("missing", ["q", "kv", "indices"])
 def test_prefill_none_tensor_names_the_argument(prefill, missing):
-    """Session-6 breaker finding: None for a required tensor used to surface a binding-level
+    """None for a required tensor once surfaced as a binding-level
     message (TVM-FFI argument #0 / torch's "Not yet supported ScalarType") without the name."""
     args = dict(q=prefill.q, kv=prefill.kv, indices=prefill.indices)
     args[missing] = None
@@ -378,7 +378,7 @@ def test_ndarray_subclass_results_are_numpy(dense):
     np.testing.assert_array_equal(np.asarray(lse), ref[1])
 
 
-# ----------------------------------------------------------------------------- session 18 review findings
+# ----------------------------------------------------------------------------- edge cases of the argument checks
 @pytest.mark.parametrize("name,bad", [("indices", "list"), ("indices", "tuple"), ("indices", "str"),
                                       ("extra_k_cache", "list"), ("extra_indices_in_kvcache", "list")])
 def test_sparse_non_tensor_optional_arguments_name_the_argument(sparse, name, bad):

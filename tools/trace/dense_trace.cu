@@ -1,10 +1,10 @@
-// tools/trace/dense_trace.cu — event timeline of the dense MLA decode kernel v4 (diagnostic, not a test).
+// tools/trace/dense_trace.cu — event timeline of the dense MLA decode seesaw kernel (diagnostic, not a test).
 //
-// The library's own host path runs the call: src/sm90/dense_decode.cu (kernel parameters, K tensor map,
-// staged / direct epilogue choice, stage order), src/sm90/scheduler.cu (the device split-KV scheduler) and
-// src/sm90/combine.cu are compiled into this program unchanged; only the two main-kernel entry points that
-// dense_decode.cu calls (launch_dense_main_bf16 / _fp16, normally src/sm90/dense_decode_{bf16,fp16}.cu) are
-// defined here, launching the v4 kernel (src/sm90/dense_decode_kernel_v4.cuh) compiled in this file with
+// The library's own host path runs the call: src/sm90/decode/dense/dense_decode.cu (kernel parameters, K tensor map,
+// staged / direct epilogue choice, stage order), src/sm90/common/scheduler.cu (the device split-KV scheduler) and
+// src/sm90/common/combine.cu are compiled into this program unchanged; only the two main-kernel entry points that
+// dense_decode.cu calls (launch_dense_main_bf16 / _fp16, normally src/sm90/decode/dense/instantiations_{bf16,fp16}.cu) are
+// defined here, launching the seesaw kernel (src/sm90/decode/dense/wgmma_seesaw_kernel.cuh) compiled in this file with
 // FLASHMLA_TRACE. num_sm_parts is the library's rule (core::dense_decode_num_sm_parts).
 //
 // Inputs as bench/bench_dense_decode.py: bf16, d_qk 576, h_kv 1, uniform lengths s_k, q / k = randn / 10
@@ -26,10 +26,10 @@
 // Build and run on an sm_90a machine (from the repository root; tools/trace/run-dense-trace.sh does both):
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include
 //        -DFLASHMLA_WITH_CUDA=1 -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math
-//        -o /tmp/dense_trace tools/trace/dense_trace.cu src/sm90/dense_decode.cu src/sm90/scheduler.cu
-//        src/sm90/combine.cu src/core/scheduler.cpp          (one command line)
+//        -o /tmp/dense_trace tools/trace/dense_trace.cu src/sm90/decode/dense/dense_decode.cu src/sm90/common/scheduler.cu
+//        src/sm90/common/combine.cu src/core/scheduler.cpp          (one command line)
 //   /tmp/dense_trace 128 1 8 256          # b s_q h_q s_k [pbs=64] [staged=auto|0|1] [every=1]
-// With -DFLASHMLA_DV4_TRACE_CTA_ONLY as well: only the CTA-level events (no trace code in the pair loop).
+// With -DFLASHMLA_DENSE_TRACE_CTA_ONLY as well: only the CTA-level events (no trace code in the pair loop).
 // Environment: DTRACE_REPS (timed runs, default 20), DTRACE_CTA_LINES=0 (no per-CTA lines),
 // DTRACE_SELFTEST=1|2|3 (no GPU: the analysis on synthetic records, see selftest()).
 // The trace build's kernel differs from the library's (the record pointer and counters take registers; with
@@ -52,8 +52,8 @@
 
 #include "trace_host.cuh"
 #include "core/scheduler.h"
-#include "sm90/dense_decode.h"
-#include "sm90/dense_decode_kernel_v4.cuh"
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/wgmma_seesaw_kernel.cuh"
 #include "sm90/sm90.h"
 
 #ifndef FLASHMLA_TRACE
@@ -62,7 +62,7 @@
 
 namespace tr = flashmla::sm90::trace;
 
-// ------------------------------------------------------------------ main-kernel entry points (traced v4)
+// ------------------------------------------------------------------ main-kernel entry points (the traced seesaw kernel)
 namespace flashmla::sm90 {
 namespace dtrace {
 DenseDecodeKernelParams last_kp{};
@@ -71,15 +71,15 @@ bool last_tma = false;
 }  // namespace dtrace
 
 cudaError_t launch_dense_main_bf16(const DenseDecodeKernelParams& kp, const CUtensorMap* tmap, int num_sm_parts,
-                                   int /*version*/, cudaStream_t stream) {
+                                   DenseKernel /*kernel*/, cudaStream_t stream) {
   dtrace::last_kp = kp;
   dtrace::last_parts = num_sm_parts;
   dtrace::last_tma = tmap != nullptr && kp.tma_ok;
   ++dtrace::launches;
-  if (!dtrace::last_tma || kp.d_qk != 576) return cudaErrorNotSupported;  // this tool builds v4, d_qk 576 only
-  return dense_v4::launch_main_d<__nv_bfloat16, 576>(kp, *tmap, num_sm_parts, stream);
+  if (!dtrace::last_tma || kp.d_qk != 576) return cudaErrorNotSupported;  // this tool builds the seesaw kernel, d_qk 576 only
+  return dense_seesaw::launch_main_d<__nv_bfloat16, 576>(kp, *tmap, num_sm_parts, stream);
 }
-cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams&, const CUtensorMap*, int, int, cudaStream_t) {
+cudaError_t launch_dense_main_fp16(const DenseDecodeKernelParams&, const CUtensorMap*, int, DenseKernel, cudaStream_t) {
   return cudaErrorNotSupported;
 }
 }  // namespace flashmla::sm90
@@ -199,7 +199,7 @@ TensorRef tref(void* data, DType dt, std::initializer_list<int64_t> shape) {
   return t;
 }
 
-// Record layout of src/sm90/dense_decode_kernel_v4.cuh (its header comment).
+// Record layout of src/sm90/decode/dense/wgmma_seesaw_kernel.cuh (its header comment).
 constexpr int kCtaRecReqMax = 12;  // request records per CTA (role 3 records 1 .. 12)
 const char* kEvNames[3][12] = {
     {"pair top", "stage0 slab0 full", "S0 done", "Scale0 published", "P0V0_L issued", "Scale1 received",
@@ -261,8 +261,8 @@ int analyze(const std::vector<unsigned long long>& h, std::vector<Calib> cal0, s
   }
   const double tick = ticks.empty() ? 0 : median(ticks);
   const double f_ref = freqs.empty() ? clock_khz * 1e-6 : median(freqs);  // cycles per ns
-#ifdef FLASHMLA_DV4_TRACE_CTA_ONLY
-  const char* build = "CTA events only (FLASHMLA_DV4_TRACE_CTA_ONLY)";
+#ifdef FLASHMLA_DENSE_TRACE_CTA_ONLY
+  const char* build = "CTA events only (FLASHMLA_DENSE_TRACE_CTA_ONLY)";
 #else
   const char* build = "CTA + pair events";
 #endif
@@ -752,16 +752,15 @@ int main(int argc, char** argv) {
   const size_t flush_bytes = size_t(256) << 20;
   CHECK(cudaMalloc(&flush, flush_bytes));
 
-  sm90::set_dense_kernel_version(4);
-  sm90::set_dense_tuning(staged_arg == "1" ? sm90::kTuneStagedEpilogue
-                         : staged_arg == "0" ? sm90::kTuneDirectEpilogue
-                                             : 0);
+  sm90::DenseDecodeOptions options;
+  options.kernel = sm90::DenseKernel::kSeesaw;
+  options.tuning = staged_arg == "1" ? sm90::kTuneStagedEpilogue : staged_arg == "0" ? sm90::kTuneDirectEpilogue : 0;
   auto call = [&](int stages) {
-    const Status st = sm90::dense_decode_launch(p, parts, stages);
+    const Status st = sm90::dense_decode_launch(p, parts, stages, options);
     if (!st.ok()) {
       std::fprintf(stderr, "dense_decode_launch: %s\n", st.message.c_str());
       if (sm90::dtrace::launches > 0 && !sm90::dtrace::last_tma)
-        std::fprintf(stderr, "(no K tensor map: v4 cannot run)\n");
+        std::fprintf(stderr, "(no K tensor map: the seesaw kernel cannot run)\n");
       std::exit(1);
     }
   };
@@ -806,7 +805,7 @@ int main(int argc, char** argv) {
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   const sm90::DenseDecodeKernelParams kp = sm90::dtrace::last_kp;
-  const int m_tiles = (kp.m_rows + sm90::dense_v4::kBlockM - 1) / sm90::dense_v4::kBlockM;
+  const int m_tiles = (kp.m_rows + sm90::dense_seesaw::kBlockM - 1) / sm90::dense_seesaw::kBlockM;
   const int n_cta = m_tiles * kp.h_kv * sm90::dtrace::last_parts;
   auto check_out = [&](const char* when) {
     std::vector<uint16_t> ho(static_cast<size_t>(b) * s_q * h_q * 512);
@@ -825,7 +824,7 @@ int main(int argc, char** argv) {
                 bad, ho.size(), ho.size() > bad ? sum / (ho.size() - bad) : 0.0, bad_l, hl.size(),
                 bad == ho.size() ? "  <-- ALL NaN" : "");
   };
-  std::printf("case b %d s_q %d h_q %d s_k %d pbs %d bf16 d_qk %d h_kv %d: kernel v4 %s epilogue (staged=%s), "
+  std::printf("case b %d s_q %d h_q %d s_k %d pbs %d bf16 d_qk %d h_kv %d: seesaw kernel, %s epilogue (staged=%s), "
               "grid (%d, %d, %d) = %d CTAs on %d SMs, m_rows %d, tma box %d tokens, out_bulk_ok %d\n",
               b, s_q, h_q, s_k, pbs, d, h_kv, kp.staged_epilogue ? "STAGED" : "DIRECT", staged_arg.c_str(), m_tiles,
               kp.h_kv, sm90::dtrace::last_parts, n_cta, n_sm, kp.m_rows, kp.tma_box_tok, kp.out_bulk_ok);

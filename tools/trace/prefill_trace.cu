@@ -1,6 +1,6 @@
 // tools/trace/prefill_trace.cu — timeline of the sparse-prefill seesaw kernel's roles (diagnostic).
 //
-// Builds the v3w kernel (src/sm90/sparse_prefill_kernel_v2.cuh) with FLASHMLA_TRACE defined, runs it on
+// Builds the v3w kernel (src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh) with FLASHMLA_TRACE defined, runs it on
 // random inputs of one benchmark shape, times it (CUDA events, L2 flushed between runs), then runs it
 // once more with the event buffer set and prints, per role, the median cycles between the events of one
 // pipeline step (a pair of 64-key blocks) over the traced CTAs' middle steps. Not a test: the output is
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "trace_host.cuh"
-#include "sm90/sparse_prefill_kernel_v2.cuh"
+#include "sm90/prefill/sparse/wgmma_seesaw_kernel.cuh"
 
 namespace {
 
@@ -101,8 +101,8 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, 0));
   kp.prefetch_ahead = std::getenv("FLASHMLA_TRACE_NOQPF") ? 0 : n_sm;  // =1: no L2 prefetch of the next CTA's Q
   auto run = [&]() {
-    CHECK(d == 576 ? flashmla::sm90::sparse_prefill::ss::launch<576>(kp, 0)
-                   : flashmla::sm90::sparse_prefill::ss::launch<512>(kp, 0));
+    CHECK(d == 576 ? flashmla::sm90::sparse_prefill::wgmma_seesaw::launch<576>(kp, 0)
+                   : flashmla::sm90::sparse_prefill::wgmma_seesaw::launch<512>(kp, 0));
   };
 
   // Timing (trace buffer unset: the trace branches are taken as "off").

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build tools/trace/dense_trace.cu twice (CTA + pair events; CTA events only, -DFLASHMLA_DV4_TRACE_CTA_ONLY:
+# Build tools/trace/dense_trace.cu twice (CTA + pair events; CTA events only, -DFLASHMLA_DENSE_TRACE_CTA_ONLY:
 # fewer trace instructions in the pair loop) and run it on the dense-decode whole-call shapes where v4 is
 # 0.72-0.83x of FlashMLA (b 128, s_q 1, s_k 256 / 1024) and on one compute-bound shape (b 128, h_q 128,
 # s_k 8192: the pair loop's per-role step times). On an sm_90a machine, from anywhere in the repository:
@@ -17,7 +17,7 @@ LOG="$OUT/trace-dense.txt"
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 CASES=${CASES:-"128 1 8 256;128 1 16 256;128 1 64 256;128 1 128 256;128 1 16 1024;128 1 128 1024;128 1 8 256 64 0"}
 LONG_CASES=${LONG_CASES:-"128 1 128 8192"}
-SRCS="tools/trace/dense_trace.cu src/sm90/dense_decode.cu src/sm90/scheduler.cu src/sm90/combine.cu src/core/scheduler.cpp"
+SRCS="tools/trace/dense_trace.cu src/sm90/decode/dense/dense_decode.cu src/sm90/common/scheduler.cu src/sm90/common/combine.cu src/core/scheduler.cpp"
 FLAGS="-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include -DFLASHMLA_WITH_CUDA=1
   -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math -Xptxas=--warn-on-spills"
 
@@ -38,7 +38,7 @@ build() {  # name extra-flags
   fi
 }
 build dense_trace "" &
-build dense_trace_cta "-DFLASHMLA_DV4_TRACE_CTA_ONLY" &
+build dense_trace_cta "-DFLASHMLA_DENSE_TRACE_CTA_ONLY" &
 wait
 
 SUMMARY='^(case|time \(|traced run|time base|  entry \(|  exit \(|  request compute|  epilogue \(start|  => )|ALL NaN|NO,'

@@ -4,7 +4,7 @@
 #   OUT=/tmp/o bash tools/trace/run-prefill-trace.sh NAME[:DIAG[:INCDIR[:DEFINES]]] ...
 # NAME: label; DIAG: FLASHMLA_PREFILL_DIAG (0 kernel, 1 no gather, 2 no wgmma, 3 no Q copy, 4 no output
 # copies); INCDIR: a folder
-# holding sm90/sparse_prefill_kernel_v2.cuh (a variant of the kernel) searched before src/;
+# holding sm90/prefill/sparse/wgmma_seesaw_kernel.cuh (a variant of the kernel) searched before src/;
 # DEFINES: extra nvcc flags separated by commas (e.g. -DFLASHMLA_PREFILL_PRODUCER_REGS=56).
 # Writes $OUT/trace-NAME.txt; prints each run's summary lines (not the per-CTA timeline).
 set -uo pipefail

@@ -4,7 +4,7 @@
 # sm_90a machine, from anywhere; needs .deps/cutlass_include, e.g. carried to the device machine).
 #   OUT=/tmp/o bash tools/trace/run-sparse-decode-trace.sh
 # CASES: ';'-separated argument lists of the program (format b [h_q] [every]); "@plain" / "@cluster" in a
-# case forces that kernel variant (FLASHMLA_SPARSE_DECODE_CLUSTER=0 / 1; unmarked: the library's choice,
+# case forces that kernel variant (FLASHMLA_TRACE_CLUSTER=0 / 1; unmarked: the library's choice,
 # the cluster kernel for these shapes). Default: V3.2 b64, b128, MODEL1 config2 b128 (the library's
 # choice), then V3.2 b128 and MODEL1 config2 b128 with the plain kernel, then V3.2 b128 with the trace
 # window at blocks 64 .. 103 of every CTA ("@step0=N": FLASHMLA_TRACE_STEP0=N). NVCC_DEFS: extra nvcc flags.
@@ -23,7 +23,7 @@ echo "=== build $(date +%T) ($(git rev-parse --short HEAD 2>/dev/null || echo '?
 # shellcheck disable=SC2086  # NVCC_DEFS: a list of flags
 timeout 300 "$NVCC" ${NVCC_DEFS:-} -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include \
   -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math \
-  -Xptxas=-v,--warn-on-spills -o "$BIN" tools/trace/sparse_decode_trace.cu src/sm90/scheduler.cu src/core/scheduler.cpp \
+  -Xptxas=-v,--warn-on-spills -o "$BIN" tools/trace/sparse_decode_trace.cu src/sm90/common/scheduler.cu src/core/scheduler.cpp \
   >/tmp/trace-bin/sparse_decode_trace.log 2>&1
 rc=$?
 grep -E "error|warning|C75[0-9][0-9]" /tmp/trace-bin/sparse_decode_trace.log | tee -a "$LOG"
@@ -46,8 +46,8 @@ for c in "${cs[@]}"; do
   envs=()
   args=$c
   case $c in
-    *@plain*) envs+=(FLASHMLA_SPARSE_DECODE_CLUSTER=0); args=${args//@plain/} ;;
-    *@cluster*) envs+=(FLASHMLA_SPARSE_DECODE_CLUSTER=1); args=${args//@cluster/} ;;
+    *@plain*) envs+=(FLASHMLA_TRACE_CLUSTER=0); args=${args//@plain/} ;;
+    *@cluster*) envs+=(FLASHMLA_TRACE_CLUSTER=1); args=${args//@cluster/} ;;
   esac
   if [[ $c =~ @step0=([0-9]+) ]]; then
     envs+=(FLASHMLA_TRACE_STEP0="${BASH_REMATCH[1]}")

@@ -1,6 +1,6 @@
 // tools/trace/sparse_decode_trace.cu — event timeline of the sparse FP8 decode kernel v4 (diagnostic).
 //
-// Question it answers: do the consumer warpgroups of src/sm90/sparse_decode_kernel_v4.cuh wait for the
+// Question it answers: do the consumer warpgroups of src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh wait for the
 // producer warpgroup (its FP8 dequantization into the two K buffers), and where in the block step?
 //
 // Builds the v4 kernel with FLASHMLA_TRACE defined (the events of the header's FLASHMLA_V4_TRACE_*
@@ -9,9 +9,9 @@
 // order with -1 for the slots past a short request's length, FP8 caches in the exact V32 / MODEL1
 // byte layouts of spec §3.3 / §3.4 with FlashMLA's padded block strides, power-of-two scales 2^-7,
 // RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on, softmax scale d_qk^-0.55),
-// runs the project's device scheduler (src/sm90/scheduler.cu) with num_sm_parts from
+// runs the project's device scheduler (src/sm90/common/scheduler.cu) with num_sm_parts from
 // core::sparse_decode_num_sm_parts, picks the plain or 2-CTA cluster kernel with the library's rule
-// (sparse::v4::launch: FLASHMLA_SPARSE_DECODE_CLUSTER, head-tile pairs, clusters resident), times the
+// (sparse::v4::launch: head-tile pairs, clusters resident; FLASHMLA_TRACE_CLUSTER=0|1 forces one), times the
 // main kernel alone (CUDA events, an L2 flush of FLASHMLA_TRACE_FLUSH_GB GB, default 8 as the benchmark,
 // before every run), then runs it once more with the trace buffer set and prints, per role, the median
 // cycles between the events of a block step over the traced CTAs' inner steps, the fraction of each
@@ -23,12 +23,13 @@
 // MODEL1's, 0 or unset both) and run:
 //   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Iinclude -Isrc -I.deps/cutlass_include
 //        -DFLASHMLA_WITH_CUDA -DFLASHMLA_TRACE --expt-relaxed-constexpr --expt-extended-lambda --use_fast_math
-//        -o /tmp/sparse_decode_trace tools/trace/sparse_decode_trace.cu src/sm90/scheduler.cu src/core/scheduler.cpp
+//        -o /tmp/sparse_decode_trace tools/trace/sparse_decode_trace.cu src/sm90/common/scheduler.cu src/core/scheduler.cpp
 //   (one command line; tools/trace/run-sparse-decode-trace.sh runs it)
 //   /tmp/sparse_decode_trace v32 128            # format(v32|model1|model1c4) [b=128] [h_q=128] [every=1]
 // model1 = MODEL1 config2 (topk 128 in a page-256 cache + extra_topk 1024 in a page-64 cache);
-// model1c4 = config4 (extra page 2, random extra_topk_length). Environment: FLASHMLA_SPARSE_DECODE_CLUSTER
-// (as the library), FLASHMLA_TRACE_STEP0=N (trace blocks N .. N + 39 of every CTA instead of 0 .. 39),
+// model1c4 = config4 (extra page 2, random extra_topk_length). Environment (of this tool):
+// FLASHMLA_TRACE_CLUSTER=0|1 (the cluster variant off / on; on, it still runs only where the library's rule
+// allows it: head-tile pairs, clusters resident; unset: the library's default), FLASHMLA_TRACE_STEP0=N (trace blocks N .. N + 39 of every CTA instead of 0 .. 39),
 // FLASHMLA_TRACE_REPS (timed runs, default 20), FLASHMLA_TRACE_FLUSH_GB, FLASHMLA_TRACE_SEED. every: trace the
 // CTAs whose linear id blockIdx.y * gridDim.x + blockIdx.x is a multiple of it (default 1: all; the
 // cluster-peer lines need both CTAs of a pair). `sparse_decode_trace selftest` (no GPU) checks the index
@@ -64,8 +65,8 @@
 
 #include "trace_host.cuh"
 #include "core/scheduler.h"
-#include "sm90/sparse_decode.h"
-#include "sm90/sparse_decode_kernel_v4.cuh"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh"
 
 #ifndef FLASHMLA_TRACE
 #error "build with -DFLASHMLA_TRACE"
@@ -271,11 +272,12 @@ SparseScope kernel_scope(const Scope& s, int s_q) {
   return k;
 }
 
-// ---------------------------------------------------------------- kernel choice (as v4::launch)
+// ---------------------------------------------------------------- kernel choice (v4::launch's rule, unless
+// FLASHMLA_TRACE_CLUSTER forces the variant)
 template <Fmt F>
 bool library_picks_cluster(const SparseDecodeKernelParams& kp, int num_sm_parts) {
   bool on = v4::kClusterDefault<F>;
-  if (const char* env = std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER"); env != nullptr && env[0] != '\0')
+  if (const char* env = std::getenv("FLASHMLA_TRACE_CLUSTER"); env != nullptr && env[0] != '\0')
     on = env[0] != '0';
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
@@ -816,10 +818,10 @@ int main(int argc, char** argv) {
       CHECK(cluster ? cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, true>)
                     : cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, false>));
 #endif
-    std::printf("kernel: v4 %s %s (FLASHMLA_SPARSE_DECODE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
+    std::printf("kernel: v4 %s %s (FLASHMLA_TRACE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
                 "%d regs, %zu B local (traced build)\n",
                 v32 ? "V32" : "MODEL1", cluster ? "cluster" : "plain",
-                std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER") ? std::getenv("FLASHMLA_SPARSE_DECODE_CLUSTER") : "unset",
+                std::getenv("FLASHMLA_TRACE_CLUSTER") ? std::getenv("FLASHMLA_TRACE_CLUSTER") : "unset",
                 grid.x, grid.y, n_cta, cluster ? " in clusters of 2" : "", num_sm_parts, fa.numRegs,
                 static_cast<size_t>(fa.localSizeBytes));
   }

@@ -1,0 +1,107 @@
+// src/sm90/common/host_utils.h — host-side helpers shared by the sm90 launchers.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types (the function itself via the runtime)
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "flashmla/status.h"
+#include "flashmla/tensor.h"
+
+namespace flashmla::sm90 {
+
+/// kRuntime Status for a failed CUDA call: "<op> (sm90): <what> failed: <name>: <description>".
+inline Status cuda_error_status(const char* op, const char* what, cudaError_t e) {
+  return Status::Error(ErrorKind::kRuntime, std::string(op) + " (sm90): " + what + " failed: " +
+                                                cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
+}
+
+/// kValue Status for an input the launcher cannot handle: "<op> (sm90): <what>".
+inline Status value_error_status(const char* op, const std::string& what) {
+  return Status::Error(ErrorKind::kValue, std::string(op) + " (sm90): " + what);
+}
+
+/// True when every row of `t`'s first `dims` dimensions starts 16-byte aligned: the base address
+/// is, and each of those strides (2-byte elements: bf16 / fp16) is a multiple of 8 elements wherever
+/// that dimension has more than one index. The launchers' test for cp.async / bulk-copy rows.
+inline bool rows_16b_aligned(const TensorRef& t, int dims) {
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int i = 0; i < dims; ++i)
+    if (t.shape[i] > 1 && (t.stride[i] * 2) % 16 != 0) return false;
+  return true;
+}
+
+/// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links
+/// -lcuda); nullptr when the driver does not provide it (the callers then take their non-TMA path).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+inline EncodeTiledFn encode_tiled_fn() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // the failed query's error, not the caller's
+      f = nullptr;
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+/// Makes `device` current for the lifetime of the guard (tensors may live on any GPU).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    err_ = cudaGetDevice(&prev_);
+    if (err_ == cudaSuccess && prev_ != device) {
+      err_ = cudaSetDevice(device);
+      switched_ = err_ == cudaSuccess;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  cudaError_t error() const { return err_; }
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+  cudaError_t err_ = cudaSuccess;
+};
+
+/// cudaFuncSetAttribute(func, MaxDynamicSharedMemorySize, bytes), skipped when it was already done
+/// for this kernel on the current device with at least `bytes` (the attribute is per function and
+/// device and stays set). Saves a runtime call per launch on the decode hot path. The set runs under
+/// the lock and never lowers the value: two threads asking for different sizes of one kernel must
+/// not leave the attribute below what the cache records (a later launch would then fail).
+inline cudaError_t set_max_dynamic_smem_cached(const void* func, int bytes) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex mu;
+  static std::unordered_map<const void*, std::vector<int>> done;  // per kernel: bytes set, per device
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<int>& v = done[func];
+  if (device >= static_cast<int>(v.size())) v.resize(device + 1, 0);
+  if (v[device] >= bytes) return cudaSuccess;
+  e = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return e;
+  v[device] = bytes;
+  return cudaSuccess;
+}
+
+template <class Kernel>
+cudaError_t set_max_dynamic_smem(Kernel* kernel, int bytes) {
+  return set_max_dynamic_smem_cached(reinterpret_cast<const void*>(kernel), bytes);
+}
+
+}  // namespace flashmla::sm90

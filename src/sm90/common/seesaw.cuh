@@ -1,0 +1,181 @@
+// src/sm90/common/seesaw.cuh — pieces shared by the sm90 "seesaw" kernels (spec §7.1): two
+// consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
+// over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
+// named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill
+// seesaw kernel (prefill/sparse/wgmma_seesaw_kernel.cuh) and the sparse FP8 decode wgmma producer kernel
+// (decode/sparse_fp8/wgmma_producer_kernel.cuh); the dense decode seesaw kernel uses exp_pack_store_p.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/common/utils.cuh"
+#include "sm90/common/wgmma.cuh"
+
+namespace flashmla::sm90::seesaw {
+
+constexpr int kSlabBytes = 64 * 128;  // one 64-row x 64-dim bf16 slab, 128B swizzle
+
+__device__ __forceinline__ void bar_arrive(int id, int n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+__device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// S (+)= Q K^T over slabs [kSl, kEnd), fully unrolled (immediate descriptor offsets). The chain's
+// first wgmma (slab kFirst, k 0) overwrites S (scale-d 0); every other one accumulates, so a chain
+// may run its slabs in any order as long as kFirst names the slab issued first.
+template <int kSl, int kK, int kFirst = 0>
+__device__ __forceinline__ void s_step(float (&s)[32], uint64_t da0, uint64_t db0) {
+  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
+  gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, (kSl != kFirst || kK != 0) ? 1 : 0>(s, da0, db0);
+  if constexpr (kK + 1 < 4) s_step<kSl, kK + 1, kFirst>(s, da0, db0);
+}
+template <int kSl, int kEnd, int kFirst = 0>
+__device__ __forceinline__ void s_chain(float (&s)[32], uint64_t da0, uint64_t db0) {
+  s_step<kSl, 0, kFirst>(s, da0, db0);
+  if constexpr (kSl + 1 < kEnd) s_chain<kSl + 1, kEnd, kFirst>(s, da0, db0);
+}
+template <int kK = 0>
+__device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
+  gmma::mma_m64n256k16_rs_bf16<1, ((kK * 16 * 128) >> 4)>(o, a[kK], db0);
+  if constexpr (kK + 1 < 4) pv_rs_chain<kK + 1>(o, a, db0);
+}
+template <int kK = 0>
+__device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint64_t db0) {
+  gmma::mma_m64n256k16_off_bf16<1, ((kK * 32) >> 4), ((kK * 16 * 128) >> 4)>(o, da0, db0);
+  if constexpr (kK + 1 < 4) pv_ss_chain<kK + 1>(o, da0, db0);
+}
+
+// Lazy rescaling (as FlashAttention-4): the running max m that P = exp2(S - m), O and the row sum l
+// are taken against moves only when a block's row max exceeds it by more than kRescaleSlack (log2
+// units). P then stays <= 2^kRescaleSlack (representable in bf16 / fp16, far from overflow), and once m
+// has settled the rescale factors exp2(m_old - m_new) are exactly 1, so scale_o skips its 128
+// multiplies. The softmax is unchanged (O and l share m; lse = log2 l + m); a kernel that reports
+// the row max itself (sparse prefill's max_logits) tracks the true max separately.
+// FLASHMLA_RESCALE_SLACK=0 moves m on every increase (the exact online-softmax schedule).
+#ifndef FLASHMLA_RESCALE_SLACK
+#define FLASHMLA_RESCALE_SLACK 8
+#endif
+constexpr float kRescaleSlack = FLASHMLA_RESCALE_SLACK;
+static_assert(kRescaleSlack >= 0.f && kRescaleSlack <= 10.f,
+              "P <= 2^slack must stay far below fp16's 65504 (dense decode packs P to fp16)");
+__device__ __forceinline__ float lazy_max(float m_run, float block_max) {
+  return block_max > m_run + kRescaleSlack ? block_max : m_run;
+}
+
+__device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
+  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      o[4 * i + 0] *= sc[0];
+      o[4 * i + 1] *= sc[0];
+      o[4 * i + 2] *= sc[1];
+      o[4 * i + 3] *= sc[1];
+    }
+  }
+}
+
+// P = exp2(S - m) for the thread's two rows (row sums added to rs), packed to T (bf16 or fp16) as
+// the P.V A-operand fragments `a`, and stored into the 128B-swizzled slab sP (64 rows x 64 keys)
+// for the other consumer warpgroup's SS P.V.
+template <class T = __nv_bfloat16>
+__device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m)[2], float (&rs)[2],
+                                                 uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
+      rs[e >> 1] += s[4 * t + e];
+    }
+    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+    const int key = 8 * t + 2 * tq;
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
+  }
+}
+
+// exp_pack_store_p in two steps, for kernels that do other work between computing P and storing it
+// (dense decode: the partial-block V zeroing) or store it at their own addresses (sparse prefill).
+// (exp_pack_store_p is not written as exp_pack + store_p: storing after all the exps instead of after
+// each t changes ptxas's schedule of the sparse decode wgmma producer kernel, the measured kernel.)
+// P = exp2(S - m) (S already scaled to base 2) for the thread's two rows, row sums into rs, packed to T
+// as the P.V A-operand fragments `a`;
+template <class T = __nv_bfloat16>
+__device__ __forceinline__ void exp_pack(float (&s)[32], const float (&m)[2], float (&rs)[2], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
+      rs[e >> 1] += s[4 * t + e];
+    }
+    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+  }
+}
+// and the fragments `a` into the 128B-swizzled slab sP as exp_pack_store_p stores them.
+__device__ __forceinline__ void store_p(const uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const int key = 8 * t + 2 * tq;
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
+    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
+  }
+}
+
+// The thread's two row maxima reduced over its quad (the 4 threads that share the rows).
+__device__ __forceinline__ void quad_rowmax(float (&mx)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+  }
+}
+// S *= scale_log2 with the thread's own row maxima into mx (no masking, not reduced over the quad).
+__device__ __forceinline__ void scale_rowmax_local(float (&s)[32], float scale_log2, float (&mx)[2]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] *= scale_log2;
+    mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  }
+}
+
+// Scale to base 2 and mask invalid slots (validity bytes of the stage) -> row maxima.
+__device__ __forceinline__ void mask_rowmax(float (&s)[32], const uint8_t* vf, float scale_log2, int tq,
+                                            float (&mx)[2]) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const uint32_t vv = *reinterpret_cast<const uint16_t*>(vf + 8 * t + 2 * tq);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool ok = (e & 1) ? (vv >> 8) != 0 : (vv & 0xFFu) != 0;
+      const float v = ok ? s[4 * t + e] * scale_log2 : -INFINITY;
+      s[4 * t + e] = v;
+      mx[e >> 1] = fmaxf(mx[e >> 1], v);
+    }
+  }
+  quad_rowmax(mx);
+}
+
+// mask_rowmax for a block whose slots are all valid: scale to base 2 -> row maxima, no masking.
+__device__ __forceinline__ void scale_rowmax(float (&s)[32], float scale_log2, float (&mx)[2]) {
+  scale_rowmax_local(s, scale_log2, mx);
+  quad_rowmax(mx);
+}
+
+}  // namespace flashmla::sm90::seesaw

@@ -1,0 +1,274 @@
+// src/sm90/decode/dense/mma_sync_kernel.cuh — split-KV dense MLA decode on mma.sync m16n8k16, 16- or
+// 32-row tiles, cp.async double buffering: the kernel for M <= 32 when no K tensor map can be made.
+//
+// One CTA = (row tile, KV head, scheduler partition). It walks the (request,
+// 64-token block) range of its partition (spec §4.4). Per request:
+//   sQ  : BM x d_qk tile of query rows (rows = s_q-major (token, head-in-group) pairs)
+//   sK  : 2 stages of 64 tokens x d_qk gathered through block_table with cp.async;
+//         tokens >= cache_seqlens are zero-filled and never read from memory,
+//         so NaN in unused slots / pages and sentinel table entries never matter.
+// 8 warps = R row groups (16 rows each) x C = 8/R column warps. Warp (r, c)
+//   S   = Q[r] . K[keys c*64/C ...]^T        (its share of the 64 keys)
+//   row max exchanged through smem inside the row group (named barrier),
+//   P   = exp2(S*scale*log2e - m) rounded to the input dtype -> sP (smem),
+//   O[r][:, c*512/C ...] += P[r] . V          (V = first 512 dims of K).
+// Online softmax in base 2; the row sum L accumulates unrounded fp32 P.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/mma_core.cuh"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/host_utils.h"
+
+namespace flashmla::sm90::dense_mma {
+
+constexpr int kThreads = 256;
+constexpr int kBlockN = 64;        // tokens per K tile (= scheduler block)
+constexpr int kRowBytes = 1152;    // smem bytes per Q/K row (576 bf16), also for d_qk 512
+constexpr int kDimV = 512;
+
+template <int R>
+struct Cfg {
+  static constexpr int BM = 16 * R;         // rows per CTA tile
+  static constexpr int C = 8 / R;           // warps per row group
+  static constexpr int KW = kBlockN / C;    // keys per warp for S
+  static constexpr int NT_S = KW / 8;       // n-tiles of S per warp
+  static constexpr int VW = kDimV / C;      // V columns per warp
+  static constexpr int NT_O = VW / 8;       // n-tiles of O per warp
+  static constexpr int kSmemQ = BM * kRowBytes;
+  static constexpr int kSmemK = kBlockN * kRowBytes;
+  static constexpr int kSmemP = BM * kBlockN * 2;
+  static constexpr int kSmemRed = BM * C * 4;
+  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemK + kSmemP + kSmemRed;
+  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
+
+template <typename T, int R>
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(const DenseDecodeKernelParams p) {
+  using CF = Cfg<R>;
+  constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + CF::kSmemQ;
+  uint8_t* sP = sK + 2 * CF::kSmemK;
+  float* sRed = reinterpret_cast<float*>(sP + CF::kSmemP);
+  const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sP_u = smem_u32(sP);
+
+  const int m_tile = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp / C, cw = warp % C;
+  const int gq = lane / 4, tq = lane % 4;  // mma fragment coordinates
+
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  const int d_qk = p.d_qk;
+  const int n_chunks = d_qk / 8;  // 16-byte chunks per row: 72 or 64
+  const int k_steps = d_qk / 16;  // QK^T mma k-steps: 36 or 32
+  const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
+
+  // Rows of this thread inside the tile (fragment rows gq and gq+8 of its row group).
+  int row_local[2], row_global[2], row_sq[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    row_global[hh] = m_tile * BM + row_local[hh];
+    row_sq[hh] = row_global[hh] / p.group;
+  }
+
+  for (int req = begin_req; req <= end_req; ++req) {
+    const int seqlen = max(p.seqlens[req], 0);
+    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
+    const int blk_lo = req == begin_req ? begin_blk : 0;
+    int blk_hi = req == end_req ? end_blk : n_blk_req;
+    blk_hi = min(blk_hi, n_blk_req);
+    const int n_blk = max(blk_hi - blk_lo, 0);
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    // Per-row key limit (bottom-right causal mask); padded rows see everything.
+    int limit[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      int lim = seqlen;
+      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
+      limit[hh] = lim;
+    }
+    const int min_limit = min(limit[0], limit[1]);
+
+    cp_async_wait<0>();
+    __syncthreads();  // the previous request is done with sQ / sK / sP / sRed
+
+    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
+    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
+    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
+    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
+    const int t_local = tid / 4, q4 = tid % 4;
+    auto page_of = [&](int blk) -> int {
+      const int token = blk * kBlockN + t_local;
+      return token < seqlen ? bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j] : -1;
+    };
+    auto token_src = [&](int blk, int page) -> const T* {
+      const int token = blk * kBlockN + t_local;
+      return kbase + static_cast<int64_t>(page) * p.k_stride_blk +
+             static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
+    };
+    auto load_k_tile = [&](int blk, int stage, int page) {
+      const bool valid = page >= 0;
+      const T* src = valid ? token_src(blk, page) : kbase;
+      const uint32_t dst = sK_u + stage * CF::kSmemK;
+      for (int c = q4; c < n_chunks; c += 4)
+        cp_async_16(dst + swz(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+    };
+    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
+    auto prefetch_tile = [&](int blk, int page) {
+      if (q4 == 0 && page >= 0) prefetch_l2_bulk(token_src(blk, page), static_cast<uint32_t>(d_qk * 2));
+    };
+
+    if (n_blk > 0) {
+      // Q tile.
+      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
+      for (int idx = tid; idx < BM * n_chunks; idx += kThreads) {
+        const int r = idx / n_chunks, c = idx % n_chunks;
+        const int grow = m_tile * BM + r;
+        const bool valid = grow < p.m_rows;
+        const T* src = static_cast<const T*>(p.q);
+        if (valid) {
+          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
+          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
+        }
+        cp_async_16(sQ_u + swz(r, c), src, valid);
+      }
+      load_k_tile(blk_lo, 0, page_of(blk_lo));
+      cp_async_commit();
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
+
+    for (int i = 0; i < n_blk; ++i) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile i visible to all; everyone is done with tile i-1
+      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
+      cp_async_commit();
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      pg1 = pg2;
+      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
+
+      const uint32_t sKs = sK_u + (i & 1) * CF::kSmemK;
+      const int tok0 = (blk_lo + i) * kBlockN;
+
+      // ---- S = Q K^T for this warp's KW keys
+      float s[NT_S][4];
+      mma_core::qk<T, NT_S, KW>(s, sQ_u, sKs, rg, cw, lane, k_steps);
+
+      // ---- scale, mask, row max (this warp's keys)
+      const bool need_mask = tok0 + kBlockN > min_limit;
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < NT_S; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[j][e] * p.scale_log2;
+          if (need_mask) {
+            const int key = tok0 + cw * KW + j * 8 + 2 * tq + (e & 1);
+            if (key >= limit[e >> 1]) v = -INFINITY;
+          }
+          s[j][e] = v;
+          mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+      }
+      mma_core::softmax_p<T, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
+
+      // ---- O += P V for this warp's VW columns
+      mma_core::pv<T, NT_O, VW>(o, sP_u, sKs, rg, cw, lane);
+    }
+
+    // ---- epilogue: total row sum across the row group's warps
+    mma_core::quad_sum(l_run);
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+      // sRed was last read before the second barrier of the last tile: safe to overwrite.
+      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int grow = row_global[hh];
+      if (grow >= p.m_rows) continue;
+      const bool empty = !(L[hh] > 0.f);  // no visible key (or NaN)
+      const float inv = empty ? 0.f : 1.f / L[hh];
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      const int sq = row_sq[hh];
+      const int h = kv_head * p.group + grow % p.group;
+      if (no_split) {
+        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
+          if (p.out_vec_ok) {
+            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
+          } else {
+            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
+            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
+          }
+        }
+        if (cw == 0 && tq == 0) {
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] =
+              empty ? INFINITY : lse2 * kLn2;
+        }
+      } else {
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
+        }
+        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+}
+
+template <typename T, int R>
+cudaError_t launch_main_r(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  constexpr int smem = Cfg<R>::kSmemBytes;
+  auto kernel = flash_fwd_splitkv_mla_kernel<T, R>;
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const int m_tiles = (kp.m_rows + Cfg<R>::BM - 1) / Cfg<R>::BM;
+  const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);
+  kernel<<<grid, kThreads, smem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+/// 16-row tiles for M <= 16, 32-row tiles for M <= 32; larger M is the wgmma kernels' (64-row tiles).
+template <typename T>
+cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  if (kp.m_rows <= 16) return launch_main_r<T, 1>(kp, num_sm_parts, stream);
+  if (kp.m_rows <= 32) return launch_main_r<T, 2>(kp, num_sm_parts, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace flashmla::sm90::dense_mma

@@ -1,0 +1,338 @@
+// src/sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh — sparse FP8 MLA decode for h_q <= 16 (one
+// 16-row head tile): warp-specialised, a producer warpgroup gathers and dequantizes while two
+// consumer warpgroups run the mma.sync core of mma_sync_kernel.cuh.
+//
+// 384 threads. Warps 0-7 (consumers, 256 threads) compute as the mma.sync kernel: R = 1 row group of
+// 16 heads x 8 column warps, S = Q K^T with mma.sync m16n8k16, base-2 online softmax with the row
+// max exchanged through smem, P (bf16) via smem, O += P V. Warps 8-11 (the producer warpgroup, 128
+// threads, 2 per token slot) load each block's FP8 records straight from global memory into
+// registers (ld.global.nc, 16 bytes), the loads of block i+1 being issued before waiting for its
+// buffer, then dequantize them exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, x scale in bf16) into
+// one of two bf16 K buffers. Full / empty mbarriers per buffer (producer: 128 arrivals; the
+// consumers: 256) replace the mma.sync kernel's two CTA-wide barriers per block, so the dequant and
+// gather of the next block run under the MMAs of the current one. 16-row tiles fit the launch's
+// 168 registers per thread in both roles, so there is no setmaxnreg split. Slot validity, the joint
+// main/extra block order and the outputs are the mma.sync kernel's.
+// Only for 16-byte aligned caches (the mma.sync kernel keeps the byte-copy path).
+#pragma once
+
+#include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
+#include "sm90/common/host_utils.h"
+
+namespace flashmla::sm90::sparse {
+
+namespace small_heads {
+
+constexpr int kThreads = 384;
+constexpr int kConsumers = 256;
+constexpr int kBarConsumers = 5;  // named barrier of the 256 consumer threads (1..4: row groups)
+
+template <int R>
+struct Cfg2 {
+  using Base = Cfg<R, 1>;
+  static constexpr int kSmemQ = Base::kSmemQ;
+  static constexpr int kSmemK = Base::kSmemK;  // per buffer
+  static constexpr int kSmemP = Base::kSmemP;
+  static constexpr int kSmemRed = Base::kSmemRed;
+  static constexpr int kOffK = kSmemQ;
+  static constexpr int kOffP = kOffK + 2 * kSmemK;
+  static constexpr int kOffRed = kOffP + kSmemP;
+  static constexpr int kOffValid = kOffRed + kSmemRed;   // 2 x 64 flags
+  static constexpr int kOffBar = kOffValid + 2 * kBlockN;  // full[2], empty[2]
+  static constexpr int kSmemBytes = kOffBar + 32;
+  static_assert(kOffBar % 8 == 0, "mbarrier alignment");
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+}  // namespace small_heads
+
+template <Fmt F, int R>
+__global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads(const SparseDecodeKernelParams p) {
+  using FC = FmtCfg<F>;
+  using CF = Cfg<R, 1>;
+  using C2 = small_heads::Cfg2<R>;
+  constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
+  constexpr int D_QK = FC::kDQK;
+  constexpr int N_CHUNKS = D_QK / 8;  // 16-byte chunks of a bf16 row
+  constexpr int K_STEPS = D_QK / 16;
+  constexpr int NOPE_UNITS = FC::kNope / 8;  // 16-byte bf16 chunks of the NoPE part
+  constexpr int NOPE_RAW16 = FC::kNope / 16;  // 16-byte FP8 chunks of the NoPE part (32 / 28)
+  constexpr int PER_THR = NOPE_RAW16 / 2;     // per producer thread (2 per token)
+  static_assert(NOPE_RAW16 % 2 == 0 && (N_CHUNKS - NOPE_UNITS) == 8, "producer work split");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sK = smem + C2::kOffK;
+  uint8_t* sP = smem + C2::kOffP;
+  float* sRed = reinterpret_cast<float*>(smem + C2::kOffRed);
+  uint8_t* sValid = smem + C2::kOffValid;
+  const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sP_u = smem_u32(sP);
+  const uint32_t bar_full = smem_u32(smem + C2::kOffBar), bar_empty = bar_full + 16;  // + 8 * buffer
+
+  const int ht = blockIdx.x % p.num_head_tiles;
+  const int sq = blockIdx.x / p.num_head_tiles;
+  const int part = blockIdx.y;
+  const int tid = threadIdx.x;
+
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  if (tid == 0) {
+    mbar_init(bar_full, 128);
+    mbar_init(bar_full + 8, 128);
+    mbar_init(bar_empty, small_heads::kConsumers);
+    mbar_init(bar_empty + 8, small_heads::kConsumers);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Per-request quantities shared by both roles.
+  struct ReqInfo {
+    int n_main, n_total, blk_lo, blk_hi, n_blk, lim_main, lim_extra;
+  };
+  auto req_info = [&](int req) {
+    ReqInfo r;
+    request_blocks(p, req, r.n_main, r.n_total);
+    r.blk_lo = req == begin_req ? begin_blk : 0;
+    r.blk_hi = min(req == end_req ? end_blk : r.n_total, r.n_total);
+    r.n_blk = max(r.blk_hi - r.blk_lo, 0);
+    r.lim_main = p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
+    r.lim_extra = 0;
+    if (p.has_extra)
+      r.lim_extra =
+          p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+    return r;
+  };
+
+  if (tid >= small_heads::kConsumers) {
+    // ======================= producer warpgroup =======================
+    const int ptid = tid - small_heads::kConsumers;
+    const int tok = ptid >> 1, hf = ptid & 1;
+    int kc = 0;  // blocks produced so far (buffer kc & 1, phase (kc >> 1) & 1)
+    for (int req = begin_req; req <= end_req; ++req) {
+      const ReqInfo ri = req_info(req);
+      auto fetch_idx = [&](int blk) -> int {
+        const bool is_extra = p.has_extra && blk >= ri.n_main;
+        const int64_t slot = static_cast<int64_t>(is_extra ? blk - ri.n_main : blk) * kBlockN + tok;
+        const int lim = is_extra ? ri.lim_extra : ri.lim_main;
+        if (slot >= lim) return -1;
+        const int32_t* ind = is_extra ? p.extra.indices : p.main.indices;
+        const int64_t isb = is_extra ? p.extra.idx_stride_b : p.main.idx_stride_b;
+        const int64_t iss = is_extra ? p.extra.idx_stride_s : p.main.idx_stride_s;
+        const int64_t isk = is_extra ? p.extra.idx_stride_k : p.main.idx_stride_k;
+        return __ldg(ind + (req * isb + sq * iss + slot * isk));
+      };
+      int idx_next = ri.n_blk > 0 ? fetch_idx(ri.blk_lo) : -1;
+      for (int i = 0; i < ri.n_blk; ++i, ++kc) {
+        const int blk = ri.blk_lo + i;
+        const int idx = idx_next;
+        if (i + 1 < ri.n_blk) idx_next = fetch_idx(blk + 1);
+        const bool is_extra = p.has_extra && blk >= ri.n_main;
+        const int num_tokens = is_extra ? p.extra.num_tokens : p.main.num_tokens;
+        const uint8_t* cache = is_extra ? p.extra.cache : p.main.cache;
+        const int64_t bstride = is_extra ? p.extra.block_stride : p.main.block_stride;
+        const int pbs = is_extra ? p.extra.page_block_size : p.main.page_block_size;
+        const bool valid = idx >= 0 && idx < num_tokens;
+        const uint32_t u_idx = valid ? static_cast<uint32_t>(idx) : 0u;
+        const uint32_t blk_id = u_idx / static_cast<uint32_t>(pbs);
+        const uint32_t row = u_idx % static_cast<uint32_t>(pbs);
+        const uint8_t* block_base = cache + static_cast<int64_t>(blk_id) * bstride;
+        const uint8_t* rec = block_base + static_cast<int64_t>(row) * (F == Fmt::kV32 ? 656 : 576);
+
+        // Loads first (they fly while we wait for the buffer).
+        uint4 raw[PER_THR];
+        uint4 rope[4];
+        uint4 scl = make_uint4(0u, 0u, 0u, 0u);  // V32: 4 floats; MODEL1: 8 e8m0 bytes in x, y
+#pragma unroll
+        for (int k = 0; k < PER_THR; ++k) raw[k] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) rope[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (valid) {
+          if constexpr (F == Fmt::kV32) {
+            scl = ldg16(rec + FC::kScaleRaw);
+          } else {
+            const uint2 s8 = ldg8(block_base + static_cast<int64_t>(pbs) * 576 + row * 8);
+            scl.x = s8.x;
+            scl.y = s8.y;
+          }
+#pragma unroll
+          for (int k = 0; k < PER_THR; ++k) raw[k] = ldg16(rec + (2 * k + hf) * 16);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) rope[k] = ldg16(rec + FC::kRopeRaw + (2 * k + hf) * 16);
+        }
+
+        const int buf = kc & 1;
+        mbar_wait(bar_empty + 8 * buf, ((kc >> 1) & 1) ^ 1);
+        // Swizzled destinations (swz): unit u = 4k + 2hf + e has (u ^ x) = 8 (k >> 1) + ((4 (k & 1) + 2hf + e) ^ x),
+        // x = tok & 7, so four row offsets plus immediates cover all stores (no hoisted per-k addresses).
+        uint8_t* dK = sK + buf * C2::kSmemK + tok * kRowBytes;
+        const int x7 = tok & 7;
+#pragma unroll
+        for (int k = 0; k < PER_THR; ++k) {
+          const int c = 2 * k + hf;              // FP8 chunk: units 2c, 2c + 1
+          const int tile = (c * 16) / FC::kTile;  // both units lie in one tile
+          __nv_bfloat162 s2;
+          if constexpr (F == Fmt::kV32) {
+            const uint32_t sb = tile == 0 ? scl.x : tile == 1 ? scl.y : tile == 2 ? scl.z : scl.w;
+            s2 = __float2bfloat162_rn(__uint_as_float(sb));
+          } else {
+            const uint32_t word = tile < 4 ? scl.x : scl.y;
+            const uint16_t bits = e8m0_to_bf16_bits((word >> (8 * (tile & 3))) & 0xFFu);
+            __nv_bfloat16_raw br;
+            br.x = bits;
+            const __nv_bfloat16 b1(br);
+            s2 = __nv_bfloat162(b1, b1);
+          }
+          uint8_t* d = dK + (k >> 1) * 128;
+          *reinterpret_cast<uint4*>(d + (((4 * (k & 1) + 2 * hf) ^ x7) << 4)) =
+              dequant8(make_uint2(raw[k].x, raw[k].y), s2);
+          *reinterpret_cast<uint4*>(d + (((4 * (k & 1) + 2 * hf + 1) ^ x7) << 4)) =
+              dequant8(make_uint2(raw[k].z, raw[k].w), s2);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          *reinterpret_cast<uint4*>(dK + NOPE_UNITS * 16 + (((2 * k + hf) ^ x7) << 4)) = rope[k];
+        if (hf == 0) sValid[buf * kBlockN + tok] = valid ? 1 : 0;
+        mbar_arrive(bar_full + 8 * buf);
+      }
+    }
+    return;
+  }
+
+  // ======================= consumer warpgroups (the mma.sync kernel's compute) =======================
+  const int warp = tid / 32, lane = tid % 32;
+  const int rg = warp / C, cw = warp % C;
+  const int gq = lane / 4, tq = lane % 4;
+  int row_local[2], head[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    head[hh] = ht * BM + row_local[hh];
+  }
+
+  int kc = 0;  // blocks consumed so far
+  for (int req = begin_req; req <= end_req; ++req) {
+    const ReqInfo ri = req_info(req);
+    const int n_blk = ri.n_blk;
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    if (!p.out_vec_ok) no_split = false;
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    if (n_blk > 0) {
+      named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // every consumer is done with sQ
+      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
+      for (int id = tid; id < BM * N_CHUNKS; id += small_heads::kConsumers) {
+        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
+        const int h = ht * BM + r;
+        const bool valid = h < p.h_q;
+        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
+        if (p.q_vec) {
+          cp_async_16(sQ_u + swz(r, c), src, valid);
+        } else {
+          uint16_t v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
+          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
+              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
+                         v[6] | (uint32_t(v[7]) << 16));
+        }
+      }
+      cp_async_commit();
+      cp_async_wait<0>();
+      named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // Q visible to all consumers
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    for (int i = 0; i < n_blk; ++i, ++kc) {
+      const int buf = kc & 1;
+      mbar_wait(bar_full + 8 * buf, (kc >> 1) & 1);
+      const uint32_t sKb_u = sK_u + buf * C2::kSmemK;
+      const uint8_t* sValidCur = sValid + buf * kBlockN;
+
+      // ---- S = Q K^T for this warp's KW keys
+      float s[NT_S][4];
+      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sKb_u, rg, cw, lane, K_STEPS);
+
+      // ---- scale, validity mask, row max (this warp's keys)
+      float mx[2];
+      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
+      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
+
+      // ---- O += P V for this warp's VW columns
+      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sKb_u, rg, cw, lane);
+      mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
+    }
+
+    // ---- epilogue (as the mma.sync kernel): total row sum across the row group's warps
+    mma_core::quad_sum(l_run);
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = head[hh];
+      if (h >= p.h_q) continue;
+      const bool empty = !(L[hh] > 0.f);
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      if (no_split) {
+        float inv = empty ? 0.f : 1.f / L[hh];
+        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+        __nv_bfloat16* out =
+            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
+          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+        }
+        if (cw == 0 && tq == 0)
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+      } else {
+        const float inv = empty ? 0.f : 1.f / L[hh];
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
+        }
+        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+}
+
+template <Fmt F, int R>
+cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  constexpr int smem = small_heads::Cfg2<R>::kSmemBytes;
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads<F, R>;
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
+                  static_cast<unsigned>(num_sm_parts), 1);
+  kernel<<<grid, small_heads::kThreads, smem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+/// This kernel (one 16-row head tile) when kp.kernel_version == 2 (h_q <= 16, sparse_decode.cu) and
+/// both caches are 16-byte aligned; else the mma.sync kernel of mma_sync_kernel.cuh.
+template <Fmt F>
+cudaError_t launch_main_auto(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  const bool vec_ok = kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
+  if (kp.kernel_version != 2 || !vec_ok || tile_rows_for(kp.h_q) != 16) return launch_main<F>(kp, num_sm_parts, stream);
+  return launch_main_ws_r<F, 1>(kp, num_sm_parts, stream);
+}
+
+}  // namespace flashmla::sm90::sparse

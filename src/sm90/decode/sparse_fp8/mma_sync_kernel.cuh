@@ -1,0 +1,414 @@
+// src/sm90/decode/sparse_fp8/mma_sync_kernel.cuh — split-KV sparse (top-k) FP8 MLA decode
+// (spec §2.3, §3.2-§3.4, §4.4), mma.sync m16n8k16 tensor cores.
+//
+// One CTA = (query token sq, head tile of BM = 16/32/64 heads, scheduler
+// partition); grid (s_q * head_tiles, num_sm_parts). It walks the (request,
+// 64-slot block) range of its partition: a request's blocks are its main
+// top-k blocks followed by its extra-cache blocks (one joint softmax; the
+// block count matches the scheduler's work of spec §4.2).
+//
+// Per 64-slot block:
+//   1. (issued NS blocks ahead) gather: for each slot, read its index; a slot is
+//      valid iff it lies below min(topk, topk_length) and its index is in
+//      [0, num_blocks * page_block_size). Valid tokens' FP8 records are copied
+//      with cp.async into a raw staging tile (sRaw); invalid ones are zero-filled
+//      without reading memory (NaN-poisoned or garbage slots are never touched).
+//   2. dequant sRaw -> sK (bf16, 64 x d_qk, swizzled): fp8 -> f16 -> f32 -> bf16
+//      (exact), times the tile scale converted to bf16, in bf16 (spec §2.7);
+//      RoPE copied. Invalid tokens are all zero, and their scores are set to -inf.
+//   3. as the dense mma.sync kernel: 8 warps = R row groups x C column warps;
+//      S = Q K^T, online softmax in base 2 (row max exchanged through smem),
+//      P (bf16) -> smem, O += P V (V = first 512 dims of K).
+// Output: unsplit requests write out (with the attention sink factor) and lse;
+// split ones write fp32 partials O/L and log2(L) + m for the combine kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/mma_core.cuh"
+#include "sm90/common/utils.cuh"
+#include "sm90/common/host_utils.h"
+
+namespace flashmla::sm90::sparse {
+
+constexpr int kThreads = 256;
+constexpr int kBlockN = 64;      // index slots per block (= scheduler block)
+constexpr int kRowBytes = 1152;  // smem bytes per Q/K row (576 bf16), also for d_qk 512
+constexpr int kRawStride = 656;  // smem bytes per token of the raw FP8 staging tile
+constexpr int kDimV = 512;
+
+enum class Fmt { kV32, kModel1 };
+
+template <Fmt F>
+struct FmtCfg;
+template <>
+struct FmtCfg<Fmt::kV32> {
+  static constexpr int kDQK = 576, kNope = 512, kTile = 128;
+  static constexpr int kRawChunks = 41;  // 16-byte chunks of the 656-byte token record
+  static constexpr int kRopeRaw = 528;   // raw offsets of RoPE and scales
+  static constexpr int kScaleRaw = 512;
+};
+template <>
+struct FmtCfg<Fmt::kModel1> {
+  static constexpr int kDQK = 512, kNope = 448, kTile = 64;
+  static constexpr int kRawChunks = 36;  // the 576-byte data record; the 8-byte scale record goes to raw 576
+  static constexpr int kRopeRaw = 448;
+  static constexpr int kScaleRaw = 576;
+};
+
+template <int R, int NS>
+struct Cfg {
+  static constexpr int BM = 16 * R;       // heads per CTA tile
+  static constexpr int C = 8 / R;         // warps per row group
+  static constexpr int KW = kBlockN / C;  // keys per warp for S
+  static constexpr int NT_S = KW / 8;     // n-tiles of S per warp
+  static constexpr int VW = kDimV / C;    // V columns per warp
+  static constexpr int NT_O = VW / 8;     // n-tiles of O per warp
+  static constexpr int kSmemQ = BM * kRowBytes;
+  static constexpr int kSmemK = kBlockN * kRowBytes;
+  static constexpr int kSmemP = BM * kBlockN * 2;
+  static constexpr int kSmemRed = BM * C * 4;
+  static constexpr int kSmemRawStage = kBlockN * kRawStride;
+  static constexpr int kSmemValid = kBlockN * (NS + 1);
+  static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemP + kSmemRed + NS * kSmemRawStage + kSmemValid;
+  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static_assert(kSmemBytes <= 232448, "shared memory");
+};
+
+using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
+
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Byte-wise copy of `n` (multiple of 4) bytes global -> shared, zero if !valid
+// (fallback for caches whose base / block stride are not 16-byte aligned).
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int n, bool valid) {
+  for (int k = 0; k < n; k += 4) {
+    uint32_t w = 0;
+    if (valid) {
+      w = static_cast<uint32_t>(src[k]) | (static_cast<uint32_t>(src[k + 1]) << 8) |
+          (static_cast<uint32_t>(src[k + 2]) << 16) | (static_cast<uint32_t>(src[k + 3]) << 24);
+    }
+    *reinterpret_cast<uint32_t*>(dst + k) = w;
+  }
+}
+
+// 8 e4m3 values (little-endian in `w`) -> 8 bf16 (exact), each times `sc` in bf16.
+__device__ __forceinline__ uint4 dequant8(uint2 w, __nv_bfloat162 sc) {
+  uint32_t r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t word = j < 2 ? w.x : w.y;
+    const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((word >> (16 * (j & 1))) & 0xFFFFu);
+    const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3));
+    const float2 f = __half22float2(h);
+    __nv_bfloat162 b = __floats2bfloat162_rn(f.x, f.y);
+    b = __hmul2(b, sc);
+    r[j] = *reinterpret_cast<uint32_t*>(&b);
+  }
+  return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// UE8M0 byte -> bf16 bits of 2^(e-127) (0xFF -> NaN).
+__device__ __forceinline__ uint16_t e8m0_to_bf16_bits(uint32_t e) {
+  if (e == 0xFFu) return 0x7FC0u;
+  if (e == 0u) return 0x0040u;
+  return static_cast<uint16_t>(e << 7);
+}
+
+/// Blocks of request `req` (spec §4.2 / §4.4): main blocks first, then extra blocks.
+/// Must match sparse_work() in src/sm90/common/scheduler.cu.
+__device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p, int req, int& n_main,
+                                               int& n_total) {
+  int64_t s = p.main.topk_length != nullptr ? max(p.main.topk_length[req], 0) : p.main.topk;
+  if (s == 0) s = 1;
+  n_main = static_cast<int>((s + kBlockN - 1) / kBlockN);
+  n_total = n_main;
+  if (p.has_extra) {
+    const int64_t se = p.extra.topk_length != nullptr ? max(p.extra.topk_length[req], 0) : p.extra.topk;
+    n_total = n_main + static_cast<int>((se + kBlockN - 1) / kBlockN);
+  }
+}
+
+template <Fmt F, int R, int NS>
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel(const SparseDecodeKernelParams p) {
+  using FC = FmtCfg<F>;
+  using CF = Cfg<R, NS>;
+  constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
+  constexpr int D_QK = FC::kDQK;
+  constexpr int N_CHUNKS = D_QK / 8;  // 16-byte chunks of a bf16 row
+  constexpr int K_STEPS = D_QK / 16;  // k-steps of S = Q K^T
+  constexpr int NOPE_UNITS = FC::kNope / 8;
+  static_assert(NOPE_UNITS % 4 == 0 && (N_CHUNKS - NOPE_UNITS) == 8, "dequant work split");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + CF::kSmemQ;
+  uint8_t* sP = sK + CF::kSmemK;
+  float* sRed = reinterpret_cast<float*>(sP + CF::kSmemP);
+  uint8_t* sRaw = sP + CF::kSmemP + CF::kSmemRed;
+  uint8_t* sValid = sRaw + NS * CF::kSmemRawStage;  // NS x 64 flags (per raw stage)
+  uint8_t* sValidCur = sValid + NS * kBlockN;       // 64 flags of the block in sK
+  const uint32_t sQ_u = smem_u32(sQ), sK_u = smem_u32(sK), sP_u = smem_u32(sP), sRaw_u = smem_u32(sRaw);
+
+  const int ht = blockIdx.x % p.num_head_tiles;
+  const int sq = blockIdx.x / p.num_head_tiles;
+  const int part = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp / C, cw = warp % C;
+  const int gq = lane / 4, tq = lane % 4;
+
+  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
+  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
+  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
+  if (begin_req >= p.b) return;
+
+  int row_local[2], head[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    head[hh] = ht * BM + row_local[hh];
+  }
+
+  // Gather mapping: 4 threads per token slot.
+  const int g_tok = tid / 4, g_q4 = tid % 4;
+  // Dequant mapping: 8 consecutive threads = 8 different tokens (conflict-free sK stores).
+  const int d_tok = (tid & 7) | ((tid >> 5) << 3), d_sub = (tid >> 3) & 3;
+
+  for (int req = begin_req; req <= end_req; ++req) {
+    int n_main, n_total;
+    request_blocks(p, req, n_main, n_total);
+    const int blk_lo = req == begin_req ? begin_blk : 0;
+    int blk_hi = req == end_req ? end_blk : n_total;
+    blk_hi = min(blk_hi, n_total);
+    const int n_blk = max(blk_hi - blk_lo, 0);
+    bool no_split;
+    if (req == begin_req) no_split = !first_splitted;
+    else if (req == end_req) no_split = !last_splitted;
+    else no_split = true;
+    if (!p.out_vec_ok) no_split = false;  // strided out: every request goes through the combine kernel
+    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+
+    // Valid slot bounds of this request (slots >= bound are never read).
+    const int lim_main =
+        p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
+    int lim_extra = 0;
+    if (p.has_extra)
+      lim_extra = p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+
+    cp_async_wait<0>();
+    __syncthreads();  // the previous request is done with every buffer
+
+    // Index of slot g_tok of block `blk` (index within the request), -1 past the valid bound.
+    auto fetch_idx = [&](int blk) -> int {
+      const bool is_extra = p.has_extra && blk >= n_main;
+      // int64: the block count comes from topk_length (not clamped to topk), so with a
+      // topk_length near INT32_MAX an int slot would wrap negative and pass the bound check.
+      const int64_t slot = static_cast<int64_t>(is_extra ? blk - n_main : blk) * kBlockN + g_tok;
+      const int lim = is_extra ? lim_extra : lim_main;
+      if (slot >= lim) return -1;
+      const int32_t* ind = is_extra ? p.extra.indices : p.main.indices;
+      const int64_t isb = is_extra ? p.extra.idx_stride_b : p.main.idx_stride_b;
+      const int64_t iss = is_extra ? p.extra.idx_stride_s : p.main.idx_stride_s;
+      const int64_t isk = is_extra ? p.extra.idx_stride_k : p.main.idx_stride_k;
+      return __ldg(ind + (req * isb + sq * iss + static_cast<int64_t>(slot) * isk));
+    };
+    // The index of the next block to gather is loaded one gather ahead (it is
+    // consumed an iteration later), so no gather waits on an index load.
+    int pf_idx = -1;
+
+    // Issue the gather of block `blk` (index within the request) into raw stage `st`.
+    // Blocks are gathered in order blk_lo, blk_lo + 1, ...; pf_idx holds blk's index.
+    auto load_raw = [&](int blk, int st) {
+      const int idx = pf_idx;
+      if (blk + 1 < blk_hi) pf_idx = fetch_idx(blk + 1);
+      const bool is_extra = p.has_extra && blk >= n_main;
+      const int num_tokens = is_extra ? p.extra.num_tokens : p.main.num_tokens;
+      const uint8_t* cache = is_extra ? p.extra.cache : p.main.cache;
+      const int64_t bstride = is_extra ? p.extra.block_stride : p.main.block_stride;
+      const int pbs = is_extra ? p.extra.page_block_size : p.main.page_block_size;
+      const int vec = is_extra ? p.extra.vec : p.main.vec;
+      const bool valid = idx >= 0 && idx < num_tokens;
+      const uint32_t u_idx = valid ? static_cast<uint32_t>(idx) : 0u;
+      const uint32_t blk_id = u_idx / static_cast<uint32_t>(pbs), row = u_idx % static_cast<uint32_t>(pbs);
+      const uint8_t* block_base = cache + static_cast<int64_t>(blk_id) * bstride;
+      const uint8_t* rec = block_base + static_cast<int64_t>(row) * (F == Fmt::kV32 ? 656 : 576);
+      uint8_t* dst = sRaw + st * CF::kSmemRawStage + g_tok * kRawStride;
+      const uint32_t dst_u = sRaw_u + st * CF::kSmemRawStage + g_tok * kRawStride;
+      if (vec) {
+        for (int c = g_q4; c < FC::kRawChunks; c += 4)
+          cp_async_16(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
+        if constexpr (F == Fmt::kModel1) {
+          if (g_q4 == 0)
+            cp_async_8(dst_u + FC::kScaleRaw,
+                       valid ? static_cast<const void*>(block_base + static_cast<int64_t>(pbs) * 576 + row * 8)
+                             : cache,
+                       valid);
+        }
+      } else {
+        for (int c = g_q4; c < FC::kRawChunks; c += 4) copy_bytes(dst + c * 16, rec + c * 16, 16, valid);
+        if constexpr (F == Fmt::kModel1) {
+          if (g_q4 == 0)
+            copy_bytes(dst + FC::kScaleRaw, block_base + static_cast<int64_t>(pbs) * 576 + row * 8, 8, valid);
+        }
+      }
+      if (g_q4 == 0) sValid[st * kBlockN + g_tok] = valid ? 1 : 0;
+    };
+
+    if (n_blk > 0) {
+      pf_idx = fetch_idx(blk_lo);
+      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
+      for (int id = tid; id < BM * N_CHUNKS; id += kThreads) {
+        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
+        const int h = ht * BM + r;
+        const bool valid = h < p.h_q;
+        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
+        if (p.q_vec) {
+          cp_async_16(sQ_u + swz(r, c), src, valid);
+        } else {
+          uint16_t v[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
+          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
+              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
+                         v[6] | (uint32_t(v[7]) << 16));
+        }
+      }
+#pragma unroll
+      for (int s = 0; s < NS; ++s) {
+        if (s < n_blk) load_raw(blk_lo + s, s);
+        cp_async_commit();
+      }
+    }
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};
+    float l_run[2] = {0.f, 0.f};
+
+    for (int i = 0; i < n_blk; ++i) {
+      const int st = i % NS;
+      cp_async_wait<NS - 1>();
+      __syncthreads();  // raw block i landed (all threads); everyone is done with sK / sP of block i-1
+
+      // ---- dequant sRaw[st] -> sK
+      {
+        const uint8_t* rt = sRaw + st * CF::kSmemRawStage + d_tok * kRawStride;
+        if (d_sub == 0) sValidCur[d_tok] = sValid[st * kBlockN + d_tok];
+#pragma unroll
+        for (int j = 0; j < NOPE_UNITS / 4; ++j) {
+          const int u = d_sub + 4 * j;
+          const int tile = (u * 8) / FC::kTile;
+          __nv_bfloat162 sc;
+          if constexpr (F == Fmt::kV32) {
+            const float s = *reinterpret_cast<const float*>(rt + FC::kScaleRaw + 4 * tile);
+            sc = __float2bfloat162_rn(s);
+          } else {
+            const uint16_t bits = e8m0_to_bf16_bits(rt[FC::kScaleRaw + tile]);
+            __nv_bfloat16_raw br;
+            br.x = bits;
+            const __nv_bfloat16 b1(br);
+            sc = __nv_bfloat162(b1, b1);
+          }
+          const uint2 w = *reinterpret_cast<const uint2*>(rt + u * 8);
+          *reinterpret_cast<uint4*>(sK + swz(d_tok, u)) = dequant8(w, sc);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int u = d_sub + 4 * j;  // RoPE chunk 0..7
+          *reinterpret_cast<uint4*>(sK + swz(d_tok, NOPE_UNITS + u)) =
+              *reinterpret_cast<const uint4*>(rt + FC::kRopeRaw + u * 16);
+        }
+      }
+      __syncthreads();  // sK / sValidCur ready; raw stage st is free
+      if (i + NS < n_blk) load_raw(blk_lo + i + NS, st);
+      cp_async_commit();
+
+      // ---- S = Q K^T for this warp's KW keys
+      float s[NT_S][4];
+      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sK_u, rg, cw, lane, K_STEPS);
+
+      // ---- scale, validity mask, row max (this warp's keys)
+      float mx[2];
+      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
+      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
+
+      // ---- O += P V for this warp's VW columns
+      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sK_u, rg, cw, lane);
+    }
+
+    // ---- epilogue: total row sum across the row group's warps
+    mma_core::quad_sum(l_run);
+    float L[2] = {0.f, 0.f};
+    if (n_blk > 0) {
+      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
+    }
+
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = head[hh];
+      if (h >= p.h_q) continue;
+      const bool empty = !(L[hh] > 0.f);  // no valid key (or NaN)
+      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+      if (no_split) {
+        float inv = empty ? 0.f : 1.f / L[hh];
+        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+        // out_vec_ok: out's last dim is contiguous with 4-byte aligned pairs.
+        __nv_bfloat16* out =
+            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
+          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+        }
+        if (cw == 0 && tq == 0)
+          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+      } else {
+        const float inv = empty ? 0.f : 1.f / L[hh];
+        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
+        float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+          const int col = cw * VW + j * 8 + 2 * tq;
+          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
+        }
+        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
+      }
+    }
+  }
+}
+
+template <Fmt F, int R, int NS>
+cudaError_t launch_main_r(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  constexpr int smem = Cfg<R, NS>::kSmemBytes;
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel<F, R, NS>;
+  cudaError_t e = set_max_dynamic_smem(kernel, smem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
+                  static_cast<unsigned>(num_sm_parts), 1);
+  kernel<<<grid, kThreads, smem, stream>>>(kp);
+  return cudaGetLastError();
+}
+
+/// Rows per CTA tile from h_q (16-row mma tiles: no padding of small head counts to 64).
+inline int tile_rows_for(int h_q) { return h_q <= 16 ? 16 : (h_q <= 32 ? 32 : 64); }
+
+template <Fmt F>
+cudaError_t launch_main(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+  const int bm = tile_rows_for(kp.h_q);
+  if (bm == 16) return launch_main_r<F, 1, 3>(kp, num_sm_parts, stream);
+  if (bm == 32) return launch_main_r<F, 2, 2>(kp, num_sm_parts, stream);
+  return launch_main_r<F, 4, 1>(kp, num_sm_parts, stream);
+}
+
+}  // namespace flashmla::sm90::sparse

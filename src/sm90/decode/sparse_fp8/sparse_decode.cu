@@ -1,0 +1,319 @@
+// src/sm90/decode/sparse_fp8/sparse_decode.cu — host side of sm90 sparse FP8 decode (spec §2.3):
+// device scheduler (unless metadata_ready) -> split-KV kernel
+// (`flash_fwd_splitkv_mla_fp8_sparse_kernel`, sparse_decode_kernel.cuh) -> combine
+// (`flash_fwd_mla_combine_kernel`, below, with the attention sink), all on the
+// caller's stream, no synchronisation, no allocation.
+//
+// Partials (spec §4.4): lse_accum (S, s_q, h_q) and o_accum (S, s_q, h_q, 512)
+// fp32 with S = b + num_sm_parts; lse_accum is base 2 (log2 L + m, -inf if empty),
+// o_accum = O / L.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "core/tile_schedule_greedy.h"
+#include "sm90/common/host_utils.h"
+#include "sm90/sm90.h"
+#include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/utils.cuh"
+
+namespace flashmla::sm90 {
+
+namespace sparse_combine {
+
+// Grid (b*s_q, ceil(h_q/8), 4/J): b*s_q on x (no 65535 limit), one warp per query head and
+// slice of 128*J output dims (J float4 per lane; see combine_float4s_per_lane).
+// Requests with a single split were written by the main kernel and are skipped
+// (unless out is strided: then the main kernel writes partials for all requests).
+// kCompact (the default since session 17, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
+// crosses a part boundary has several splits, so there are at most num_sm_parts - 1 of them, and part q
+// takes the request it begins inside (begin_block_idx > 0) unless part q - 1 began inside it too; each
+// split request is combined exactly once, and batches larger than num_sm_parts launch fewer CTAs.
+// kCompact: the parameters plus the schedule (its own struct: a larger SparseCombineParams would change
+// the default kernel's SASS).
+struct CompactParams : SparseCombineParams {
+  const int32_t* tile_scheduler_metadata;  // (num_sm_parts, 8)
+};
+
+template <int J, bool kCompact, class Params = SparseCombineParams>
+__global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bs = blockIdx.x;
+  int bi_ = static_cast<int>(bs / p.s_q);
+  if constexpr (kCompact) bi_ = core::split_request_of_part(p.tile_scheduler_metadata, bi_, p.b);
+  const int bi = bi_, sq = static_cast<int>(bs % p.s_q);
+  if (kCompact && bi < 0) return;
+  const int h = blockIdx.y * 8 + warp;
+  if (h >= p.h_q) return;
+  const int start = p.num_splits[bi];
+  const int n = p.num_splits[bi + 1] - start;
+  if (n <= 1 && p.out_vec_ok) return;  // strided out: the main kernel wrote partials for every request
+
+  const int64_t split_stride = static_cast<int64_t>(p.s_q) * p.h_q;
+  const int64_t base_row = (static_cast<int64_t>(start) * p.s_q + sq) * p.h_q + h;
+  const float* la = p.lse_accum + base_row;
+
+  float mx = -INFINITY;
+  for (int k = lane; k < n; k += 32) mx = fmaxf(mx, la[k * split_stride]);
+  mx = warp_max(mx);
+  if (mx == -INFINITY) mx = 0.f;
+  float s = 0.f;
+  for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
+  s = warp_sum(s);
+  const bool empty = !(s > 0.f);
+  const float lse2 = empty ? INFINITY : log2f(s) + mx;
+  if (lane == 0 && blockIdx.z == 0)
+    p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+  float factor = empty ? 0.f : 1.f;
+  if (p.attn_sink != nullptr && !empty) factor = 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+
+  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
+  float4 acc[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (!empty) {
+    // Splits in chunks of 32, each lane computing one split's weight (as the dense combine).
+    for (int c = 0; c < n; c += 32) {
+      const int m = min(32, n - c);
+      const float w_lane = lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) * factor : 0.f;
+      const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + c * split_stride) * 512);
+#pragma unroll (16 / J)
+      for (int k = 0; k < m; ++k) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, k);
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          const float4 v = o[k * split_stride * 128 + f4 + 32 * j];
+          acc[j].x += w * v.x;
+          acc[j].y += w * v.y;
+          acc[j].z += w * v.z;
+          acc[j].w += w * v.w;
+        }
+      }
+    }
+  }
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int d = (f4 + 32 * j) * 4;
+    if (p.out_vec_ok) {
+      uint2 pk;
+      pk.x = HalfTraits<__nv_bfloat16>::pack(acc[j].x, acc[j].y);
+      pk.y = HalfTraits<__nv_bfloat16>::pack(acc[j].z, acc[j].w);
+      if ((reinterpret_cast<uintptr_t>(out + d) & 7) == 0) {
+        *reinterpret_cast<uint2*>(out + d) = pk;
+      } else {
+        reinterpret_cast<uint32_t*>(out + d)[0] = pk.x;
+        reinterpret_cast<uint32_t*>(out + d)[1] = pk.y;
+      }
+    } else {
+      out[(d + 0) * p.o_stride_d] = __float2bfloat16_rn(acc[j].x);
+      out[(d + 1) * p.o_stride_d] = __float2bfloat16_rn(acc[j].y);
+      out[(d + 2) * p.o_stride_d] = __float2bfloat16_rn(acc[j].z);
+      out[(d + 3) * p.o_stride_d] = __float2bfloat16_rn(acc[j].w);
+    }
+  }
+}
+
+}  // namespace sparse_combine
+
+// The compact combine grid (see the kernel) when out is vector-writable and b > num_sm_parts, else the
+// per-request grid. Why: with
+// the per-request grid the combine took 3.7 / 6.2 / 11.2 us for V3.2 b64, b128 and MODEL1 config2 b256,
+// batches whose schedule splits no request at all (every part ends on a request boundary): that time was
+// the launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. The compact
+// grid launches num_sm_parts * s_q * h_q / 8 (1056), one wave; batches with split requests (b74, b148)
+// also launch 2-4x fewer CTAs. Measured on the H200: whole call x1.011 geomean (session 16), x1.008
+// (session 17 call 2, which also passed the sparse pytest and the 4748-case spec §5.2 grid with it).
+cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
+                                  cudaStream_t stream) {
+  const bool compact = cp.out_vec_ok && metadata != nullptr && num_sm_parts > 0 && num_sm_parts < cp.b;
+  const int64_t x = static_cast<int64_t>(compact ? num_sm_parts : cp.b) * cp.s_q, y = (cp.h_q + 7) / 8;
+  const int j = combine_float4s_per_lane(x * y);
+  const dim3 grid(static_cast<unsigned>(x), static_cast<unsigned>(y), static_cast<unsigned>(4 / j));
+  // One of the three J instantiations, with the default or the compact grid's parameters.
+  auto go = [&](auto compact_tag, const auto& params) {
+    constexpr bool kC = decltype(compact_tag)::value;
+    using P = std::decay_t<decltype(params)>;
+    if (j == 1) sparse_combine::flash_fwd_mla_combine_kernel<1, kC, P><<<grid, 256, 0, stream>>>(params);
+    else if (j == 2) sparse_combine::flash_fwd_mla_combine_kernel<2, kC, P><<<grid, 256, 0, stream>>>(params);
+    else sparse_combine::flash_fwd_mla_combine_kernel<4, kC, P><<<grid, 256, 0, stream>>>(params);
+  };
+  if (compact) {
+    sparse_combine::CompactParams pc;
+    static_cast<SparseCombineParams&>(pc) = cp;
+    pc.tile_scheduler_metadata = metadata;
+    go(std::true_type{}, pc);
+  } else {
+    go(std::false_type{}, cp);
+  }
+  return cudaGetLastError();
+}
+
+namespace {
+
+Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla sparse decode", what, e); }
+Status value_error(const std::string& what) { return value_error_status("flash_mla sparse decode", what); }
+
+
+constexpr int64_t kAlign = 256;
+int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int64_t lse_accum_bytes(int64_t splits, int64_t s_q, int64_t h_q) {
+  return align_up(splits * s_q * h_q * static_cast<int64_t>(sizeof(float)));
+}
+
+bool out_vec_ok(const TensorRef& out) {
+  if (out.stride[3] != 1) return false;
+  for (int i = 0; i < 3; ++i)
+    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
+  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
+}
+
+/// q rows 16-byte aligned (cp.async path).
+bool q_vec_ok(const TensorRef& q) { return rows_16b_aligned(q, 3); }
+
+SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const TensorRef& topk_length) {
+  SparseScope s;
+  s.cache = static_cast<const uint8_t*>(cache.data);
+  s.block_stride = cache.stride[0];  // 1-byte elements
+  s.page_block_size = static_cast<int>(cache.shape[1]);
+  s.num_tokens = static_cast<int>(cache.shape[0] * cache.shape[1]);
+  s.indices = static_cast<const int32_t*>(indices.data);
+  s.idx_stride_b = indices.stride[0];
+  s.idx_stride_s = indices.stride[1];
+  s.idx_stride_k = indices.stride[2];
+  s.topk = static_cast<int>(indices.shape[2]);
+  s.topk_length = topk_length.defined ? static_cast<const int32_t*>(topk_length.data) : nullptr;
+  const bool base_ok = reinterpret_cast<uintptr_t>(cache.data) % 16 == 0;
+  const bool stride_ok = cache.shape[0] <= 1 || cache.stride[0] % 16 == 0;
+  s.vec = base_ok && stride_ok ? 1 : 0;
+  return s;
+}
+
+/// Main-kernel choice by shape: v2 (warp-specialised producer, mma.sync consumers) for h_q <= 16,
+/// v4 (one producer warpgroup dequantizing into two whole-block 128B-swizzled K buffers + two
+/// wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads
+/// dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte aligned (the v2 / v4
+/// launchers fall back to v1 there).
+/// H200 A/B runs: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
+/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against
+/// session 4's v3 (seesaw over block pairs, now deleted) and v1: bench/NOTES.md "sparse FP8 decode v4".
+int sparse_decode_kernel_version(int64_t h_q) {
+  return h_q <= 16 ? 2 : (h_q > 32 ? 4 : 1);
+}
+
+}  // namespace
+
+int64_t sparse_decode_workspace_bytes(const SparseDecodeParams& p, int64_t num_sm_parts) {
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
+  const int64_t splits = b + num_sm_parts;
+  return lse_accum_bytes(splits, s_q, h_q) + align_up(splits * s_q * h_q * 512 * int64_t{4});
+}
+
+Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, int stages) {
+  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
+  if (num_sm_parts <= 0 || num_sm_parts > 65535) return value_error("invalid num_sm_parts");
+  const int64_t head_tiles = (h_q + 63) / 64;
+  if (b * s_q > 2147483647LL || s_q * head_tiles > 2147483647LL || h_q > 65535 * 8LL)
+    return value_error("b * s_q or h_q is too large");
+  if (p.indices.shape[2] > 2147483647LL - 64 ||
+      (p.extra_k_cache.defined && p.extra_indices_in_kvcache.shape[2] > 2147483647LL - 64))
+    return value_error("topk is too large");
+  const int64_t need = sparse_decode_workspace_bytes(p, num_sm_parts);
+  if (p.workspace_bytes < need || p.workspace == nullptr)
+    return value_error("workspace of " + std::to_string(need) + " bytes required, got " +
+                       std::to_string(p.workspace_bytes));
+
+  DeviceGuard guard(p.q.device.id);
+  if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  int32_t* metadata = static_cast<int32_t*>(p.tile_scheduler_metadata.data);
+  int32_t* num_splits = static_cast<int32_t*>(p.num_splits.data);
+  float* lse_accum = static_cast<float*>(p.workspace);
+  float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
+                                            lse_accum_bytes(b + num_sm_parts, s_q, h_q));
+  const bool vec = out_vec_ok(p.out);
+  const bool has_extra = p.extra_k_cache.defined;
+  const float* sink = p.attn_sink.defined ? static_cast<const float*>(p.attn_sink.data) : nullptr;
+
+  if ((stages & kSparseStageScheduler) && !p.metadata_ready) {
+    const cudaError_t e = launch_sparse_tile_scheduler(
+        p.topk_length.defined ? static_cast<const int32_t*>(p.topk_length.data) : nullptr,
+        has_extra && p.extra_topk_length.defined ? static_cast<const int32_t*>(p.extra_topk_length.data) : nullptr,
+        static_cast<int>(p.indices.shape[2]), has_extra ? static_cast<int>(p.extra_indices_in_kvcache.shape[2]) : 0,
+        static_cast<int>(b), static_cast<int>(num_sm_parts), metadata, num_splits, stream);
+    if (e != cudaSuccess) return cuda_error("sparse tile scheduler launch", e);
+  }
+
+  if (stages & kSparseStageMain) {
+    SparseDecodeKernelParams kp{};
+    kp.q = p.q.data;
+    kp.q_stride_b = p.q.stride[0];
+    kp.q_stride_s = p.q.stride[1];
+    kp.q_stride_h = p.q.stride[2];
+    kp.main = make_scope(p.k_cache, p.indices, p.topk_length);
+    kp.has_extra = has_extra ? 1 : 0;
+    if (has_extra) kp.extra = make_scope(p.extra_k_cache, p.extra_indices_in_kvcache, p.extra_topk_length);
+    kp.attn_sink = sink;
+    kp.out = p.out.data;
+    kp.o_stride_b = p.out.stride[0];
+    kp.o_stride_s = p.out.stride[1];
+    kp.o_stride_h = p.out.stride[2];
+    kp.o_stride_d = p.out.stride[3];
+    kp.lse = static_cast<float*>(p.lse.data);
+    kp.lse_stride_b = p.lse.stride[0];
+    kp.lse_stride_h = p.lse.stride[1];
+    kp.lse_stride_s = p.lse.stride[2];
+    kp.o_accum = o_accum;
+    kp.lse_accum = lse_accum;
+    kp.tile_scheduler_metadata = metadata;
+    kp.num_splits = num_splits;
+    kp.b = static_cast<int>(b);
+    kp.s_q = static_cast<int>(s_q);
+    kp.h_q = static_cast<int>(h_q);
+    const int bm = h_q <= 16 ? 16 : (h_q <= 32 ? 32 : 64);
+    kp.num_head_tiles = static_cast<int>((h_q + bm - 1) / bm);
+    kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
+    kp.out_vec_ok = vec ? 1 : 0;
+    kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+    kp.kernel_version = sparse_decode_kernel_version(h_q);
+    const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
+                                      : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
+    if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);
+  }
+
+  if (stages & kSparseStageCombine) {
+    SparseCombineParams cp{};
+    cp.out = p.out.data;
+    cp.o_stride_b = p.out.stride[0];
+    cp.o_stride_s = p.out.stride[1];
+    cp.o_stride_h = p.out.stride[2];
+    cp.o_stride_d = p.out.stride[3];
+    cp.lse = static_cast<float*>(p.lse.data);
+    cp.lse_stride_b = p.lse.stride[0];
+    cp.lse_stride_h = p.lse.stride[1];
+    cp.lse_stride_s = p.lse.stride[2];
+    cp.o_accum = o_accum;
+    cp.lse_accum = lse_accum;
+    cp.num_splits = num_splits;
+    cp.attn_sink = sink;
+    cp.b = static_cast<int>(b);
+    cp.s_q = static_cast<int>(s_q);
+    cp.h_q = static_cast<int>(h_q);
+    cp.out_vec_ok = vec ? 1 : 0;
+    const cudaError_t e = launch_sparse_combine(cp, metadata, static_cast<int>(num_sm_parts), stream);
+    if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel (sparse) launch", e);
+  }
+  return Status::Ok();
+}
+
+Status sparse_decode(const SparseDecodeParams& p, int64_t num_sm_parts) {
+  return sparse_decode_launch(p, num_sm_parts, kSparseStageAll);
+}
+
+}  // namespace flashmla::sm90
