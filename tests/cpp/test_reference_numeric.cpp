@@ -189,19 +189,37 @@ TEST(ReferenceThreadPool, ExceptionReachesCaller) {
                std::runtime_error);
 }
 
-TEST(ReferenceThreadPool, NumThreadsFromEnvironment) {
-  const char* old = std::getenv("FLASHMLA_NUM_THREADS");
-  const std::string saved = old ? old : "";
-  const unsigned hw = std::thread::hardware_concurrency();
-  const int fallback = hw == 0 ? 1 : static_cast<int>(hw);
-  setenv("FLASHMLA_NUM_THREADS", "3", 1);
-  EXPECT_EQ(flashmla::reference_num_threads(), 3);
-  setenv("FLASHMLA_NUM_THREADS", "0", 1);
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
-  setenv("FLASHMLA_NUM_THREADS", "abc", 1);
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
-  unsetenv("FLASHMLA_NUM_THREADS");
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
-  EXPECT_GE(flashmla::reference_num_threads(), 1);
-  if (old) setenv("FLASHMLA_NUM_THREADS", saved.c_str(), 1);
+TEST(ReferenceThreadPool, NumThreadsFromEnvironmentValue) {
+  std::string w;
+  EXPECT_EQ(ref::threads_from_env(nullptr, 7, &w), 7);
+  EXPECT_TRUE(w.empty());
+  EXPECT_EQ(ref::threads_from_env("3", 7, &w), 3);
+  EXPECT_TRUE(w.empty());
+  EXPECT_EQ(ref::threads_from_env("100000", 7, &w), ref::kMaxThreads);
+  EXPECT_TRUE(w.empty());
+  for (const char* bad : {"0", "-3", "abc", "", "4x", "99999999999999999999999"}) {
+    w.clear();
+    EXPECT_EQ(ref::threads_from_env(bad, 7, &w), 7) << bad;
+    EXPECT_NE(w.find(std::string("FLASHMLA_NUM_THREADS='") + bad + "'"), std::string::npos) << w;
+    EXPECT_NE(w.find("7 threads"), std::string::npos) << w;
+  }
+  EXPECT_EQ(ref::threads_from_env("abc", 5, nullptr), 5);
 }
+
+TEST(ReferenceThreadPool, SetNumThreads) {
+  const int dflt = flashmla::reference_num_threads();
+  EXPECT_GE(dflt, 1);
+  flashmla::set_reference_num_threads(3);
+  EXPECT_EQ(flashmla::reference_num_threads(), 3);
+  flashmla::set_reference_num_threads(5000);
+  EXPECT_EQ(flashmla::reference_num_threads(), ref::kMaxThreads);
+  flashmla::set_reference_num_threads(0);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
+  // The environment is read once: changing it later has no effect.
+  setenv("FLASHMLA_NUM_THREADS", dflt == 3 ? "4" : "3", 1);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
+  unsetenv("FLASHMLA_NUM_THREADS");
+  flashmla::set_reference_num_threads(-2);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
+}
+
