@@ -484,3 +484,38 @@ def test_scale_accepts_real_numbers(dense, prefill, good):
     res = call_prefill(prefill, sm_scale=good)
     ref = call_prefill(prefill, sm_scale=float(good))
     np.testing.assert_array_equal(np.asarray(res[2]), np.asarray(ref[2]))
+
+
+# ----------------------------------------------------------------------------- FLASHMLA_NUM_THREADS
+_THREADS_PROBE = r"""
+import numpy as np, flash_mla, sys
+sys.path.insert(0, sys.argv[1])
+from mla_test_utils import gen_dense_case
+c = gen_dense_case(np.random.default_rng(0), b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
+for _ in range(3):
+    flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                     flash_mla.get_mla_metadata()[0])
+print("threads", flash_mla.reference_num_threads())
+"""
+
+
+@pytest.mark.parametrize("value,valid", [("0", False), ("-3", False), ("abc", False), ("", False), ("3", True)])
+def test_num_threads_env_is_read_once_and_a_bad_value_named_once(value, valid):
+    """FLASHMLA_NUM_THREADS: a value that is not a positive integer is reported once on stderr, naming it
+    (not silently replaced by the hardware's count), however many calls follow."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLASHMLA_NUM_THREADS=value)
+    proc = subprocess.run([sys.executable, "-c", _THREADS_PROBE, os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "FLASHMLA_NUM_THREADS" in ln]
+    threads = int(proc.stdout.split("threads")[-1])
+    if valid:
+        assert warnings == [] and threads == int(value), proc.stderr
+    else:
+        assert len(warnings) == 1, proc.stderr
+        assert f"FLASHMLA_NUM_THREADS='{value}' is not a positive integer" in warnings[0]
+        assert f"uses {threads} threads" in warnings[0]
