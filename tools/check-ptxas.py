@@ -133,7 +133,7 @@ def main():
         return 0
     cutlass = find_cutlass(a.cutlass)
     if not cutlass or not os.path.exists(os.path.join(cutlass, "cute", "tensor.hpp")):
-        print("check-ptxas: CUTLASS headers not found (pip install --no-deps 'nvidia-cutlass>=4.2,<5' or --cutlass DIR)")
+        print("check-ptxas: CUTLASS headers not found (bash tools/fetch-cutlass.sh, or --cutlass DIR)")
         return 1
     cuobjdump = None
     if a.sass:

@@ -2,7 +2,7 @@
 # Build and check flash_mla on an offline GPU machine (an H200 without network access).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include
 # (bash tools/fetch-device-deps.sh makes both).
-# Usage: bash tools/device-run.sh [build|pytest|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-nan|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,6 +25,10 @@ for step in "$@"; do
       FLASHMLA_REQUIRE_TORCH_OPS=1 python3 -m pytest tests/python/test_torch_ops.py tests/gpu/test_torch_ops_gpu.py -q -rs 2>&1 | tee "$OUT/pytest-torch-ops.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     pytest)
       python3 -m pytest tests/gpu -q -rA 2>&1 | grep -v "^SKIPPED .*grid_data.py" | tee "$OUT/pytest-gpu.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pytest-nan)      # issue 28: NaN propagation + quant helpers on GPU tensors, and the three families' own tests
+      python3 -m pytest tests/gpu/test_nan_propagation_gpu.py tests/gpu/test_quant_frameworks_gpu.py \
+        tests/gpu/test_dense_decode_gpu.py tests/gpu/test_sparse_decode_gpu.py tests/gpu/test_sparse_prefill_gpu.py \
+        -q -rs --tb=short 2>&1 | tee "$OUT/pytest-nan.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     pytest-all)
       python3 -m pytest tests/python tests/gpu -q -rs 2>&1 | tee "$OUT/pytest-all.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     demo)

@@ -11,10 +11,5 @@ mkdir -p .whl .deps
 rm -f .whl/apache_tvm_ffi-*.whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl 'apache-tvm-ffi>=0.1.11,<0.2,!=0.1.12'
-tmp=$(mktemp -d)
-python3 -m pip download -q --no-deps -d "$tmp" 'nvidia-cutlass>=4.2,<5'
-python3 -m zipfile -e "$tmp"/nvidia_cutlass-*.whl "$tmp/x" >/dev/null
-rm -rf .deps/cutlass_include
-cp -r "$tmp/x/cutlass_library/source/include" .deps/cutlass_include
-rm -rf "$tmp"
+bash tools/fetch-cutlass.sh
 ls .whl; du -sh .deps/cutlass_include

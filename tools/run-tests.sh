@@ -39,8 +39,10 @@ cmake --build build/cpp-example -j "$JOBS" >/dev/null
 # kernel's wgmma instructions are serialized for lack of registers (C7512). No GPU needed.
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "== sm_90a kernels: ptxas registers / spills / wgmma serialization (tools/check-ptxas.py)"
+  bash tools/fetch-cutlass.sh  # (already there unless FLASHMLA_PIP_ARGS switched the CUDA build off)
   ptx_out=$($PY tools/check-ptxas.py --jobs "$JOBS" 2>&1) || { echo "$ptx_out" | tail -40; echo "tools/check-ptxas.py failed" >&2; exit 1; }
-  mkdir -p build && echo "$ptx_out" > build/check-ptxas.txt && echo "$ptx_out" | tail -2 && echo "   (whole report: build/check-ptxas.txt)"
+  mkdir -p build && echo "$ptx_out" > build/check-ptxas.txt
+  echo "   $(echo "$ptx_out" | tail -1) (per-kernel table: build/check-ptxas.txt)"
 fi
 
 echo "== Python tests"

@@ -18,6 +18,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/optional.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -486,6 +487,9 @@ ffi::Tensor reinterpret_dtype(ffi::Tensor t, int64_t code, int64_t bits) {
 
 bool has_cuda_backend() { return flashmla::has_cuda_backend(); }
 int64_t reference_num_threads() { return flashmla::reference_num_threads(); }
+void set_reference_num_threads(int64_t n) {
+  flashmla::set_reference_num_threads(static_cast<int>(std::clamp<int64_t>(n, -1, 1 << 20)));
+}
 
 }  // namespace
 
@@ -518,6 +522,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(stream_capture_id, stream_capture_id);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reinterpret_dtype, reinterpret_dtype);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(reference_num_threads, reference_num_threads);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(set_reference_num_threads, set_reference_num_threads);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(decode_scratch_bytes, decode_scratch_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd_dps, dense_decode_fwd_dps);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd_dps, sparse_decode_fwd_dps);

@@ -41,7 +41,7 @@
 //
 // Threads and memory: the operators keep no state between calls; concurrent calls from several
 // threads are safe when they write different outputs. A CPU call computes on
-// `reference_num_threads()` std::threads started for the call (env FLASHMLA_NUM_THREADS) and
+// `reference_num_threads()` std::threads started for the call (see there) and
 // allocates host scratch memory; out of host memory gives kRuntime. GPU calls allocate nothing.
 //
 // Never read (so they may hold anything, NaN included): K/V tokens at or past a request's
@@ -213,8 +213,14 @@ Status dequantize_kv_cache(KVFormat format, const TensorRef& packed, const Tenso
 bool has_cuda_backend();
 /// Number of SMs of a CUDA device (CPU: number of reference worker threads).
 int num_sms(Device d);
-/// Number of worker threads used by the reference backend (env FLASHMLA_NUM_THREADS,
-/// default std::thread::hardware_concurrency()).
+/// Number of worker threads used by the reference backend: the value of the last
+/// set_reference_num_threads(n > 0), else the environment variable FLASHMLA_NUM_THREADS as it was
+/// at the first call of this function (read once per process; a value that is not a positive
+/// integer is reported once on stderr, naming it, and ignored), else
+/// std::thread::hardware_concurrency(). At most 1024.
 int reference_num_threads();
+/// Sets the reference backend's thread count for later CPU calls of this process (n > 1024 acts as
+/// 1024); n <= 0 returns to the default above. Thread-safe; calls in flight keep their count.
+void set_reference_num_threads(int n);
 
 }  // namespace flashmla

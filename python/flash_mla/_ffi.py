@@ -163,5 +163,13 @@ def has_cuda_backend() -> bool:
 
 
 def reference_num_threads() -> int:
-    """Worker threads of the CPU reference backend (env FLASHMLA_NUM_THREADS)."""
+    """Worker threads of the CPU reference backend: FLASHMLA_NUM_THREADS as read at the first CPU call
+    (once per process; a value that is not a positive integer is reported on stderr and ignored),
+    else the hardware's thread count."""
     return int(lib.reference_num_threads())
+
+
+def set_reference_num_threads(n: int) -> None:
+    """Thread count of this module's CPU calls (n <= 0: back to the default). Used by the tests; the
+    torch op library holds its own copy of the setting."""
+    lib.set_reference_num_threads(int(n))

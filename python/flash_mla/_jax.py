@@ -12,8 +12,16 @@ that stream), so nothing depends on values at trace time.
 Errors: shapes and dtypes are checked while tracing, by the core's own validation
 (``*_check`` in module.cpp), so they raise the ValueError / TypeError of the other paths,
 also under ``jax.jit``. Value checks (CPU: lengths, pages, indices) run with the call:
-eagerly they raise the same class; inside ``jax.jit`` they surface as XLA's runtime error
-with a ``[flash_mla:ValueError]`` prefix. ``jax.vmap`` maps the call sequentially.
+eagerly they raise the same class; inside ``jax.jit`` they surface when the compiled function
+runs, always as ``jax.errors.JaxRuntimeError`` (JAX's class for errors of a running computation,
+a RuntimeError) whose message starts with ``[flash_mla:ValueError]`` after XLA's status
+(``INTERNAL: ``). One class whatever the call order: JAX >= 0.7.2 raises a builtin ValueError
+instead from its C++ fast path, i.e. once the function has run without error (jax-ml/jax#34083),
+so on the CPU backend -- the only one whose calls raise value errors -- the traced custom call is
+marked side-effecting, which keeps JAX on its Python dispatch path (slower per call, by tens of
+microseconds; the CPU reference attention takes milliseconds). The GPU kernels never read the
+values back, so GPU calls keep the fast path. (Not done with several JAX devices, where XLA cannot
+partition a side-effecting FFI call: there the class depends on the call order as described.) ``jax.vmap`` maps the call sequentially.
 
 Needs ``pip install jax-tvm-ffi`` (an ImportError saying so is raised otherwise).
 """
@@ -74,13 +82,28 @@ def _ffi_call(target: str, results: Any, *args: Any, **attrs: Any) -> Any:
     import jax
 
     try:
-        return jax.ffi.ffi_call(target, results, vmap_method="sequential")(*args, **attrs)
+        return jax.ffi.ffi_call(target, results, vmap_method="sequential",
+                                has_side_effect=_raises_at_run_time(args))(*args, **attrs)
     except Exception as e:  # noqa: BLE001 - only errors carrying our prefix are translated
         msg = str(e)
         m = _PREFIX.search(msg)
         if m is None:
             raise
         raise _ERROR_CLASSES.get(m.group(1), RuntimeError)(msg[m.end():].rstrip()) from None
+
+
+def _raises_at_run_time(args: Tuple[Any, ...]) -> bool:
+    """Whether this call is traced into a computation whose runs may raise value errors: one
+    compiled for the CPU (JAX's default backend), where the reference backend checks lengths, pages
+    and indices. Such calls are marked side-effecting so that every run goes through JAX's Python
+    dispatch, whose runtime errors are JaxRuntimeError (the C++ fast path's are ValueError: module
+    docstring). Not with several devices: XLA's SPMD partitioner requires a sharding on a
+    side-effecting op, which an FFI call has no way to state (there the class follows JAX's path).
+    Eager calls need nothing: _ffi_call translates their errors itself."""
+    import jax
+
+    return (any(isinstance(a, jax.core.Tracer) for a in args) and jax.default_backend() == "cpu"
+            and jax.device_count() == 1)
 
 
 @functools.lru_cache(maxsize=None)

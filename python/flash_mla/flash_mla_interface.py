@@ -21,6 +21,7 @@ exceptions that are also ``AssertionError``, so code written for FlashMLA that c
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Optional, Tuple
 
@@ -158,10 +159,20 @@ def _int_arg(name: str, value: Any) -> int:
 
 
 def _float_arg(name: str, value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}") from None
+    """A real-number argument (Python / NumPy floats and integers, 0-d numeric tensors) as a finite float.
+    TypeError naming the argument for anything else -- None, strings and bytes (``"0.1"`` is not parsed),
+    booleans (``True`` is an int to Python, not a scale), complex numbers; ValueError for NaN / +-inf."""
+    if type(value) is not float:  # the common case, and the one torch.compile traces
+        if (value is None or isinstance(value, (str, bytes, bytearray, bool, np.bool_))
+                or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
 
 
 def _require_tensors(**tensors: Any) -> None:
@@ -217,8 +228,9 @@ def flash_mla_with_kvcache(
     ``out = 0`` and ``lse = +inf``. ``attn_sink`` scales ``out`` only.
 
     Raises (each message names the argument): ``TypeError`` for a missing / non-tensor ``q`` or
-    ``k_cache``, a non-tensor optional argument, a wrong dtype or a non-numeric / non-integer scalar;
-    ``ValueError`` for wrong ranks or shapes, a missing ``block_table`` / ``cache_seqlens`` in dense
+    ``k_cache``, a non-tensor optional argument, a wrong dtype or a non-numeric / non-integer scalar
+    (a ``softmax_scale`` that is a string, bytes or a boolean included); ``ValueError`` for a NaN /
+    infinite ``softmax_scale``, wrong ranks or shapes, a missing ``block_table`` / ``cache_seqlens`` in dense
     mode, a sparse-only argument in dense mode, ``head_dim_v`` other than 512, tensors on
     different devices, a non-contiguous last dimension, block-table entries or indices out of
     range, negative lengths; :class:`SchedMetaMismatchError` when the scheduler object is reused
@@ -421,14 +433,12 @@ def flash_mla_sparse_fwd(
     ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
 
     Raises (each message names the argument): ``TypeError`` for a missing / non-tensor ``q``,
-    ``kv`` or ``indices``, a wrong dtype or a missing / non-numeric ``sm_scale``; ``ValueError``
-    for wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
+    ``kv`` or ``indices``, a wrong dtype or a missing / non-numeric ``sm_scale`` (strings, bytes and
+    booleans included); ``ValueError`` for a NaN / infinite ``sm_scale``, wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
     last dimension.
     """
     _require_tensors(q=q, kv=kv, indices=indices)
-    if sm_scale is None or isinstance(sm_scale, (str, bytes)):
-        raise TypeError(f"sm_scale: expected a float (FlashMLA has no default), got {type(sm_scale).__name__}")
-    sm_scale = _float_arg("sm_scale", sm_scale)
+    sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
     d_v = _int_arg("d_v", d_v)
     if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
         return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length))

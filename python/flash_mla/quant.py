@@ -3,8 +3,11 @@
 Bit-exact to FlashMLA's ``tests/quant.py``: per tile (V32: 4 x 128 dims, MODEL1:
 7 x 64 dims) ``scale = 2 ** ceil(log2(max(amax / 448, 1e-4)))`` and
 ``fp8 = e4m3fn(x / scale)`` rounded to nearest even; RoPE dims are copied as bf16.
-The conversion runs on the CPU (the C++ reference backend); tensors may be
-PyTorch (any device: moved to the CPU and back) or NumPy (bfloat16 from ml_dtypes).
+The conversion runs on the CPU (the C++ reference backend); tensors may be of
+any framework the rest of the API takes (PyTorch, NumPy with ml_dtypes bfloat16,
+JAX, PaddlePaddle, other DLPack producers), on any device: they are
+copied to the host when needed, and results come back in the caller's framework
+on the caller's device.
 """
 
 from __future__ import annotations
@@ -39,74 +42,128 @@ def default_block_stride(fmt: int, page_block_size: int) -> int:
     return -(-page_block_size * 584 // 576) * 576
 
 
-def _alloc_packed(like: Any, num_blocks: int, pbs: int, fmt: int, block_stride: int):
-    bpt = _BYTES[fmt]
-    if _ffi.framework_of(like) == "torch":
-        import torch
+class _Caller:
+    """One tensor argument of a helper: ``host``, what the CPU conversion reads (a CPU tensor of the
+    caller's framework when it can travel by DLPack, else a NumPy copy), and ``result``, which hands a
+    result computed into NumPy / torch CPU memory back in the caller's framework, on its device."""
 
-        buf = torch.zeros(num_blocks * block_stride, dtype=torch.uint8)
-        return buf.as_strided((num_blocks, pbs, 1, bpt), (block_stride, bpt, bpt, 1))
-    buf = np.zeros(num_blocks * block_stride, dtype=np.uint8)
-    return np.lib.stride_tricks.as_strided(buf, (num_blocks, pbs, 1, bpt), (block_stride, bpt, bpt, 1))
+    def __init__(self, x: Any, name: str):
+        self.fw = _ffi.framework_of(x)
+        self.x = x
+        if self.fw == "torch":
+            self.host = x.detach().cpu()
+        elif self.fw == "jax":  # any device: JAX copies to the host (bfloat16 as ml_dtypes)
+            self.host = np.asarray(x)
+        elif self.fw == "cupy":  # (CuPy has no bfloat16: only bytes reach here, and the core names the dtype)
+            self.host = x.get()
+        elif self.fw == "paddle":
+            self.host = x if x.place.is_cpu_place() else x.cpu()
+        elif self.fw == "numpy" or hasattr(x, "__dlpack__"):
+            self.host = x  # NumPy, or another DLPack producer (read in place: CPU memory only)
+        else:
+            raise TypeError(f"{name}: expected a tensor of a DLPack framework (PyTorch, NumPy, JAX, CuPy, "
+                            f"PaddlePaddle, ...), got {type(x).__name__}")
 
+    def empty(self, shape, dtype: str, block_stride: Optional[int] = None):
+        """A zeroed result of `shape` (bytes "u8" or "bf16") computed on the CPU; uint8 results with
+        their page blocks `block_stride` elements apart (None: contiguous)."""
+        n = shape[0] * block_stride if block_stride is not None else int(np.prod(shape))
+        if self.fw == "torch":
+            import torch
 
-def _to_cpu(x: Any):
-    fw = _ffi.framework_of(x)
-    if fw == "torch":
-        return x.detach().cpu(), x.device
-    if fw == "numpy":
-        return x, None
-    raise TypeError(f"FP8 KV helpers take PyTorch or NumPy tensors, got {type(x).__name__}")
+            buf = torch.zeros(n, dtype=torch.uint8 if dtype == "u8" else torch.bfloat16)
+        else:
+            buf = np.zeros(n, dtype=np.uint8 if dtype == "u8" else _ffi._NP_BF16)
+        if block_stride is None:
+            return buf.reshape(shape)
+        strides = (block_stride, shape[3], shape[3], 1)
+        if self.fw == "torch":
+            return buf.as_strided(shape, strides)
+        return np.lib.stride_tricks.as_strided(buf, shape, tuple(st * buf.itemsize for st in strides))
+
+    def result(self, r: Any) -> Any:
+        fw, x = self.fw, self.x
+        if fw == "torch":
+            return r.to(x.device) if str(x.device) != "cpu" else r
+        if fw == "numpy":
+            return r
+        if fw == "jax":  # (JAX arrays have no strides: uint8 results are allocated contiguous for JAX)
+            import jax
+
+            devs = list(x.devices()) if hasattr(x, "devices") else []
+            return jax.device_put(r, devs[0]) if len(devs) == 1 else jax.numpy.asarray(r)
+        out = _ffi.from_ffi(_ffi.to_ffi(r, "result"), x)  # PaddlePaddle (strides kept), other DLPack: CPU
+        if fw == "paddle" and not x.place.is_cpu_place():
+            out = out.cuda(x.place.gpu_device_id())
+        return out
 
 
 def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Optional[int] = None):
     """Quantize a bf16 cache ``(num_blocks, page_block_size, 1, d_qk)`` to FP8 bytes.
 
+    ``kv_cache`` may be a tensor of any framework the rest of the API takes (PyTorch, NumPy with
+    ml_dtypes bfloat16, JAX, PaddlePaddle, another DLPack producer), on any device; the conversion
+    runs on the CPU and the result comes back in the framework and on the device of ``kv_cache``.
+
     ``d_qk`` (default: ``kv_cache.shape[-1]``) picks the format: 576 -> V32, 512 -> MODEL1.
     Returns uint8 ``(num_blocks, page_block_size, 1, 656 | 584)`` with ``stride(1)`` equal
     to the bytes per token and ``stride(0) = block_stride`` bytes (default
-    :func:`default_block_stride`), on the device and in the framework of ``kv_cache``.
+    :func:`default_block_stride`). JAX arrays have no strides: for JAX the result is contiguous
+    (``block_stride`` must then be None or ``page_block_size`` times the bytes per token), which the
+    decode accepts as well.
 
     Raises ``ValueError`` for a head dim other than 576 / 512, a shape other than
     ``(num_blocks, page_block_size > 0, 1, d_qk)`` or a ``block_stride`` below
-    ``page_block_size`` times the bytes per token; ``TypeError`` for a dtype other than bf16 or a
-    tensor of another framework than PyTorch / NumPy.
+    ``page_block_size`` times the bytes per token (or, for JAX, another than that); ``TypeError``
+    for a dtype other than bf16 or an argument that is not a tensor.
     """
-    x, device = _to_cpu(kv_cache)
+    c = _Caller(kv_cache, "kv_cache")
+    x = c.host
     fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
     if len(x.shape) != 4:
         raise ValueError(f"kv_cache: expected a 4-D tensor (num_blocks, page_block_size, 1, d_qk), got shape "
                          f"{tuple(int(s) for s in x.shape)}")
     nb, pbs = int(x.shape[0]), int(x.shape[1])  # (page_block_size > 0 is checked by the core, naming kv_cache)
-    stride = block_stride if block_stride is not None else default_block_stride(fmt, pbs)
-    if stride < pbs * _BYTES[fmt]:
-        raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {pbs * _BYTES[fmt]}, got {stride}")
-    packed = _alloc_packed(x, nb, pbs, fmt, stride)
+    compact = pbs * _BYTES[fmt]
+    if c.fw == "jax":
+        if block_stride is not None and block_stride != compact:
+            raise ValueError(f"block_stride: JAX arrays have no strides, so the result is contiguous: must be None or "
+                             f"page_block_size * {_BYTES[fmt]} = {compact}, got {block_stride}")
+        stride = compact
+    else:
+        stride = block_stride if block_stride is not None else default_block_stride(fmt, pbs)
+    if stride < compact:
+        raise ValueError(f"block_stride: must be >= page_block_size * {_BYTES[fmt]} = {compact}, got {stride}")
+    packed = c.empty((nb, pbs, 1, _BYTES[fmt]), "u8", stride)
     if _torch_ops.handles(x, packed):  # torch tensors: torch.ops.flash_mla
         _torch_ops.quantize_kv_cache(x, packed, fmt)
     else:
         _ffi.lib.quantize_kv_cache(_ffi.to_ffi(x, "kv_cache"), _ffi.to_ffi(packed, "packed"), fmt)
-    return packed.to(device) if device is not None and str(device) != "cpu" else packed
+    return c.result(packed)
 
 
 def dequantize_k_cache(packed: Any, d_qk: int = 576):
     """Inverse of :func:`quantize_k_cache`: FP8 bytes -> bf16 ``(num_blocks, pbs, 1, d_qk)``.
 
-    ``packed`` may be uint8 / int8 / float8_e4m3fn. ``d_qk`` 576 reads V32, 512 MODEL1.
+    ``packed`` may be uint8 / int8 / float8_e4m3fn, a tensor of any framework the rest of the API takes
+    (as :func:`quantize_k_cache`); the result is a contiguous bf16 tensor of that framework, on its
+    device. ``d_qk`` 576 reads V32, 512 MODEL1.
     Raises ``ValueError`` for another head dim or a ``packed`` shape / stride that is not the
-    format's ``(num_blocks, page_block_size, 1, 656 | 584)`` layout, ``TypeError`` for another dtype.
+    format's ``(num_blocks, page_block_size, 1, 656 | 584)`` layout, ``TypeError`` for another dtype,
+    an argument that is not a tensor, or a CuPy array (CuPy has no bfloat16 for the result).
     """
     fmt = format_for_head_dim(int(d_qk))
-    p, device = _to_cpu(packed)
-    nb, pbs = int(p.shape[0]), int(p.shape[1])
-    if _ffi.framework_of(p) == "torch":
-        import torch
-
-        out = torch.empty((nb, pbs, 1, _DIM[fmt]), dtype=torch.bfloat16)
-    else:
-        out = np.empty((nb, pbs, 1, _DIM[fmt]), dtype=_ffi._NP_BF16)
+    if _ffi.framework_of(packed) == "cupy":
+        raise TypeError("packed: the result is bfloat16, which CuPy does not have; pass the bytes as another "
+                        "framework's tensor (e.g. torch.from_dlpack(packed)) or as NumPy (packed.get())")
+    c = _Caller(packed, "packed")
+    p = c.host
+    if len(p.shape) != 4:
+        raise ValueError(f"packed: expected a 4-D tensor (num_blocks, page_block_size, 1, bytes per token), got "
+                         f"shape {tuple(int(s) for s in p.shape)}")
+    out = c.empty((int(p.shape[0]), int(p.shape[1]), 1, _DIM[fmt]), "bf16")
     if _torch_ops.handles(p, out):  # torch tensors: torch.ops.flash_mla
         _torch_ops.dequantize_kv_cache(p, out, fmt)
     else:
         _ffi.lib.dequantize_kv_cache(_ffi.to_ffi(p, "packed"), _ffi.to_ffi(out, "kv_cache"), fmt)
-    return out.to(device) if device is not None and str(device) != "cpu" else out
+    return c.result(out)

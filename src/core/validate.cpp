@@ -26,12 +26,12 @@ std::string cat(const Args&... args) {
 Status value_error(const std::string& msg) { return Status::Error(ErrorKind::kValue, msg); }
 Status type_error(const std::string& msg) { return Status::Error(ErrorKind::kType, msg); }
 
-/// A softmax scale: finite; NaN is the params structs' "not set" default.
+/// A softmax scale: finite. NaN is also the params structs' "not set" default, which the message says.
 Status check_scale(float scale, const char* name) {
   if (std::isnan(scale))
-    return value_error(cat(name, ": not set (NaN, the default of the params struct); FlashMLA's bindings pass "
-                                 "d_qk^-0.5 when the caller gives none"));
-  if (!std::isfinite(scale)) return value_error(cat(name, ": must be a finite number, got ", scale));
+    return value_error(cat(name, ": must be finite, got nan (also the params struct's default when it is not set; "
+                                 "FlashMLA's bindings pass d_qk^-0.5 when the caller gives none)"));
+  if (!std::isfinite(scale)) return value_error(cat(name, ": must be finite, got ", scale));
   return Status::Ok();
 }
 

@@ -58,6 +58,9 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 /// lse        : num_heads floats, natural log; +inf for a row without keys.
 /// max_logit  : num_heads floats (may be null); -inf for a row without keys.
 /// A row "without keys" (n == 0, or every score -inf) gets out = 0 exactly.
+/// A NaN score (a NaN in the query row or in a key it uses) makes that row's out, lse and
+/// max_logit NaN, as the formula gives: the row maximum propagates NaN (std::max would drop it
+/// and turn the row into an empty one).
 template <typename LoadKey>
 void attend_rows(int64_t num_heads, int64_t d_qk, int64_t d_v, const float* q, float scale, int64_t n,
                  LoadKey&& load_key, float* out, float* lse, float* max_logit) {
@@ -80,8 +83,8 @@ void attend_rows(int64_t num_heads, int64_t d_qk, int64_t d_v, const float* q, f
   for (int64_t h = 0; h < num_heads; ++h) {
     float* sh = s.data() + h * n;
     float m = -kInf;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
-    if (m == -kInf) continue;  // every score -inf: treated like an empty row
+    for (int64_t j = 0; j < n; ++j) m = (sh[j] > m || std::isnan(sh[j])) && !std::isnan(m) ? sh[j] : m;
+    if (m == -kInf) continue;  // every score -inf: treated like an empty row (a NaN m is not: it flows on)
     float sum = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       sh[j] = std::exp(sh[j] - m);

@@ -3,9 +3,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -13,22 +16,53 @@
 
 namespace flashmla {
 
-int reference_num_threads() {
-  if (const char* env = std::getenv("FLASHMLA_NUM_THREADS")) {
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && v >= 1) return static_cast<int>(std::min<long>(v, 1024));
-  }
-  // Once per process: glibc answers hardware_concurrency by reading sysfs (~5 µs, a file open per
-  // call), and every CPU call plans with this number.
-  static const int hw = [] {
-    const unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : static_cast<int>(n);
+namespace {
+
+int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+// The default thread count: FLASHMLA_NUM_THREADS as the process saw it at the first CPU call (read
+// once: glibc answers hardware_concurrency by reading sysfs, and the environment is not the library's
+// to re-read per call). A value that is not a positive integer is reported once on stderr.
+int default_threads() {
+  static const int n = [] {
+    std::string warning;
+    const int v = reference::threads_from_env(std::getenv("FLASHMLA_NUM_THREADS"), hardware_threads(), &warning);
+    if (!warning.empty()) std::fprintf(stderr, "%s\n", warning.c_str());
+    return v;
   }();
-  return hw;
+  return n;
+}
+
+std::atomic<int> g_threads_override{0};  // set_reference_num_threads; 0: the default
+
+}  // namespace
+
+int reference_num_threads() {
+  const int n = g_threads_override.load(std::memory_order_relaxed);
+  return n > 0 ? n : default_threads();
+}
+
+void set_reference_num_threads(int n) {
+  g_threads_override.store(n > 0 ? std::min(n, reference::kMaxThreads) : 0, std::memory_order_relaxed);
 }
 
 namespace reference {
+
+int threads_from_env(const char* value, int fallback, std::string* warning) {
+  if (value == nullptr) return fallback;
+  errno = 0;
+  char* end = nullptr;
+  const long v = std::strtol(value, &end, 10);
+  if (end != value && *end == '\0' && errno == 0 && v >= 1) return static_cast<int>(std::min<long>(v, kMaxThreads));
+  if (warning != nullptr)
+    *warning = std::string("flash_mla: FLASHMLA_NUM_THREADS='") + value +
+               "' is not a positive integer; the CPU reference backend uses " + std::to_string(fallback) +
+               " threads (the hardware's) instead";
+  return fallback;
+}
 
 void parallel_for(int64_t n, const std::function<void(int64_t)>& fn, int num_threads) {
   if (n <= 0) return;

@@ -210,14 +210,12 @@ TEST(ReferenceDenseDecode, LongSequenceManyPages) {
 TEST(ReferenceDenseDecode, DeterministicAcrossThreadCounts) {
   const DenseCase c{"threads", 3, 12, 3, 576, 61, false, true, {150, 3, 90}, 0.3f, 8};
   DenseData d1 = make_dense(c), d2 = make_dense(c);
-  const char* old = std::getenv("FLASHMLA_NUM_THREADS");
-  const std::string saved = old ? old : "";
-  setenv("FLASHMLA_NUM_THREADS", "1", 1);
-  ASSERT_TRUE(ref::dense_decode(d1.params).ok());
-  setenv("FLASHMLA_NUM_THREADS", "5", 1);
-  ASSERT_TRUE(ref::dense_decode(d2.params).ok());
-  if (old) setenv("FLASHMLA_NUM_THREADS", saved.c_str(), 1);
-  else unsetenv("FLASHMLA_NUM_THREADS");
+  flashmla::set_reference_num_threads(1);
+  const bool ok1 = ref::dense_decode(d1.params).ok();
+  flashmla::set_reference_num_threads(5);
+  const bool ok2 = ref::dense_decode(d2.params).ok();
+  flashmla::set_reference_num_threads(0);
+  ASSERT_TRUE(ok1 && ok2);
   EXPECT_EQ(d1.out.storage, d2.out.storage);
   EXPECT_EQ(0, std::memcmp(d1.lse.storage.data(), d2.lse.storage.data(), d1.lse.storage.size() * sizeof(float)));
 }

@@ -1,16 +1,19 @@
 // Tests of src/reference/numeric.h (bf16/fp16/e4m3/e8m0 conversions) and
-// src/reference/thread_pool.h (parallel_for, reference_num_threads).
+// src/reference/thread_pool.h (parallel_for, reference_num_threads) and attend_rows's NaN handling.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "flashmla/ops.h"
+#include "reference/attention_core.h"
 #include "reference/numeric.h"
 #include "reference/thread_pool.h"
 #include "reference_test_util.h"
@@ -189,19 +192,79 @@ TEST(ReferenceThreadPool, ExceptionReachesCaller) {
                std::runtime_error);
 }
 
-TEST(ReferenceThreadPool, NumThreadsFromEnvironment) {
-  const char* old = std::getenv("FLASHMLA_NUM_THREADS");
-  const std::string saved = old ? old : "";
-  const unsigned hw = std::thread::hardware_concurrency();
-  const int fallback = hw == 0 ? 1 : static_cast<int>(hw);
-  setenv("FLASHMLA_NUM_THREADS", "3", 1);
+TEST(ReferenceThreadPool, NumThreadsFromEnvironmentValue) {
+  std::string w;
+  EXPECT_EQ(ref::threads_from_env(nullptr, 7, &w), 7);
+  EXPECT_TRUE(w.empty());
+  EXPECT_EQ(ref::threads_from_env("3", 7, &w), 3);
+  EXPECT_TRUE(w.empty());
+  EXPECT_EQ(ref::threads_from_env("100000", 7, &w), ref::kMaxThreads);
+  EXPECT_TRUE(w.empty());
+  for (const char* bad : {"0", "-3", "abc", "", "4x", "99999999999999999999999"}) {
+    w.clear();
+    EXPECT_EQ(ref::threads_from_env(bad, 7, &w), 7) << bad;
+    EXPECT_NE(w.find(std::string("FLASHMLA_NUM_THREADS='") + bad + "'"), std::string::npos) << w;
+    EXPECT_NE(w.find("7 threads"), std::string::npos) << w;
+  }
+  EXPECT_EQ(ref::threads_from_env("abc", 5, nullptr), 5);
+}
+
+TEST(ReferenceThreadPool, SetNumThreads) {
+  const int dflt = flashmla::reference_num_threads();
+  EXPECT_GE(dflt, 1);
+  flashmla::set_reference_num_threads(3);
   EXPECT_EQ(flashmla::reference_num_threads(), 3);
-  setenv("FLASHMLA_NUM_THREADS", "0", 1);
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
-  setenv("FLASHMLA_NUM_THREADS", "abc", 1);
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
+  flashmla::set_reference_num_threads(5000);
+  EXPECT_EQ(flashmla::reference_num_threads(), ref::kMaxThreads);
+  flashmla::set_reference_num_threads(0);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
+  // The environment is read once: changing it later has no effect.
+  setenv("FLASHMLA_NUM_THREADS", dflt == 3 ? "4" : "3", 1);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
   unsetenv("FLASHMLA_NUM_THREADS");
-  EXPECT_EQ(flashmla::reference_num_threads(), fallback);
-  EXPECT_GE(flashmla::reference_num_threads(), 1);
-  if (old) setenv("FLASHMLA_NUM_THREADS", saved.c_str(), 1);
+  flashmla::set_reference_num_threads(-2);
+  EXPECT_EQ(flashmla::reference_num_threads(), dflt);
+}
+
+// NaN in, NaN out (attend_rows, shared by the three reference operators): a NaN in a query row makes
+// that row's out / lse / max_logit NaN and leaves the other rows alone; a NaN in a used key makes
+// every row NaN; a row without keys keeps out = 0, lse = +inf, max_logit = -inf whatever q holds.
+TEST(ReferenceAttendRows, NaNPropagates) {
+  const int64_t heads = 3, d = 4, dv = 2, n = 5;
+  std::vector<float> q(heads * d), keys(n * d);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.1f * static_cast<float>(i % 7) - 0.2f;
+  for (size_t i = 0; i < keys.size(); ++i) keys[i] = 0.05f * static_cast<float>(i % 11) - 0.3f;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  q[1 * d + 2] = nan;  // head 1's query
+  auto run = [&](int64_t nk, std::vector<float>& out, std::vector<float>& lse, std::vector<float>& mx) {
+    out.assign(heads * dv, -7.f);
+    lse.assign(heads, -7.f);
+    mx.assign(heads, -7.f);
+    ref::attend_rows(heads, d, dv, q.data(), 0.5f, nk,
+                     [&](int64_t j, float* dst) { std::copy_n(keys.data() + j * d, d, dst); }, out.data(), lse.data(),
+                     mx.data());
+  };
+  std::vector<float> out, lse, mx;
+  run(n, out, lse, mx);
+  for (int64_t h = 0; h < heads; ++h) {
+    const bool expect_nan = h == 1;
+    EXPECT_EQ(std::isnan(lse[h]), expect_nan) << h;
+    EXPECT_EQ(std::isnan(mx[h]), expect_nan) << h;
+    for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(std::isnan(out[h * dv + c]), expect_nan) << h;
+    if (!expect_nan) {
+      EXPECT_TRUE(std::isfinite(lse[h]) && std::isfinite(mx[h]));
+    }
+  }
+  run(0, out, lse, mx);  // no keys: the empty-row convention, NaN query or not
+  for (int64_t h = 0; h < heads; ++h) {
+    EXPECT_EQ(lse[h], std::numeric_limits<float>::infinity());
+    EXPECT_EQ(mx[h], -std::numeric_limits<float>::infinity());
+    for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(out[h * dv + c], 0.f);
+  }
+  q[1 * d + 2] = 0.3f;
+  keys[3 * d + 1] = nan;  // a used key (its score, not only its V part)
+  run(n, out, lse, mx);
+  for (int64_t h = 0; h < heads; ++h) EXPECT_TRUE(std::isnan(lse[h]) && std::isnan(mx[h]) && std::isnan(out[h * dv]));
+  run(3, out, lse, mx);  // key 3 not used: finite
+  for (int64_t h = 0; h < heads; ++h) EXPECT_TRUE(std::isfinite(lse[h]) && std::isfinite(out[h * dv]));
 }

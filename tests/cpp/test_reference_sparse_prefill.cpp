@@ -191,14 +191,12 @@ TEST(ReferenceSparsePrefill, D576LengthOnlySharp) {
 TEST(ReferenceSparsePrefill, DeterministicAcrossThreadCounts) {
   const PrefillCase c{"threads", 9, 32, 576, 150, 128, true, true, 0.5f, 25};
   PrefillData d1 = make_prefill(c), d2 = make_prefill(c);
-  const char* old = std::getenv("FLASHMLA_NUM_THREADS");
-  const std::string saved = old ? old : "";
-  setenv("FLASHMLA_NUM_THREADS", "1", 1);
-  ASSERT_TRUE(ref::sparse_prefill(d1.params).ok());
-  setenv("FLASHMLA_NUM_THREADS", "4", 1);
-  ASSERT_TRUE(ref::sparse_prefill(d2.params).ok());
-  if (old) setenv("FLASHMLA_NUM_THREADS", saved.c_str(), 1);
-  else unsetenv("FLASHMLA_NUM_THREADS");
+  flashmla::set_reference_num_threads(1);
+  const bool ok1 = ref::sparse_prefill(d1.params).ok();
+  flashmla::set_reference_num_threads(4);
+  const bool ok2 = ref::sparse_prefill(d2.params).ok();
+  flashmla::set_reference_num_threads(0);
+  ASSERT_TRUE(ok1 && ok2);
   EXPECT_EQ(d1.out.storage, d2.out.storage);
   EXPECT_EQ(0, std::memcmp(d1.lse.storage.data(), d2.lse.storage.data(), d1.lse.storage.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(d1.max_logits.storage.data(), d2.max_logits.storage.data(),

@@ -517,12 +517,12 @@ TEST(ValidationCpp, UnsetScaleIsAValueError) {
   DenseCase c;
   DecodePlan plan;
   c.p.softmax_scale = DenseDecodeParams{}.softmax_scale;
-  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "softmax_scale: not set");
+  expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "softmax_scale: must be finite, got nan");
   c.p.softmax_scale = 0.f;  // legal: uniform weights
   EXPECT_TRUE(dense_decode_plan(c.p, &plan).ok());
   SparseCase s;
   s.p.softmax_scale = SparseDecodeParams{}.softmax_scale;
-  expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "softmax_scale: not set");
+  expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "softmax_scale: must be finite, got nan");
   std::vector<uint16_t> q(4 * 16 * 512), kv(32 * 512);
   std::vector<int32_t> idx(4 * 64, 0);
   SparsePrefillParams p;
@@ -530,7 +530,7 @@ TEST(ValidationCpp, UnsetScaleIsAValueError) {
   p.kv = make_tensor_ref(kv.data(), DType::kBFloat16, {32, 1, 512});
   p.indices = make_tensor_ref(idx.data(), DType::kInt32, {4, 1, 64});
   int64_t ws = 0;
-  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "sm_scale: not set");
+  expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "sm_scale: must be finite, got nan");
 }
 
 TEST(KvFormat, HeadDimsWithoutAnFp8Format) {

@@ -24,3 +24,13 @@ from mla_test_utils import seed_of  # noqa: E402
 def rng(request) -> np.random.Generator:
     """A generator seeded from the test id: fresh inputs per case, reproducible per id."""
     return np.random.default_rng(seed_of(request.node.nodeid))
+
+
+@pytest.fixture
+def reference_threads():
+    """Setter of the CPU reference backend's thread count for one test (TVM-FFI module: NumPy and JAX
+    calls); the default (FLASHMLA_NUM_THREADS as read once, else the hardware's) comes back after."""
+    import flash_mla
+
+    yield flash_mla._ffi.set_reference_num_threads
+    flash_mla._ffi.set_reference_num_threads(0)

@@ -256,8 +256,8 @@ def test_scheduler_worked_example_python():
 
 @pytest.mark.parametrize("num_threads,lens", [(8, [1000, 64, 0, 5000]), (20, [1, 0, 700, 64, 65, 3000, 0]),
                                               (3, [0, 0, 0])])
-def test_scheduler_matches_spec_algorithm(rng, monkeypatch, num_threads, lens):
-    monkeypatch.setenv("FLASHMLA_NUM_THREADS", str(num_threads))
+def test_scheduler_matches_spec_algorithm(rng, reference_threads, num_threads, lens):
+    reference_threads(num_threads)
     assert flash_mla.reference_num_threads() == num_threads
     lens = np.array(lens, np.int32)
     case = gen_dense_case(rng, b=len(lens), s_q=1, h_q=64, h_kv=1, d=576, s_k=0, lens=lens, spare_pages=0)

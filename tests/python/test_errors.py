@@ -443,3 +443,79 @@ def test_quantize_zero_page_block_size_names_kv_cache():
         quant.quantize_k_cache(np.zeros((2, 0, 1, 512), BF16))
     with pytest.raises(ValueError, match="^kv_cache: expected a 4-D tensor"):
         quant.quantize_k_cache(np.zeros((2, 1, 512), BF16))
+
+
+# ----------------------------------------------------------------------------- scale arguments
+NOT_A_NUMBER = ["0.1", b"0.1", bytearray(b"0.1"), True, False, np.bool_(True), np.array(True), 0.1 + 0j, [0.1],
+                object()]
+
+
+@pytest.mark.parametrize("bad", NOT_A_NUMBER, ids=lambda v: type(v).__name__ + "-" + repr(v)[:12])
+def test_scale_must_be_a_number_on_every_operator(dense, sparse, prefill, bad):
+    """The docstrings promise TypeError for a scale that is not a number: strings and bytes are not
+    parsed, booleans are not scales -- the same on every operator (issue 28: the decode path used to
+    take "0.1", b"0.1" and True)."""
+    with pytest.raises(TypeError, match=r"^softmax_scale: expected a float, got "):
+        call_dense(dense, softmax_scale=bad)
+    with pytest.raises(TypeError, match=r"^softmax_scale: expected a float, got "):
+        call_sparse(sparse, softmax_scale=bad)
+    with pytest.raises(TypeError, match=r"^sm_scale: expected a float, got "):
+        call_prefill(prefill, sm_scale=bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), np.float32("nan")])
+def test_scale_must_be_finite_on_every_operator(dense, sparse, prefill, bad):
+    """A non-finite scale is a ValueError saying so (not the C++ params struct's 'not set' default)."""
+    want = "nan" if np.isnan(bad) else str(float(bad))
+    with pytest.raises(ValueError, match=rf"^softmax_scale: must be finite, got {want}$"):
+        call_dense(dense, softmax_scale=bad)
+    with pytest.raises(ValueError, match=rf"^softmax_scale: must be finite, got {want}$"):
+        call_sparse(sparse, softmax_scale=bad)
+    with pytest.raises(ValueError, match=rf"^sm_scale: must be finite, got {want}$"):
+        call_prefill(prefill, sm_scale=bad)
+
+
+@pytest.mark.parametrize("good", [0.25, 1, np.float32(0.25), np.float64(0.25), np.int64(1), np.array(0.25)],
+                         ids=lambda v: type(v).__name__)
+def test_scale_accepts_real_numbers(dense, prefill, good):
+    out, lse = call_dense(dense, softmax_scale=good)
+    ref_out, ref_lse = call_dense(dense, softmax_scale=float(good))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    res = call_prefill(prefill, sm_scale=good)
+    ref = call_prefill(prefill, sm_scale=float(good))
+    np.testing.assert_array_equal(np.asarray(res[2]), np.asarray(ref[2]))
+
+
+# ----------------------------------------------------------------------------- FLASHMLA_NUM_THREADS
+_THREADS_PROBE = r"""
+import numpy as np, flash_mla, sys
+sys.path.insert(0, sys.argv[1])
+from mla_test_utils import gen_dense_case
+c = gen_dense_case(np.random.default_rng(0), b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
+for _ in range(3):
+    flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                     flash_mla.get_mla_metadata()[0])
+print("threads", flash_mla.reference_num_threads())
+"""
+
+
+@pytest.mark.parametrize("value,valid", [("0", False), ("-3", False), ("abc", False), ("", False), ("3", True)])
+def test_num_threads_env_is_read_once_and_a_bad_value_named_once(value, valid):
+    """FLASHMLA_NUM_THREADS: a value that is not a positive integer is reported once on stderr, naming it
+    (not silently replaced by the hardware's count), however many calls follow."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLASHMLA_NUM_THREADS=value)
+    proc = subprocess.run([sys.executable, "-c", _THREADS_PROBE, os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "FLASHMLA_NUM_THREADS" in ln]
+    threads = int(proc.stdout.split("threads")[-1])
+    if valid:
+        assert warnings == [] and threads == int(value), proc.stderr
+    else:
+        assert len(warnings) == 1, proc.stderr
+        assert f"FLASHMLA_NUM_THREADS='{value}' is not a positive integer" in warnings[0]
+        assert f"uses {threads} threads" in warnings[0]

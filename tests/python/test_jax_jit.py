@@ -100,6 +100,38 @@ def test_jit_errors_name_the_argument(rng):
             to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table), to_jax(c.cache_seqlens))
 
 
+@pytest.mark.parametrize("good_first", [False, True], ids=["bad-first", "good-first"])
+def test_jit_value_error_is_one_class(rng, good_first):
+    """A value error of a running jitted call is jax.errors.JaxRuntimeError with the
+    [flash_mla:ValueError] prefix, whatever ran before (JAX >= 0.7.2's C++ fast path would make it a
+    builtin ValueError after a good first call: python/flash_mla/_jax.py), on every operator."""
+    c = gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
+    p = gen_prefill_case(rng, s_q=3, s_kv=80, topk=16, h_q=16, d_qk=512, noncontig=False)
+    s = gen_sparse_decode_case(rng, b=2, s_q=1, h_q=16, d_qk=576, s_k=100, topk=32, pbs=64, noncontig=False,
+                               sink=False)
+    dense = jax.jit(lambda q, k, bt, sl: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512,
+                                                                          flash_mla.get_mla_metadata()[0]))
+    prefill = jax.jit(lambda q, kv, idx, tl: flash_mla.flash_mla_sparse_fwd(q, kv, idx, 0.5, topk_length=tl))
+    sparse = jax.jit(lambda q, k, idx: flash_mla.flash_mla_with_kvcache(
+        q, k, None, None, 512, flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True, indices=idx))
+    bad_idx = np.array(s.main.indices)
+    bad_idx[1, 0, 0] = 10 ** 9  # past the cache
+    calls = [  # (jitted function, good arguments, bad arguments, message)
+        (dense, (c.q, c.k_cache, c.block_table, c.cache_seqlens), (c.q, c.k_cache, c.block_table,
+                                                                   np.array([10, 9999], np.int32)),
+         "block_table too short for cache_seqlens"),
+        (prefill, (p.q, p.kv, p.indices, np.full(3, 16, np.int32)), (p.q, p.kv, p.indices, np.full(3, -1, np.int32)),
+         "topk_length"),
+        (sparse, (s.q, s.main.packed, s.main.indices), (s.q, s.main.packed, bad_idx), "indices"),
+    ]
+    for fn, good, bad, msg in calls:
+        if good_first:
+            jax.block_until_ready(fn(*map(to_jax, good)))
+        for _ in range(2):
+            with pytest.raises(jax.errors.JaxRuntimeError, match=rf"\[flash_mla:ValueError\] .*{msg}"):
+                jax.block_until_ready(fn(*map(to_jax, bad)))
+
+
 _SHARDED_EAGER = r'''
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"

@@ -201,3 +201,108 @@ def test_bad_head_dim_rejected():
 def test_quant_module_exported():
     assert flash_mla.quant is quant
     assert quant.format_for_head_dim(576) != quant.format_for_head_dim(512)
+
+
+# ----------------------------------------------------------------------------- frameworks (issue 28)
+def _frameworks():
+    out = ["numpy"]
+    for mod in ("jax", "paddle", "torch"):
+        try:
+            __import__(mod)
+            out.append(mod)
+        except ImportError:
+            out.append(pytest.param(mod, marks=pytest.mark.skip(reason=f"{mod} is not installed")))
+    return out
+
+
+def _to_fw(fw, x):
+    if fw == "numpy":
+        return x
+    if fw == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(x)
+    if fw == "paddle":
+        import paddle
+
+        if x.dtype == BF16:
+            return paddle.to_tensor(x.astype(np.float32)).astype(paddle.bfloat16)
+        return paddle.to_tensor(x)
+    import torch
+
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _np(fw, t):
+    if fw == "paddle":
+        import paddle
+
+        return t.view(paddle.uint16).numpy().view(BF16) if t.dtype == paddle.bfloat16 else t.numpy()
+    if fw == "torch":
+        import torch
+
+        return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+    return np.asarray(t)
+
+
+@pytest.mark.parametrize("fmt", ["V32", "MODEL1"])
+@pytest.mark.parametrize("fw", _frameworks())
+def test_quant_helpers_take_every_framework(rng, fw, fmt):
+    """quantize_k_cache / dequantize_k_cache take the frameworks the rest of the API takes and return
+    the caller's framework, with the NumPy path's bytes and values (JAX: contiguous, no strides)."""
+    d = FMT[fmt]
+    x = varied_cache(rng, 3, 16, d)
+    ref_packed = quant.quantize_k_cache(x)
+    packed = quant.quantize_k_cache(_to_fw(fw, x))
+    assert _ffi_fw(packed) == fw
+    assert tuple(packed.shape) == (3, 16, 1, BPT[fmt])
+    np.testing.assert_array_equal(_np(fw, packed), np.asarray(ref_packed))  # token bytes (strided views)
+    if fw != "jax":  # the padded block stride of FlashMLA's tests
+        assert _strides(packed)[0] == quant.default_block_stride(quant.format_for_head_dim(d), 16)
+    kv = quant.dequantize_k_cache(packed, d)
+    assert _ffi_fw(kv) == fw
+    np.testing.assert_array_equal(_np(fw, kv).view(np.uint16), quant.dequantize_k_cache(ref_packed, d).view(np.uint16))
+    with pytest.raises(TypeError, match="kv_cache"):  # float32, not bf16: the core names the argument
+        quant.quantize_k_cache(_to_fw(fw, x.astype(np.float32)))
+
+
+def _ffi_fw(t):
+    from flash_mla import _ffi
+
+    return _ffi.framework_of(t)
+
+
+def _strides(t):
+    if isinstance(t, np.ndarray):
+        return tuple(s // t.itemsize for s in t.strides)
+    s = t.strides if hasattr(t, "strides") else t.stride()
+    return tuple(s() if callable(s) else s)
+
+
+def test_quant_jax_result_is_contiguous_and_decodes(rng):
+    """JAX arrays have no strides: the packed cache is contiguous, a padded block_stride is refused with
+    a message saying why, and the contiguous cache decodes exactly as NumPy's padded one."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    # (moderate values: XLA runs the CPU call with subnormals flushed to zero, NumPy's call does not)
+    x = (rng.standard_normal((2, 64, 1, 512)) / 10).astype(np.float32).astype(BF16)
+    packed = quant.quantize_k_cache(jnp.asarray(x))
+    with pytest.raises(ValueError, match=r"block_stride: JAX arrays have no strides"):
+        quant.quantize_k_cache(jnp.asarray(x), block_stride=64 * 584 + 8)
+    q = (rng.standard_normal((1, 1, 16, 512)) / 10).astype(np.float32).astype(BF16)
+    idx = rng.choice(128, (1, 1, 64), replace=False).astype(np.int32)
+    run = lambda pk, qq, ii: flash_mla.flash_mla_with_kvcache(qq, pk, None, None, 512, flash_mla.get_mla_metadata()[0],
+                                                             is_fp8_kvcache=True, indices=ii)
+    out_j, lse_j = run(packed, jnp.asarray(q), jnp.asarray(idx))
+    out_n, lse_n = run(quant.quantize_k_cache(x), q, idx)
+    np.testing.assert_array_equal(np.asarray(out_j).view(np.uint16), out_n.view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(lse_j), lse_n)
+
+
+def test_quant_rejects_non_tensors():
+    with pytest.raises(TypeError, match=r"^kv_cache: expected a tensor of a DLPack framework .* got list"):
+        quant.quantize_k_cache([[1.0]])
+    with pytest.raises(TypeError, match=r"^packed: expected a tensor of a DLPack framework .* got str"):
+        quant.dequantize_k_cache("bytes", 576)

@@ -192,8 +192,8 @@ def sparse_work(topk, topk_length, extra_topk=0, extra_topk_length=None):
 
 
 @pytest.mark.parametrize("with_extra", [False, True])
-def test_sparse_scheduler_metadata(rng, monkeypatch, with_extra):
-    monkeypatch.setenv("FLASHMLA_NUM_THREADS", "12")
+def test_sparse_scheduler_metadata(rng, reference_threads, with_extra):
+    reference_threads(12)
     b, s_q, h_q, topk = 5, 2, 128, 192
     tl = np.array([0, 192, 5, 64, 130], np.int32)
     extra = dict(s_k=300, topk=128, pbs=2, topk_length=np.array([3, 0, 128, 70, 64], np.int32)) if with_extra else None

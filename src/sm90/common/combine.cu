@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   float s = 0.f;
   for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
   s = warp_sum(s);
-  const float lse2 = (s == 0.f || s != s) ? INFINITY : log2f(s) + mx;
+  const float lse2 = row_sum_empty(s) ? INFINITY : log2f(s) + mx;  // a NaN split makes s NaN
   if (lane == 0 && blockIdx.z == 0) {
     p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = lse2 == INFINITY ? INFINITY : lse2 * kLn2;
   }

@@ -162,6 +162,15 @@ struct HalfTraits<__half> {
   }
 };
 
+// A finished softmax row's sum L = sum over its valid keys of 2^(s - m), m the running max used for
+// P (at most the row max, so the largest term is >= 1): L == 0 exactly when the row has no valid key
+// (the empty row of spec §2.6: out 0, lse +inf, max_logits -inf). A NaN score (a NaN in q or in a
+// key the row uses; fmaxf drops it from m) makes L NaN: such a row is NOT empty, and its out, lse
+// and max_logits come out NaN, as the formula gives (NaN in, NaN out).
+__device__ __forceinline__ bool row_sum_empty(float L) { return L == 0.f; }
+// The row max to report as max_logits: NaN for a row whose sum L is NaN (see row_sum_empty).
+__device__ __forceinline__ float row_max_or_nan(float m, float L) { return isnan(L) ? L : m; }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     for (int hh = 0; hh < 2; ++hh) {
       const int grow = row_global[hh];
       if (grow >= p.m_rows) continue;
-      const bool empty = !(L[hh] > 0.f);  // no visible key (or NaN)
+      const bool empty = row_sum_empty(L[hh]);  // no visible key (a NaN L is not empty)
       const float inv = empty ? 0.f : 1.f / L[hh];
       const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
       const int sq = row_sq[hh];

@@ -723,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int lane_e = tid_e & 31, wq_e = (tid_e >> 5) & 3, row0 = row_global[0] - row_local[0] + rq0;
         float inv[2];
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) inv[hh] = L[hh] > 0.f ? 1.f / L[hh] : 0.f;
+        for (int hh = 0; hh < 2; ++hh) inv[hh] = row_sum_empty(L[hh]) ? 0.f : 1.f / L[hh];
         if (no_split) {
 #pragma unroll
           for (int j = 0; j < 32; ++j)
@@ -782,7 +782,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hh = 0; hh < 2; ++hh) {
         const int grow = row_global[hh];
         if (grow >= p.m_rows || wg != 0 || tq != 0) continue;
-        const bool empty = !(L[hh] > 0.f);
+        const bool empty = row_sum_empty(L[hh]);
         const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
         if (no_split) {
           const int sq = row_sq[hh], h = kv_head * p.group + grow % p.group;
@@ -796,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int hh = 0; hh < 2; ++hh) {
         const int grow = row_global[hh];
         if (grow >= p.m_rows) continue;
-        const bool empty = !(L[hh] > 0.f);
+        const bool empty = row_sum_empty(L[hh]);
         const float inv = empty ? 0.f : 1.f / L[hh];
         const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
         const int sq = row_sq[hh];

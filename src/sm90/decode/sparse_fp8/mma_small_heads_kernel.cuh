@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
     for (int hh = 0; hh < 2; ++hh) {
       const int h = head[hh];
       if (h >= p.h_q) continue;
-      const bool empty = !(L[hh] > 0.f);
+      const bool empty = row_sum_empty(L[hh]);
       const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
       if (no_split) {
         float inv = empty ? 0.f : 1.f / L[hh];

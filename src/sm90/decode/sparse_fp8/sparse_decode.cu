@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
   float s = 0.f;
   for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
   s = warp_sum(s);
-  const bool empty = !(s > 0.f);
+  const bool empty = row_sum_empty(s);  // a NaN split makes s NaN: not empty
   const float lse2 = empty ? INFINITY : log2f(s) + mx;
   if (lane == 0 && blockIdx.z == 0)
     p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;

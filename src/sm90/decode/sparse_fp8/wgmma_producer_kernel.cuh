@@ -931,7 +931,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     for (int hh = 0; hh < 2; ++hh) {
       const int h = ht * 64 + row_local[hh];
       if (h >= p.h_q) continue;
-      const bool empty = !(L[hh] > 0.f);  // no valid key (or NaN)
+      const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
       const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
       if (no_split) {
         float inv = empty ? 0.f : 1.f / L[hh];

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
   for (int hh = 0; hh < 2; ++hh) {
     const int h = head[hh];
     if (h >= p.h_q) continue;
-    const bool empty = !(L[hh] > 0.f);
+    const bool empty = row_sum_empty(L[hh]);
     const float lse2 = empty ? INFINITY : log2f(L[hh]) + m_run[hh];
     const float inv = empty ? 0.f : sink_factor(p, h, lse2) / L[hh];
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<int64_t>(sq) * p.o_stride_s +
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
       p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
           empty ? INFINITY : lse2 * kLn2;
       p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
-          empty ? -INFINITY : m_run[hh] * kLn2;
+          empty ? -INFINITY : row_max_or_nan(m_run[hh], L[hh]) * kLn2;
     }
   }
 }

@@ -713,7 +713,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int h = min(ht * 64 + row_local[hh], p.h_q - 1);  // rows past h_q: computed, never stored
-    empty[hh] = !(L[hh] > 0.f);  // no valid slot (n_blk > 0 here: Q's wait / barrier published sSink)
+    empty[hh] = row_sum_empty(L[hh]);  // no valid slot (n_blk > 0 here: Q's wait / barrier published sSink)
     lse2[hh] = empty[hh] ? INFINITY : log2f(L[hh]) + m_run[hh];
     float f = 1.f;
     if (!empty[hh] && p.attn_sink != nullptr) {
@@ -730,7 +730,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       p.lse[static_cast<int64_t>(sq) * p.lse_stride_s + static_cast<int64_t>(h) * p.lse_stride_h] =
           empty[hh] ? INFINITY : lse2[hh] * kLn2;
       p.max_logits[static_cast<int64_t>(sq) * p.ml_stride_s + static_cast<int64_t>(h) * p.ml_stride_h] =
-          empty[hh] ? -INFINITY : m_true[hh] * kLn2;
+          empty[hh] ? -INFINITY : row_max_or_nan(m_true[hh], L[hh]) * kLn2;
     }
   }
   if (p.out_tma && n_blk > 0) {
