@@ -102,8 +102,8 @@ YARN = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, 
 ROPE_THETA = 10000.0
 
 # the CPU settings of --small (and of the CI test): tiny model, page-boundary lengths
-SMALL = dict(hidden=256, heads=8, q_lora_rank=96, index_heads=4, prompt_lens="21,100,5", steps=3,
-             prefill_chunk=32, page_size=16, topk=64)
+SMALL = dict(hidden=256, heads=8, q_lora_rank=96, index_heads=4, prompt_lens="21,70,5", steps=3,
+             prefill_chunk=32, page_size=16, topk=32)
 
 
 # --------------------------------------------------------------------------- model
@@ -577,6 +577,8 @@ def parse_args(argv):
     p.add_argument("--topk", type=int, help="tokens the V3.2 indexer selects per query token (default 2048)")
     p.add_argument("--prompt-lens", help="comma-separated prompt lengths, one request each "
                    "(default 4000,3000,2048,1536,1024,777,512,129)")
+    p.add_argument("--batch", type=int, help="requests: the --prompt-lens list repeated cyclically to this many "
+                   "(default: one request per listed length)")
     p.add_argument("--steps", type=int, help="decode steps, one new token per request each (default 8)")
     p.add_argument("--prefill-chunk", type=int, help="query rows per prefill call (default 512)")
     p.add_argument("--page-size", type=int, help="tokens per cache page (default 64)")
@@ -604,6 +606,10 @@ def check_args(args, world: int) -> Tuple[List[int], List[str]]:
         raise ValueError(f"--prompt-lens: expected comma-separated integers, got {args.prompt_lens!r}") from None
     if not lens or min(lens) < 1:
         raise ValueError(f"--prompt-lens: every prompt needs at least 1 token, got {args.prompt_lens!r}")
+    if args.batch is not None:
+        if args.batch < 1:
+            raise ValueError(f"--batch: must be >= 1, got {args.batch}")
+        lens = [lens[i % len(lens)] for i in range(args.batch)]
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in ("dense", "sparse")]
     if bad or not modes:
@@ -730,9 +736,13 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
         cache = PagedLatentCache(mode, total, args.page_size, cfg.index_head_dim, args.seed + 2, device)
         runner = LayerRun(shard, ctx, mode, tokens, inv_freq, cache)
         write(f"\n== {mode}: {'V3, bf16 paged cache' if mode == 'dense' else 'V3.2, FP8 V32 cache + top-' + str(cfg.topk) + ' indices'}; "
-              f"{tp} vs the single-process run (TP1) and float64 exact math")
-        hdr = (f"{'step':>10} {'s_q':>4} {'kv_max':>6} {'tok':>5} {'TP1 ms':>7} {tp + ' ms':>7} {'x':>5} "
-               f"{tp + ' tok/s':>11} {'attn TP1':>8} {'attn ' + tp:>8} {'err/TP1':>8} {'lat/TP1':>8} {'err/exact':>9}  result")
+              + (f"{tp} vs the single-process run (TP1) and " if full is not None else "checked against ")
+              + ("float64 exact math" if not args.no_exact else "(exact math off: --no-exact)"))
+        two = full is not None  # TP1 columns only when a separate single-process pass ran
+        hdr = (f"{'step':>10} {'s_q':>4} {'kv_max':>6} {'tok':>5} " + (f"{'TP1 ms':>7} " if two else "")
+               + f"{tp + ' ms':>7} " + (f"{'x':>5} " if two else "") + f"{tp + ' tok/s':>11} "
+               + (f"{'attn TP1':>8} " if two else "") + f"{'attn ' + tp:>8} "
+               + (f"{'err/TP1':>8} {'lat/TP1':>8} " if two else "") + f"{'err/exact':>9}  result")
         write(hdr)
         write("-" * len(hdr))
         rows = []
@@ -766,10 +776,12 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
                 tp1_tokens_per_s=(n_tok / (t1 * 1e-3)) if t1 else None,
                 err_vs_tp1=e_tp1, lat_err_vs_tp1=e_lat, err_vs_exact=e_ex, ok=good))
             f = lambda e: "     -  " if e is None else f"{e:8.2e}"  # noqa: E731
-            write(f"{step.phase + ' ' + str(step.index):>10} {rows[-1]['s_q']:>4} {kv_max:>6} {n_tok:>5} {fmt_ms(t1)} "
-                  f"{fmt_ms(res.layer_ms)} {'  -  ' if speed is None else f'{speed:5.2f}'} "
-                  f"{'-' if tps is None else f'{tps:11.0f}':>11} {fmt_ms(rows[-1]['tp1_attn_ms']):>8} "
-                  f"{fmt_ms(res.attn_ms):>8} {f(e_tp1)} {f(e_lat)} {f(e_ex):>9}  {'ok' if good else 'MISMATCH'}")
+            write(f"{step.phase + ' ' + str(step.index):>10} {rows[-1]['s_q']:>4} {kv_max:>6} {n_tok:>5} "
+                  + (f"{fmt_ms(t1)} " if two else "") + f"{fmt_ms(res.layer_ms)} "
+                  + ((f"{'  -  ' if speed is None else f'{speed:5.2f}'} ") if two else "")
+                  + f"{'-' if tps is None else f'{tps:11.0f}':>11} "
+                  + (f"{fmt_ms(rows[-1]['tp1_attn_ms']):>8} " if two else "") + f"{fmt_ms(res.attn_ms):>8} "
+                  + (f"{f(e_tp1)} {f(e_lat)} " if two else "") + f"{f(e_ex):>9}  {'ok' if good else 'MISMATCH'}")
         if main_rank:
             dec = [r for r in rows if r["phase"] == "decode"]
 
