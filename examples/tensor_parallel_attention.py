@@ -506,16 +506,22 @@ def run_pass(run: LayerRun, step: Step, repeat: int) -> StepResult:
 # --------------------------------------------------------------------------- exact math
 
 
-def exact_output(cfg: MLAConfig, w: Dict[str, torch.Tensor], dtype: torch.dtype, tokens: torch.Tensor,
-                 inv_freq: torch.Tensor, cache: PagedLatentCache, step: Step,
-                 chosen: Optional[torch.Tensor]) -> torch.Tensor:
+EXACT_WEIGHTS = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_b_proj", "o_proj")
+
+
+def exact_weights(w: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """The full layer's attention weights as the shards hold them (rounded to the module dtype), in float64."""
+    return {k: w[k].to(dtype).to(torch.float64) for k in EXACT_WEIGHTS}
+
+
+def exact_output(cfg: MLAConfig, W: Dict[str, torch.Tensor], tokens: torch.Tensor, inv_freq: torch.Tensor,
+                 cache: PagedLatentCache, step: Step, chosen: Optional[torch.Tensor], rows_per_block: int = 128) -> torch.Tensor:
     """The layer output (b, s, hidden) float64 for the step's valid rows (0 elsewhere), without
     absorption: per head k = [W_UK c_kv | k_pe], v = W_UV c_kv, softmax(q.k * scale) v, o_proj.
-    Weights: the full layer's, rounded to the module dtype (what the shards hold). Keys: the cache
-    rows as stored (`cache.rows_as_bf16()`), of positions t <= the row's (dense) or of the row's
-    selected positions (sparse)."""
+    W: :func:`exact_weights`. Keys: the cache rows as stored (`cache.rows_as_bf16()`), of positions
+    t <= the row's (dense) or of the row's selected positions (sparse). Query rows go in blocks of
+    `rows_per_block` (the logits of a block are rows x heads x keys float64 values)."""
     f64 = torch.float64
-    W = {k: v.to(dtype).to(f64) for k, v in w.items()}
     h, nope, dv = cfg.heads, cfg.qk_nope, cfg.v_head_dim
     kv_b = W["kv_b_proj"].view(h, nope + dv, KV_LORA_RANK)
     w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
@@ -526,31 +532,33 @@ def exact_output(cfg: MLAConfig, w: Dict[str, torch.Tensor], dtype: torch.dtype,
         valid = step.valid[r]
         if not bool(valid.any()):
             continue
-        pos = step.positions[r][valid]
-        L = int(pos.max()) + 1
-        keys = rows[cache.request_slots(r, torch.arange(L, device=pos.device))]  # (L, 576)
+        pos_all = step.positions[r][valid]
+        L = int(pos_all.max()) + 1
+        keys = rows[cache.request_slots(r, torch.arange(L, device=pos_all.device))]  # (L, 576)
         c_kv, k_pe = keys[:, :KV_LORA_RANK], keys[:, KV_LORA_RANK:]
         k_nope = torch.einsum("tc,hdc->htd", c_kv, w_uk)
         v = torch.einsum("tc,hdc->htd", c_kv, w_uv)
-        hs = tokens[r, pos].to(dtype).to(f64)
-        cq = hs @ W["q_a_proj"].T
-        cq = cq * torch.rsqrt(cq.pow(2).mean(-1, keepdim=True) + 1e-6) * W["q_a_layernorm"]
-        q = (cq @ W["q_b_proj"].T).view(-1, h, nope + QK_ROPE)
-        ang = pos[:, None].to(f64) * inv_freq.to(f64)
-        q_pe = apply_rope(q[..., nope:], ang.cos()[:, None], ang.sin()[:, None])
-        t = torch.arange(L, device=pos.device)
-        if chosen is None:
-            allowed = t[None, :] <= pos[:, None]
-        else:
-            sel = chosen[r][valid]
-            allowed = torch.zeros(len(pos), L + 1, dtype=torch.bool, device=pos.device)
-            allowed.scatter_(1, torch.where(sel >= 0, sel, L), True)
-            allowed = allowed[:, :L]
-        logits = (torch.einsum("shd,htd->sht", q[..., :nope], k_nope) + torch.einsum("shd,td->sht", q_pe, k_pe))
-        logits = logits * cfg.softmax_scale
-        p = torch.softmax(logits.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1)
-        o = torch.einsum("sht,htd->shd", p, v).reshape(len(pos), h * dv)
-        out[r, valid] = o @ W["o_proj"].T
+        t = torch.arange(L, device=pos_all.device)
+        o_rows = []
+        for i0 in range(0, len(pos_all), rows_per_block):
+            pos = pos_all[i0 : i0 + rows_per_block]
+            hs = tokens[r, pos].to(f64)
+            cq = hs @ W["q_a_proj"].T
+            cq = cq * torch.rsqrt(cq.pow(2).mean(-1, keepdim=True) + 1e-6) * W["q_a_layernorm"]
+            q = (cq @ W["q_b_proj"].T).view(-1, h, nope + QK_ROPE)
+            ang = pos[:, None].to(f64) * inv_freq.to(f64)
+            q_pe = apply_rope(q[..., nope:], ang.cos()[:, None], ang.sin()[:, None])
+            if chosen is None:
+                allowed = t[None, :] <= pos[:, None]
+            else:
+                sel = chosen[r][valid][i0 : i0 + rows_per_block]
+                allowed = torch.zeros(len(pos), L + 1, dtype=torch.bool, device=pos.device)
+                allowed.scatter_(1, torch.where(sel >= 0, sel, L), True)
+                allowed = allowed[:, :L]
+            logits = torch.einsum("shd,htd->sht", q[..., :nope], k_nope) + torch.einsum("shd,td->sht", q_pe, k_pe)
+            logits = (logits * cfg.softmax_scale).masked_fill_(~allowed[:, None, :], float("-inf"))
+            o_rows.append(torch.einsum("sht,htd->shd", torch.softmax(logits, dim=-1), v).reshape(len(pos), h * dv))
+        out[r, valid] = torch.cat(o_rows) @ W["o_proj"].T
     return out
 
 
@@ -694,6 +702,7 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
     shard = AttentionShard(cfg, w, range(rank * h_local, (rank + 1) * h_local), dtype)
     full = AttentionShard(cfg, w, range(cfg.heads), dtype) if world > 1 and main_rank else None
     schedule = make_schedule(lens, args.steps, args.prefill_chunk, device)
+    w64 = exact_weights(w, dtype) if main_rank and not args.no_exact else None
 
     say(f"flash_mla {flash_mla.__version__}, torch {torch.__version__}, {world} rank(s), {backend}, device {device.type}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else " (flash_mla reference backend)"))
@@ -759,7 +768,7 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
                 e_tp1 = float("inf")  # the ranks' indexers must select the same tokens as TP1's
             e_ex = None
             if not args.no_exact:
-                exact = exact_output(cfg, w, dtype, tokens, inv_freq, cache, step, res.chosen)
+                exact = exact_output(cfg, w64, tokens, inv_freq, cache, step, res.chosen)
                 e_ex = rel_err(res.out[valid], exact[valid])
             good = bool(torch.isfinite(res.out[valid]).all()) and all(
                 e is None or e < args.tol for e in (e_tp1, e_lat, e_ex))
