@@ -68,7 +68,8 @@ one (or with ``--device cpu``) the ranks use gloo and CPU tensors (flash_mla's r
             single-process pass; null when world_size is 1), err_vs_tp1, lat_err_vs_tp1 (null when
             world_size is 1), err_vs_exact, ok}],
             decode: {layer_ms, attn_ms, tokens_per_s, tp1_layer_ms, tp1_attn_ms, tp1_tokens_per_s,
-            speedup_vs_tp1 (tp1_layer_ms / layer_ms)}: means over the decode steps}},
+            speedup_vs_tp1 (tp1_layer_ms / layer_ms)}: means over the decode steps, plus
+            max_err_vs_tp1, max_lat_err_vs_tp1, max_err_vs_exact: the worst of all steps}},
     pass (bool).
 """
 
@@ -802,6 +803,9 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
                                              "tp1_tokens_per_s")}
             summary["speedup_vs_tp1"] = (summary["tp1_layer_ms"] / summary["layer_ms"]
                                          if summary["tp1_layer_ms"] and summary["layer_ms"] else None)
+            for key in ("err_vs_tp1", "lat_err_vs_tp1", "err_vs_exact"):  # worst step, prefill and decode
+                vals = [r[key] for r in rows if r[key] is not None]
+                summary["max_" + key] = max(vals) if vals else None
             results[mode] = {"steps": rows, "decode": summary}
             if summary["layer_ms"] is not None:
                 write(f"{mode} decode, mean over {len(dec)} steps: {tp} layer {summary['layer_ms']:.3f} ms "
