@@ -654,8 +654,69 @@ def check_quantizer(rows: torch.Tensor) -> bool:
     return torch.equal(ours, lib.reshape(-1, V32_BYTES))
 
 
-def fmt_ms(x: Optional[float]) -> str:
-    return "   -   " if x is None else f"{x:7.3f}"
+def check_step(step: Step, res: StepResult, ref: Optional[StepResult], exact: Optional[torch.Tensor],
+               tol: float) -> dict:
+    """The checks and numbers of one step (rank 0): res is the TP run's, ref the single-process
+    run's (None with one rank), exact the float64 layer output (None with --no-exact)."""
+    valid = step.valid
+    e_tp1 = rel_err(res.out[valid], ref.out[valid]) if ref is not None else None
+    e_lat = rel_err(res.o_lat[valid], ref.o_lat[valid]) if ref is not None else None
+    same_tokens = ref is None or res.chosen is None or torch.equal(res.chosen, ref.chosen)
+    e_ex = rel_err(res.out[valid], exact[valid]) if exact is not None else None
+    good = (same_tokens and bool(torch.isfinite(res.out[valid]).all())
+            and all(e is None or e < tol for e in (e_tp1, e_lat, e_ex)))
+    n_tok = int(valid.sum())
+    t1 = ref.layer_ms if ref is not None else None
+    return dict(
+        phase=step.phase, index=step.index, s_q=int(step.positions.shape[1]), kv_len_max=int(step.seqlens.max()),
+        tokens=n_tok, layer_ms=res.layer_ms, attn_ms=res.attn_ms,
+        tokens_per_s=n_tok / (res.layer_ms * 1e-3) if res.layer_ms else None,
+        tp1_layer_ms=t1, tp1_attn_ms=ref.attn_ms if ref is not None else None,
+        tp1_tokens_per_s=n_tok / (t1 * 1e-3) if t1 else None,
+        err_vs_tp1=e_tp1, lat_err_vs_tp1=e_lat, err_vs_exact=e_ex, same_tokens_as_tp1=same_tokens, ok=good)
+
+
+class Table:
+    """Rank 0's per-step lines; the TP1 columns only when a separate single-process pass ran."""
+
+    def __init__(self, world: int, with_tp1: bool):
+        tp = f"TP{world}"
+        cols = [("step", "step", 10, None), ("s_q", "s_q", 4, "d"), ("kv_len_max", "kv_max", 6, "d"),
+                ("tokens", "tok", 5, "d"), ("tp1_layer_ms", "TP1 ms", 7, ".3f"), ("layer_ms", tp + " ms", 7, ".3f"),
+                ("speedup", "x", 5, ".2f"), ("tokens_per_s", tp + " tok/s", 11, ".0f"),
+                ("tp1_attn_ms", "attn TP1", 8, ".3f"), ("attn_ms", "attn " + tp, 8, ".3f"),
+                ("err_vs_tp1", "err/TP1", 8, ".2e"), ("lat_err_vs_tp1", "lat/TP1", 8, ".2e"),
+                ("err_vs_exact", "err/exact", 9, ".2e")]
+        tp1_only = {"tp1_layer_ms", "speedup", "tp1_attn_ms", "err_vs_tp1", "lat_err_vs_tp1"}
+        self.cols = [c for c in cols if with_tp1 or c[0] not in tp1_only]
+
+    def header(self) -> str:
+        h = " ".join(f"{name:>{width}}" for _, name, width, _ in self.cols) + "  result"
+        return h + "\n" + "-" * len(h)
+
+    def line(self, r: dict) -> str:
+        r = dict(r, step=f"{r['phase']} {r['index']}",
+                 speedup=r["tp1_layer_ms"] / r["layer_ms"] if r["tp1_layer_ms"] and r["layer_ms"] else None)
+        cells = ["-" if r[key] is None else format(r[key], spec or "") for key, _, _, spec in self.cols]
+        verdict = "ok" if r["ok"] else (
+            "MISMATCH" if r["same_tokens_as_tp1"] else "MISMATCH (the indexer chose other tokens than TP1's)")
+        return " ".join(f"{c:>{width}}" for c, (_, _, width, _) in zip(cells, self.cols)) + "  " + verdict
+
+
+def decode_summary(rows: List[dict]) -> dict:
+    """Means over the decode steps, the TP-N / TP1 speed-up, and the worst errors of all steps."""
+    dec = [r for r in rows if r["phase"] == "decode"]
+
+    def mean(key):
+        vals = [r[key] for r in dec if r[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    out = {k: mean(k) for k in ("layer_ms", "attn_ms", "tokens_per_s", "tp1_layer_ms", "tp1_attn_ms", "tp1_tokens_per_s")}
+    out["speedup_vs_tp1"] = out["tp1_layer_ms"] / out["layer_ms"] if out["tp1_layer_ms"] and out["layer_ms"] else None
+    for key in ("err_vs_tp1", "lat_err_vs_tp1", "err_vs_exact"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        out["max_" + key] = max(vals) if vals else None
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -705,6 +766,9 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
     schedule = make_schedule(lens, args.steps, args.prefill_chunk, device)
     w64 = exact_weights(w, dtype) if main_rank and not args.no_exact else None
 
+    def new_cache(mode):  # the same pages on every rank and in both passes
+        return PagedLatentCache(mode, total, args.page_size, cfg.index_head_dim, args.seed + 2, device)
+
     say(f"flash_mla {flash_mla.__version__}, torch {torch.__version__}, {world} rank(s), {backend}, device {device.type}"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else " (flash_mla reference backend)"))
     say(f"DeepSeek-V3 attention: hidden {cfg.hidden}, {cfg.heads} heads ({h_local} per rank), q_lora {cfg.q_lora_rank}, "
@@ -723,7 +787,6 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
             f"{'bit-exact' if q_ok else 'MISMATCH'}")
         ok &= q_ok
 
-    results = {}
     progress = None
     if main_rank and not args.no_progress:
         from tqdm import tqdm
@@ -731,84 +794,36 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
         progress = tqdm(total=len(modes) * len(schedule) * (2 if full is not None else 1), desc="steps",
                         unit="step", file=sys.stderr, dynamic_ncols=True)
     write = progress.write if progress is not None else say
-    tp = f"TP{world}"
+    table = Table(world, full is not None)
+    results = {}
     for mode in modes:
-        # the single-process pass (TP1, all heads, rank 0) first; the other ranks wait
+        # the single-process pass (TP1: all heads, rank 0) first, while the other ranks wait
         tp1: List[Optional[StepResult]] = [None] * len(schedule)
         if full is not None:
-            solo = TPContext(1, 0, device)
-            run1 = LayerRun(full, solo, mode, tokens, inv_freq,
-                            PagedLatentCache(mode, total, args.page_size, cfg.index_head_dim, args.seed + 2, device))
+            run1 = LayerRun(full, TPContext(1, 0, device), mode, tokens, inv_freq, new_cache(mode))
             for i, step in enumerate(schedule):
                 tp1[i] = run_pass(run1, step, repeat)
                 progress and progress.update()
         ctx.barrier()
-        cache = PagedLatentCache(mode, total, args.page_size, cfg.index_head_dim, args.seed + 2, device)
+        cache = new_cache(mode)
         runner = LayerRun(shard, ctx, mode, tokens, inv_freq, cache)
-        write(f"\n== {mode}: {'V3, bf16 paged cache' if mode == 'dense' else 'V3.2, FP8 V32 cache + top-' + str(cfg.topk) + ' indices'}; "
-              + (f"{tp} vs the single-process run (TP1) and " if full is not None else "checked against ")
-              + ("float64 exact math" if not args.no_exact else "(exact math off: --no-exact)"))
-        two = full is not None  # TP1 columns only when a separate single-process pass ran
-        hdr = (f"{'step':>10} {'s_q':>4} {'kv_max':>6} {'tok':>5} " + (f"{'TP1 ms':>7} " if two else "")
-               + f"{tp + ' ms':>7} " + (f"{'x':>5} " if two else "") + f"{tp + ' tok/s':>11} "
-               + (f"{'attn TP1':>8} " if two else "") + f"{'attn ' + tp:>8} "
-               + (f"{'err/TP1':>8} {'lat/TP1':>8} " if two else "") + f"{'err/exact':>9}  result")
-        write(hdr)
-        write("-" * len(hdr))
+        write(f"\n== {mode}: " + ("V3, bf16 paged cache" if mode == "dense" else f"V3.2, FP8 V32 cache + top-{cfg.topk} indices")
+              + (f"; TP{world} vs the single-process run (TP1)" if full is not None else "")
+              + ("; float64 exact math" if not args.no_exact else "; exact math off (--no-exact)"))
+        write(table.header())
         rows = []
         for i, step in enumerate(schedule):
             res = run_pass(runner, step, repeat)
             progress and progress.update()
-            if not main_rank:
-                continue
-            valid = step.valid
-            ref = tp1[i]
-            e_tp1 = rel_err(res.out[valid], ref.out[valid]) if ref is not None else None
-            e_lat = rel_err(res.o_lat[valid], ref.o_lat[valid]) if ref is not None else None
-            if ref is not None and mode == "sparse" and not torch.equal(res.chosen, ref.chosen):
-                e_tp1 = float("inf")  # the ranks' indexers must select the same tokens as TP1's
-            e_ex = None
-            if not args.no_exact:
-                exact = exact_output(cfg, w64, tokens, inv_freq, cache, step, res.chosen)
-                e_ex = rel_err(res.out[valid], exact[valid])
-            good = bool(torch.isfinite(res.out[valid]).all()) and all(
-                e is None or e < args.tol for e in (e_tp1, e_lat, e_ex))
-            ok &= good
-            n_tok = int(valid.sum())
-            kv_max = int(step.seqlens.max())
-            t1 = ref.layer_ms if ref is not None else None
-            speed = (t1 / res.layer_ms) if t1 and res.layer_ms else None
-            tps = n_tok / (res.layer_ms * 1e-3) if res.layer_ms else None
-            rows.append(dict(
-                phase=step.phase, index=step.index, s_q=int(step.positions.shape[1]), kv_len_max=kv_max, tokens=n_tok,
-                layer_ms=res.layer_ms, attn_ms=res.attn_ms, tokens_per_s=tps,
-                tp1_layer_ms=t1, tp1_attn_ms=ref.attn_ms if ref is not None else None,
-                tp1_tokens_per_s=(n_tok / (t1 * 1e-3)) if t1 else None,
-                err_vs_tp1=e_tp1, lat_err_vs_tp1=e_lat, err_vs_exact=e_ex, ok=good))
-            f = lambda e: "     -  " if e is None else f"{e:8.2e}"  # noqa: E731
-            write(f"{step.phase + ' ' + str(step.index):>10} {rows[-1]['s_q']:>4} {kv_max:>6} {n_tok:>5} "
-                  + (f"{fmt_ms(t1)} " if two else "") + f"{fmt_ms(res.layer_ms)} "
-                  + ((f"{'  -  ' if speed is None else f'{speed:5.2f}'} ") if two else "")
-                  + f"{'-' if tps is None else f'{tps:11.0f}':>11} "
-                  + (f"{fmt_ms(rows[-1]['tp1_attn_ms']):>8} " if two else "") + f"{fmt_ms(res.attn_ms):>8} "
-                  + (f"{f(e_tp1)} {f(e_lat)} " if two else "") + f"{f(e_ex):>9}  {'ok' if good else 'MISMATCH'}")
+            if main_rank:
+                exact = exact_output(cfg, w64, tokens, inv_freq, cache, step, res.chosen) if w64 is not None else None
+                rows.append(check_step(step, res, tp1[i], exact, args.tol))
+                ok &= rows[-1]["ok"]
+                write(table.line(rows[-1]))
         if main_rank:
-            dec = [r for r in rows if r["phase"] == "decode"]
-
-            def mean(key):
-                vals = [r[key] for r in dec if r[key] is not None]
-                return sum(vals) / len(vals) if vals else None
-
-            summary = {k: mean(k) for k in ("layer_ms", "attn_ms", "tokens_per_s", "tp1_layer_ms", "tp1_attn_ms",
-                                             "tp1_tokens_per_s")}
-            summary["speedup_vs_tp1"] = (summary["tp1_layer_ms"] / summary["layer_ms"]
-                                         if summary["tp1_layer_ms"] and summary["layer_ms"] else None)
-            for key in ("err_vs_tp1", "lat_err_vs_tp1", "err_vs_exact"):  # worst step, prefill and decode
-                vals = [r[key] for r in rows if r[key] is not None]
-                summary["max_" + key] = max(vals) if vals else None
-            results[mode] = {"steps": rows, "decode": summary}
+            summary = results.setdefault(mode, {"steps": rows, "decode": decode_summary(rows)})["decode"]
             if summary["layer_ms"] is not None:
-                write(f"{mode} decode, mean over {len(dec)} steps: {tp} layer {summary['layer_ms']:.3f} ms "
+                write(f"{mode} decode, mean over {args.steps} steps: TP{world} layer {summary['layer_ms']:.3f} ms "
                       f"({summary['tokens_per_s']:.0f} tok/s), attention {summary['attn_ms']:.3f} ms"
                       + (f"; TP1 layer {summary['tp1_layer_ms']:.3f} ms, attention {summary['tp1_attn_ms']:.3f} ms; "
                          f"speed-up {summary['speedup_vs_tp1']:.2f}x" if summary["tp1_layer_ms"] else ""))
@@ -824,27 +839,35 @@ def run(args, lens: List[int], modes: List[str], ctx: TPContext, backend: str) -
     if main_rank:
         say("PASS" if ok else "FAIL")
         if args.json:
-            doc = {
-                "date": datetime.date.today().isoformat(),
-                "device": device.type,
-                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                "world_size": world, "backend": backend,
-                "torch": torch.__version__, "flash_mla": flash_mla.__version__,
-                "config": dict(dataclasses.asdict(cfg), kv_lora_rank=KV_LORA_RANK, qk_rope=QK_ROPE,
-                               heads_per_rank=h_local, softmax_scale=cfg.softmax_scale, prompt_lens=lens,
-                               steps=args.steps, prefill_chunk=args.prefill_chunk, page_size=args.page_size,
-                               module_dtype=str(dtype)[6:], modes=modes, repeat=repeat, tol=args.tol,
-                               seed=args.seed, exact_check=not args.no_exact),
-                "timing": ("mean of `repeat` repetitions of each step after its checked run, maximum over the ranks; "
-                           + ("CUDA events" if device.type == "cuda" else "time.perf_counter")
-                           + "; layer = the whole TP layer step incl. all_reduce, attn = the flash_mla_with_kvcache call"),
-                "modes": results,
-                "pass": ok,
-            }
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=1)
+            write_json(args.json, dict(
+                date=datetime.date.today().isoformat(), device=device.type,
+                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                world_size=world, backend=backend, torch=torch.__version__, flash_mla=flash_mla.__version__,
+                config=dict(dataclasses.asdict(cfg), kv_lora_rank=KV_LORA_RANK, qk_rope=QK_ROPE, heads_per_rank=h_local,
+                            softmax_scale=cfg.softmax_scale, prompt_lens=lens, steps=args.steps,
+                            prefill_chunk=args.prefill_chunk, page_size=args.page_size, module_dtype=str(dtype)[6:],
+                            modes=modes, repeat=repeat, tol=args.tol, seed=args.seed, exact_check=not args.no_exact),
+                timing=("mean of `repeat` repetitions of each step after its checked run, maximum over the ranks; "
+                        + ("CUDA events" if device.type == "cuda" else "time.perf_counter")
+                        + "; layer = the whole TP layer step incl. all_reduce, attn = the flash_mla_with_kvcache call"),
+                modes=results, **{"pass": ok}))
             say(f"wrote {args.json}")
     return 0 if ok else 1
+
+
+def write_json(path: str, doc: dict) -> None:
+    """JSON with non-finite numbers as null (an error of inf marks a failed step; strict JSON has no inf)."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    with open(path, "w") as fh:
+        json.dump(clean(doc), fh, indent=1)
 
 
 if __name__ == "__main__":
