@@ -66,7 +66,8 @@ one (or with ``--device cpu``) the ranks use gloo and CPU tensors (flash_mla's r
             cache length in the batch after the step), tokens (real query tokens), layer_ms,
             attn_ms, tokens_per_s (TP run), tp1_layer_ms, tp1_attn_ms, tp1_tokens_per_s (the
             single-process pass; null when world_size is 1), err_vs_tp1, lat_err_vs_tp1 (null when
-            world_size is 1), err_vs_exact, ok}],
+            world_size is 1; null also marks a non-finite error), err_vs_exact (null with --no-exact),
+            same_tokens_as_tp1 (sparse: the indexer chose the same tokens), ok}],
             decode: {layer_ms, attn_ms, tokens_per_s, tp1_layer_ms, tp1_attn_ms, tp1_tokens_per_s,
             speedup_vs_tp1 (tp1_layer_ms / layer_ms)}: means over the decode steps, plus
             max_err_vs_tp1, max_lat_err_vs_tp1, max_err_vs_exact: the worst of all steps}},
