@@ -38,7 +38,8 @@ Checks, at every prefill chunk and decode step (rank 0 prints one line per step)
   c_kv``, ``v = W_UV c_kv`` per head, softmax over the keys the row may see: causal for dense, the
   indexer's selection for sparse) on the cache contents as stored (bf16 rows; FP8 rows dequantized
   by ``flash_mla.quant.dequantize_k_cache``).
-* outputs finite. Pass: both errors below ``--tol`` (default 2e-2, bf16 rounding) at every step.
+* outputs finite; for sparse, the TP run's indexer chose the same tokens as the single-process run's.
+  Pass: that, and every error below ``--tol`` (default 2e-2: bf16 rounding) at every step.
 
 Timing (rank 0 prints it, and ``--json`` records it): each step runs once for the checked result,
 then ``--repeat`` more times (the step is idempotent: the same cache rows are rewritten); the
@@ -46,6 +47,11 @@ step time is the mean over those repetitions (CUDA events on the GPU, ``perf_cou
 the maximum over the ranks. ``layer`` is the whole TP layer step (projections, indexer, cache write,
 attention, ``all_reduce``); ``attn`` is the ``flash_mla_with_kvcache`` call alone, timed the same
 way. Tokens per second: the step's real (non-padding) query tokens over the layer step time.
+
+Defaults: DeepSeek-V3's dimensions (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, qk 128 + 64,
+v 128; V3.2's indexer: 64 heads x 128, top-2048), a batch of 8 prompts of 129 to 4000 tokens
+(``--prompt-lens``, ``--batch``), prefill chunks of 512, 8 decode steps, pages of 64 tokens; on the
+GPU a bf16 module and 20 timed repetitions. ``--small`` shrinks the model and batch for the CPU.
 
 Run (exit code 0 iff every check passes on every rank):
 
