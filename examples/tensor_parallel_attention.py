@@ -647,6 +647,9 @@ def pick_device(want: str, world: int, local_rank: int) -> torch.device:
     if want == "cuda" and not gpu_ok:
         raise SystemExit("--device cuda: needs a compute-capability-9.0 GPU and a CUDA build of flash_mla")
     if want == "cpu" or not gpu_ok:
+        if want == "auto" and torch.cuda.is_available() and local_rank == 0:
+            print("note: a GPU is present but not used (needs compute capability 9.0 and a CUDA build of "
+                  "flash_mla); running on the CPU with gloo", file=sys.stderr)
         return torch.device("cpu")
     if world > torch.cuda.device_count():
         raise SystemExit(f"{world} ranks but {torch.cuda.device_count()} GPU(s): one rank per GPU "
