@@ -2,7 +2,7 @@
 # Build and check flash_mla on an offline GPU machine (an H200 without network access).
 # Expects the carried paths .whl/ (apache-tvm-ffi cp312 wheel) and .deps/cutlass_include
 # (bash tools/fetch-device-deps.sh makes both).
-# Usage: bash tools/device-run.sh [build|pytest|pytest-nan|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests]...   (logs under $OUT)
+# Usage: bash tools/device-run.sh [build|pytest|pytest-nan|pytest-torch|pytest-all|pytest-sparse|pytest-prefill|demo|bench|bench-sparse|bench-prefill|bench-overhead|grid-decode:A:B|grid-prefill|cpp-gpu-tests|tp:N]...   (logs under $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,6 +55,10 @@ for step in "$@"; do
       r=${PIPESTATUS[0]}; rc=$((rc | r)); [ "$r" = 124 ] && { echo "pytest-prefill timed out"; exit 124; } ;;
     bench-prefill)
       python3 bench/bench_sparse_prefill.py --out "$OUT" 2>&1 | tee "$OUT/bench-sparse-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    tp:*)            # examples/tensor_parallel_attention.py with N ranks (one per GPU, NCCL): checks, TP-N vs TP1 step times
+                     # (more options of the example: FLASHMLA_TP_ARGS="--batch 32 ...")
+      n=${step#tp:}; python3 -m torch.distributed.run --standalone --nproc-per-node "$n" examples/tensor_parallel_attention.py \
+        --no-progress --json "$OUT/tp$n.json" ${FLASHMLA_TP_ARGS:-} 2>&1 | tee "$OUT/tp$n.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=1 ;;
   esac
 done

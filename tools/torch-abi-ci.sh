@@ -86,8 +86,9 @@ run_tests() {  # run_tests PYTHON LABEL [TEST PATHS...]
 }
 
 # Venv A also gets JAX and transformers, and runs the whole CPU suite: the tests that need torch
-# together with JAX (tests/python/test_torch_ops_and_jax_parity.py) or transformers (the DeepSeek-V3 example)
-# run nowhere else in CI (the main environment has JAX but no torch).
+# together with JAX (tests/python/test_torch_ops_and_jax_parity.py) or transformers (the DeepSeek-V3 example),
+# and the torch.distributed example (2 gloo ranks under torchrun), run nowhere else in CI (the main
+# environment has JAX but no torch).
 "$A" -m pip install -q "jax[cpu]>=0.4.31,<1" "jax-tvm-ffi>=0.1.3,<0.2" "transformers>=5,<6"
 echo "== torch ABI: the same wheel under $TORCH_NEW (+ JAX, transformers): the whole tests/python"
 run_tests "$A" "$TORCH_NEW" tests/python
