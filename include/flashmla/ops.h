@@ -200,7 +200,18 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p);
 // and rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k / v. Key j of a request is visible to its
 // query i iff !causal or j <= i + s_k - s_q (s_q, s_k that request's lengths). A query row with
 // no visible key (s_k == 0, or causal with i + s_k - s_q < 0) gives out = 0 and lse = -inf
-// (torch SDPA's logsumexp convention of an empty row), and zero gradients.
+// (what torch's logsumexp gives for an all-masked row, and what FlashMLA's SM100 kernel writes for
+// a fully masked tile; spec §2.6 leaves it untested), and zero gradients. A NaN in q, or in a key
+// or value the row sees, gives NaN in that row; keys a row does not see are never read.
+// Supported (d_qk, d_v): (128, 128) and (192, 128) on every backend; other pairs are kValue
+// "no kernel for d_qk=… d_v=…" (outputs untouched).
+// cu_seqlens_* are contiguous int32 tensors of b + 1 >= 2 entries on the device of q. For CPU
+// tensors their values are checked (kValue): start 0, non-decreasing, last entry == total_q
+// (total_k), every length <= max_seqlen_*. On the GPU they are not read back: values that break
+// these rules leave rows unwritten or read out of bounds, as in FlashMLA / FlashAttention.
+// FlashMLA's is_varlen = false (every request total / b tokens) is cu_seqlens = i * (total / b).
+// GPU tensors (q, k, v, dout and the 16-bit outputs) need 16-byte aligned bases and non-last
+// strides (kValue otherwise); lse may have any strides.
 // ---------------------------------------------------------------------------
 struct DensePrefillParams {
   TensorRef q;  ///< (total_q, h_q, d_qk) bf16 or fp16, last dim contiguous; d_qk in {128, 192}
@@ -227,7 +238,10 @@ Status dense_prefill_fwd(const DensePrefillParams& p);
 
 /// Backward of dense_prefill_fwd: the forward's inputs and outputs plus dout; writes dq, dk, dv.
 /// The gradient through lse is not propagated (as FlashMLA). Deterministic: dk / dv (and dq) are
-/// bitwise equal across runs on the same inputs.
+/// bitwise equal across runs on the same inputs. With P = exp(q.k * scale - lse) from the given lse
+/// and D = dout . out from the given out: dv = P^T dout, dS = P * (dout v^T - D),
+/// dq = scale * dS k, dk = scale * dS^T q (dk / dv summed over the query heads of a KV head).
+/// `fwd.workspace`, `fwd.workspace_bytes` and `fwd.stream` are not used (the fields below are).
 struct DensePrefillBwdParams {
   DensePrefillParams fwd;  ///< q, k, v, cu_seqlens, max_seqlen, scale, causal; out and lse as the forward wrote them
   TensorRef dout;  ///< (total_q, h_q, d_v) dtype of q, last dim contiguous
