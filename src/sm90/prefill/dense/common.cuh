@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90/seesaw.cuh"
 #include "sm90/utils.cuh"
@@ -26,10 +27,13 @@ using seesaw::setmaxnreg_dec;
 using seesaw::setmaxnreg_inc;
 
 // 384 threads: consumer warpgroups 0 and 1 (tensor cores, softmax), producer warpgroup 2 (cp.async).
+// setmaxnreg moves registers within the launch pool of 384 x 168: 4 producer warps x 24 + 8 consumer
+// warps x 240 = 64512 exactly. 240 keeps the d_qk 192 dkdv kernel free of spills and of wgmma
+// serialisation (ptxas C7512), which it is not at 232.
 constexpr int kThreads = 384;
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;  // 232
-static_assert(kConsumerRegs == 232, "setmaxnreg budget");
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = (3 * 168 - kProducerRegs) / 2 / 8 * 8;
+static_assert(kConsumerRegs == 240, "setmaxnreg budget");
 
 /// Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` in a tile of kRows rows.
 template <int kRows>
@@ -75,6 +79,20 @@ __device__ __forceinline__ void pack_a(const float (&s)[N / 2], uint32_t (&a)[N 
   for (int kk = 0; kk < N / 16; ++kk) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) a[kk][j] = HalfTraits<T>::pack(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+  }
+}
+
+/// The two floats of a packed bf16 / fp16 pair (HalfTraits<T>::pack's inverse, exact).
+template <class T>
+__device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
+  if constexpr (sizeof(T) == 2 && std::is_same_v<T, __nv_bfloat16>) {
+    lo = __uint_as_float(v << 16);
+    hi = __uint_as_float(v & 0xFFFF0000u);
+  } else {
+    const __half2 h = *reinterpret_cast<const __half2*>(&v);
+    const float2 f = __half22float2(h);
+    lo = f.x;
+    hi = f.y;
   }
 }
 
