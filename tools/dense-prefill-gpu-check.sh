@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Standalone GPU check of the sm90 dense MHA prefill kernels (src/sm90/prefill/dense/), independent of the
+# Python package and its bindings: builds build/dense-prefill-check/libdense_prefill_check.so with nvcc
+# (the kernels + tools/dense_prefill_check/shim.cpp), runs a smoke test under a 120 s timeout (a hang costs
+# two minutes, not the call), then tools/dense_prefill_check/check.py: correctness against a float32 torch
+# reference (spec §5.5 configurations and the extra cases), determinism, and TFLOPS against torch SDPA's
+# cuDNN backend on the 16 shapes of the anchors table. Needs nvcc, torch with CUDA and an sm_90 GPU.
+# Logs and dense-prefill-check.json go to $OUT (default /tmp/out).
+# Usage: bash tools/dense-prefill-gpu-check.sh [check.py options, e.g. --no-perf, --no-big]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+B=build/dense-prefill-check; mkdir -p "$B"
+FLAGS=(-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -DFLASHMLA_WITH_CUDA=1 --expt-relaxed-constexpr
+       -lineinfo -Xptxas=-v,--warn-on-spills --use_fast_math -Xcompiler -fPIC -Iinclude -Isrc)
+echo "=== build $(date +%T)"
+"$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/fwd.cu -o "$B/fwd.o" > "$OUT/ptxas-fwd.log" 2>&1 & p1=$!
+"$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/bwd.cu -o "$B/bwd.o" > "$OUT/ptxas-bwd.log" 2>&1 & p2=$!
+"$NVCC" "${FLAGS[@]}" -x cu -c tools/dense_prefill_check/shim.cpp -o "$B/shim.o" > "$OUT/shim.log" 2>&1 & p3=$!
+"$NVCC" "${FLAGS[@]}" -x cu -c src/core/status.cpp -o "$B/status.o" > "$OUT/status.log" 2>&1 & p4=$!
+rc=0; for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
+grep -h "spill\|C75\|error" "$OUT"/ptxas-*.log | sort | uniq -c
+if [ $rc != 0 ]; then cat "$OUT"/*.log; echo "build failed"; exit 1; fi
+"$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/libdense_prefill_check.so" || exit 1
+echo "=== smoke $(date +%T)"
+timeout 120 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT/smoke" --quick \
+  2>&1 | tee "$OUT/dense-prefill-smoke.log"
+r=${PIPESTATUS[0]}
+if [ "$r" = 124 ]; then echo "smoke test timed out (hang?)"; exit 124; fi
+echo "=== check $(date +%T)"
+python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
+r2=${PIPESTATUS[0]}
+echo "=== done $(date +%T) smoke rc=$r check rc=$r2"
+exit $((r | r2))
