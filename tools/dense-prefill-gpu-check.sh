@@ -6,7 +6,8 @@
 # reference (spec §5.5 configurations and the extra cases), determinism, and TFLOPS against torch SDPA's
 # cuDNN backend on the 16 shapes of the anchors table. Needs nvcc, torch with CUDA and an sm_90 GPU.
 # Logs and dense-prefill-check.json go to $OUT (default /tmp/out).
-# Usage: bash tools/dense-prefill-gpu-check.sh [check.py options, e.g. --no-perf, --no-big]
+# Usage: [BENCH=1] bash tools/dense-prefill-gpu-check.sh [check.py options, e.g. --no-perf, --no-big]
+# (BENCH=1 then runs bench/bench_dense_prefill.py on the same library, with FA3 from .whl/ when carried.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,5 +33,13 @@ if [ "$r" = 124 ]; then echo "smoke test timed out (hang?)"; exit 124; fi
 echo "=== check $(date +%T)"
 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
 r2=${PIPESTATUS[0]}
-echo "=== done $(date +%T) smoke rc=$r check rc=$r2"
-exit $((r | r2))
+r3=0
+if [ "${BENCH:-0}" = 1 ]; then  # also bench/bench_dense_prefill.py (JSON + plot under $OUT)
+  echo "=== bench $(date +%T)"
+  [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 bench/bench_dense_prefill.py --lib "$B/libdense_prefill_check.so" --out "$OUT" 2>&1 | tee "$OUT/bench-dense-prefill.log"
+  r3=${PIPESTATUS[0]}
+fi
+echo "=== done $(date +%T) smoke rc=$r check rc=$r2 bench rc=$r3"
+exit $((r | r2 | r3))
