@@ -15,8 +15,8 @@ class DensePrefillLib:
         self.lib = ctypes.CDLL(path)
         P = ctypes.c_void_p
         self.lib.dense_prefill_check_fwd.argtypes = [ctypes.POINTER(P), ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
-                                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, P, ctypes.c_char_p,
-                                                     ctypes.c_int]
+                                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, P, ctypes.c_int,
+                                                     ctypes.c_char_p, ctypes.c_int]
         self.lib.dense_prefill_check_bwd.argtypes = [ctypes.POINTER(P), ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
                                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, P,
                                                      ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
@@ -35,7 +35,10 @@ class DensePrefillLib:
         meta = _meta(q) + _meta(k) + _meta(v) + _meta(out) + _meta(lse) + _meta(cu_q) + _meta(cu_k) + [max_q, max_k]
         return ptrs, meta
 
-    def fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out=None, lse=None, poison=True):
+    SCHEDULES = {"default": -1, "serial": 0, "overlap": 1}  # forward consumer schedules (dense_prefill.h)
+
+    def fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out=None, lse=None, poison=True,
+            schedule="default"):
         total_q, h_q, _ = q.shape
         if out is None:
             out = torch.empty(total_q, h_q, v.shape[2], dtype=q.dtype, device=q.device)
@@ -48,7 +51,8 @@ class DensePrefillLib:
         err = ctypes.create_string_buffer(1024)
         rc = self.lib.dense_prefill_check_fwd((ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int64 * len(meta))(*meta),
                                               scale, int(causal), self._dtype(q), q.device.index or 0,
-                                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream), err, 1024)
+                                              ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                                              self.SCHEDULES[schedule], err, 1024)
         if rc != 0:
             raise RuntimeError(err.value.decode())
         return out, lse

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "flashmla/ops.h"
+#include "sm90/prefill/dense/dense_prefill.h"
 #include "sm90/sm90.h"
 
 namespace {
@@ -59,10 +60,14 @@ flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float 
 
 extern "C" {
 
+// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap (dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
-                            void* stream, char* err, int errlen) {
+                            void* stream, int schedule, char* err, int errlen) {
+  namespace dp = flashmla::sm90::dense_prefill;
   const flashmla::DensePrefillParams p = fwd_params(ptrs, meta, scale, causal, dtype, device, stream);
-  return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
+  if (schedule < 0) return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
+  return report(dp::fwd_with_schedule(p, schedule == 0 ? dp::FwdSchedule::kSerial : dp::FwdSchedule::kOverlap), err,
+                errlen);
 }
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)

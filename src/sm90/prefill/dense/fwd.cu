@@ -21,6 +21,7 @@
 
 #include "sm90/host_utils.h"
 #include "sm90/prefill/dense/common.cuh"
+#include "sm90/prefill/dense/dense_prefill.h"
 #include "sm90/sm90.h"
 
 namespace flashmla::sm90 {
@@ -34,22 +35,83 @@ struct FwdSmem {
   static constexpr int kK = kFwdBN * kD * 2;
   static constexpr int kV = kFwdBN * kDV * 2;
   static constexpr int kStage = kK + kV;
-  static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
+  static constexpr int kBars = 9 * 8;  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full
   static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
-template <class T, int kD>
+/// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
+/// two rows per thread): scale to base 2, mask invisible keys to -inf (need_mask), move the running max
+/// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
+/// (the thread's partial row sums; reduced over the quad in the epilogue).
+__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
+                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
+                                             float (&l)[2], float (&sc)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * i + e] * scale_log2;
+      if (need_mask) {
+        const int col = n0 + 8 * i + 2 * tq + (e & 1);
+        const bool vis = col < s_k && (!causal || col <= row[e >> 1] + off);
+        x = vis ? x : -INFINITY;
+      }
+      s[4 * i + e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);  // fmaxf skips NaN: a NaN score flows on through P and l
+    }
+  }
+  seesaw::quad_rowmax(mx);
+  float m_use[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float m_new = seesaw::lazy_max(m_run[e], mx[e]);
+    m_use[e] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, no NaN
+    sc[e] = exp2f(m_run[e] - m_use[e]);
+    m_run[e] = m_new;
+    l[e] *= sc[e];
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * i + e] = exp2f(s[4 * i + e] - m_use[e >> 1]);
+      l[e >> 1] += s[4 * i + e];
+    }
+  }
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i + 0] *= sc[0];
+    o[4 * i + 1] *= sc[0];
+    o[4 * i + 2] *= sc[1];
+    o[4 * i + 3] *= sc[1];
+  }
+}
+
+/// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
+/// kOverlap = true (FlashAttention-3's intra-warpgroup pipelining, our own code): S_n = Q K_n^T is issued
+/// together with O += P_{n-1} V_{n-1}, and the softmax of block n runs while that P V is on the tensor
+/// cores; O is rescaled once the P V has landed. K and V have separate full / empty barriers, so K_{n+1}
+/// streams in as soon as S_{n-1} is done.
+template <class T, int kD, bool kOverlap>
 __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const KernelParams p) {
   using Smem = FwdSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   smem_align_1024(smem_raw, base);
   const uint32_t sQ = base;
+  auto sK = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage; };
+  auto sV = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage + Smem::kK; };
   const uint32_t bar = base + Smem::kQ + 2 * Smem::kStage;
-  auto full_bar = [&](int s) { return bar + 8 * s; };
-  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
-  const uint32_t q_bar = bar + 32;
+  auto k_full = [&](int s) { return bar + 8 * s; };
+  auto k_empty = [&](int s) { return bar + 16 + 8 * s; };
+  auto v_full = [&](int s) { return bar + 32 + 8 * s; };
+  auto v_empty = [&](int s) { return bar + 48 + 8 * s; };
+  const uint32_t q_bar = bar + 64;
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -65,8 +127,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 256);
+      mbar_init(k_full(s), 128);
+      mbar_init(k_empty(s), 256);
+      mbar_init(v_full(s), 128);
+      mbar_init(v_empty(s), 256);
     }
     mbar_init(q_bar, 128);
     fence_barrier_init();
@@ -83,12 +147,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
     const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
     for (int n = 0; n < n_blocks; ++n) {
       const int stage = n & 1;
-      if (n >= 2) mbar_wait(empty_bar(stage), ((n >> 1) - 1) & 1);
-      const uint32_t sK = base + Smem::kQ + stage * Smem::kStage;
       const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
-      load_tile<T, kFwdBN, kD>(sK, k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
-      load_tile<T, kFwdBN, kDV>(sK + Smem::kK, v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
-      mbar_arrive_cp_async(full_bar(stage));
+      if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
+      load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
+      mbar_arrive_cp_async(k_full(stage));
+      if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
+      load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
+      mbar_arrive_cp_async(v_full(stage));
     }
     cp_async_wait<0>();
     return;
@@ -100,80 +165,101 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
   int row[2];  // this thread's two query rows (request-local indices)
   row[0] = m0 + wg * 64 + warp * 16 + g;
   row[1] = row[0] + 8;
+  const bool causal = p.causal != 0;
 
   float o[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  mbar_wait(q_bar, 0);
-  for (int n = 0; n < n_blocks; ++n) {
-    const int stage = n & 1;
-    const uint32_t sK = base + Smem::kQ + stage * Smem::kStage;
-    const uint32_t sV = sK + Smem::kK;
-    mbar_wait(full_bar(stage), (n >> 1) & 1);
-    gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
-
-    float s[64];
-    gmma::fence();
+  auto need_mask = [&](int n) {
+    return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
+  };
+  auto issue_s = [&](float (&s)[64], int stage) {
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK, 0, kk), kk > 0 ? 1 : 0);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(s);
+      Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK(stage), 0, kk),
+                                       kk > 0 ? 1 : 0);
+  };
+  auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
+  };
 
-    // Scale to base 2, mask, row max over the quad.
-    const int n0 = n * kFwdBN;
-    const bool need_mask = n0 + kFwdBN > sb.s_k || (p.causal && n0 + kFwdBN - 1 > m0 + off);
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * i + e] * p.scale_log2;
-        if (need_mask) {
-          const int col = n0 + 8 * i + 2 * tq + (e & 1);
-          const bool vis = col < sb.s_k && (!p.causal || col <= row[e >> 1] + off);
-          x = vis ? x : -INFINITY;
-        }
-        s[4 * i + e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
-      }
+  mbar_wait(q_bar, 0);
+  if constexpr (!kOverlap) {
+    for (int n = 0; n < n_blocks; ++n) {
+      const int stage = n & 1;
+      mbar_wait(k_full(stage), (n >> 1) & 1);
+      gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+      float s[64];
+      gmma::fence();
+      issue_s(s, stage);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(stage));
+      float sc[2];
+      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      scale_rows(o, sc);
+      uint32_t a[8][4];
+      pack_a<T, 128>(s, a);
+      mbar_wait(v_full(stage), (n >> 1) & 1);
+      gmma::fence_proxy_async();
+      gmma::reg_fence(o);
+      gmma::fence();
+      issue_pv(a, stage);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      mbar_arrive(v_empty(stage));
     }
-    seesaw::quad_rowmax(mx);
-    float m_use[2], sc[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float m_new = seesaw::lazy_max(m_run[e], mx[e]);
-      m_use[e] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, no NaN
-      sc[e] = exp2f(m_run[e] - m_use[e]);
-      m_run[e] = m_new;
-      l[e] *= sc[e];
+  } else if (n_blocks > 0) {
+    uint32_t a[8][4];  // P of the previous block, the A operand of its P V
+    {
+      float s[64], sc[2];
+      mbar_wait(k_full(0), 0);
+      gmma::fence_proxy_async();
+      gmma::fence();
+      issue_s(s, 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(0));
+      softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      pack_a<T, 128>(s, a);  // O is still 0: no rescale
     }
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[4 * i + e] = exp2f(s[4 * i + e] - m_use[e >> 1]);
-        l[e >> 1] += s[4 * i + e];
-      }
-      o[4 * i + 0] *= sc[0];
-      o[4 * i + 1] *= sc[0];
-      o[4 * i + 2] *= sc[1];
-      o[4 * i + 3] *= sc[1];
+    for (int n = 1; n < n_blocks; ++n) {
+      const int stage = n & 1, pstage = stage ^ 1;
+      float s[64], sc[2];
+      mbar_wait(k_full(stage), (n >> 1) & 1);
+      mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
+      gmma::fence_proxy_async();
+      gmma::reg_fence(o);
+      gmma::fence();
+      issue_s(s, stage);
+      gmma::commit();
+      issue_pv(a, pstage);
+      gmma::commit();
+      gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(stage));
+      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      mbar_arrive(v_empty(pstage));
+      scale_rows(o, sc);
+      pack_a<T, 128>(s, a);
     }
-    uint32_t a[8][4];
-    pack_a<T, 128>(s, a);
-
+    const int last = (n_blocks - 1) & 1;
+    mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
+    gmma::fence_proxy_async();
     gmma::reg_fence(o);
     gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV, kk));
+    issue_pv(a, last);
     gmma::commit();
     gmma::wait<0>();
     gmma::reg_fence(o);
-    mbar_arrive(empty_bar(stage));
+    mbar_arrive(v_empty(last));
   }
 
   // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
@@ -202,9 +288,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
   }
 }
 
-template <class T, int kD>
+template <class T, int kD, bool kOverlap>
 cudaError_t launch_fwd(const KernelParams& kp, int m_tiles, int b, cudaStream_t stream) {
-  auto kernel = dense_prefill_fwd_kernel<T, kD>;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kOverlap>;
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
   kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp);
@@ -227,7 +313,12 @@ bool pairs_ok(const TensorRef& t) {
 int64_t dense_prefill_fwd_workspace_bytes(const DensePrefillParams&) { return 0; }
 
 Status dense_prefill_fwd(const DensePrefillParams& p) {
-  using namespace dense_prefill;
+  return dense_prefill::fwd_with_schedule(p, dense_prefill::kFwdSchedule);
+}
+
+namespace dense_prefill {
+
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t h_kv = p.k.shape[1], d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
@@ -272,15 +363,25 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
   const int m_tiles = static_cast<int>((p.max_seqlen_q + kFwdBM - 1) / kFwdBM);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const bool bf16 = p.q.dtype == DType::kBFloat16;
+  const int bi = static_cast<int>(b);
+  const bool ov = schedule == FwdSchedule::kOverlap;
   cudaError_t e;
-  if (d_qk == 128)
-    e = bf16 ? launch_fwd<__nv_bfloat16, 128>(kp, m_tiles, static_cast<int>(b), stream)
-             : launch_fwd<__half, 128>(kp, m_tiles, static_cast<int>(b), stream);
-  else
-    e = bf16 ? launch_fwd<__nv_bfloat16, 192>(kp, m_tiles, static_cast<int>(b), stream)
-             : launch_fwd<__half, 192>(kp, m_tiles, static_cast<int>(b), stream);
+  if (d_qk == 128) {
+    if (bf16)
+      e = ov ? launch_fwd<__nv_bfloat16, 128, true>(kp, m_tiles, bi, stream)
+             : launch_fwd<__nv_bfloat16, 128, false>(kp, m_tiles, bi, stream);
+    else
+      e = ov ? launch_fwd<__half, 128, true>(kp, m_tiles, bi, stream) : launch_fwd<__half, 128, false>(kp, m_tiles, bi, stream);
+  } else {
+    if (bf16)
+      e = ov ? launch_fwd<__nv_bfloat16, 192, true>(kp, m_tiles, bi, stream)
+             : launch_fwd<__nv_bfloat16, 192, false>(kp, m_tiles, bi, stream);
+    else
+      e = ov ? launch_fwd<__half, 192, true>(kp, m_tiles, bi, stream) : launch_fwd<__half, 192, false>(kp, m_tiles, bi, stream);
+  }
   if (e != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "dense_prefill_fwd_kernel launch", e);
   return Status::Ok();
 }
 
+}  // namespace dense_prefill
 }  // namespace flashmla::sm90
