@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Standalone GPU check of the sm90 dense MHA prefill kernels (src/sm90/prefill/dense/), independent of the
 # Python package and its bindings: builds build/dense-prefill-check/libdense_prefill_check.so with nvcc
-# (the kernels + tools/dense_prefill_check/shim.cpp), runs a smoke test under a 120 s timeout (a hang costs
-# two minutes, not the call), then tools/dense_prefill_check/check.py: correctness against a float32 torch
+# (the kernels + tools/dense_prefill_check/shim.cpp), runs a smoke test of the default schedules and one of
+# every schedule, each under a 120 s timeout (a hang costs two minutes, not the call; a hanging variant is
+# left out of the rest), then tools/dense_prefill_check/check.py: correctness against a float32 torch
 # reference (spec §5.5 configurations and the extra cases), determinism, and TFLOPS against torch SDPA's
 # cuDNN backend on the 16 shapes of the anchors table. Needs nvcc, torch with CUDA and an sm_90 GPU.
 # Logs and dense-prefill-check.json go to $OUT (default /tmp/out).
@@ -25,13 +26,18 @@ rc=0; for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
 grep -h "spill\|C75\|error" "$OUT"/ptxas-*.log | sort | uniq -c
 if [ $rc != 0 ]; then cat "$OUT"/*.log; echo "build failed"; exit 1; fi
 "$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/libdense_prefill_check.so" || exit 1
-echo "=== smoke $(date +%T)"
+echo "=== smoke, default schedules $(date +%T)"
 timeout 120 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT/smoke" --quick \
-  2>&1 | tee "$OUT/dense-prefill-smoke.log"
+  --no-variants 2>&1 | tee "$OUT/dense-prefill-smoke.log"
 r=${PIPESTATUS[0]}
 if [ "$r" = 124 ]; then echo "smoke test timed out (hang?)"; exit 124; fi
+echo "=== smoke, all schedules $(date +%T)"
+VAR=""
+timeout 120 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT/smoke-variants" \
+  --quick 2>&1 | tee "$OUT/dense-prefill-smoke-variants.log"
+[ "${PIPESTATUS[0]}" = 124 ] && { echo "variant smoke test timed out (hang?): full check without variants"; VAR=--no-variants; }
 echo "=== check $(date +%T)"
-python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
+python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" $VAR "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
 r2=${PIPESTATUS[0]}
 r3=0
 if [ "${BENCH:-0}" = 1 ]; then  # also bench/bench_dense_prefill.py (JSON + plot under $OUT)

@@ -10,8 +10,9 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    strides;
 3. extra cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests, rows without a visible key,
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q and in k;
-4. determinism: 5 forwards (out, lse; each forward schedule) and 3 backwards (dq, dk, dv) bitwise equal;
-   every correctness case also checks both forward schedules (serial, overlap: dense_prefill.h);
+4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
+   every correctness case also checks every forward schedule (serial, overlap) and backward schedule
+   (two_kernel, fused_dq; dense_prefill.h), unless --no-variants;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
 Exit status 1 if any check fails."""
@@ -33,6 +34,9 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 FAILURES = []
+VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
+FWD_SCHEDULES = ("serial", "overlap")
+BWD_SCHEDULES = ("two_kernel", "fused_dq")
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 
 
@@ -226,13 +230,19 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
     if bwd:
         for nm, a, r in zip(("dq", "dk", "dv"), grads, rg):
             checks.append(check_close(nm, a, r, *TOL[nm]))
-    # the other forward schedule (dense_prefill.h) on the same inputs, against the same reference
-    for sched in ("serial", "overlap"):
+    # every forward / backward schedule (dense_prefill.h) on the same inputs, against the same reference
+    for sched in (FWD_SCHEDULES if VARIANTS["on"] else ()):
         o_s, l_s = lib.fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, lse=None if lse_buf is None else
                            torch.empty_like(lse_buf), schedule=sched)
         torch.cuda.synchronize()
         checks.append(check_close(f"out[{sched}]", o_s, ro, *TOL["out"]))
         checks.append(check_close(f"lse[{sched}]", l_s, rl, *TOL["lse"]))
+    if bwd:
+        for sched in (BWD_SCHEDULES if VARIANTS["on"] else ()):
+            g_s = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout, schedule=sched)
+            torch.cuda.synchronize()
+            for nm, a, r in zip(("dq", "dk", "dv"), g_s, rg):
+                checks.append(check_close(f"{nm}[{sched}]", a, r, *TOL[nm]))
     ok = all(c["ok"] for c in checks)
     line = " ".join(f"{c['name']}:{c['max_abs']:.1e}/{c['cos_diff']:.1e}" for c in checks)
     print(f"{'PASS' if ok else 'FAIL'} {name} [{time.time() - t0:.1f}s] max_abs/cos_diff {line}")
@@ -244,7 +254,7 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
         FAILURES.append(name)
     if det:
         same = True
-        for sched in ("serial", "overlap"):
+        for sched in (FWD_SCHEDULES if VARIANTS["on"] else ("default",)):
             o1, l1 = lib.fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, schedule=sched)
             o1, l1 = o1.clone(), l1.clone()
             for _ in range(4):
@@ -253,9 +263,12 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
                     l2.view(torch.int32), l1.view(torch.int32))
         gsame = True
         if bwd:
-            for _ in range(2):
-                g2 = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout)
-                gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(g2, grads))
+            for sched in (BWD_SCHEDULES if VARIANTS["on"] else ("default",)):
+                g1 = [t.clone() for t in lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout,
+                                                  schedule=sched)]
+                for _ in range(2):
+                    g2 = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout, schedule=sched)
+                    gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(g2, g1))
         print(f"{'PASS' if same and gsame else 'FAIL'} determinism {name}: 5 forwards bitwise equal (each schedule): {same}; "
               f"3 backwards (dq, dk, dv) bitwise equal: {gsame if bwd else 'n/a'}")
         RESULTS["determinism"].append({"case": name, "fwd": bool(same), "bwd": bool(gsame)})
@@ -307,10 +320,14 @@ def perf_shape(lib, b, s, h, hk, d, causal, dev="cuda"):
                                          poison=False))
     row = {"b": b, "s": s, "h": h, "h_kv": hk, "d": d, "dv": dv, "causal": causal, "ours_fwd_ms": t_fwd,
            "ours_bwd_ms": t_bwd, "ours_fwd_tflops": f_fwd / 1e9 / t_fwd, "ours_bwd_tflops": f_bwd / 1e9 / t_bwd}
-    for sched in ("serial", "overlap"):
+    for sched in (FWD_SCHEDULES if VARIANTS["on"] else ()):
         t = cuda_time_ms(lambda: lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, causal, out=out, lse=lse, poison=False,
                                          schedule=sched))
         row[f"ours_fwd_{sched}_tflops"] = f_fwd / 1e9 / t
+    for sched in (BWD_SCHEDULES if VARIANTS["on"] else ()):
+        t = cuda_time_ms(lambda: lib.bwd(q, k, v, cu_q, cu_k, s, s, scale, causal, out, lse, dout, grads=grads,
+                                         poison=False, schedule=sched))
+        row[f"ours_bwd_{sched}_tflops"] = f_bwd / 1e9 / t
     # torch SDPA, cuDNN backend: (b, h, s, d) layout, top-left causal == bottom-right for s_q == s_k.
     try:
         qt = q.view(b, s, h, d).transpose(1, 2).detach().requires_grad_(True)
@@ -352,7 +369,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smoke test only (small cases)")
     ap.add_argument("--no-perf", action="store_true")
     ap.add_argument("--no-big", action="store_true", help="skip the spec §5.5 configurations")
+    ap.add_argument("--no-variants", action="store_true", help="only the library's default schedules")
     args = ap.parse_args()
+    VARIANTS["on"] = not args.no_variants
     lib = DensePrefillLib(args.lib)
     dev = "cuda"
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -419,8 +438,10 @@ def main():
                         c = (f"cuDNN fwd {r['cudnn_fwd_tflops']:.0f} bwd {r['cudnn_bwd_tflops']:.0f} | ours/cuDNN fwd "
                              f"{r['fwd_speedup_vs_cudnn']:.2f}x bwd {r['bwd_speedup_vs_cudnn']:.2f}x | out vs cuDNN "
                              f"max_abs {r['max_abs_out_vs_cudnn']:.1e}") if "cudnn_fwd_ms" in r else r.get("cudnn_error")
+                        var = " ".join(f"{k_[5:-7]} {v_:.0f}" for k_, v_ in r.items()
+                                       if k_.startswith("ours_") and k_.endswith("_tflops") and k_.count("_") > 2)
                         print(f"s{s} h{h}/{hk} d{d} causal={int(causal)}: ours fwd {r['ours_fwd_tflops']:.0f} "
-                              f"(serial {r['ours_fwd_serial_tflops']:.0f}, overlap {r['ours_fwd_overlap_tflops']:.0f}) "
+                              f"[{var}] "
                               f"({r['ours_fwd_ms']:.2f} ms) bwd {r['ours_bwd_tflops']:.0f} ({r['ours_bwd_ms']:.2f} ms) | {c}")
                         torch.cuda.empty_cache()
     return finish(args)

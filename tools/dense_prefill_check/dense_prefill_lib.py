@@ -18,7 +18,7 @@ class DensePrefillLib:
                                                      ctypes.c_int, ctypes.c_int, ctypes.c_int, P, ctypes.c_int,
                                                      ctypes.c_char_p, ctypes.c_int]
         self.lib.dense_prefill_check_bwd.argtypes = [ctypes.POINTER(P), ctypes.POINTER(ctypes.c_int64), ctypes.c_float,
-                                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, P,
+                                                     ctypes.c_int, ctypes.c_int, ctypes.c_int, P, ctypes.c_int,
                                                      ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_int]
         self._ws = None
 
@@ -36,6 +36,7 @@ class DensePrefillLib:
         return ptrs, meta
 
     SCHEDULES = {"default": -1, "serial": 0, "overlap": 1}  # forward consumer schedules (dense_prefill.h)
+    BWD_SCHEDULES = {"default": -1, "two_kernel": 0, "fused_dq": 1}  # backward schedules (dense_prefill.h)
 
     def fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out=None, lse=None, poison=True,
             schedule="default"):
@@ -57,7 +58,8 @@ class DensePrefillLib:
             raise RuntimeError(err.value.decode())
         return out, lse
 
-    def bwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out, lse, dout, grads=None, poison=True):
+    def bwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out, lse, dout, grads=None, poison=True,
+            schedule="default"):
         if grads is None:
             grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         dq, dk, dv = grads
@@ -71,7 +73,8 @@ class DensePrefillLib:
         ws_bytes = ctypes.c_int64(0)
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         args = lambda: ((ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int64 * len(meta))(*meta), scale, int(causal),
-                        self._dtype(q), q.device.index or 0, stream, ctypes.byref(ws_bytes), err, 1024)
+                        self._dtype(q), q.device.index or 0, stream, self.BWD_SCHEDULES[schedule],
+                        ctypes.byref(ws_bytes), err, 1024)
         ptrs[11] = None
         self.lib.dense_prefill_check_bwd(*args())
         need = max(int(ws_bytes.value), 16)

@@ -26,6 +26,7 @@
 
 #include "sm90/host_utils.h"
 #include "sm90/prefill/dense/common.cuh"
+#include "sm90/prefill/dense/dense_prefill.h"
 #include "sm90/sm90.h"
 
 namespace flashmla::sm90 {
@@ -231,19 +232,30 @@ struct KvSmem {
   static constexpr int kBytes = 1024 + kK + kV + 2 * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
-  static constexpr int kBytesAligned = 1024 + kK + kV + 2 * kStageAligned + kBars;
+  static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
+  static constexpr int kBytesAligned = 1024 + kK + kV + 2 * kStageAligned + kDS + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
-template <class T, int kD>
+/// kFusedDq (d_qk 128 only): the dq kernel's work done here as well. Per step the two warpgroups store dS^T
+/// to shared memory and each computes dQ_partial = dS K for 64 of the 128 dims (wgmma, both operands
+/// MN-major), then adds it to the fp32 dq accumulator in the workspace in a fixed order: the CTA of key
+/// block n waits until the (request, query head, query block)'s counter says that key blocks 0 .. n-1
+/// have added theirs (every earlier key block of the request adds to every query block this one adds to:
+/// causal starts are non-decreasing in n), adds, fences and increments the counter. The CTAs that it waits
+/// on come earlier in the grid (x = key block), so they are resident or done. A convert kernel then writes
+/// dq = scale * accumulator.
+template <class T, int kD, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(const KernelParams p) {
+  static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
   using Smem = KvSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   uint8_t* smem = smem_align_1024(smem_raw, base);
   const uint32_t sK = base, sV = base + Smem::kK;
   const uint32_t sStage0 = sV + Smem::kV;
-  const uint32_t bar = sStage0 + 2 * Smem::kStageAligned;
+  const uint32_t sDS = sStage0 + 2 * Smem::kStageAligned;
+  const uint32_t bar = sDS + Smem::kDS;
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
   const uint32_t kv_bar = bar + 32;
@@ -375,13 +387,62 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       }
       pack_a<T, 64>(dpt, as);
     }
+    if constexpr (kFusedDq) {
+      // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
+      uint8_t* ds = smem + (sDS - base);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
+          *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
+        }
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(1, 256);  // both halves of dS^T written
+    }
     gmma::reg_fence(dk);
     gmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
     gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(dk);
+    if constexpr (kFusedDq) {
+      // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
+      float dqp[32];
+#pragma unroll
+      for (int kk = 0; kk < kKvBN / 16; ++kk)
+        Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
+                                        kk > 0 ? 1 : 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+      gmma::reg_fence(dqp);
+      const int hq = hk * p.group + it / m_count;
+      int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
+      if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
+        while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
+        }
+        __threadfence();
+      }
+      named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qrow = m0 + warp * 16 + g + 8 * e;
+        if (qrow >= sb.s_q) continue;
+        float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
+          atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
+        }
+      }
+      __threadfence();
+      named_barrier_sync(1, 256);
+      if (tid == 0) atomicAdd(sem, 1);
+    } else {
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+    }
     mbar_arrive(empty_bar(stage));
   }
 
@@ -403,36 +464,65 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   }
 }
 
+// dq = scale * dq_accum (fused-dQ schedule): one thread per pair of elements.
 template <class T, int kD>
-cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max_seqlen_k, int b, int h_kv,
-                       cudaStream_t stream, const char** failed) {
+__global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const KernelParams p, int64_t total_q) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total_q * p.h_q * (kD / 2)) return;
+  const int64_t rh = idx / (kD / 2);
+  const int c = static_cast<int>(idx % (kD / 2)) * 2;
+  const int64_t qi = rh / p.h_q;
+  const int hq = static_cast<int>(rh % p.h_q);
+  const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + rh * kD + c);
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + qi * p.dq_row + hq * p.dq_head + c) =
+      HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
+}
+
+template <class T, int kD, bool kFusedDq>
+cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
+                       int h_kv, int64_t fused_bytes, cudaStream_t stream, const char** failed) {
   cudaError_t e = cudaSuccess;
+  if constexpr (kFusedDq) {
+    *failed = "cudaMemsetAsync (dq accumulator)";
+    e = cudaMemsetAsync(kp.dq_accum, 0, static_cast<size_t>(fused_bytes), stream);
+    if (e != cudaSuccess) return e;
+  }
   if (max_seqlen_q > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
     *failed = "dense_prefill_bwd_preprocess_kernel launch";
     dense_prefill_bwd_preprocess_kernel<T><<<dim3(kp.ws_rows / 16, kp.h_q, b), 256, 0, stream>>>(kp);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    *failed = "dense_prefill_bwd_dq_kernel launch";
-    auto dq_kernel = dense_prefill_bwd_dq_kernel<T, kD>;
-    e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
+    if constexpr (!kFusedDq) {
+      *failed = "dense_prefill_bwd_dq_kernel launch";
+      auto dq_kernel = dense_prefill_bwd_dq_kernel<T, kD>;
+      e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
+      if (e != cudaSuccess) return e;
+      dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
+                  stream>>>(kp);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+    }
+  }
+  if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
+    *failed = "dense_prefill_bwd_dkdv_kernel launch";
+    auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq>;
+    e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
     if (e != cudaSuccess) return e;
-    dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
-                stream>>>(kp);
+    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
+                KvSmem<kD>::kBytesAligned, stream>>>(kp);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  if (max_seqlen_k <= 0) return cudaSuccess;  // no keys: dk / dv are empty
-
-  *failed = "dense_prefill_bwd_dkdv_kernel launch";
-  auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD>;
-  e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
-  if (e != cudaSuccess) return e;
-  kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads, KvSmem<kD>::kBytesAligned,
-              stream>>>(kp);
-  return cudaGetLastError();
+  if constexpr (kFusedDq) {
+    const int64_t pairs = total_q * kp.h_q * (kD / 2);
+    if (pairs > 0) {
+      *failed = "dense_prefill_bwd_dq_convert_kernel launch";
+      dense_prefill_bwd_dq_convert_kernel<T, kD><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
+      e = cudaGetLastError();
+    }
+  }
+  return e;
 }
-
-}  // namespace dense_prefill
 
 namespace {
 const char* const kBwdOp = "flash_attn_varlen_func backward";
@@ -443,19 +533,41 @@ bool pairs_ok(const TensorRef& t) {
     if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
   return true;
 }
-int64_t ws_rows_for(int64_t max_seqlen_q) {
-  return (max_seqlen_q + dense_prefill::kWsAlign - 1) / dense_prefill::kWsAlign * dense_prefill::kWsAlign;
+int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
+int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each; with the fused-dQ schedule then, 256-byte
+/// aligned, the fp32 dq accumulator (total_q, h_q, d_qk) and the (b, h_q, ws_rows / 64) int32 counters.
+struct WsLayout {
+  int64_t ws_rows = 0, vec_bytes = 0, accum_offset = 0, fused_bytes = 0, total = 0;
+};
+WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
+  const DensePrefillParams& p = bp.fwd;
+  WsLayout w;
+  const int64_t b = p.cu_seqlens_q.shape[0] - 1, h_q = p.q.shape[1];
+  if (b <= 0 || p.max_seqlen_q <= 0) return w;
+  w.ws_rows = ws_rows_for(p.max_seqlen_q);
+  w.vec_bytes = 2 * b * h_q * w.ws_rows * static_cast<int64_t>(sizeof(float));
+  w.total = w.vec_bytes;
+  if (fused) {
+    w.accum_offset = align256(w.vec_bytes);
+    const int64_t accum = align256(p.q.shape[0] * h_q * p.q.shape[2] * static_cast<int64_t>(sizeof(float)));
+    const int64_t sems = b * h_q * (w.ws_rows / kWsAlign) * static_cast<int64_t>(sizeof(int));
+    w.fused_bytes = accum + sems;
+    w.total = w.accum_offset + w.fused_bytes;
+  }
+  return w;
+}
+bool fused_applies(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+  return schedule == BwdSchedule::kFusedDq && bp.fwd.q.shape[2] == 128;
 }
 }  // namespace
 
-int64_t dense_prefill_bwd_workspace_bytes(const DensePrefillBwdParams& p) {
-  const int64_t b = p.fwd.cu_seqlens_q.shape[0] - 1, h_q = p.fwd.q.shape[1];
-  if (b <= 0 || p.fwd.max_seqlen_q <= 0) return 0;
-  return 2 * b * h_q * ws_rows_for(p.fwd.max_seqlen_q) * static_cast<int64_t>(sizeof(float));
+int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+  return ws_layout(bp, fused_applies(bp, schedule)).total;
 }
 
-Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
-  using namespace dense_prefill;
+Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
   const DensePrefillParams& p = bp.fwd;
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
@@ -472,9 +584,10 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
   if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
-  const int64_t ws_bytes = dense_prefill_bwd_workspace_bytes(bp);
-  if (bp.workspace_bytes < ws_bytes || (ws_bytes > 0 && bp.workspace == nullptr))
-    return bwd_value_error("workspace must hold " + std::to_string(ws_bytes) + " bytes");
+  const bool fused = fused_applies(bp, schedule);
+  const WsLayout ws = ws_layout(bp, fused);
+  if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
+    return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
   if (reinterpret_cast<uintptr_t>(bp.workspace) % 16 != 0) return bwd_value_error("workspace must be 16-byte aligned");
 
   KernelParams kp{};
@@ -514,10 +627,15 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
   kp.causal = p.causal ? 1 : 0;
   kp.scale = p.softmax_scale;
   kp.scale_log2 = p.softmax_scale * kLog2e;
-  const int64_t ws_rows = ws_rows_for(p.max_seqlen_q);
-  kp.ws_rows = static_cast<int>(ws_rows);
-  kp.ws_lse2 = static_cast<float*>(bp.workspace);
-  kp.ws_dsum = kp.ws_lse2 + b * h_q * ws_rows;
+  kp.ws_rows = static_cast<int>(ws.ws_rows);
+  uint8_t* wsb = static_cast<uint8_t*>(bp.workspace);
+  kp.ws_lse2 = reinterpret_cast<float*>(wsb);
+  kp.ws_dsum = kp.ws_lse2 + b * h_q * ws.ws_rows;
+  if (fused) {
+    kp.dq_accum = reinterpret_cast<float*>(wsb + ws.accum_offset);
+    kp.dq_sem = reinterpret_cast<int*>(wsb + ws.accum_offset +
+                                       align256(total_q * h_q * d_qk * static_cast<int64_t>(sizeof(float))));
+  }
 
   DeviceGuard guard(p.q.device.id);
   if (guard.error() != cudaSuccess) return cuda_error_status(kBwdOp, "cudaSetDevice", guard.error());
@@ -525,15 +643,31 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const char* failed = "";
   const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
+  const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k, fb = ws.fused_bytes;
   cudaError_t e;
-  if (d_qk == 128)
-    e = bf16 ? launch_bwd<__nv_bfloat16, 128>(kp, p.max_seqlen_q, p.max_seqlen_k, bi, hk, stream, &failed)
-             : launch_bwd<__half, 128>(kp, p.max_seqlen_q, p.max_seqlen_k, bi, hk, stream, &failed);
-  else
-    e = bf16 ? launch_bwd<__nv_bfloat16, 192>(kp, p.max_seqlen_q, p.max_seqlen_k, bi, hk, stream, &failed)
-             : launch_bwd<__half, 192>(kp, p.max_seqlen_q, p.max_seqlen_k, bi, hk, stream, &failed);
+  if (d_qk == 128) {
+    if (fused)
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+    else
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+  } else {
+    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+  }
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
   return Status::Ok();
+}
+
+}  // namespace dense_prefill
+
+int64_t dense_prefill_bwd_workspace_bytes(const DensePrefillBwdParams& bp) {
+  return dense_prefill::bwd_workspace_bytes_with_schedule(bp, dense_prefill::kBwdSchedule);
+}
+
+Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
+  return dense_prefill::bwd_with_schedule(bp, dense_prefill::kBwdSchedule);
 }
 
 }  // namespace flashmla::sm90

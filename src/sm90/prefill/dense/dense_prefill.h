@@ -15,4 +15,17 @@ constexpr FwdSchedule kFwdSchedule = FwdSchedule::kSerial;
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies both).
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 
+/// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
+/// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk
+/// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
+/// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
+enum class BwdSchedule { kTwoKernel, kFusedDq };
+/// The schedule dense_prefill_bwd uses (kTwoKernel until kFusedDq has passed the GPU check on an H200).
+constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernel;
+
+/// Workspace bytes of dense_prefill_bwd with a given schedule.
+int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
+/// dense_prefill_bwd with a given schedule (the GPU check verifies and times both).
+Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
+
 }  // namespace flashmla::sm90::dense_prefill
