@@ -6,7 +6,8 @@
 # left out of the rest), then tools/dense_prefill_check/check.py: correctness against a float32 torch
 # reference (spec §5.5 configurations and the extra cases), determinism, and TFLOPS against torch SDPA's
 # cuDNN backend on the 16 shapes of the anchors table. Needs nvcc, torch with CUDA and an sm_90 GPU.
-# Logs and dense-prefill-check.json go to $OUT (default /tmp/out).
+# Logs and dense-prefill-check.json (rewritten after every case) go to $OUT (default /tmp/out); the full
+# check runs under timeout $CHECK_TIMEOUT (default 420 s).
 # Usage: [BENCH=1] bash tools/dense-prefill-gpu-check.sh [check.py options, e.g. --no-perf, --no-big]
 # (BENCH=1 then runs bench/bench_dense_prefill.py on the same library, with FA3 from .whl/ when carried.)
 set -uo pipefail
@@ -37,7 +38,8 @@ timeout 120 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefil
   --quick 2>&1 | tee "$OUT/dense-prefill-smoke-variants.log"
 [ "${PIPESTATUS[0]}" = 124 ] && { echo "variant smoke test timed out (hang?): full check without variants"; VAR=--no-variants; }
 echo "=== check $(date +%T)"
-python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" $VAR "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
+timeout ${CHECK_TIMEOUT:-420} python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT" \
+  $VAR "$@" 2>&1 | tee "$OUT/dense-prefill-check.log"
 r2=${PIPESTATUS[0]}
 r3=0
 if [ "${BENCH:-0}" = 1 ]; then  # also bench/bench_dense_prefill.py (JSON + plot under $OUT)

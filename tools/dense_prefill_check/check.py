@@ -34,6 +34,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 FAILURES = []
+OUT_DIR = {"path": "."}
 VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
 FWD_SCHEDULES = ("serial", "overlap")
 BWD_SCHEDULES = ("two_kernel", "fused_dq")
@@ -250,6 +251,7 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
         if not c["ok"]:
             print(f"      {c['name']}: {c['msg']} (max_abs {c['max_abs']:.3e}, max_rel {c['max_rel_where_abs_fails']:.3e})")
     RESULTS["correctness"].append({"case": name, "ok": ok, "checks": checks})
+    save()
     if not ok:
         FAILURES.append(name)
     if det:
@@ -372,6 +374,7 @@ def main():
     ap.add_argument("--no-variants", action="store_true", help="only the library's default schedules")
     args = ap.parse_args()
     VARIANTS["on"] = not args.no_variants
+    OUT_DIR["path"] = args.out
     lib = DensePrefillLib(args.lib)
     dev = "cuda"
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
@@ -379,6 +382,9 @@ def main():
     print("== smoke")
     safe(run_case, lib, "smoke d128 s256 h4/4", [256], [256], 4, 4, 128, False, det=True)
     safe(run_case, lib, "smoke d192 s300/333 h4/2 causal", [300], [333], 4, 2, 192, True, det=True)
+    for d in (128, 192):  # 0, 1 and 2 key blocks, empty requests, every schedule
+        safe(run_case, lib, f"smoke edges d{d} causal", [1, 0, 130, 3], [0, 5, 129, 200], 4, 2, d, True, det=True)
+        safe(run_case, lib, f"smoke edges d{d}", [1, 0, 130, 3], [0, 5, 129, 200], 4, 2, d, False, det=True)
     if args.quick:
         return finish(args)
 
@@ -435,6 +441,7 @@ def main():
                             FAILURES.append(f"perf s{s} h{h}/{hk} d{d} causal={causal}: {e}")
                             continue
                         RESULTS["perf"].append(r)
+                        save()
                         c = (f"cuDNN fwd {r['cudnn_fwd_tflops']:.0f} bwd {r['cudnn_bwd_tflops']:.0f} | ours/cuDNN fwd "
                              f"{r['fwd_speedup_vs_cudnn']:.2f}x bwd {r['bwd_speedup_vs_cudnn']:.2f}x | out vs cuDNN "
                              f"max_abs {r['max_abs_out_vs_cudnn']:.1e}") if "cudnn_fwd_ms" in r else r.get("cudnn_error")
@@ -447,11 +454,16 @@ def main():
     return finish(args)
 
 
-def finish(args):
-    os.makedirs(args.out, exist_ok=True)
+def save():
+    """Writes the results so far (also after every case: a later hang or crash keeps them)."""
+    os.makedirs(OUT_DIR["path"], exist_ok=True)
     RESULTS["failures"] = FAILURES
-    with open(os.path.join(args.out, "dense-prefill-check.json"), "w") as f:
+    with open(os.path.join(OUT_DIR["path"], "dense-prefill-check.json"), "w") as f:
         json.dump(RESULTS, f, indent=1)
+
+
+def finish(args):
+    save()
     print(f"== {len(FAILURES)} failure(s)")
     for x in FAILURES:
         print("  ", x)
