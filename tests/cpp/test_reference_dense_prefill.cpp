@@ -135,13 +135,26 @@ struct Grads {
   std::vector<double> dq, dk, dv;
 };
 
+/// A 3-D 16-bit tensor decoded to float64, row-major (t, h, e).
+struct Dense3 {
+  int64_t h = 0, dim = 0;
+  std::vector<double> v;
+  Dense3(const StridedTensor<uint16_t>& t, bool fp16) : h(t.shape[1]), dim(t.shape[2]) {
+    v.resize(static_cast<size_t>(t.shape[0] * h * dim));
+    for (int64_t a = 0; a < t.shape[0]; ++a)
+      for (int64_t b = 0; b < h; ++b)
+        for (int64_t e = 0; e < dim; ++e) v[(a * h + b) * dim + e] = half_value(t.at({a, b, e}), fp16);
+  }
+  const double* row(int64_t t, int64_t head) const { return v.data() + (t * h + head) * dim; }
+};
+
 /// float64 oracle. Forward: out / lse into `out`, `lse` ([t][h][e], [t][h]). Backward from the out and lse
 /// the operator wrote (its definition), into `g`.
 void oracle(const PrefillData& d, std::vector<double>* out, std::vector<double>* lse, Grads* g) {
   const PrefillCase& c = d.c;
-  const bool f16 = c.fp16;
   const int64_t group = c.h_q / c.h_kv;
   const double scale = d.fwd.softmax_scale;
+  const Dense3 q(d.q, c.fp16), k(d.k, c.fp16), v(d.v, c.fp16), dout(d.dout, c.fp16), o_given(d.out, c.fp16);
   out->assign(d.total_q * c.h_q * c.d_v, 0.0);
   lse->assign(d.total_q * c.h_q, -kInfD);
   g->dq.assign(d.total_q * c.h_q * c.d_qk, 0.0);
@@ -154,36 +167,44 @@ void oracle(const PrefillData& d, std::vector<double>* out, std::vector<double>*
       for (int64_t r = 0; r < s_q; ++r) {
         const int64_t t = q0 + r, n = visible(r, s_q, s_k, c.causal);
         if (n == 0) continue;
+        const double* qr = q.row(t, h);
+        const double* dor = dout.row(t, h);
         std::vector<double> x(n);
         for (int64_t j = 0; j < n; ++j) {
+          const double* kj = k.row(k0 + j, g_kv);
           double acc = 0;
-          for (int64_t e = 0; e < c.d_qk; ++e)
-            acc += half_value(d.q.at({t, h, e}), f16) * half_value(d.k.at({k0 + j, g_kv, e}), f16);
+          for (int64_t e = 0; e < c.d_qk; ++e) acc += qr[e] * kj[e];
           x[j] = acc * scale;
         }
         double sum = 0;
         for (double xj : x) sum += std::exp(xj);
         const double l = std::log(sum);
         (*lse)[t * c.h_q + h] = l;
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t e = 0; e < c.d_v; ++e)
-            (*out)[(t * c.h_q + h) * c.d_v + e] += std::exp(x[j] - l) * half_value(d.v.at({k0 + j, g_kv, e}), f16);
+        double* orow = out->data() + (t * c.h_q + h) * c.d_v;
+        for (int64_t j = 0; j < n; ++j) {
+          const double* vj = v.row(k0 + j, g_kv);
+          const double p = std::exp(x[j] - l);
+          for (int64_t e = 0; e < c.d_v; ++e) orow[e] += p * vj[e];
+        }
         // Backward with the operator's own out / lse.
         const double lse_given = d.lse.at({t, h});
+        const double* og = o_given.row(t, h);
         double delta = 0;
-        for (int64_t e = 0; e < c.d_v; ++e)
-          delta += half_value(d.dout.at({t, h, e}), f16) * half_value(d.out.at({t, h, e}), f16);
+        for (int64_t e = 0; e < c.d_v; ++e) delta += dor[e] * og[e];
         for (int64_t j = 0; j < n; ++j) {
+          const double* kj = k.row(k0 + j, g_kv);
+          const double* vj = v.row(k0 + j, g_kv);
           const double p = std::exp(x[j] - lse_given);
           double dp = 0;
-          for (int64_t e = 0; e < c.d_v; ++e)
-            dp += half_value(d.dout.at({t, h, e}), f16) * half_value(d.v.at({k0 + j, g_kv, e}), f16);
+          for (int64_t e = 0; e < c.d_v; ++e) dp += dor[e] * vj[e];
           const double ds = p * (dp - delta) * scale;
-          for (int64_t e = 0; e < c.d_v; ++e)
-            g->dv[((k0 + j) * c.h_kv + g_kv) * c.d_v + e] += p * half_value(d.dout.at({t, h, e}), f16);
+          double* dvj = g->dv.data() + ((k0 + j) * c.h_kv + g_kv) * c.d_v;
+          double* dkj = g->dk.data() + ((k0 + j) * c.h_kv + g_kv) * c.d_qk;
+          double* dqr = g->dq.data() + (t * c.h_q + h) * c.d_qk;
+          for (int64_t e = 0; e < c.d_v; ++e) dvj[e] += p * dor[e];
           for (int64_t e = 0; e < c.d_qk; ++e) {
-            g->dq[(t * c.h_q + h) * c.d_qk + e] += ds * half_value(d.k.at({k0 + j, g_kv, e}), f16);
-            g->dk[((k0 + j) * c.h_kv + g_kv) * c.d_qk + e] += ds * half_value(d.q.at({t, h, e}), f16);
+            dqr[e] += ds * kj[e];
+            dkj[e] += ds * qr[e];
           }
         }
       }
