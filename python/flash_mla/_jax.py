@@ -7,7 +7,9 @@ bindings/tvm_ffi/module.cpp), registered as XLA FFI targets with the
 ``decode_scratch_bytes``) and gives the call its own stream, so the kernels run on
 JAX's stream and the call can sit inside ``jax.jit`` (and XLA's CUDA graphs).
 The split schedule is recomputed by every call (on the GPU by a small kernel on
-that stream), so nothing depends on values at trace time.
+that stream), so nothing depends on values at trace time. Dense MHA prefill is a
+``jax.custom_vjp`` over two custom calls (forward; backward for ``jax.grad`` / ``jax.vjp``),
+each with a workspace result sized from shapes for every device the call may land on.
 
 Errors: shapes and dtypes are checked while tracing, by the core's own validation
 (``*_check`` in module.cpp), so they raise the ValueError / TypeError of the other paths,
