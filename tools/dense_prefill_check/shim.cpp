@@ -60,14 +60,16 @@ flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float 
 
 extern "C" {
 
-// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap (dense_prefill.h).
+// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong (dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
   const flashmla::DensePrefillParams p = fwd_params(ptrs, meta, scale, causal, dtype, device, stream);
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
-  return report(dp::fwd_with_schedule(p, schedule == 0 ? dp::FwdSchedule::kSerial : dp::FwdSchedule::kOverlap), err,
-                errlen);
+  const dp::FwdSchedule sched = schedule == 0   ? dp::FwdSchedule::kSerial
+                                : schedule == 1 ? dp::FwdSchedule::kOverlap
+                                                : dp::FwdSchedule::kPingpong;
+  return report(dp::fwd_with_schedule(p, sched), err, errlen);
 }
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "sm90/host_utils.h"
 #include "sm90/prefill/dense/common.cuh"
@@ -97,8 +98,14 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2])
 /// together with O += P_{n-1} V_{n-1}, and the softmax of block n runs while that P V is on the tensor
 /// cores; O is rescaled once the P V has landed. K and V have separate full / empty barriers, so K_{n+1}
 /// streams in as soon as S_{n-1} is done.
-template <class T, int kD, bool kOverlap>
+/// kPingpong (with kOverlap; FlashAttention-3's inter-warpgroup scheduling, our own code): the two consumer
+/// warpgroups take turns to issue their GEMMs of a step (named barriers 2 and 3: a warpgroup syncs on its
+/// own before issuing and arrives on the other's after), so one's softmax runs under the other's GEMMs.
+/// Warpgroup 0 goes first (warpgroup 1 arrives once up front and not after its last step, so that every
+/// arrival meets a sync).
+template <class T, int kD, bool kOverlap, bool kPingpong>
 __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const KernelParams p) {
+  static_assert(kOverlap || !kPingpong, "pingpong needs the overlapped schedule");
   using Smem = FwdSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
@@ -228,18 +235,23 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
       softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       pack_a<T, 128>(s, a);  // O is still 0: no rescale
     }
+    if (kPingpong && wg == 1 && n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
     for (int n = 1; n < n_blocks; ++n) {
       const int stage = n & 1, pstage = stage ^ 1;
       float s[64], sc[2];
       mbar_wait(k_full(stage), (n >> 1) & 1);
       mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
       gmma::fence_proxy_async();
+      if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
       gmma::reg_fence(o);
       gmma::fence();
       issue_s(s, stage);
       gmma::commit();
       issue_pv(a, pstage);
       gmma::commit();
+      if constexpr (kPingpong) {
+        if (!(wg == 1 && n == n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
+      }
       gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
       gmma::reg_fence(s);
       mbar_arrive(k_empty(stage));
@@ -288,9 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
   }
 }
 
-template <class T, int kD, bool kOverlap>
+template <class T, int kD, FwdSchedule kSchedule>
 cudaError_t launch_fwd(const KernelParams& kp, int m_tiles, int b, cudaStream_t stream) {
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kOverlap>;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kSchedule == FwdSchedule::kPingpong>;
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
   kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp);
@@ -364,21 +376,22 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const int bi = static_cast<int>(b);
-  const bool ov = schedule == FwdSchedule::kOverlap;
   cudaError_t e;
-  if (d_qk == 128) {
-    if (bf16)
-      e = ov ? launch_fwd<__nv_bfloat16, 128, true>(kp, m_tiles, bi, stream)
-             : launch_fwd<__nv_bfloat16, 128, false>(kp, m_tiles, bi, stream);
-    else
-      e = ov ? launch_fwd<__half, 128, true>(kp, m_tiles, bi, stream) : launch_fwd<__half, 128, false>(kp, m_tiles, bi, stream);
-  } else {
-    if (bf16)
-      e = ov ? launch_fwd<__nv_bfloat16, 192, true>(kp, m_tiles, bi, stream)
-             : launch_fwd<__nv_bfloat16, 192, false>(kp, m_tiles, bi, stream);
-    else
-      e = ov ? launch_fwd<__half, 192, true>(kp, m_tiles, bi, stream) : launch_fwd<__half, 192, false>(kp, m_tiles, bi, stream);
-  }
+  auto launch = [&](auto t, auto d) {
+    using TT = decltype(t);
+    constexpr int kDD = decltype(d)::value;
+    switch (schedule) {
+      case FwdSchedule::kOverlap: return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, m_tiles, bi, stream);
+      case FwdSchedule::kPingpong: return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, m_tiles, bi, stream);
+      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, m_tiles, bi, stream);
+    }
+  };
+  using D128 = std::integral_constant<int, 128>;
+  using D192 = std::integral_constant<int, 192>;
+  if (d_qk == 128)
+    e = bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
+  else
+    e = bf16 ? launch(__nv_bfloat16{}, D192{}) : launch(__half{}, D192{});
   if (e != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "dense_prefill_fwd_kernel launch", e);
   return Status::Ok();
 }
