@@ -14,6 +14,7 @@ Writes <out>/<date>-dense-prefill-vs-cudnn-fa3.json (cases, targets of issue 26:
 >= 1.1x cuDNN, backward >= 1.0x cuDNN and >= 1.4x on d 192 non-causal) and a plot beside it.
 
 Usage: python3 bench/bench_dense_prefill.py [--out bench/results] [--reps 10] [--lib PATH]
+                                          [--fwd-schedule S] [--bwd-schedule S]   (with --lib: dense_prefill.h)
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ def visible_pairs(s, causal):
 class Ours:
     """fwd(q, k, v, cu, s, scale, causal) -> (out, lse); bwd(...) -> grads, on (total, h, d) tensors."""
 
-    def __init__(self, lib_path):
+    def __init__(self, lib_path, fwd_schedule="default", bwd_schedule="default"):
         self.lib = None
+        self.fs, self.bs = fwd_schedule, bwd_schedule
         if lib_path:
             sys.path.insert(0, os.path.join(HERE, "..", "tools", "dense_prefill_check"))
             from dense_prefill_lib import DensePrefillLib  # noqa: PLC0415
             self.lib = DensePrefillLib(lib_path)
-            self.name = "standalone library " + lib_path
+            self.name = f"standalone library {lib_path} (fwd schedule {fwd_schedule}, bwd schedule {bwd_schedule})"
         else:
             import flash_mla  # noqa: PLC0415
             self.fa = flash_mla.flash_attn_varlen_func
@@ -74,11 +76,12 @@ class Ours:
 
     def make(self, q, k, v, dout, cu, s, scale, causal, reps):
         if self.lib is not None:
-            out, lse = self.lib.fwd(q, k, v, cu, cu, s, s, scale, causal)
+            out, lse = self.lib.fwd(q, k, v, cu, cu, s, s, scale, causal, schedule=self.fs)
             grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-            fwd = lambda: self.lib.fwd(q, k, v, cu, cu, s, s, scale, causal, out=out, lse=lse, poison=False)
+            fwd = lambda: self.lib.fwd(q, k, v, cu, cu, s, s, scale, causal, out=out, lse=lse, poison=False,
+                                       schedule=self.fs)
             bwd = lambda: self.lib.bwd(q, k, v, cu, cu, s, s, scale, causal, out, lse, dout, grads=grads,
-                                       poison=False)
+                                       poison=False, schedule=self.bs)
             return time_ms(fwd, reps), time_ms(bwd, reps), out
         qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
         fwd = lambda: self.fa(qg, kg, vg, cu, cu, s, s, softmax_scale=scale, causal=causal)
@@ -108,11 +111,13 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--lib", default=None, help="standalone library (tools/dense-prefill-gpu-check.sh builds it)")
+    ap.add_argument("--fwd-schedule", default="default", help="with --lib: default, serial, overlap or pingpong")
+    ap.add_argument("--bwd-schedule", default="default", help="with --lib: default, two_kernel or fused_dq")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    ours = Ours(args.lib)
+    ours = Ours(args.lib, args.fwd_schedule, args.bwd_schedule)
     fa3, fa3_src = fa3_forward()
     gpu = torch.cuda.get_device_name()
     print(f"{gpu}; ours: {ours.name}; FA3: {fa3_src if fa3 else 'unavailable (' + fa3_src + ')'}")
