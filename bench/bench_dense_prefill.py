@@ -111,7 +111,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--lib", default=None, help="standalone library (tools/dense-prefill-gpu-check.sh builds it)")
-    ap.add_argument("--fwd-schedule", default="default", help="with --lib: default, serial, overlap or pingpong")
+    ap.add_argument("--fwd-schedule", default="default", help="with --lib: default, serial, overlap, pingpong, pingpong_tma")
     ap.add_argument("--bwd-schedule", default="default", help="with --lib: default, two_kernel or fused_dq")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel

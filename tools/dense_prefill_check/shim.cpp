@@ -60,7 +60,8 @@ flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float 
 
 extern "C" {
 
-// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong (dense_prefill.h).
+// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong,
+// 3 = pingpong_tma (dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -68,7 +69,8 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
   const dp::FwdSchedule sched = schedule == 0   ? dp::FwdSchedule::kSerial
                                 : schedule == 1 ? dp::FwdSchedule::kOverlap
-                                                : dp::FwdSchedule::kPingpong;
+                                : schedule == 2 ? dp::FwdSchedule::kPingpong
+                                                : dp::FwdSchedule::kPingpongTma;
   return report(dp::fwd_with_schedule(p, sched), err, errlen);
 }
 

@@ -9,6 +9,7 @@
 // offset is the slab size R * 128 (PTX ISA "Matrix Descriptor Format", "Shared Memory Matrix Layout").
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (the type; maps are encoded on the host)
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -68,6 +69,17 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T* src, int64_t ro
     const T* s = ok ? src + row * row_stride + ch * 8 : src;
     cp_async_16(dst + tile_off<kRows>(row, ch), s, ok);
   }
+}
+
+/// 3-D tiled TMA load global -> shared (box of the map at coordinates c0, c1, c2), completing on the
+/// mbarrier `bar` with complete_tx bytes.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1,
+                                            int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+      "[%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 
 /// Packs 16 accumulator columns (k-step kk of a 64-row x N accumulator, N / 16 k-steps) into the

@@ -6,10 +6,11 @@
 
 namespace flashmla::sm90::dense_prefill {
 
-/// Forward consumer schedules (fwd.cu): kSerial = per key block S, softmax, P V one after the other;
+/// Forward schedules (fwd.cu): kSerial = per key block S, softmax, P V one after the other;
 /// kOverlap = S of block n issued with P V of block n - 1, softmax under that P V; kPingpong = kOverlap
-/// with the two consumer warpgroups taking turns to issue their GEMMs.
-enum class FwdSchedule { kSerial, kOverlap, kPingpong };
+/// with the two consumer warpgroups taking turns to issue their GEMMs; kPingpongTma = kPingpong with K / V
+/// loaded by TMA instead of the producer warpgroup's cp.async (kPingpong where no tensor map can be made).
+enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma };
 /// The schedule dense_prefill_fwd uses (kSerial until kOverlap has passed the GPU check on an H200).
 constexpr FwdSchedule kFwdSchedule = FwdSchedule::kSerial;
 

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -103,8 +104,14 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2])
 /// own before issuing and arrives on the other's after), so one's softmax runs under the other's GEMMs.
 /// Warpgroup 0 goes first (warpgroup 1 arrives once up front and not after its last step, so that every
 /// arrival meets a sync).
-template <class T, int kD, bool kOverlap, bool kPingpong>
-__global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const KernelParams p) {
+/// kTma: K / V blocks come by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows,
+/// 128B swizzle = the tile layout), one producer thread issuing them; rows past total_k are zero-filled, rows
+/// past the request's end (the next request's) are loaded and masked (S -> -inf, P = 0). Without kTma the
+/// producer warpgroup copies with cp.async and zero-fills every row past the request's end; the maps are unused.
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
+                             const __grid_constant__ CUtensorMap tmap_v) {
   static_assert(kOverlap || !kPingpong, "pingpong needs the overlapped schedule");
   using Smem = FwdSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -134,9 +141,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
-      mbar_init(k_full(s), 128);
+      mbar_init(k_full(s), kTma ? 1 : 128);
       mbar_init(k_empty(s), 256);
-      mbar_init(v_full(s), 128);
+      mbar_init(v_full(s), kTma ? 1 : 128);
       mbar_init(v_empty(s), 256);
     }
     mbar_init(q_bar, 128);
@@ -150,17 +157,35 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
     const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(sb.q0) + m0) * p.q_row + h * p.q_head;
     load_tile<T, kFwdBM, kD>(sQ, q, p.q_row, sb.s_q - m0, pt);
     mbar_arrive_cp_async(q_bar);
-    const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
-    const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
-    for (int n = 0; n < n_blocks; ++n) {
-      const int stage = n & 1;
-      const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
-      if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
-      load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
-      mbar_arrive_cp_async(k_full(stage));
-      if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
-      load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
-      mbar_arrive_cp_async(v_full(stage));
+    if constexpr (kTma) {
+      if (pt == 0) {
+        for (int n = 0; n < n_blocks; ++n) {
+          const int stage = n & 1, row = sb.k0 + n * kFwdBN;
+          if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
+          mbar_arrive_expect_tx(k_full(stage), Smem::kK);
+#pragma unroll
+          for (int c = 0; c < kD / 64; ++c)
+            tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, hk, row);
+          if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
+          mbar_arrive_expect_tx(v_full(stage), Smem::kV);
+#pragma unroll
+          for (int c = 0; c < kDV / 64; ++c)
+            tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, v_full(stage), c * 64, hk, row);
+        }
+      }
+    } else {
+      const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
+      const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
+      for (int n = 0; n < n_blocks; ++n) {
+        const int stage = n & 1;
+        const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
+        if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
+        load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
+        mbar_arrive_cp_async(k_full(stage));
+        if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
+        load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
+        mbar_arrive_cp_async(v_full(stage));
+      }
     }
     cp_async_wait<0>();
     return;
@@ -301,12 +326,34 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_fwd_kernel(const Ke
 }
 
 template <class T, int kD, FwdSchedule kSchedule>
-cudaError_t launch_fwd(const KernelParams& kp, int m_tiles, int b, cudaStream_t stream) {
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kSchedule == FwdSchedule::kPingpong>;
+cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v, int m_tiles,
+                       int b, cudaStream_t stream) {
+  constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kSchedule == FwdSchedule::kPingpongTma;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing,
+                                         kSchedule == FwdSchedule::kPingpongTma>;
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
-  kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp);
+  kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v);
   return cudaGetLastError();
+}
+
+/// The (d, h, rows) tensor map of k or v with 64 x 1 x 128 boxes, 128B swizzle; false when the driver entry
+/// point is missing or the layout does not allow one (the caller then takes the cp.async producer).
+bool make_kv_map(const TensorRef& t, CUtensorMap* map) {
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr || t.shape[0] <= 0 || t.shape[0] > 0xFFFFFFFFLL) return false;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.stride[2] != 1) return false;
+  for (int i = 0; i < 2; ++i)
+    if (t.stride[i] <= 0 || (t.stride[i] * 2) % 16 != 0 || t.stride[i] * 2 >= (int64_t{1} << 40)) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.shape[2]), static_cast<cuuint64_t>(t.shape[1]),
+                              static_cast<cuuint64_t>(t.shape[0])};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.stride[1] * 2), static_cast<cuuint64_t>(t.stride[0] * 2)};
+  const cuuint32_t box[3] = {64, 1, kFwdBN};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  std::memset(map, 0, sizeof(*map));
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.data), dims, strides, box, estr,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 }  // namespace dense_prefill
@@ -376,14 +423,23 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const int bi = static_cast<int>(b);
+  CUtensorMap tmap_k, tmap_v;
+  std::memset(&tmap_k, 0, sizeof(tmap_k));
+  std::memset(&tmap_v, 0, sizeof(tmap_v));
+  if (schedule == FwdSchedule::kPingpongTma && !(make_kv_map(p.k, &tmap_k) && make_kv_map(p.v, &tmap_v)))
+    schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
   cudaError_t e;
   auto launch = [&](auto t, auto d) {
     using TT = decltype(t);
     constexpr int kDD = decltype(d)::value;
     switch (schedule) {
-      case FwdSchedule::kOverlap: return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, m_tiles, bi, stream);
-      case FwdSchedule::kPingpong: return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, m_tiles, bi, stream);
-      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, m_tiles, bi, stream);
+      case FwdSchedule::kOverlap:
+        return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      case FwdSchedule::kPingpong:
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      case FwdSchedule::kPingpongTma:
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
     }
   };
   using D128 = std::integral_constant<int, 128>;
