@@ -18,6 +18,12 @@ NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 B=build/dense-prefill-check; mkdir -p "$B"
 FLAGS=(-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -DFLASHMLA_WITH_CUDA=1 --expt-relaxed-constexpr
        -lineinfo -Xptxas=-v,--warn-on-spills --use_fast_math -Xcompiler -fPIC -Iinclude -Isrc)
+LIB="$B/libdense_prefill_check.so"
+SRCS=(src/sm90/prefill/dense/*.cu src/sm90/prefill/dense/*.cuh src/sm90/prefill/dense/*.h tools/dense_prefill_check/shim.cpp
+      src/sm90/*.cuh src/sm90/*.h include/flashmla/*.h)
+if [ -f "$LIB" ] && [ -z "$(find "${SRCS[@]}" -newer "$LIB" 2>/dev/null)" ]; then
+  echo "=== build: $LIB is up to date"
+else
 echo "=== build $(date +%T)"
 "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/fwd.cu -o "$B/fwd.o" > "$OUT/ptxas-fwd.log" 2>&1 & p1=$!
 "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/bwd.cu -o "$B/bwd.o" > "$OUT/ptxas-bwd.log" 2>&1 & p2=$!
@@ -26,7 +32,8 @@ echo "=== build $(date +%T)"
 rc=0; for p in $p1 $p2 $p3 $p4; do wait $p || rc=1; done
 grep -h "spill\|C75\|error" "$OUT"/ptxas-*.log | sort | uniq -c
 if [ $rc != 0 ]; then cat "$OUT"/*.log; echo "build failed"; exit 1; fi
-"$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/libdense_prefill_check.so" || exit 1
+"$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$LIB" || exit 1
+fi
 echo "=== smoke, default schedules $(date +%T)"
 timeout 120 python3 tools/dense_prefill_check/check.py --lib "$B/libdense_prefill_check.so" --out "$OUT/smoke" --quick \
   --no-variants 2>&1 | tee "$OUT/dense-prefill-smoke.log"
