@@ -106,8 +106,9 @@ __device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2])
 /// arrival meets a sync).
 /// kTma: K / V blocks come by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows,
 /// 128B swizzle = the tile layout), one producer thread issuing them; rows past total_k are zero-filled, rows
-/// past the request's end (the next request's) are loaded and masked (S -> -inf, P = 0). Without kTma the
-/// producer warpgroup copies with cp.async and zero-fills every row past the request's end; the maps are unused.
+/// past the request's end (the next request's) are loaded: masked in S (-> -inf, P = 0), zeroed in V by the
+/// consumers (zero_v_tail). Without kTma the producer warpgroup copies with cp.async and zero-fills every row
+/// past the request's end; the maps are unused.
 template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
@@ -212,6 +213,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK(stage), 0, kk),
                                        kk > 0 ? 1 : 0);
   };
+  // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
+  // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
+  // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
+  // wgmma (fence.proxy.async + a barrier of its 128 threads).
+  auto zero_v_tail = [&](int stage, int nb) {
+    if constexpr (kTma) {
+      const int r0 = sb.s_k - nb * kFwdBN;
+      if (r0 < kFwdBN) {
+        uint8_t* tile = smem_raw + (sV(stage) - smem_u32(smem_raw));
+        for (int idx = (tid & 127); idx < (kFwdBN - r0) * (kDV / 8); idx += 128)
+          *reinterpret_cast<uint4*>(tile + tile_off<kFwdBN>(r0 + idx / (kDV / 8), idx % (kDV / 8))) =
+              make_uint4(0u, 0u, 0u, 0u);
+        gmma::fence_proxy_async();
+        named_barrier_sync(4 + wg, 128);
+      }
+    }
+  };
   auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
@@ -266,6 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float s[64], sc[2];
       mbar_wait(k_full(stage), (n >> 1) & 1);
       mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
+      zero_v_tail(pstage, n - 1);
       gmma::fence_proxy_async();
       if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
       gmma::reg_fence(o);
@@ -289,6 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const int last = (n_blocks - 1) & 1;
     mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
+    zero_v_tail(last, n_blocks - 1);
     gmma::fence_proxy_async();
     gmma::reg_fence(o);
     gmma::fence();
