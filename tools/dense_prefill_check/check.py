@@ -9,7 +9,7 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    not; backward for GQA too), outputs poisoned with NaN before every call, lse in FlashMLA's (1, total_q)
    strides;
 3. extra cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests, rows without a visible key,
-   fp16, strided (packed qkv) inputs, contiguous lse, NaN in q and in k;
+   fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
 4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma) and backward schedule
    (two_kernel, fused_dq; dense_prefill.h), unless --no-variants;
@@ -217,6 +217,8 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
         q[min(3, q.shape[0] - 1), 0, 5] = float("nan")
     if nan == "k" and k.shape[0] > 0:
         k[min(2, k.shape[0] - 1), 0, 7] = float("nan")
+    if nan == "v_next":  # first v row of the second request: must not reach the first request's rows
+        v[lk[0], 0, 3] = float("nan")
     scale = (d + 100) ** -0.5
     mq, mk = max(lq + [0]), max(lk + [0])
     lse_buf = None
@@ -410,6 +412,8 @@ def main():
                  lse_contig=True)
             safe(run_case, lib, f"NaN in q d{d} causal={causal}", [40, 60], [50, 60], 2, 2, d, causal, nan="q")
             safe(run_case, lib, f"NaN in k d{d} causal={causal}", [40, 60], [50, 60], 2, 2, d, causal, nan="k")
+            safe(run_case, lib, f"NaN in v of the next request d{d} causal={causal}", [40, 60], [50, 60], 2, 2, d,
+                 causal, nan="v_next")
     safe(run_case, lib, "all requests empty of keys", [5, 9], [0, 0], 2, 1, 128, False)
     safe(run_case, lib, "no query rows", [0, 0], [5, 9], 2, 1, 128, True)
 
