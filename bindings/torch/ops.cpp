@@ -134,6 +134,19 @@ int32_t shim_dtype(DType d) {
 /// through torch's caching allocator. Calls the stable C shim's aoti_torch_empty_strided
 /// directly: torch::stable::new_empty goes through the boxed dispatcher (an operator lookup by
 /// name and an IValue stack per call, ~2-3 µs each; an op allocates 4-5 tensors).
+/// New uninitialised tensor of the given shape and element strides on `dev` (see alloc below).
+Tensor alloc_strided(flashmla::Device dev, int64_t ndim, const int64_t* shape, const int64_t* stride, DType dtype) {
+  int64_t step = 1;
+  for (int64_t i = 0; i < ndim; ++i) step *= shape[i];
+  const bool cuda = dev.type == flashmla::DeviceType::kCUDA;
+  AtenTensorHandle h = nullptr;
+  if (aoti_torch_empty_strided(ndim, shape, stride, shim_dtype(dtype),
+                               cuda ? aoti_torch_device_type_cuda() : aoti_torch_device_type_cpu(),
+                               cuda ? dev.id : 0, &h) != AOTI_TORCH_SUCCESS)
+    raise("RuntimeError", "torch could not allocate an output tensor of " + std::to_string(step) + " elements");
+  return Tensor(h);
+}
+
 Tensor alloc(flashmla::Device dev, std::initializer_list<int64_t> shape_il, DType dtype) {
   int64_t shape[flashmla::kMaxTensorDims], stride[flashmla::kMaxTensorDims];
   const int64_t ndim = static_cast<int64_t>(shape_il.size());
@@ -269,6 +282,55 @@ std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tenso
   return {out, max_logits, lse};
 }
 
+/// Dense MHA prefill forward -> (out (total_q, h_q, d_v), lse (total_q, h_q) float32 with FlashMLA's strides
+/// (1, total_q)).
+std::tuple<Tensor, Tensor> dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
+                                             int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                             bool causal) {
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, softmax_scale, causal);
+  MaybeDeviceGuard guard(p.q);
+  int64_t ws_bytes = 0;
+  check(flashmla::dense_prefill_plan(p, &ws_bytes));
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_v = p.v.shape[2];
+  Tensor out = alloc(p.q.device, {total_q, h_q, d_v}, p.q.dtype);
+  const int64_t lse_shape[2] = {total_q, h_q}, lse_stride[2] = {1, total_q > 1 ? total_q : 1};
+  Tensor lse = alloc_strided(p.q.device, 2, lse_shape, lse_stride, DType::kFloat32);
+  Tensor ws = alloc(p.q.device, {ws_bytes > 0 ? ws_bytes : 1}, DType::kUInt8);
+  p.out = to_ref(out, "out");
+  p.lse = to_ref(lse, "lse");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::dense_prefill_fwd(p));
+  return {out, lse};
+}
+
+/// Dense MHA prefill backward -> (dq, dk, dv), shaped and typed like q, k, v.
+std::tuple<Tensor, Tensor, Tensor> dense_prefill_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
+                                                     Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
+                                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                                     bool causal) {
+  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  MaybeDeviceGuard guard(p.fwd.q);
+  int64_t ws_bytes = 0;
+  check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
+  const TensorRef &qr = p.fwd.q, &kr = p.fwd.k, &vr = p.fwd.v;
+  Tensor dq = alloc(qr.device, {qr.shape[0], qr.shape[1], qr.shape[2]}, qr.dtype);
+  Tensor dk = alloc(qr.device, {kr.shape[0], kr.shape[1], kr.shape[2]}, qr.dtype);
+  Tensor dv = alloc(qr.device, {vr.shape[0], vr.shape[1], vr.shape[2]}, qr.dtype);
+  Tensor ws = alloc(qr.device, {ws_bytes > 0 ? ws_bytes : 1}, DType::kUInt8);
+  p.dq = to_ref(dq, "dq");
+  p.dk = to_ref(dk, "dk");
+  p.dv = to_ref(dv, "dv");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(qr);
+  check(flashmla::dense_prefill_bwd(p));
+  return {dq, dk, dv};
+}
+
 flashmla::KVFormat to_format(int64_t format) {
   if (format != static_cast<int64_t>(flashmla::KVFormat::kFP8V32) &&
       format != static_cast<int64_t>(flashmla::KVFormat::kFP8Model1))
@@ -300,6 +362,13 @@ STABLE_TORCH_LIBRARY(flash_mla, m) {
   m.def(
       "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, "
       "Tensor? topk_length=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, float softmax_scale, bool causal) -> (Tensor, Tensor)");
+  m.def(
+      "dense_prefill_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("quantize_kv_cache(Tensor kv_cache, Tensor(a!) packed, int format) -> ()");
   m.def("dequantize_kv_cache(Tensor packed, Tensor(a!) kv_cache, int format) -> ()");
 }
@@ -308,6 +377,8 @@ STABLE_TORCH_LIBRARY_IMPL(flash_mla, CPU, m) {
   m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
   m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
   m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
+  m.impl("dense_prefill_fwd", TORCH_BOX(&dense_prefill_fwd));
+  m.impl("dense_prefill_bwd", TORCH_BOX(&dense_prefill_bwd));
   m.impl("quantize_kv_cache", TORCH_BOX(&quantize_kv_cache));
   m.impl("dequantize_kv_cache", TORCH_BOX(&dequantize_kv_cache));
 }
@@ -317,5 +388,7 @@ STABLE_TORCH_LIBRARY_IMPL(flash_mla, CUDA, m) {
   m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
   m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
   m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
+  m.impl("dense_prefill_fwd", TORCH_BOX(&dense_prefill_fwd));
+  m.impl("dense_prefill_bwd", TORCH_BOX(&dense_prefill_bwd));
 }
 #endif

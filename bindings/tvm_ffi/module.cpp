@@ -7,7 +7,7 @@
 // python/flash_mla/_ffi.py sets it for CuPy/JAX).
 //
 // Exported functions mirror FlashMLA's raw extension (spec §1.6):
-//   dense_decode_fwd, sparse_decode_fwd, sparse_prefill_fwd,
+//   dense_decode_fwd, sparse_decode_fwd, sparse_prefill_fwd, dense_prefill_fwd, dense_prefill_bwd,
 // plus FP8 KV conversion helpers and backend queries, and destination-passing
 // forms (*_dps, decode_scratch_bytes) that XLA custom calls use under jax.jit.
 #include <tvm/ffi/container/array.h>
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <string>
 
 #include "flashmla/flashmla.h"
@@ -286,6 +287,63 @@ ffi::Array<ffi::Tensor> sparse_prefill_fwd(ffi::TensorView q, ffi::TensorView kv
   return ffi::Array<ffi::Tensor>{out, max_logits, lse};
 }
 
+// Dense MHA prefill. lse is kept as FlashMLA allocates it: a (h_q, total_q) buffer whose transpose is
+// the (total_q, h_q) lse with strides (1, total_q); these functions take and return that buffer
+// (`lse_t`), the Python layer hands out its transpose.
+TensorRef transposed(TensorRef t) {
+  std::swap(t.shape[0], t.shape[1]);
+  std::swap(t.stride[0], t.stride[1]);
+  return t;
+}
+
+ffi::Array<ffi::Tensor> dense_prefill_fwd(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
+                                          ffi::TensorView cu_seqlens_q, ffi::TensorView cu_seqlens_k,
+                                          int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                          bool causal) {
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, softmax_scale, causal);
+  int64_t ws_bytes = 0;
+  check(flashmla::dense_prefill_plan(p, &ws_bytes));
+  const auto dev = p.q.device;
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_v = p.v.shape[2];
+  ffi::Tensor out = alloc({total_q, h_q, d_v}, p.q.dtype, dev);
+  ffi::Tensor lse_t = alloc({h_q, total_q}, DType::kFloat32, dev);
+  ffi::Tensor ws = workspace_for(ws_bytes, dev);
+  p.out = to_ref(out, "out");
+  p.lse = transposed(to_ref(lse_t, "lse"));
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(p.q);
+  check(flashmla::dense_prefill_fwd(p));
+  return ffi::Array<ffi::Tensor>{out, lse_t};
+}
+
+/// `lse` is the forward's (total_q, h_q) lse (any strides, e.g. the transpose of lse_t).
+ffi::Array<ffi::Tensor> dense_prefill_bwd(ffi::TensorView dout, ffi::TensorView q, ffi::TensorView k,
+                                          ffi::TensorView v, ffi::TensorView out, ffi::TensorView lse,
+                                          ffi::TensorView cu_seqlens_q, ffi::TensorView cu_seqlens_k,
+                                          int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                          bool causal) {
+  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  int64_t ws_bytes = 0;
+  check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
+  const auto dev = p.fwd.q.device;
+  const TensorRef &qr = p.fwd.q, &kr = p.fwd.k, &vr = p.fwd.v;
+  ffi::Tensor dq = alloc({qr.shape[0], qr.shape[1], qr.shape[2]}, qr.dtype, dev);
+  ffi::Tensor dk = alloc({kr.shape[0], kr.shape[1], kr.shape[2]}, qr.dtype, dev);
+  ffi::Tensor dv = alloc({vr.shape[0], vr.shape[1], vr.shape[2]}, qr.dtype, dev);
+  ffi::Tensor ws = workspace_for(ws_bytes, dev);
+  p.dq = to_ref(dq, "dq");
+  p.dk = to_ref(dk, "dk");
+  p.dv = to_ref(dv, "dv");
+  p.workspace = ws.data_ptr();
+  p.workspace_bytes = ws_bytes;
+  p.stream = stream_for(p.fwd.q);
+  check(flashmla::dense_prefill_bwd(p));
+  return ffi::Array<ffi::Tensor>{dq, dk, dv};
+}
+
 // ------------------------------------------------------------------ destination-passing forms
 // For XLA custom calls (jax.jit through jax-tvm-ffi): the caller preallocates every
 // result. Decode calls also get one `scratch` byte buffer of at least
@@ -394,6 +452,55 @@ void sparse_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView kv, ffi::TensorVi
   check_tagged(flashmla::sparse_prefill_fwd(p));
 }
 
+/// The workspace as the core wants it: `workspace` is a 1-D byte buffer of at least `needed` bytes.
+void bind_workspace(const ffi::TensorView& workspace, int64_t needed, flashmla::Device dev, void** ptr,
+                    int64_t* bytes) {
+  TensorRef w = to_ref(workspace, "workspace");
+  if (w.ndim != 1 || w.shape[0] < needed || w.device != dev)
+    TVM_FFI_THROW(ValueError) << "workspace: expected a 1-D byte buffer of at least " << needed
+                              << " bytes on the device of q, got " << (w.ndim == 1 ? w.shape[0] : -1) << " bytes";
+  *ptr = needed > 0 ? w.data : nullptr;
+  *bytes = needed;
+}
+
+/// Dense MHA prefill forward into XLA's buffers: out (total_q, h_q, d_v), lse_t (h_q, total_q) float32,
+/// workspace (>= dense_prefill_check(...) bytes).
+void dense_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v, ffi::TensorView cu_seqlens_q,
+                           ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           double softmax_scale, bool causal, ffi::TensorView out, ffi::TensorView lse_t,
+                           ffi::TensorView workspace) {
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, softmax_scale, causal);
+  int64_t ws_bytes = 0;
+  check_tagged(flashmla::dense_prefill_plan(p, &ws_bytes));
+  p.out = to_ref(out, "out");
+  p.lse = transposed(to_ref(lse_t, "lse"));
+  bind_workspace(workspace, ws_bytes, p.q.device, &p.workspace, &p.workspace_bytes);
+  p.stream = stream_for(p.q);
+  check_tagged(flashmla::dense_prefill_fwd(p));
+}
+
+/// Dense MHA prefill backward into XLA's buffers; `lse_t` is the forward's (h_q, total_q) buffer.
+void dense_prefill_bwd_dps(ffi::TensorView dout, ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
+                           ffi::TensorView out, ffi::TensorView lse_t, ffi::TensorView cu_seqlens_q,
+                           ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           double softmax_scale, bool causal, ffi::TensorView dq, ffi::TensorView dk,
+                           ffi::TensorView dv, ffi::TensorView workspace) {
+  auto ref = [](const ffi::TensorView& t, const char* name) {
+    return std::strcmp(name, "lse") == 0 ? transposed(to_ref(t, name)) : to_ref(t, name);
+  };
+  auto p = flashmla::bindings::dense_prefill_bwd_params(ref, dout, q, k, v, out, lse_t, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  int64_t ws_bytes = 0;
+  check_tagged(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
+  p.dq = to_ref(dq, "dq");
+  p.dk = to_ref(dk, "dk");
+  p.dv = to_ref(dv, "dv");
+  bind_workspace(workspace, ws_bytes, p.fwd.q.device, &p.workspace, &p.workspace_bytes);
+  p.stream = stream_for(p.fwd.q);
+  check_tagged(flashmla::dense_prefill_bwd(p));
+}
+
 // ------------------------------------------------------------------ shape/dtype checks without data
 // The XLA path (python/flash_mla/_jax.py) runs these while tracing, where only shapes and dtypes
 // exist, so that a bad shape or dtype raises the same Python class and message as on the other
@@ -448,6 +555,35 @@ void sparse_prefill_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi
   auto p = flashmla::bindings::sparse_prefill_params(ref, 0, 1, 2, 3, 4, sm_scale, d_v);
   int64_t ws_bytes = 0;
   check(flashmla::sparse_prefill_plan(p, &ws_bytes));
+}
+
+/// Dense MHA prefill, shapes and dtypes only, as placed on a device (device_type 1 = CPU, 2 = CUDA):
+/// raises what the operator would, else returns the workspace bytes it needs there. Tensors: forward
+/// (bwd == false) q, k, v, cu_seqlens_q, cu_seqlens_k; backward dout, q, k, v, out, lse (total_q, h_q),
+/// cu_seqlens_q, cu_seqlens_k.
+int64_t dense_prefill_check(bool bwd, int64_t device_type, int64_t device_id, ffi::Array<ffi::Array<int64_t>> shapes,
+                            ffi::Array<ffi::String> dtypes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            double softmax_scale, bool causal) {
+  if (device_type != kDLCPU && device_type != kDLCUDA)
+    TVM_FFI_THROW(ValueError) << "device_type: expected 1 (CPU) or 2 (CUDA), got " << device_type;
+  const flashmla::Device dev{device_type == kDLCUDA ? flashmla::DeviceType::kCUDA : flashmla::DeviceType::kCPU,
+                             static_cast<int>(device_id)};
+  auto ref = [&](int i, const char* name) {
+    TensorRef r = abstract_ref(shapes, dtypes, i, name);
+    r.device = dev;
+    return r;
+  };
+  int64_t ws_bytes = 0;
+  if (bwd) {
+    auto p = flashmla::bindings::dense_prefill_bwd_params(ref, 0, 1, 2, 3, 4, 5, 6, 7, max_seqlen_q, max_seqlen_k,
+                                                         softmax_scale, causal);
+    check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
+  } else {
+    auto p = flashmla::bindings::dense_prefill_params(ref, 0, 1, 2, 3, 4, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                                     causal);
+    check(flashmla::dense_prefill_plan(p, &ws_bytes));
+  }
+  return ws_bytes;
 }
 
 flashmla::KVFormat to_format(int64_t format) {
@@ -516,6 +652,11 @@ int64_t stream_capture_id(int64_t stream) {
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_decode_fwd, dense_decode_fwd);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_decode_fwd, sparse_decode_fwd);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(sparse_prefill_fwd, sparse_prefill_fwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_prefill_fwd, dense_prefill_fwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_prefill_bwd, dense_prefill_bwd);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_prefill_fwd_dps, dense_prefill_fwd_dps);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_prefill_bwd_dps, dense_prefill_bwd_dps);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(dense_prefill_check, dense_prefill_check);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(quantize_kv_cache, quantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(dequantize_kv_cache, dequantize_kv_cache);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(has_cuda_backend, has_cuda_backend);

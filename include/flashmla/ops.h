@@ -194,6 +194,71 @@ Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_byte
 Status sparse_prefill_fwd(const SparsePrefillParams& p);
 
 // ---------------------------------------------------------------------------
+// Dense MHA prefill (`flash_attn_varlen_func`, spec §1.5, §2.5): varlen multi-head attention,
+// GQA (h_q a multiple of h_kv), bottom-right-aligned causal mask, natural-log lse.
+// Packed sequences: request i owns rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q / out / lse
+// and rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k / v. Key j of a request is visible to its
+// query i iff !causal or j <= i + s_k - s_q (s_q, s_k that request's lengths). A query row with
+// no visible key (s_k == 0, or causal with i + s_k - s_q < 0) gives out = 0 and lse = -inf
+// (what torch's logsumexp gives for an all-masked row, and what FlashMLA's SM100 kernel writes for
+// a fully masked tile; spec §2.6 leaves it untested), and zero gradients. A NaN in q, or in a key
+// or value the row sees, gives NaN in that row; keys a row does not see are never read.
+// Supported (d_qk, d_v): (128, 128) and (192, 128) on every backend; other pairs are kValue
+// "no kernel for d_qk=… d_v=…" (outputs untouched).
+// cu_seqlens_* are contiguous int32 tensors of b + 1 >= 2 entries on the device of q. For CPU
+// tensors their values are checked (kValue): start 0, non-decreasing, last entry == total_q
+// (total_k), every length <= max_seqlen_*. On the GPU they are not read back: values that break
+// these rules leave rows unwritten or read out of bounds, as in FlashMLA / FlashAttention.
+// FlashMLA's is_varlen = false (every request total / b tokens) is cu_seqlens = i * (total / b).
+// GPU tensors (q, k, v, dout and the 16-bit outputs) need 16-byte aligned bases and non-last
+// strides (kValue otherwise); lse may have any strides.
+// ---------------------------------------------------------------------------
+struct DensePrefillParams {
+  TensorRef q;  ///< (total_q, h_q, d_qk) bf16 or fp16, last dim contiguous; d_qk in {128, 192}
+  TensorRef k;  ///< (total_k, h_kv, d_qk) dtype of q, last dim contiguous
+  TensorRef v;  ///< (total_k, h_kv, d_v) dtype of q, last dim contiguous; d_v == 128
+  TensorRef cu_seqlens_q;  ///< (b + 1,) int32, non-decreasing from 0 to total_q
+  TensorRef cu_seqlens_k;  ///< (b + 1,) int32, non-decreasing from 0 to total_k
+  int64_t max_seqlen_q = 0;  ///< >= every request's s_q (upper bound used for the launch grid)
+  int64_t max_seqlen_k = 0;  ///< >= every request's s_k
+  float softmax_scale = std::numeric_limits<float>::quiet_NaN();  ///< must be set (finite)
+  bool causal = false;
+
+  TensorRef out;  ///< (total_q, h_q, d_v) dtype of q, written
+  TensorRef lse;  ///< (total_q, h_q) float32, natural log, written (any strides, e.g. FlashMLA's (1, total_q))
+
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+/// Validates inputs; `*workspace_bytes` receives the workspace size the forward needs.
+Status dense_prefill_plan(const DensePrefillParams& p, int64_t* workspace_bytes);
+/// Validates inputs and outputs, writes out / lse (asynchronous on `p.stream` on the GPU).
+Status dense_prefill_fwd(const DensePrefillParams& p);
+
+/// Backward of dense_prefill_fwd: the forward's inputs and outputs plus dout; writes dq, dk, dv.
+/// The gradient through lse is not propagated (as FlashMLA). Deterministic: dk / dv (and dq) are
+/// bitwise equal across runs on the same inputs. With P = exp(q.k * scale - lse) from the given lse
+/// and D = dout . out from the given out: dv = P^T dout, dS = P * (dout v^T - D),
+/// dq = scale * dS k, dk = scale * dS^T q (dk / dv summed over the query heads of a KV head).
+/// `fwd.workspace`, `fwd.workspace_bytes` and `fwd.stream` are not used (the fields below are).
+struct DensePrefillBwdParams {
+  DensePrefillParams fwd;  ///< q, k, v, cu_seqlens, max_seqlen, scale, causal; out and lse as the forward wrote them
+  TensorRef dout;  ///< (total_q, h_q, d_v) dtype of q, last dim contiguous
+  TensorRef dq;    ///< (total_q, h_q, d_qk) dtype of q, written
+  TensorRef dk;    ///< (total_k, h_kv, d_qk) dtype of q, written
+  TensorRef dv;    ///< (total_k, h_kv, d_v) dtype of q, written
+
+  void* workspace = nullptr;
+  int64_t workspace_bytes = 0;
+  void* stream = nullptr;
+};
+/// Validates inputs; `*workspace_bytes` receives the workspace size the backward needs.
+Status dense_prefill_bwd_plan(const DensePrefillBwdParams& p, int64_t* workspace_bytes);
+/// Validates inputs and outputs, writes dq / dk / dv.
+Status dense_prefill_bwd(const DensePrefillBwdParams& p);
+
+// ---------------------------------------------------------------------------
 // FP8 KV-cache conversion (spec §3.5), CPU tensors only.
 // ---------------------------------------------------------------------------
 /// Quantize a bf16 cache `(num_blocks, pbs, 1, d)` (d = 576 for kFP8V32, 512 for

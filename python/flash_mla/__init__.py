@@ -15,6 +15,7 @@ except _NotFound:  # pragma: no cover - running from a source tree without insta
 from .flash_mla_interface import (
     FlashMLASchedMeta,
     SchedMetaMismatchError,
+    flash_attn_varlen_backward,
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,

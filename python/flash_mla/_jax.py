@@ -7,7 +7,9 @@ bindings/tvm_ffi/module.cpp), registered as XLA FFI targets with the
 ``decode_scratch_bytes``) and gives the call its own stream, so the kernels run on
 JAX's stream and the call can sit inside ``jax.jit`` (and XLA's CUDA graphs).
 The split schedule is recomputed by every call (on the GPU by a small kernel on
-that stream), so nothing depends on values at trace time.
+that stream), so nothing depends on values at trace time. Dense MHA prefill is a
+``jax.custom_vjp`` over two custom calls (forward; backward for ``jax.grad`` / ``jax.vjp``),
+each with a workspace result sized from shapes for every device the call may land on.
 
 Errors: shapes and dtypes are checked while tracing, by the core's own validation
 (``*_check`` in module.cpp), so they raise the ValueError / TypeError of the other paths,
@@ -122,6 +124,10 @@ def _register() -> Tuple[str, ...]:
         "dense_decode_fwd_dps": ["args", "attrs.head_dim_v", "attrs.softmax_scale", "attrs.causal", "rets"],
         "sparse_decode_fwd_dps": ["args", "attrs.head_dim_v", "attrs.softmax_scale", "attrs.present", "rets"],
         "sparse_prefill_fwd_dps": ["args", "attrs.sm_scale", "attrs.d_v", "attrs.present", "rets"],
+        "dense_prefill_fwd_dps": ["args", "attrs.max_seqlen_q", "attrs.max_seqlen_k", "attrs.softmax_scale",
+                                  "attrs.causal", "rets"],
+        "dense_prefill_bwd_dps": ["args", "attrs.max_seqlen_q", "attrs.max_seqlen_k", "attrs.softmax_scale",
+                                  "attrs.causal", "rets"],
     }
     platforms = ["cpu"]
     if _ffi.has_cuda_backend():
@@ -297,3 +303,101 @@ def sparse_prefill(q, kv, indices, sm_scale: float, d_v: int, attn_sink: Optiona
         sm_scale=np.float64(sm_scale), d_v=np.int64(d_v), present=np.int64(present),
     )
     return list(res)
+
+
+# ----------------------------------------------------------------------------- dense MHA prefill
+def _prefill_workspace(bwd: bool, tensors: Tuple[Any, ...], scalars: Tuple[int, int, float, bool]) -> int:
+    """Checks shapes and dtypes (raising what the other paths raise) and returns the workspace bytes,
+    sized for every device the call may be placed on (see _scratch_bytes)."""
+    shapes, dtypes = _spec(*tensors)
+    sizes = []
+    for dev_type, dev_id in _candidate_devices():
+        try:
+            sizes.append(int(_ffi.lib.dense_prefill_check(bwd, dev_type, dev_id, shapes, dtypes, *scalars)))
+        except NotImplementedError:  # a GPU without the sm90 kernels: calls placed there raise anyway
+            pass
+    return max(sizes) if sizes else 0
+
+
+def _prefill_fwd(q, k, v, cu_q, cu_k, scalars):
+    import jax
+    import jax.numpy as jnp
+
+    _named(("q", "k", "v", "cu_seqlens_qo", "cu_seqlens_kv"), (q, k, v, cu_q, cu_k))
+    ws = _prefill_workspace(False, (q, k, v, cu_q, cu_k), scalars)
+    total_q, h_q, d_v = int(q.shape[0]), int(q.shape[1]), int(v.shape[2])
+    results = [
+        jax.ShapeDtypeStruct((total_q, h_q, d_v), q.dtype),
+        jax.ShapeDtypeStruct((h_q, total_q), jnp.float32),  # lse, transposed (module.cpp)
+        jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
+    ]
+    max_q, max_k, scale, causal = scalars
+    out, lse_t, _ = _ffi_call("flash_mla.dense_prefill_fwd_dps", results, q, k, v, cu_q, cu_k,
+                              max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
+                              softmax_scale=np.float64(scale), causal=np.bool_(causal))
+    return out, lse_t
+
+
+def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars):
+    import jax
+    import jax.numpy as jnp
+
+    _named(("dout", "q", "k", "v", "out", "lse", "cu_seqlens_qo", "cu_seqlens_kv"),
+           (dout, q, k, v, out, lse_t, cu_q, cu_k))
+    # The check sees lse as (total_q, h_q), the layout the operator documents.
+    lse_spec = jax.ShapeDtypeStruct((int(lse_t.shape[1]), int(lse_t.shape[0])), lse_t.dtype) \
+        if len(lse_t.shape) == 2 else lse_t
+    ws = _prefill_workspace(True, (dout, q, k, v, out, lse_spec, cu_q, cu_k), scalars)
+    results = [jax.ShapeDtypeStruct(tuple(int(d) for d in t.shape), q.dtype) for t in (q, k, v)]
+    results.append(jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8))
+    max_q, max_k, scale, causal = scalars
+    dq, dk, dv, _ = _ffi_call("flash_mla.dense_prefill_bwd_dps", results, dout, q, k, v, out, lse_t, cu_q, cu_k,
+                              max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
+                              softmax_scale=np.float64(scale), causal=np.bool_(causal))
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_vjp(scalars: Tuple[int, int, float, bool]):
+    """The dense prefill of these static arguments as a jax.custom_vjp of (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    -> (out, lse); the cotangent of lse is discarded (as FlashMLA's), cu_seqlens get none."""
+    import jax
+
+    @jax.custom_vjp
+    def attention(q, k, v, cu_q, cu_k):
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars)
+        return out, lse_t.T
+
+    def fwd(q, k, v, cu_q, cu_k):
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars)
+        return (out, lse_t.T), (q, k, v, cu_q, cu_k, out, lse_t)
+
+    def bwd(res, cotangents):
+        q, k, v, cu_q, cu_k, out, lse_t = res
+        dout, _ = cotangents
+        dq, dk, dv = _prefill_bwd(dout.astype(q.dtype), q, k, v, out, lse_t, cu_q, cu_k, scalars)
+        return dq, dk, dv, None, None
+
+    attention.defvjp(fwd, bwd)
+    return attention
+
+
+def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    """Dense MHA prefill as XLA custom calls with a jax.custom_vjp (jax.grad / jax.vjp give dq, dk, dv;
+    usable under jax.jit). Returns (out, lse), lse (total_q, h_q)."""
+    import jax.numpy as jnp
+
+    _register()
+    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)))(jnp.asarray(q), k, v, cu_q, cu_k)
+
+
+def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+    """The backward as a plain XLA custom call: ``lse`` is the forward's (total_q, h_q). Returns (dq, dk, dv)."""
+    import jax.numpy as jnp
+
+    _register()
+    lse = jnp.asarray(lse)
+    if lse.ndim != 2:
+        raise ValueError(f"lse: expected a 2-D tensor (total_q, h_q), got shape {tuple(lse.shape)}")
+    return _prefill_bwd(dout, jnp.asarray(q), k, v, out, lse.T, cu_q, cu_k,
+                        (int(max_q), int(max_k), float(scale), bool(causal)))

@@ -10,6 +10,9 @@ Ops (schemas in ops.cpp):
   dense_decode_fwd, sparse_decode_fwd -> (out, lse, tile_scheduler_metadata, num_splits)
       (the last two are the schedule the call computed, or empty when the caller passed one)
   sparse_prefill_fwd                  -> (out, max_logits, lse)
+  dense_prefill_fwd                   -> (out, lse); lse (total_q, h_q) with FlashMLA's strides (1, total_q);
+                                         differentiable in q, k, v (torch.library.register_autograd)
+  dense_prefill_bwd                   -> (dq, dk, dv)
   quantize_kv_cache, dequantize_kv_cache (write into their second argument; CPU tensors)
 
 The op library reports the core's error classes as a ``[flash_mla:<Class>]`` prefix of a
@@ -270,12 +273,47 @@ def _register_fakes(torch) -> None:
             q.new_empty((s_q, h_q), dtype=torch.float32),
         )
 
+    @torch.library.register_fake(lib + "dense_prefill_fwd")
+    def _dense_prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        _check_same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        total_q, h_q = q.shape[0], q.shape[1]
+        out = q.new_empty((total_q, h_q, v.shape[2]))
+        lse = torch.empty_strided((total_q, h_q), (1, torch.sym_max(total_q, 1)), dtype=torch.float32,
+                                  device=q.device)
+        return out, lse
+
+    @torch.library.register_fake(lib + "dense_prefill_bwd")
+    def _dense_prefill_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal):
+        _check_same_device("q", q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                           cu_seqlens_k=cu_seqlens_k)
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def _dense_prefill_setup(ctx, inputs, output):
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+
+    def _dense_prefill_backward(ctx, dout, dlse):
+        # The gradient through lse is not propagated (as FlashMLA's FlashAttnVarlenFunc).
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = call(torch.ops.flash_mla.dense_prefill_bwd.default,
+                          dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars)
+        return dq, dk, dv, None, None, None, None, None, None
+
+    torch.library.register_autograd(lib + "dense_prefill_fwd", _dense_prefill_backward,
+                                    setup_context=_dense_prefill_setup)
+
     # The attention ops have no backward and, as FlashMLA's, outputs that never require grad. Without an
     # Autograd kernel torch's fallback gives them a grad_fn whose backward only warns ("silently
     # incorrect") and leaves q.grad None. A fallthrough kernel (C++, no per-call cost; a Python autograd
     # kernel from register_autograd costs ~3 us a call) skips autograd for them, as torch's warning advises.
     impl = torch.library.Library("flash_mla", "IMPL")
-    for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd"):
+    # (dense_prefill_bwd: no double backward; its outputs do not require grad either.)
+    for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_bwd"):
         impl.impl(name, torch.library.fallthrough_kernel, "Autograd")
     _state["autograd_impl"] = impl  # the registrations live as long as this object
 
@@ -311,6 +349,21 @@ def sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
 
     return call(torch.ops.flash_mla.sparse_prefill_fwd.default, q, kv, indices, sm_scale, d_v, attn_sink,
                 topk_length)
+
+
+def dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    import torch
+
+    return call(torch.ops.flash_mla.dense_prefill_fwd.default, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                max_seqlen_k, softmax_scale, causal)
+
+
+def dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                      causal):
+    import torch
+
+    return call(torch.ops.flash_mla.dense_prefill_bwd.default, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 
 
 def quantize_kv_cache(kv_cache, packed, fmt):

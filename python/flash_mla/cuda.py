@@ -10,8 +10,12 @@ library, ``flash_mla/_torch_ops.py``), with FlashMLA's argument order and return
   extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
   -> [out, lse, tile_scheduler_metadata, num_splits]``
 * ``sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length) -> [out, max_logits, lse]``
-* ``dense_prefill_fwd`` / ``dense_prefill_bwd``: not implemented (FlashMLA ships them for SM100
-  only); they raise NotImplementedError.
+* ``dense_prefill_fwd(workspace, q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, mask_mode_code, softmax_scale,
+  max_seqlen_q, max_seqlen_kv, is_varlen) -> None`` and ``dense_prefill_bwd(workspace, dout, q, k, v, out, lse,
+  cu_seqlens_q, cu_seqlens_kv, dq, dk, dv, mask_mode_code, softmax_scale, max_seqlen_q, max_seqlen_kv, is_varlen)
+  -> None``: write into the given tensors, as FlashMLA's; ``mask_mode_code`` 1 = causal, 0 = none;
+  ``workspace`` is not used (the ops allocate what they need; FlashMLA's callers size it for its
+  own kernels). GQA works in the backward too.
 
 Shapes, dtypes and conventions are those of :func:`flash_mla.flash_mla_with_kvcache` and
 :func:`flash_mla.flash_mla_sparse_fwd`; ``tile_scheduler_metadata`` / ``num_splits`` may be None
@@ -27,7 +31,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import _torch_ops
-from .flash_mla_interface import _DENSE_PREFILL_MSG, _float_arg, _int_arg
+from .flash_mla_interface import _dense_prefill_args, _float_arg, _int_arg
 
 if not _torch_ops.available():
     raise ImportError(f"flash_mla.cuda needs PyTorch and torch.ops.flash_mla: {_torch_ops.load_error()}")
@@ -83,11 +87,43 @@ def sparse_prefill_fwd(q: Any, kv: Any, indices: Any, sm_scale: float, d_v: int 
                                               attn_sink, topk_length))
 
 
-def dense_prefill_fwd(*args: Any, **kwargs: Any) -> Any:
-    """Dense MHA prefill forward: not implemented (raises NotImplementedError)."""
-    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_mla.cuda.dense_prefill_fwd"))
+def _mask_mode(mask_mode_code: Any) -> bool:
+    code = _int_arg("mask_mode_code", mask_mode_code)
+    if code not in (0, 1):
+        raise ValueError(f"mask_mode_code: expected 0 (no mask) or 1 (causal), got {code}")
+    return code == 1
 
 
-def dense_prefill_bwd(*args: Any, **kwargs: Any) -> Any:
-    """Dense MHA prefill backward: not implemented (raises NotImplementedError)."""
-    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_mla.cuda.dense_prefill_bwd"))
+def dense_prefill_fwd(workspace: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any, out: Any,
+                      lse: Any, mask_mode_code: int, softmax_scale: float, max_seqlen_q: int, max_seqlen_kv: int,
+                      is_varlen: bool) -> None:
+    """Dense MHA prefill forward into ``out`` ``(total_q, h_q, d_v)`` and ``lse`` ``(total_q, h_q)`` float32
+    (FlashMLA's ``flash_mla.cuda.dense_prefill_fwd``); see the module docstring."""
+    _require_torch(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, out=out, lse=lse)
+    cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
+    o, l = _torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+    for name, dst, src in (("out", out, o), ("lse", lse, l)):
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            raise ValueError(f"{name}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {dst.dtype} "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(src)
+
+
+def dense_prefill_bwd(workspace: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any,
+                      cu_seqlens_kv: Any, dq: Any, dk: Any, dv: Any, mask_mode_code: int, softmax_scale: float,
+                      max_seqlen_q: int, max_seqlen_kv: int, is_varlen: bool) -> None:
+    """Dense MHA prefill backward into ``dq``, ``dk``, ``dv`` (FlashMLA's ``flash_mla.cuda.dense_prefill_bwd``);
+    see the module docstring."""
+    _require_torch(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_kv=cu_seqlens_kv, dq=dq, dk=dk, dv=dv)
+    cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
+        q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
+    grads = _torch_ops.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
+    for name, dst, src in (("dq", dq, grads[0]), ("dk", dk, grads[1]), ("dv", dv, grads[2])):
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            raise ValueError(f"{name}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {dst.dtype} "
+                             f"{tuple(dst.shape)}")
+        dst.copy_(src)

@@ -39,6 +39,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_backward",
 ]
 
 
@@ -455,10 +456,144 @@ def flash_mla_sparse_fwd(
     return [_ffi.from_ffi(t, q) for t in res]
 
 
-_DENSE_PREFILL_MSG = (
-    "{name}: dense MHA prefill (forward and backward) is not implemented in this library yet "
-    "(FlashMLA ships it for SM100 only); use torch.nn.functional.scaled_dot_product_attention meanwhile"
-)
+# ----------------------------------------------------------------------------- dense MHA prefill
+def _dense_prefill_check_flags(dropout_p: Any, deterministic: Any) -> None:
+    """FlashMLA's ``assert dropout_p == 0.0`` and ``assert not deterministic`` (spec §1.5)."""
+    if dropout_p != 0.0:
+        raise _AssertValueError(f"dropout_p: dropout is not supported, expected 0.0, got {dropout_p!r}")
+    if deterministic:
+        raise _AssertValueError(
+            "deterministic: FlashMLA's API takes deterministic=False only (the backward here is deterministic "
+            "anyway: dk and dv are bitwise reproducible)")
+
+
+def _uniform_cu_seqlens(like: Any, b: int, s: int) -> Any:
+    """int32 ``[0, s, 2s, ..., b*s]`` on the device and in the framework of ``like`` (is_varlen=False)."""
+    fw = _ffi.framework_of(like)
+    if fw == "torch":
+        import torch
+
+        return torch.arange(b + 1, dtype=torch.int32, device=like.device) * s
+    host = np.arange(b + 1, dtype=np.int32) * np.int32(s)
+    if fw == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(host)
+    if fw == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(int(like.device.id)):
+            return cupy.asarray(host)
+    if fw == "paddle":
+        import paddle
+
+        return paddle.to_tensor(host, place=like.place)
+    return host
+
+
+def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,
+                        causal, is_varlen):
+    """Checks and normalises the arguments shared by the forward and the backward; returns
+    ``(cu_q, cu_k, max_q, max_k, scale, causal)``. With ``is_varlen=False`` every request has
+    total / b tokens (FlashMLA's SM100 kernels ignore the values of cu_seqlens then; so does this):
+    uniform cu_seqlens are made on q's device."""
+    _require_tensors(q=q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)
+    for name, t, layout in (("q", q, "(total_q, h_q, d_qk)"), ("k", k, "(total_k, h_kv, d_qk)"),
+                            ("v", v, "(total_k, h_kv, d_v)")):
+        if len(t.shape) != 3:
+            raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {_shape(t)}")
+    d_qk = int(q.shape[-1])
+    if softmax_scale is None:
+        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+    scale = _float_arg("softmax_scale", softmax_scale)
+    max_q = _int_arg("max_seqlen_qo", max_seqlen_qo)
+    max_k = _int_arg("max_seqlen_kv", max_seqlen_kv)
+    cu_q, cu_k = cu_seqlens_qo, cu_seqlens_kv
+    if not is_varlen:
+        if len(cu_q.shape) != 1 or int(cu_q.shape[0]) < 2:
+            raise ValueError(f"cu_seqlens_qo: expected shape (b + 1,) with b >= 1, got {_shape(cu_q)}")
+        b = int(cu_q.shape[0]) - 1
+        total_q, total_k = int(q.shape[0]), int(k.shape[0])
+        if total_q % b or total_k % b:
+            raise ValueError(
+                f"is_varlen=False: every request has the same length, so q.shape[0] = {total_q} and k.shape[0] = "
+                f"{total_k} must be multiples of b = {b} (cu_seqlens_qo.shape[0] - 1)")
+        max_q, max_k = total_q // b, total_k // b
+        cu_q, cu_k = _uniform_cu_seqlens(q, b, max_q), _uniform_cu_seqlens(q, b, max_k)
+    return cu_q, cu_k, max_q, max_k, scale, bool(causal)
+
+
+def _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+    """One forward (no autograd) on the torch.ops or TVM-FFI path: ``(out, lse)`` in q's framework,
+    lse ``(total_q, h_q)`` with strides ``(1, total_q)`` where the framework has strides."""
+    if _torch_ops.handles(q, k, v, cu_q, cu_k):
+        return tuple(_torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
+    with _ffi.stream_scope(q):
+        out, lse_t = _ffi.lib.dense_prefill_fwd(
+            _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
+            _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    lse_t = _ffi.from_ffi(lse_t, q)
+    return _ffi.from_ffi(out, q), (lse_t.t() if _ffi.framework_of(q) == "torch" else lse_t.T)
+
+
+def _dense_prefill_bwd_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+    """One backward on the torch.ops or TVM-FFI path: ``(dq, dk, dv)`` in q's framework."""
+    if _torch_ops.handles(dout, q, k, v, out, lse, cu_q, cu_k):
+        return tuple(_torch_ops.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal))
+    with _ffi.stream_scope(q):
+        res = _ffi.lib.dense_prefill_bwd(
+            _ffi.to_ffi(dout, "dout"), _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"),
+            _ffi.to_ffi(out, "out"), _ffi.to_ffi(lse, "lse"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
+            _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    return tuple(_ffi.from_ffi(t, q) for t in res)
+
+
+_FlashAttnVarlenFunc = None
+
+
+def _flash_attn_varlen_function():
+    """FlashMLA's ``FlashAttnVarlenFunc`` (a torch.autograd.Function), made on first use so that
+    flash_mla imports without torch."""
+    global _FlashAttnVarlenFunc
+    if _FlashAttnVarlenFunc is None:
+        import torch
+
+        class FlashAttnVarlenFunc(torch.autograd.Function):
+            """Dense varlen MHA prefill with autograd: ``out.backward(grad)`` fills q / k / v ``.grad``
+            (GQA included); the gradient through lse is discarded, as in FlashMLA."""
+
+            @staticmethod
+            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+                out, lse = _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+                ctx.scalars = (max_q, max_k, scale, causal)
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, dlse):
+                del dlse  # not propagated (FlashMLA: "LSE doesn't support backward currently")
+                q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+                dq, dk, dv = _dense_prefill_bwd_call(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
+                                                     *ctx.scalars)
+                return dq, dk, dv, None, None, None, None, None, None
+
+        _FlashAttnVarlenFunc = FlashAttnVarlenFunc
+    return _FlashAttnVarlenFunc
+
+
+def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
+                   is_varlen):
+    cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
+        q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
+    fw = _ffi.framework_of(q)
+    if fw == "torch":
+        return tuple(_flash_attn_varlen_function().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
+    if fw == "jax" and _jax_use_xla(q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k):
+        from . import _jax  # XLA custom calls with a jax.custom_vjp (jax.grad, jax.jit)
+
+        return _jax.dense_prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+    return _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
 
 
 def flash_attn_varlen_func(
@@ -474,9 +609,41 @@ def flash_attn_varlen_func(
     causal: bool = False,
     deterministic: bool = False,
     is_varlen: bool = True,
-):
-    """Dense varlen MHA prefill (spec §1.5). Not implemented yet: raises NotImplementedError."""
-    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_func"))
+) -> Tuple[Any, Any]:
+    """Dense varlen multi-head attention, forward with autograd (FlashMLA's ``flash_attn_varlen_func``;
+    spec §1.5, §2.5).
+
+    ``q`` ``(total_q, h_q, d_qk)``, ``k`` ``(total_k, h_kv, d_qk)``, ``v`` ``(total_k, h_kv, d_v)``:
+    bfloat16 or float16 (one dtype), last dim contiguous, ``(d_qk, d_v)`` = ``(128, 128)`` or
+    ``(192, 128)``; ``h_q`` a multiple of ``h_kv`` (GQA: query head h reads KV head
+    ``h // (h_q // h_kv)``). ``cu_seqlens_qo`` / ``cu_seqlens_kv`` ``(b + 1,)`` int32 cumulative lengths
+    (request i: rows ``cu[i]:cu[i+1]``; empty requests allowed) on q's device; ``max_seqlen_*`` at
+    least every request's length. ``softmax_scale`` defaults to ``d_qk ** -0.5``. ``causal`` masks
+    bottom-right aligned: key j is visible to query i of a request iff ``j <= i + s_k - s_q``.
+    ``is_varlen=False``: every request has ``total / b`` tokens (b = ``len(cu_seqlens_qo) - 1``; the
+    values of cu_seqlens are not used). ``dropout_p`` must be 0.0 and ``deterministic`` False
+    (FlashMLA's asserts; AssertionError).
+
+    Returns ``(out, lse)``: ``out`` ``(total_q, h_q, d_v)`` in q's dtype; ``lse`` ``(total_q, h_q)``
+    float32 natural log with FlashMLA's strides ``(1, total_q)`` (torch). A query row that sees no
+    key gives out 0 and lse -inf; a NaN in q or in a visible key / value gives NaN in that row.
+
+    Gradients: torch tensors go through a ``torch.autograd.Function`` (``out.backward(g)`` fills
+    ``q.grad``, ``k.grad``, ``v.grad``; GQA included, which FlashMLA's SM100 backward rejects); JAX
+    arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); other frameworks call
+    :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
+    is deterministic (bitwise equal dk / dv across runs). Memory: the outputs, one workspace sized
+    by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv.
+
+    Raises (each message names the argument): ``TypeError`` for non-tensors and wrong dtypes;
+    ``ValueError`` for wrong shapes, unsupported head dims ("no kernel for d_qk=… d_v=…"),
+    ``h_q % h_kv != 0``, tensors on different devices, a non-contiguous last dim, and on the CPU
+    cu_seqlens values that do not start at 0, decrease, do not end at total_q / total_k or exceed
+    max_seqlen; ``NotImplementedError`` for GPU tensors without the Hopper backend.
+    """
+    _dense_prefill_check_flags(dropout_p, deterministic)
+    return _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,
+                          causal, is_varlen)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -489,9 +656,18 @@ def flash_attn_varlen_qkvpacked_func(
     causal: bool = False,
     deterministic: bool = False,
     is_varlen: bool = True,
-):
-    """Packed-QKV variant of :func:`flash_attn_varlen_func`. Not implemented yet."""
-    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_qkvpacked_func"))
+) -> Tuple[Any, Any]:
+    """:func:`flash_attn_varlen_func` on one packed tensor ``qkv`` ``(total, h, 2 * head_dim_qk + d_v)``:
+    q = ``qkv[:, :, :head_dim_qk]``, k = ``qkv[:, :, head_dim_qk:2 * head_dim_qk]``,
+    v = ``qkv[:, :, 2 * head_dim_qk:]``, with one ``cu_seqlens`` / ``max_seqlen`` for queries and keys.
+    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    _dense_prefill_check_flags(dropout_p, deterministic)
+    _require_tensors(qkv=qkv)
+    if len(qkv.shape) != 3:
+        raise ValueError(f"qkv: expected a 3-D tensor (total, h, 2 * head_dim_qk + d_v), got shape {_shape(qkv)}")
+    d = _int_arg("head_dim_qk", head_dim_qk)
+    return _dense_prefill(qkv[:, :, :d], qkv[:, :, d:2 * d], qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen,
+                          max_seqlen, softmax_scale, causal, is_varlen)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -507,6 +683,84 @@ def flash_attn_varlen_kvpacked_func(
     causal: bool = False,
     deterministic: bool = False,
     is_varlen: bool = True,
-):
-    """Packed-KV variant of :func:`flash_attn_varlen_func`. Not implemented yet."""
-    raise NotImplementedError(_DENSE_PREFILL_MSG.format(name="flash_attn_varlen_kvpacked_func"))
+) -> Tuple[Any, Any]:
+    """:func:`flash_attn_varlen_func` with k and v packed in ``kv`` ``(total_k, h_kv, head_dim_qk + d_v)``:
+    k = ``kv[:, :, :head_dim_qk]``, v = ``kv[:, :, head_dim_qk:]``. Gradients flow back into ``kv``.
+    Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    _dense_prefill_check_flags(dropout_p, deterministic)
+    _require_tensors(kv=kv)
+    if len(kv.shape) != 3:
+        raise ValueError(f"kv: expected a 3-D tensor (total_k, h_kv, head_dim_qk + d_v), got shape {_shape(kv)}")
+    d = _int_arg("head_dim_qk", head_dim_qk)
+    return _dense_prefill(q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+                          softmax_scale, causal, is_varlen)
+
+
+def flash_attn_varlen_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens_qo: Any,
+    cu_seqlens_kv: Any,
+    max_seqlen_qo: int,
+    max_seqlen_kv: int,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_varlen: bool = True,
+) -> Tuple[Any, Any, Any]:
+    """Backward of :func:`flash_attn_varlen_func` as a plain function (any framework; what NumPy, CuPy
+    and Paddle callers use): ``dout`` ``(total_q, h_q, d_v)`` and the forward's ``out`` / ``lse``
+    (as it returned them) with its other arguments. Returns ``(dq, dk, dv)`` shaped and typed like
+    q, k, v. With P = softmax of the scaled scores (from ``lse``) and D = rowsum(dout * out):
+    dv = P^T dout, dS = P (dout v^T - D), dq = scale dS k, dk = scale dS^T q, summed over the
+    query heads of each KV head. Deterministic. Errors as flash_attn_varlen_func."""
+    _require_tensors(dout=dout, out=out, lse=lse)
+    cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
+        q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
+    if _ffi.framework_of(q) == "jax" and _jax_use_xla(q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_qo=cu_q,
+                                                       cu_seqlens_kv=cu_k):
+        from . import _jax
+
+        return _jax.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
+    return _dense_prefill_bwd_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, out=None,
+                               lse=None, causal=False, softmax_scale=None, is_varlen=True):
+    """FlashMLA's private forward helper (no autograd): ``(out, lse)``; given ``out`` / ``lse``
+    (torch) are filled and returned."""
+    cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
+        q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
+    res = _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+    return _into(("out", "lse"), (out, lse), res)
+
+
+def _flash_attn_varlen_backward(do, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+                                dq=None, dk=None, dv=None, causal=False, softmax_scale=None, is_varlen=True):
+    """FlashMLA's private backward helper: ``(dq, dk, dv)``; given ``dq`` / ``dk`` / ``dv`` (torch)
+    are filled and returned. GQA is supported (FlashMLA raises ValueError for it)."""
+    res = flash_attn_varlen_backward(do, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                                     max_seqlen_kv, softmax_scale=softmax_scale, causal=causal, is_varlen=is_varlen)
+    return _into(("dq", "dk", "dv"), (dq, dk, dv), res)
+
+
+def _into(names, given, results):
+    """Copy results into caller-given torch tensors (FlashMLA's preallocated-output arguments)."""
+    if all(g is None for g in given):
+        return tuple(results)
+    if _ffi.framework_of(results[0]) != "torch":
+        raise TypeError(f"{', '.join(names)}: preallocated outputs are supported for torch tensors only")
+    out = []
+    for name, g, r in zip(names, given, results):
+        if g is None:
+            out.append(r)
+            continue
+        if tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype:
+            raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got {g.dtype} "
+                             f"{tuple(g.shape)}")
+        g.copy_(r)
+        out.append(g)
+    return tuple(out)

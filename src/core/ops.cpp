@@ -233,6 +233,70 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p) {
   return reference::sparse_prefill(p);
 }
 
+// ------------------------------------------------------------------ dense MHA prefill
+Status dense_prefill_plan(const DensePrefillParams& p, int64_t* workspace_bytes) {
+  if (workspace_bytes == nullptr) return Status::Error(ErrorKind::kValue, "workspace_bytes: the pointer is null");
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_inputs(p));
+  *workspace_bytes = 0;
+  if (p.q.device.type == DeviceType::kCUDA) {
+#ifdef FLASHMLA_WITH_CUDA
+    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_attn_varlen_func", p.q.device);
+    *workspace_bytes = sm90::dense_prefill_fwd_workspace_bytes(p);
+#else
+    return no_gpu_backend("flash_attn_varlen_func", p.q.device);
+#endif
+  }
+  return Status::Ok();
+}
+
+Status dense_prefill_fwd(const DensePrefillParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
+  int64_t ws = 0;
+  FLASHMLA_RETURN_IF_ERROR(dense_prefill_plan(p, &ws));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_outputs(p, ws));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
+  if (p.q.device.type != DeviceType::kCPU) {
+#ifdef FLASHMLA_WITH_CUDA
+    return sm90::dense_prefill_fwd(p);
+#else
+    return no_gpu_backend("flash_attn_varlen_func", p.q.device);
+#endif
+  }
+  return reference::dense_prefill_fwd(p);
+}
+
+Status dense_prefill_bwd_plan(const DensePrefillBwdParams& p, int64_t* workspace_bytes) {
+  if (workspace_bytes == nullptr) return Status::Error(ErrorKind::kValue, "workspace_bytes: the pointer is null");
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_bwd_inputs(p));
+  *workspace_bytes = 0;
+  if (p.fwd.q.device.type == DeviceType::kCUDA) {
+#ifdef FLASHMLA_WITH_CUDA
+    if (!sm90::device_supported(p.fwd.q.device.id))
+      return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
+    *workspace_bytes = sm90::dense_prefill_bwd_workspace_bytes(p);
+#else
+    return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
+#endif
+  }
+  return Status::Ok();
+}
+
+Status dense_prefill_bwd(const DensePrefillBwdParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
+  int64_t ws = 0;
+  FLASHMLA_RETURN_IF_ERROR(dense_prefill_bwd_plan(p, &ws));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_bwd_outputs(p, ws));
+  FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
+  if (p.fwd.q.device.type != DeviceType::kCPU) {
+#ifdef FLASHMLA_WITH_CUDA
+    return sm90::dense_prefill_bwd(p);
+#else
+    return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
+#endif
+  }
+  return reference::dense_prefill_bwd(p);
+}
+
 // ------------------------------------------------------------------ FP8 conversion
 Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_kv_quant_args(format, kv_bf16, packed));

@@ -169,6 +169,16 @@ std::vector<Named> tensors_of(const SparsePrefillParams& p) {
   return {{&p.q, "q"}, {&p.kv, "kv"}, {&p.indices, "indices"}, {&p.attn_sink, "attn_sink"},
           {&p.topk_length, "topk_length"}, {&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}};
 }
+std::vector<Named> tensors_of(const DensePrefillParams& p) {
+  return {{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.cu_seqlens_q, "cu_seqlens_q"}, {&p.cu_seqlens_k, "cu_seqlens_k"},
+          {&p.out, "out"}, {&p.lse, "lse"}};
+}
+std::vector<Named> tensors_of(const DensePrefillBwdParams& p) {
+  const DensePrefillParams& f = p.fwd;
+  return {{&f.q, "q"}, {&f.k, "k"}, {&f.v, "v"}, {&f.cu_seqlens_q, "cu_seqlens_q"},
+          {&f.cu_seqlens_k, "cu_seqlens_k"}, {&f.out, "out"}, {&f.lse, "lse"}, {&p.dout, "dout"},
+          {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}};
+}
 /// check_ref over an operator's arguments (absent ones, e.g. outputs not yet filled by a plan
 /// call, are skipped).
 template <typename Params>
@@ -542,6 +552,164 @@ Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   return Status::Ok();
 }
 
+// ------------------------------------------------------------------ dense MHA prefill
+namespace {
+/// (d_qk, d_v) pairs with kernels (FlashMLA's SM100 set, spec §1.5); the CPU reference takes the same.
+bool dense_prefill_dims_supported(int64_t d_qk, int64_t d_v) {
+  return (d_qk == 128 && d_v == 128) || (d_qk == 192 && d_v == 128);
+}
+
+/// cu_seqlens: (b + 1,) int32 cumulative lengths; on the CPU its values start at 0, never decrease,
+/// end at `total` (every row of q / k belongs to a request) and give lengths <= max_seqlen.
+Status check_cu_seqlens(const TensorRef& cu, const char* name, int64_t total, const char* total_what,
+                        int64_t max_seqlen, const char* max_name) {
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(cu, name, {DType::kInt32}));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(cu, name, 1, "(b + 1,)"));
+  if (cu.shape[0] < 2)
+    return value_error(cat(name, ": expected shape (b + 1,) with b >= 1 requests, got ", shape_string(cu)));
+  FLASHMLA_RETURN_IF_ERROR(check_contiguous(cu, name));
+  if (cu.device.type != DeviceType::kCPU || cu.data == nullptr) return Status::Ok();
+  const int32_t* v = host_i32(cu);
+  const int64_t b = cu.shape[0] - 1;
+  if (v[0] != 0) return value_error(cat(name, "[0] = ", v[0], ": cumulative lengths must start at 0"));
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t len = static_cast<int64_t>(v[i + 1]) - v[i];
+    if (len < 0)
+      return value_error(cat(name, ": cumulative lengths must not decrease, got ", name, "[", i, "] = ", v[i], " > ",
+                             name, "[", i + 1, "] = ", v[i + 1]));
+    if (len > max_seqlen)
+      return value_error(cat(name, ": request ", i, " has ", len, " tokens, more than ", max_name, " = ",
+                             max_seqlen));
+  }
+  if (v[b] != total)
+    return value_error(cat(name, "[b] = ", v[b], " must equal ", total_what, " = ", total,
+                           " (every row belongs to one request)"));
+  return Status::Ok();
+}
+
+/// One input tensor of the prefill: 3-D, q's dtype, last dim contiguous, no negative strides, q's device,
+/// 16-byte aligned on the GPU (TMA).
+Status check_prefill_tensor(const TensorRef& t, const char* name, const char* layout, const TensorRef& q) {
+  FLASHMLA_RETURN_IF_ERROR(require(t, name));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(t, name, 3, layout));
+  if (t.dtype != q.dtype)
+    return type_error(cat(name, ": expected the dtype of q (", dtype_name(q.dtype), "), got ", dtype_name(t.dtype)));
+  FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(t, name));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(t, name));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(t, name, q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_cuda_alignment(t, name));
+  return Status::Ok();
+}
+}  // namespace
+
+Status validate_dense_prefill_inputs(const DensePrefillParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 3, "(total_q, h_q, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16, DType::kFloat16}));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_tensor(p.q, "q", "(total_q, h_q, d_qk)", p.q));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_tensor(p.k, "k", "(total_k, h_kv, d_qk)", p.q));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_tensor(p.v, "v", "(total_k, h_kv, d_v)", p.q));
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
+  const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
+  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[1] must be > 0, got ", h_q));
+  if (h_kv <= 0) return value_error(cat("k: h_kv = k.shape[1] must be > 0, got ", h_kv));
+  if (p.k.shape[2] != d_qk)
+    return value_error(cat("k: last dim must equal q's head dim d_qk = ", d_qk, ", got shape ", shape_string(p.k)));
+  if (p.v.shape[0] != total_k || p.v.shape[1] != h_kv)
+    return value_error(cat("v: expected shape (", total_k, ", ", h_kv, ", d_v) to match k ", shape_string(p.k),
+                           ", got ", shape_string(p.v)));
+  if (h_q % h_kv != 0)
+    return value_error(cat("h_q % h_kv != 0: q has h_q = ", h_q, " heads, k has h_kv = ", h_kv,
+                           "; h_q must be a multiple of h_kv"));
+  if (!dense_prefill_dims_supported(d_qk, d_v))
+    return value_error(cat("q / v: no kernel for d_qk=", d_qk, " d_v=", d_v,
+                           "; dense MHA prefill supports (d_qk, d_v) = (128, 128) and (192, 128)"));
+  FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
+  if (p.max_seqlen_q < 0 || p.max_seqlen_q > std::numeric_limits<int32_t>::max())
+    return value_error(cat("max_seqlen_q: must be in [0, 2^31), got ", p.max_seqlen_q));
+  if (p.max_seqlen_k < 0 || p.max_seqlen_k > std::numeric_limits<int32_t>::max())
+    return value_error(cat("max_seqlen_k: must be in [0, 2^31), got ", p.max_seqlen_k));
+  if (total_q > std::numeric_limits<int32_t>::max() || total_k > std::numeric_limits<int32_t>::max())
+    return value_error(cat("q / k: total_q and total_k must be < 2^31 (cu_seqlens are int32), got ", total_q, " and ",
+                           total_k));
+  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_q, "cu_seqlens_q"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_k, "cu_seqlens_k"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_q, "cu_seqlens_q", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_k, "cu_seqlens_k", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(
+      check_cu_seqlens(p.cu_seqlens_q, "cu_seqlens_q", total_q, "total_q = q.shape[0]", p.max_seqlen_q, "max_seqlen_q"));
+  FLASHMLA_RETURN_IF_ERROR(
+      check_cu_seqlens(p.cu_seqlens_k, "cu_seqlens_k", total_k, "total_k = k.shape[0]", p.max_seqlen_k, "max_seqlen_k"));
+  if (p.cu_seqlens_k.shape[0] != p.cu_seqlens_q.shape[0])
+    return value_error(cat("cu_seqlens_k: expected shape (", p.cu_seqlens_q.shape[0], ",) like cu_seqlens_q (b + 1 = ",
+                           p.cu_seqlens_q.shape[0], "), got ", shape_string(p.cu_seqlens_k)));
+  return Status::Ok();
+}
+
+Status validate_dense_prefill_bwd_inputs(const DensePrefillBwdParams& p) {
+  FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
+  FLASHMLA_RETURN_IF_ERROR(validate_dense_prefill_inputs(p.fwd));
+  const TensorRef& q = p.fwd.q;
+  const int64_t total_q = q.shape[0], h_q = q.shape[1], d_v = p.fwd.v.shape[2];
+  // out and lse as the forward wrote them: read here.
+  FLASHMLA_RETURN_IF_ERROR(require(p.fwd.out, "out"));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_tensor(p.fwd.out, "out", "(total_q, h_q, d_v)", q));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.fwd.out, "out", {total_q, h_q, d_v}, "(total_q, h_q, d_v)"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.fwd.lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.fwd.lse, "lse", {DType::kFloat32}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.fwd.lse, "lse", {total_q, h_q}, "(total_q, h_q)"));
+  FLASHMLA_RETURN_IF_ERROR(check_strides(p.fwd.lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.fwd.lse, "lse", q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_tensor(p.dout, "dout", "(total_q, h_q, d_v)", q));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(p.dout, "dout", {total_q, h_q, d_v}, "(total_q, h_q, d_v)"));
+  return Status::Ok();
+}
+
+namespace {
+Status check_workspace(const void* workspace, int64_t given, int64_t needed) {
+  if (given < needed || (needed > 0 && workspace == nullptr))
+    return value_error(cat("workspace: ", needed, " bytes required, got ", given));
+  if (needed > 0 && reinterpret_cast<uintptr_t>(workspace) % 16 != 0)
+    return value_error("workspace: the pointer must be 16-byte aligned");
+  return Status::Ok();
+}
+
+/// A written prefill tensor: given shape and dtype, q's device, layout without overlaps, aligned on the GPU.
+Status check_prefill_output(const TensorRef& t, const char* name, std::initializer_list<int64_t> shape,
+                            const char* layout, DType dtype, const TensorRef& q) {
+  FLASHMLA_RETURN_IF_ERROR(require(t, name));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(t, name, {dtype}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(t, name, shape, layout));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(t, name, q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_output_layout(t, name));
+  if (dtype != DType::kFloat32) {  // (lse keeps any strides, e.g. FlashMLA's (1, total_q))
+    FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(t, name));
+    FLASHMLA_RETURN_IF_ERROR(check_cuda_alignment(t, name));
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Status validate_dense_prefill_outputs(const DensePrefillParams& p, int64_t workspace_bytes_needed) {
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_v = p.v.shape[2];
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.out, "out"}, {&p.lse, "lse"}}));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_output(p.out, "out", {total_q, h_q, d_v}, "(total_q, h_q, d_v)", p.q.dtype, p.q));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_output(p.lse, "lse", {total_q, h_q}, "(total_q, h_q)", DType::kFloat32, p.q));
+  return check_workspace(p.workspace, p.workspace_bytes, workspace_bytes_needed);
+}
+
+Status validate_dense_prefill_bwd_outputs(const DensePrefillBwdParams& p, int64_t workspace_bytes_needed) {
+  const TensorRef& q = p.fwd.q;
+  const int64_t total_q = q.shape[0], h_q = q.shape[1], d_qk = q.shape[2];
+  const int64_t total_k = p.fwd.k.shape[0], h_kv = p.fwd.k.shape[1], d_v = p.fwd.v.shape[2];
+  FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}}));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_output(p.dq, "dq", {total_q, h_q, d_qk}, "(total_q, h_q, d_qk)", q.dtype, q));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_output(p.dk, "dk", {total_k, h_kv, d_qk}, "(total_k, h_kv, d_qk)", q.dtype, q));
+  FLASHMLA_RETURN_IF_ERROR(check_prefill_output(p.dv, "dv", {total_k, h_kv, d_v}, "(total_k, h_kv, d_v)", q.dtype, q));
+  return check_workspace(p.workspace, p.workspace_bytes, workspace_bytes_needed);
+}
+
 // ------------------------------------------------------------------ outputs
 Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const TensorRef& lse, DType out_dtype,
                                const TensorRef& tsm, const TensorRef& num_splits, const DecodePlan& plan,
@@ -644,9 +812,13 @@ Status check_aliasing(const Params& p, size_t num_outputs, size_t num_metadata, 
 Status validate_data(const DenseDecodeParams& p) { return check_data(tensors_of(p)); }
 Status validate_data(const SparseDecodeParams& p) { return check_data(tensors_of(p)); }
 Status validate_data(const SparsePrefillParams& p) { return check_data(tensors_of(p)); }
+Status validate_data(const DensePrefillParams& p) { return check_data(tensors_of(p)); }
+Status validate_data(const DensePrefillBwdParams& p) { return check_data(tensors_of(p)); }
 Status validate_no_aliasing(const DenseDecodeParams& p) { return check_aliasing(p, 2, 2, p.metadata_ready); }
 Status validate_no_aliasing(const SparseDecodeParams& p) { return check_aliasing(p, 2, 2, p.metadata_ready); }
 Status validate_no_aliasing(const SparsePrefillParams& p) { return check_aliasing(p, 3, 0, true); }
+Status validate_no_aliasing(const DensePrefillParams& p) { return check_aliasing(p, 2, 0, true); }
+Status validate_no_aliasing(const DensePrefillBwdParams& p) { return check_aliasing(p, 3, 0, true); }
 Status validate_kv_quant_data(const TensorRef& kv_bf16, const TensorRef& packed, bool packed_is_output) {
   FLASHMLA_RETURN_IF_ERROR(check_data({{&kv_bf16, "kv_cache"}, {&packed, "packed"}}));
   const Named kv{&kv_bf16, "kv_cache"}, pk{&packed, "packed"};

@@ -29,4 +29,11 @@ Status sparse_decode(const SparseDecodeParams& p, int64_t num_sm_parts);
 /// Sparse prefill (`flash_mla_sparse_fwd`): one kernel, no workspace.
 Status sparse_prefill(const SparsePrefillParams& p);
 
+/// Dense MHA prefill (src/sm90/prefill/dense/). Inputs and outputs validated by the core;
+/// the GPU code may still return kValue for shapes it has no kernel for.
+int64_t dense_prefill_fwd_workspace_bytes(const DensePrefillParams& p);
+Status dense_prefill_fwd(const DensePrefillParams& p);
+int64_t dense_prefill_bwd_workspace_bytes(const DensePrefillBwdParams& p);
+Status dense_prefill_bwd(const DensePrefillBwdParams& p);
+
 }  // namespace flashmla::sm90

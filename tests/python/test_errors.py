@@ -311,22 +311,6 @@ def test_flash_mla_cuda_module_import():
         flash_mla.nonexistent  # noqa: B018
 
 
-# ----------------------------------------------------------------------------- dense prefill: not implemented
-
-
-@pytest.mark.parametrize("fn", ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
-                                "flash_attn_varlen_kvpacked_func"])
-def test_dense_prefill_not_implemented(fn):
-    q = np.zeros((8, 2, 128), np.float32).astype(BF16)
-    cu = np.array([0, 8], np.int32)
-    f = getattr(flash_mla, fn)
-    args = {"flash_attn_varlen_func": (q, q, q, cu, cu, 8, 8),
-            "flash_attn_varlen_qkvpacked_func": (np.concatenate([q] * 3, -1), cu, 8, 128),
-            "flash_attn_varlen_kvpacked_func": (q, np.concatenate([q] * 2, -1), cu, cu, 8, 8, 128)}[fn]
-    with pytest.raises(NotImplementedError, match=fn):
-        f(*args)
-
-
 def test_readonly_numpy_inputs_are_accepted(dense):
     """Read-only arrays (np.asarray of a JAX array, memory maps, broadcasts) are valid inputs."""
     ref = call_dense(dense)

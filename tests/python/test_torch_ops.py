@@ -27,7 +27,8 @@ if not _torch_ops.available():
         raise RuntimeError(f"torch.ops.flash_mla is required but unavailable: {_torch_ops.load_error()}")
     pytest.skip(f"torch.ops.flash_mla unavailable: {_torch_ops.load_error()}", allow_module_level=True)
 
-OPS = ["dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "quantize_kv_cache", "dequantize_kv_cache"]
+OPS = ["dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_fwd", "dense_prefill_bwd",
+       "quantize_kv_cache", "dequantize_kv_cache"]
 
 
 # ----------------------------------------------------------------------------- conversion helpers
@@ -188,9 +189,6 @@ def test_flash_mla_cuda_module_matches_public_api(rng):
         fc.sparse_prefill_fwd(T(p.q), p.kv, T(p.indices), p.sm_scale)
     with pytest.raises(TypeError, match=r"^softmax_scale: expected a float"):
         fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), None, c.causal)
-    for name in ("dense_prefill_fwd", "dense_prefill_bwd"):
-        with pytest.raises(NotImplementedError, match=name):
-            getattr(fc, name)()
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
@@ -262,6 +260,15 @@ def _op_samples(rng):
         "quantize_kv_cache": [(T(kv), torch.zeros_like(packed), 2)],
         "dequantize_kv_cache": [(packed, torch.empty(2, 8, 1, 576, dtype=torch.bfloat16), 2)],
     }
+    # Dense MHA prefill: bf16 MHA and fp16 GQA, varlen with an empty request, causal and not.
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+    for dt, h_kv, d_qk, causal in ((torch.bfloat16, 4, 192, True), (torch.float16, 2, 128, False)):
+        q, k, v = (torch.randn(n, h, d).to(dt) for n, h, d in ((8, 4, d_qk), (12, h_kv, d_qk), (12, h_kv, 128)))
+        fwd_args = (q, k, v, cu_q, cu_k, 5, 5, d_qk ** -0.5, causal)
+        samples.setdefault("dense_prefill_fwd", []).append(fwd_args)
+        out, lse = torch.ops.flash_mla.dense_prefill_fwd(*fwd_args)
+        samples.setdefault("dense_prefill_bwd", []).append(
+            (torch.randn(8, 4, 128).to(dt), q, k, v, out, lse, cu_q, cu_k, 5, 5, d_qk ** -0.5, causal))
     # Metadata passed back in (the CPU reuse path): outputs are fresh copies, never aliases.
     _, _, tsm, ns = torch.ops.flash_mla.dense_decode_fwd(*samples["dense_decode_fwd"][0])
     samples["dense_decode_fwd"].append(samples["dense_decode_fwd"][0][:7] + (tsm, ns))

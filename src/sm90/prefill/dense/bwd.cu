@@ -1,0 +1,673 @@
+// src/sm90/prefill/dense/bwd.cu — sm90 dense MHA prefill backward (the gradient of fwd.cu's
+// out; the gradient through lse is not propagated, as FlashMLA): dq, dk, dv for d_qk in {128, 192},
+// d_v 128, varlen, GQA (dk / dv summed over each kv head's query heads), causal, bf16 / fp16.
+//
+// Deterministic by construction: no atomics, every gradient element is accumulated by one thread in a
+// fixed order. Three kernels on the caller's stream:
+//  1. preprocess: per (query row, head) lse2 = lse * log2(e) (+inf for rows without a visible key, so
+//     their P is 0) and D = rowsum(dout * out) in fp32, into the workspace, per (request, head) padded
+//     to a multiple of 64 rows (padding: lse2 +inf, D 0);
+//  2. dq: one CTA per (128 query rows, query head, request), the forward's structure: the producer
+//     warpgroup streams K / V blocks of 64 keys; each consumer warpgroup (64 rows) computes
+//     S = Q K^T and dP = dO V^T (wgmma, shared-memory operands), P = exp2(S scale log2e - lse2),
+//     dS = P (dP - D), dQ += dS K (wgmma, dS from registers, K MN-major); dq = scale dQ;
+//  3. dkdv: one CTA per (128 keys, kv head, request); K / V stay in shared memory, the producer
+//     streams (Q, dO, lse2, D) blocks of 64 query rows over the group's query heads in order, then
+//     over the query blocks in order; each consumer warpgroup (64 keys) computes S^T = K Q^T,
+//     dP^T = V dO^T, P^T, dS^T and dV += P^T dO, dK += dS^T Q (wgmma, P^T / dS^T from registers,
+//     dO / Q MN-major); dk = scale dK.
+// dq is thus computed from its own recomputation of S and dP (7 GEMMs per block pair instead of 5)
+// in exchange for no dQ accumulator in global memory, no atomics and no ordering semaphores.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "sm90/common/host_utils.h"
+#include "sm90/prefill/dense/common.cuh"
+#include "sm90/prefill/dense/dense_prefill.h"
+#include "sm90/sm90.h"
+
+namespace flashmla::sm90 {
+namespace dense_prefill {
+
+constexpr int kBwdDV = 128;
+constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
+
+// ------------------------------------------------------------------------------------ preprocess
+// 256 threads: 16 rows x 16 threads, each thread 8 of the 128 d_v elements.
+template <class T>
+__global__ void __launch_bounds__(256) dense_prefill_bwd_preprocess_kernel(const KernelParams p) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int row = blockIdx.x * 16 + (threadIdx.x >> 4), l16 = threadIdx.x & 15;
+  if (row >= p.ws_rows) return;
+  float dsum = 0.f, lse2 = INFINITY;
+  if (row < sb.s_q) {
+    const int64_t qi = static_cast<int64_t>(sb.q0) + row;
+    const uint4 ov = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.out_in) + qi * p.o_row + h * p.o_head + l16 * 8);
+    const uint4 dv = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + qi * p.do_row + h * p.do_head + l16 * 8);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dsum += static_cast<float>(oe[i]) * static_cast<float>(de[i]);
+    const float lse = p.lse[qi * p.lse_row + h * p.lse_head];
+    lse2 = lse == -INFINITY ? INFINITY : lse * kLog2e;
+  }
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) dsum += __shfl_xor_sync(0xffffffffu, dsum, o);
+  if (l16 == 0) {
+    const int64_t w = (static_cast<int64_t>(b) * p.h_q + h) * p.ws_rows + row;
+    p.ws_lse2[w] = lse2;
+    p.ws_dsum[w] = dsum;
+  }
+}
+
+// ------------------------------------------------------------------------------------------- dq
+constexpr int kDqBM = 128, kDqBN = 64;
+
+template <int kD>
+struct DqSmem {
+  static constexpr int kQ = kDqBM * kD * 2;
+  static constexpr int kDO = kDqBM * kBwdDV * 2;
+  static constexpr int kK = kDqBN * kD * 2;
+  static constexpr int kV = kDqBN * kBwdDV * 2;
+  static constexpr int kStage = kK + kV;
+  static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
+  static constexpr int kBytes = 1024 + kQ + kDO + 2 * kStage + kBars;
+  static_assert(kBytes <= 232448, "shared memory");
+};
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const KernelParams p) {
+  using Smem = DqSmem<kD>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint32_t base;
+  smem_align_1024(smem_raw, base);
+  const uint32_t sQ = base, sDO = base + Smem::kQ;
+  const uint32_t sStage0 = sDO + Smem::kDO;
+  const uint32_t bar = sStage0 + 2 * Smem::kStage;
+  auto full_bar = [&](int s) { return bar + 8 * s; };
+  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
+  const uint32_t q_bar = bar + 32;
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
+  const int m0 = mblk * kDqBM;
+  if (m0 >= sb.s_q) return;
+  const int off = sb.s_k - sb.s_q;
+  int n_end = p.causal ? min(sb.s_k, m0 + kDqBM + off) : sb.s_k;
+  n_end = max(n_end, 0);
+  const int n_blocks = (n_end + kDqBN - 1) / kDqBN;
+  const int hk = h / p.group;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 256);
+    }
+    mbar_init(q_bar, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= 256) {  // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - 256;
+    const int64_t qi0 = static_cast<int64_t>(sb.q0) + m0;
+    load_tile<T, kDqBM, kD>(sQ, static_cast<const T*>(p.q) + qi0 * p.q_row + h * p.q_head, p.q_row, sb.s_q - m0, pt);
+    load_tile<T, kDqBM, kBwdDV>(sDO, static_cast<const T*>(p.dout) + qi0 * p.do_row + h * p.do_head, p.do_row,
+                                sb.s_q - m0, pt);
+    mbar_arrive_cp_async(q_bar);
+    const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
+    const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
+    for (int n = 0; n < n_blocks; ++n) {
+      const int stage = n & 1;
+      if (n >= 2) mbar_wait(empty_bar(stage), ((n >> 1) - 1) & 1);
+      const uint32_t sK = sStage0 + stage * Smem::kStage;
+      const int64_t r0 = static_cast<int64_t>(n) * kDqBN;
+      load_tile<T, kDqBN, kD>(sK, k + r0 * p.k_row, p.k_row, sb.s_k - n * kDqBN, pt);
+      load_tile<T, kDqBN, kBwdDV>(sK + Smem::kK, v + r0 * p.v_row, p.v_row, sb.s_k - n * kDqBN, pt);
+      mbar_arrive_cp_async(full_bar(stage));
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  int row[2];
+  row[0] = m0 + wg * 64 + warp * 16 + g;
+  row[1] = row[0] + 8;
+  float lse2[2], dsum[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int64_t w = (static_cast<int64_t>(b) * p.h_q + h) * p.ws_rows + row[e];
+    lse2[e] = row[e] < sb.s_q ? p.ws_lse2[w] : INFINITY;
+    dsum[e] = row[e] < sb.s_q ? p.ws_dsum[w] : 0.f;
+  }
+
+  float dq[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dq[i] = 0.f;
+
+  mbar_wait(q_bar, 0);
+  for (int n = 0; n < n_blocks; ++n) {
+    const int stage = n & 1;
+    const uint32_t sK = sStage0 + stage * Smem::kStage;
+    const uint32_t sV = sK + Smem::kK;
+    mbar_wait(full_bar(stage), (n >> 1) & 1);
+    gmma::fence_proxy_async();
+
+    float s[32], dp[32];
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      Wgmma<T, 64>::template ss<0, 0>(s, desc_k<kDqBM>(sQ, wg * 64, kk), desc_k<kDqBN>(sK, 0, kk), kk > 0 ? 1 : 0);
+#pragma unroll
+    for (int kk = 0; kk < kBwdDV / 16; ++kk)
+      Wgmma<T, 64>::template ss<0, 0>(dp, desc_k<kDqBM>(sDO, wg * 64, kk), desc_k<kDqBN>(sV, 0, kk), kk > 0 ? 1 : 0);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(s);
+    gmma::reg_fence(dp);
+
+    const int n0 = n * kDqBN;
+    const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
+        if (need_mask) {
+          const int col = n0 + 8 * i + 2 * tq + (e & 1);
+          const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
+          pr = vis ? pr : 0.f;
+        }
+        s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
+      }
+    }
+    uint32_t a[4][4];
+    pack_a<T, 64>(s, a);
+
+    gmma::reg_fence(dq);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(dq);
+    mbar_arrive(empty_bar(stage));
+  }
+
+  T* dqp = static_cast<T*>(p.dq);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (row[e] >= sb.s_q) continue;
+    T* r = dqp + (static_cast<int64_t>(sb.q0) + row[e]) * p.dq_row + h * p.dq_head;
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i)
+      *reinterpret_cast<uint32_t*>(r + 8 * i + 2 * tq) =
+          HalfTraits<T>::pack(dq[4 * i + 2 * e] * p.scale, dq[4 * i + 2 * e + 1] * p.scale);
+  }
+}
+
+// ----------------------------------------------------------------------------------------- dkdv
+constexpr int kKvBN = 128, kKvBM = 64;
+
+template <int kD>
+struct KvSmem {
+  static constexpr int kK = kKvBN * kD * 2;
+  static constexpr int kV = kKvBN * kBwdDV * 2;
+  static constexpr int kQ = kKvBM * kD * 2;
+  static constexpr int kDO = kKvBM * kBwdDV * 2;
+  static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
+  static constexpr int kStage = kQ + kDO + kVec;
+  static constexpr int kBars = 5 * 8;  // full[2], empty[2], kv_full
+  static constexpr int kBytes = 1024 + kK + kV + 2 * kStage + kBars;
+  static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
+  static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+  static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
+  static constexpr int kBytesAligned = 1024 + kK + kV + 2 * kStageAligned + kDS + kBars;
+  static_assert(kBytesAligned <= 232448, "shared memory");
+};
+
+/// kFusedDq (d_qk 128 only): the dq kernel's work done here as well. Per step the two warpgroups store dS^T
+/// to shared memory and each computes dQ_partial = dS K for 64 of the 128 dims (wgmma, both operands
+/// MN-major), then adds it to the fp32 dq accumulator in the workspace in a fixed order: the CTA of key
+/// block n waits until the (request, query head, query block)'s counter says that key blocks 0 .. n-1
+/// have added theirs (every earlier key block of the request adds to every query block this one adds to:
+/// causal starts are non-decreasing in n), adds, fences and increments the counter. The CTAs that it waits
+/// on come earlier in the grid (x = key block), so they are resident or done. A convert kernel then writes
+/// dq = scale * accumulator.
+template <class T, int kD, bool kFusedDq>
+__global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(const KernelParams p) {
+  static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
+  using Smem = KvSmem<kD>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint32_t base;
+  uint8_t* smem = smem_align_1024(smem_raw, base);
+  const uint32_t sK = base, sV = base + Smem::kK;
+  const uint32_t sStage0 = sV + Smem::kV;
+  const uint32_t sDS = sStage0 + 2 * Smem::kStageAligned;
+  const uint32_t bar = sDS + Smem::kDS;
+  auto full_bar = [&](int s) { return bar + 8 * s; };
+  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
+  const uint32_t kv_bar = bar + 32;
+
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int n0 = blockIdx.x * kKvBN;
+  if (n0 >= sb.s_k) return;
+  const int off = sb.s_k - sb.s_q;
+  // Query i sees key j iff j <= i + off: the first query block that sees key n0.
+  const int m_begin = p.causal ? min(max(n0 - off, 0), sb.s_q) / kKvBM : 0;
+  const int m_end = (sb.s_q + kKvBM - 1) / kKvBM;
+  const int m_count = max(m_end - m_begin, 0);
+  const int n_it = p.group * m_count;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 256);
+    }
+    mbar_init(kv_bar, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= 256) {  // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - 256;
+    const int64_t kr0 = static_cast<int64_t>(sb.k0) + n0;
+    load_tile<T, kKvBN, kD>(sK, static_cast<const T*>(p.k) + kr0 * p.k_row + hk * p.k_head, p.k_row, sb.s_k - n0, pt);
+    load_tile<T, kKvBN, kBwdDV>(sV, static_cast<const T*>(p.v) + kr0 * p.v_row + hk * p.v_head, p.v_row, sb.s_k - n0,
+                                pt);
+    mbar_arrive_cp_async(kv_bar);
+    for (int it = 0; it < n_it; ++it) {
+      const int stage = it & 1;
+      if (it >= 2) mbar_wait(empty_bar(stage), ((it >> 1) - 1) & 1);
+      const int hq = hk * p.group + it / m_count;
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
+      const int64_t qi0 = static_cast<int64_t>(sb.q0) + m0;
+      load_tile<T, kKvBM, kD>(sQ, static_cast<const T*>(p.q) + qi0 * p.q_row + hq * p.q_head, p.q_row, sb.s_q - m0, pt);
+      load_tile<T, kKvBM, kBwdDV>(sQ + Smem::kQ, static_cast<const T*>(p.dout) + qi0 * p.do_row + hq * p.do_head,
+                                  p.do_row, sb.s_q - m0, pt);
+      if (pt < 32) {  // lse2[64] then D[64]: 16 + 16 chunks of 16 bytes
+        const int64_t w = (static_cast<int64_t>(b) * p.h_q + hq) * p.ws_rows + m0 + (pt & 15) * 4;
+        const float* src = (pt < 16 ? p.ws_lse2 : p.ws_dsum) + w;
+        cp_async_16(sQ + Smem::kQ + Smem::kDO + pt * 16, src, true);
+      }
+      mbar_arrive_cp_async(full_bar(stage));
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  int krow[2];  // this thread's two keys (request-local)
+  krow[0] = n0 + wg * 64 + warp * 16 + g;
+  krow[1] = krow[0] + 8;
+
+  float dk[kD / 2], dv[kBwdDV / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dk[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBwdDV / 2; ++i) dv[i] = 0.f;
+
+  mbar_wait(kv_bar, 0);
+  for (int it = 0; it < n_it; ++it) {
+    const int stage = it & 1;
+    const int m0 = (m_begin + it % m_count) * kKvBM;
+    const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
+    const uint32_t sDO = sQ + Smem::kQ;
+    const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
+    mbar_wait(full_bar(stage), (it >> 1) & 1);
+    gmma::fence_proxy_async();
+
+    // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
+    // dK += dS^T Q. S^T and dP^T are never live together (d_qk 192: dK 96 + dV 64 accumulators).
+    const bool need_mask = p.causal && n0 + kKvBN - 1 > m0 + off;
+    uint32_t ap[4][4], as[4][4];
+    {
+      float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
+      gmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk), kk > 0 ? 1 : 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(st);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
+          float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
+          if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
+          st[4 * i + e] = pr;
+        }
+      }
+      pack_a<T, 64>(st, ap);
+    }
+    {
+      float dpt[32];  // dP^T
+      gmma::reg_fence(dv);
+      gmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+#pragma unroll
+      for (int kk = 0; kk < kBwdDV / 16; ++kk)
+        Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk), kk > 0 ? 1 : 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(dv);
+      gmma::reg_fence(dpt);
+      // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used).
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float p0, p1;
+          unpack2<T>(ap[kk][j], p0, p1);
+          const int i = 2 * kk + (j >> 1), e0 = (j & 1) * 2;
+          const int c = 8 * i + 2 * tq;
+          dpt[4 * i + e0] = p0 * (dpt[4 * i + e0] - vec[kKvBM + c]);
+          dpt[4 * i + e0 + 1] = p1 * (dpt[4 * i + e0 + 1] - vec[kKvBM + c + 1]);
+        }
+      }
+      pack_a<T, 64>(dpt, as);
+    }
+    if constexpr (kFusedDq) {
+      // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
+      uint8_t* ds = smem + (sDS - base);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
+          *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
+        }
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(1, 256);  // both halves of dS^T written
+    }
+    gmma::reg_fence(dk);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
+    gmma::commit();
+    if constexpr (kFusedDq) {
+      // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
+      float dqp[32];
+#pragma unroll
+      for (int kk = 0; kk < kKvBN / 16; ++kk)
+        Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
+                                        kk > 0 ? 1 : 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+      gmma::reg_fence(dqp);
+      const int hq = hk * p.group + it / m_count;
+      int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
+      if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
+        while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
+        }
+        __threadfence();
+      }
+      named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qrow = m0 + warp * 16 + g + 8 * e;
+        if (qrow >= sb.s_q) continue;
+        float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
+          atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
+        }
+      }
+      __threadfence();
+      named_barrier_sync(1, 256);
+      if (tid == 0) atomicAdd(sem, 1);
+    } else {
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+    }
+    mbar_arrive(empty_bar(stage));
+  }
+
+  T* dkp = static_cast<T*>(p.dk);
+  T* dvp = static_cast<T*>(p.dv);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (krow[e] >= sb.s_k) continue;
+    const int64_t kj = static_cast<int64_t>(sb.k0) + krow[e];
+    T* rk = dkp + kj * p.dk_row + hk * p.dk_head;
+    T* rv = dvp + kj * p.dv_row + hk * p.dv_head;
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i)
+      *reinterpret_cast<uint32_t*>(rk + 8 * i + 2 * tq) =
+          HalfTraits<T>::pack(dk[4 * i + 2 * e] * p.scale, dk[4 * i + 2 * e + 1] * p.scale);
+#pragma unroll
+    for (int i = 0; i < kBwdDV / 8; ++i)
+      *reinterpret_cast<uint32_t*>(rv + 8 * i + 2 * tq) = HalfTraits<T>::pack(dv[4 * i + 2 * e], dv[4 * i + 2 * e + 1]);
+  }
+}
+
+// dq = scale * dq_accum (fused-dQ schedule): one thread per pair of elements.
+template <class T, int kD>
+__global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const KernelParams p, int64_t total_q) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= total_q * p.h_q * (kD / 2)) return;
+  const int64_t rh = idx / (kD / 2);
+  const int c = static_cast<int>(idx % (kD / 2)) * 2;
+  const int64_t qi = rh / p.h_q;
+  const int hq = static_cast<int>(rh % p.h_q);
+  const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + rh * kD + c);
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + qi * p.dq_row + hq * p.dq_head + c) =
+      HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
+}
+
+template <class T, int kD, bool kFusedDq>
+cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
+                       int h_kv, int64_t fused_bytes, cudaStream_t stream, const char** failed) {
+  cudaError_t e = cudaSuccess;
+  if constexpr (kFusedDq) {
+    *failed = "cudaMemsetAsync (dq accumulator)";
+    e = cudaMemsetAsync(kp.dq_accum, 0, static_cast<size_t>(fused_bytes), stream);
+    if (e != cudaSuccess) return e;
+  }
+  if (max_seqlen_q > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
+    *failed = "dense_prefill_bwd_preprocess_kernel launch";
+    dense_prefill_bwd_preprocess_kernel<T><<<dim3(kp.ws_rows / 16, kp.h_q, b), 256, 0, stream>>>(kp);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    if constexpr (!kFusedDq) {
+      *failed = "dense_prefill_bwd_dq_kernel launch";
+      auto dq_kernel = dense_prefill_bwd_dq_kernel<T, kD>;
+      e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
+      if (e != cudaSuccess) return e;
+      dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
+                  stream>>>(kp);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+    }
+  }
+  if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
+    *failed = "dense_prefill_bwd_dkdv_kernel launch";
+    auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq>;
+    e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
+    if (e != cudaSuccess) return e;
+    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
+                KvSmem<kD>::kBytesAligned, stream>>>(kp);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if constexpr (kFusedDq) {
+    const int64_t pairs = total_q * kp.h_q * (kD / 2);
+    if (pairs > 0) {
+      *failed = "dense_prefill_bwd_dq_convert_kernel launch";
+      dense_prefill_bwd_dq_convert_kernel<T, kD><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
+      e = cudaGetLastError();
+    }
+  }
+  return e;
+}
+
+namespace {
+const char* const kBwdOp = "flash_attn_varlen_func backward";
+Status bwd_value_error(const std::string& what) { return value_error_status(kBwdOp, what); }
+bool pairs_ok(const TensorRef& t) {
+  if (t.stride[2] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  for (int i = 0; i < 2; ++i)
+    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
+  return true;
+}
+int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
+int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
+
+/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each; with the fused-dQ schedule then, 256-byte
+/// aligned, the fp32 dq accumulator (total_q, h_q, d_qk) and the (b, h_q, ws_rows / 64) int32 counters.
+struct WsLayout {
+  int64_t ws_rows = 0, vec_bytes = 0, accum_offset = 0, fused_bytes = 0, total = 0;
+};
+WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
+  const DensePrefillParams& p = bp.fwd;
+  WsLayout w;
+  const int64_t b = p.cu_seqlens_q.shape[0] - 1, h_q = p.q.shape[1];
+  if (b <= 0 || p.max_seqlen_q <= 0) return w;
+  w.ws_rows = ws_rows_for(p.max_seqlen_q);
+  w.vec_bytes = 2 * b * h_q * w.ws_rows * static_cast<int64_t>(sizeof(float));
+  w.total = w.vec_bytes;
+  if (fused) {
+    w.accum_offset = align256(w.vec_bytes);
+    const int64_t accum = align256(p.q.shape[0] * h_q * p.q.shape[2] * static_cast<int64_t>(sizeof(float)));
+    const int64_t sems = b * h_q * (w.ws_rows / kWsAlign) * static_cast<int64_t>(sizeof(int));
+    w.fused_bytes = accum + sems;
+    w.total = w.accum_offset + w.fused_bytes;
+  }
+  return w;
+}
+bool fused_applies(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+  return schedule == BwdSchedule::kFusedDq && bp.fwd.q.shape[2] == 128;
+}
+}  // namespace
+
+int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+  return ws_layout(bp, fused_applies(bp, schedule)).total;
+}
+
+Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+  const DensePrefillParams& p = bp.fwd;
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
+  const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
+  const int64_t b = p.cu_seqlens_q.shape[0] - 1;
+  if (b <= 0 || (total_q == 0 && total_k == 0)) return Status::Ok();
+  if (!((d_qk == 128 || d_qk == 192) && d_v == 128))
+    return bwd_value_error("no kernel for head_dim_qk=" + std::to_string(d_qk) + " head_dim_vo=" + std::to_string(d_v));
+  if (!rows_16b_aligned(p.q, 2) || !rows_16b_aligned(p.k, 2) || !rows_16b_aligned(p.v, 2) ||
+      !rows_16b_aligned(bp.dout, 2) || !rows_16b_aligned(p.out, 2))
+    return bwd_value_error("q, k, v, out and dout rows must start 16-byte aligned (strides multiples of 8 elements)");
+  if (!pairs_ok(bp.dq) || !pairs_ok(bp.dk) || !pairs_ok(bp.dv))
+    return bwd_value_error("dq, dk and dv must have even row / head strides and 4-byte aligned starts");
+  if (b > 65535 || h_q > 65535) return bwd_value_error("batch size and h_q must be <= 65535");
+  if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
+      total_k >= (int64_t{1} << 31))
+    return bwd_value_error("sequence lengths must be < 2^30");
+  const bool fused = fused_applies(bp, schedule);
+  const WsLayout ws = ws_layout(bp, fused);
+  if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
+    return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
+  if (reinterpret_cast<uintptr_t>(bp.workspace) % 16 != 0) return bwd_value_error("workspace must be 16-byte aligned");
+
+  KernelParams kp{};
+  kp.q = p.q.data;
+  kp.k = p.k.data;
+  kp.v = p.v.data;
+  kp.out_in = p.out.data;
+  kp.lse = static_cast<float*>(p.lse.data);
+  kp.dout = bp.dout.data;
+  kp.dq = bp.dq.data;
+  kp.dk = bp.dk.data;
+  kp.dv = bp.dv.data;
+  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
+  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_k.data);
+  kp.cu_q_stride = p.cu_seqlens_q.stride[0];
+  kp.cu_k_stride = p.cu_seqlens_k.stride[0];
+  kp.q_row = p.q.stride[0];
+  kp.q_head = p.q.stride[1];
+  kp.k_row = p.k.stride[0];
+  kp.k_head = p.k.stride[1];
+  kp.v_row = p.v.stride[0];
+  kp.v_head = p.v.stride[1];
+  kp.o_row = p.out.stride[0];
+  kp.o_head = p.out.stride[1];
+  kp.lse_row = p.lse.stride[0];
+  kp.lse_head = p.lse.stride[1];
+  kp.do_row = bp.dout.stride[0];
+  kp.do_head = bp.dout.stride[1];
+  kp.dq_row = bp.dq.stride[0];
+  kp.dq_head = bp.dq.stride[1];
+  kp.dk_row = bp.dk.stride[0];
+  kp.dk_head = bp.dk.stride[1];
+  kp.dv_row = bp.dv.stride[0];
+  kp.dv_head = bp.dv.stride[1];
+  kp.h_q = static_cast<int>(h_q);
+  kp.group = static_cast<int>(h_q / h_kv);
+  kp.causal = p.causal ? 1 : 0;
+  kp.scale = p.softmax_scale;
+  kp.scale_log2 = p.softmax_scale * kLog2e;
+  kp.ws_rows = static_cast<int>(ws.ws_rows);
+  uint8_t* wsb = static_cast<uint8_t*>(bp.workspace);
+  kp.ws_lse2 = reinterpret_cast<float*>(wsb);
+  kp.ws_dsum = kp.ws_lse2 + b * h_q * ws.ws_rows;
+  if (fused) {
+    kp.dq_accum = reinterpret_cast<float*>(wsb + ws.accum_offset);
+    kp.dq_sem = reinterpret_cast<int*>(wsb + ws.accum_offset +
+                                       align256(total_q * h_q * d_qk * static_cast<int64_t>(sizeof(float))));
+  }
+
+  DeviceGuard guard(p.q.device.id);
+  if (guard.error() != cudaSuccess) return cuda_error_status(kBwdOp, "cudaSetDevice", guard.error());
+  cudaStream_t stream = static_cast<cudaStream_t>(bp.stream);
+  const bool bf16 = p.q.dtype == DType::kBFloat16;
+  const char* failed = "";
+  const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
+  const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k, fb = ws.fused_bytes;
+  cudaError_t e;
+  if (d_qk == 128) {
+    if (fused)
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+    else
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+  } else {
+    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
+             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+  }
+  if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
+  return Status::Ok();
+}
+
+}  // namespace dense_prefill
+
+int64_t dense_prefill_bwd_workspace_bytes(const DensePrefillBwdParams& bp) {
+  return dense_prefill::bwd_workspace_bytes_with_schedule(bp, dense_prefill::kBwdSchedule);
+}
+
+Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
+  return dense_prefill::bwd_with_schedule(bp, dense_prefill::kBwdSchedule);
+}
+
+}  // namespace flashmla::sm90

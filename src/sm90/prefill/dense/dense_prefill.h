@@ -1,0 +1,33 @@
+// src/sm90/prefill/dense/dense_prefill.h — host-side internals of the sm90 dense MHA prefill shared
+// between the launchers and the standalone GPU check (tools/dense_prefill_check/shim.cpp). Not public API.
+#pragma once
+
+#include "flashmla/ops.h"
+
+namespace flashmla::sm90::dense_prefill {
+
+/// Forward schedules (fwd.cu): kSerial = per key block S, softmax, P V one after the other;
+/// kOverlap = S of block n issued with P V of block n - 1, softmax under that P V; kPingpong = kOverlap
+/// with the two consumer warpgroups taking turns to issue their GEMMs; kPingpongTma = kPingpong with K / V
+/// loaded by TMA instead of the producer warpgroup's cp.async (kPingpong where no tensor map can be made).
+enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma };
+/// The schedule dense_prefill_fwd uses (kSerial until kOverlap has passed the GPU check on an H200).
+constexpr FwdSchedule kFwdSchedule = FwdSchedule::kSerial;
+
+/// dense_prefill_fwd with a given schedule (the GPU check times and verifies both).
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
+
+/// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
+/// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk
+/// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
+/// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
+enum class BwdSchedule { kTwoKernel, kFusedDq };
+/// The schedule dense_prefill_bwd uses (kTwoKernel until kFusedDq has passed the GPU check on an H200).
+constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernel;
+
+/// Workspace bytes of dense_prefill_bwd with a given schedule.
+int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
+/// dense_prefill_bwd with a given schedule (the GPU check verifies and times both).
+Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
+
+}  // namespace flashmla::sm90::dense_prefill

@@ -1,0 +1,476 @@
+// src/sm90/prefill/dense/fwd.cu — sm90 dense MHA prefill forward (`flash_attn_varlen_func`, spec §1.5,
+// §2.5): out = softmax(q k^T * scale [+ bottom-right causal mask]) v and lse (natural log) per query
+// row and head, varlen (cu_seqlens), GQA, bf16 / fp16, d_qk in {128, 192}, d_v 128.
+//
+// One CTA per (128-row query tile, query head, request); 384 threads, warp-specialised:
+//   producer warpgroup 2: cp.async of the Q tile once, then K / V blocks of 128 keys into a
+//     two-stage ring (mbarriers "full" per stage, released through "empty");
+//   consumer warpgroups 0 / 1: 64 query rows each; per key block S = Q K^T (wgmma m64n128k16, both
+//     operands from shared memory), mask, online softmax in base 2, O += P V (wgmma m64n128k16 with P
+//     from registers, V MN-major). The two consumer warpgroups run independently, so one's softmax
+//     overlaps the other's GEMMs on the tensor cores.
+// The running max moves lazily (seesaw::lazy_max): P <= 2^8, O / l rescaled only when it moves.
+// Rows with no visible key give out 0 and lse -inf; NaN in q or a visible k / v row reaches that
+// row's out and lse (fmaxf skips NaN in the max, the NaN then flows through P, l and O).
+// Causal grids run their query tiles last-to-first so the longest CTAs start first.
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "sm90/common/host_utils.h"
+#include "sm90/prefill/dense/common.cuh"
+#include "sm90/prefill/dense/dense_prefill.h"
+#include "sm90/sm90.h"
+
+namespace flashmla::sm90 {
+namespace dense_prefill {
+
+constexpr int kFwdBM = 128, kFwdBN = 128, kDV = 128;
+
+template <int kD>
+struct FwdSmem {
+  static constexpr int kQ = kFwdBM * kD * 2;
+  static constexpr int kK = kFwdBN * kD * 2;
+  static constexpr int kV = kFwdBN * kDV * 2;
+  static constexpr int kStage = kK + kV;
+  static constexpr int kBars = 9 * 8;  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full
+  static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars;
+  static_assert(kBytes <= 232448, "shared memory");
+};
+
+/// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
+/// two rows per thread): scale to base 2, mask invisible keys to -inf (need_mask), move the running max
+/// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
+/// (the thread's partial row sums; reduced over the quad in the epilogue).
+__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
+                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
+                                             float (&l)[2], float (&sc)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * i + e] * scale_log2;
+      if (need_mask) {
+        const int col = n0 + 8 * i + 2 * tq + (e & 1);
+        const bool vis = col < s_k && (!causal || col <= row[e >> 1] + off);
+        x = vis ? x : -INFINITY;
+      }
+      s[4 * i + e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);  // fmaxf skips NaN: a NaN score flows on through P and l
+    }
+  }
+  seesaw::quad_rowmax(mx);
+  float m_use[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float m_new = seesaw::lazy_max(m_run[e], mx[e]);
+    m_use[e] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, no NaN
+    sc[e] = exp2f(m_run[e] - m_use[e]);
+    m_run[e] = m_new;
+    l[e] *= sc[e];
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[4 * i + e] = exp2f(s[4 * i + e] - m_use[e >> 1]);
+      l[e >> 1] += s[4 * i + e];
+    }
+  }
+}
+
+__device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    o[4 * i + 0] *= sc[0];
+    o[4 * i + 1] *= sc[0];
+    o[4 * i + 2] *= sc[1];
+    o[4 * i + 3] *= sc[1];
+  }
+}
+
+/// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
+/// kOverlap = true (FlashAttention-3's intra-warpgroup pipelining, our own code): S_n = Q K_n^T is issued
+/// together with O += P_{n-1} V_{n-1}, and the softmax of block n runs while that P V is on the tensor
+/// cores; O is rescaled once the P V has landed. K and V have separate full / empty barriers, so K_{n+1}
+/// streams in as soon as S_{n-1} is done.
+/// kPingpong (with kOverlap; FlashAttention-3's inter-warpgroup scheduling, our own code): the two consumer
+/// warpgroups take turns to issue their GEMMs of a step (named barriers 2 and 3: a warpgroup syncs on its
+/// own before issuing and arrives on the other's after), so one's softmax runs under the other's GEMMs.
+/// Warpgroup 0 goes first (warpgroup 1 arrives once up front and not after its last step, so that every
+/// arrival meets a sync).
+/// kTma: K / V blocks come by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows,
+/// 128B swizzle = the tile layout), one producer thread issuing them; rows past total_k are zero-filled, rows
+/// past the request's end (the next request's) are loaded: masked in S (-> -inf, P = 0), zeroed in V by the
+/// consumers (zero_v_tail). Without kTma the producer warpgroup copies with cp.async and zero-fills every row
+/// past the request's end; the maps are unused.
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
+                             const __grid_constant__ CUtensorMap tmap_v) {
+  static_assert(kOverlap || !kPingpong, "pingpong needs the overlapped schedule");
+  using Smem = FwdSmem<kD>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint32_t base;
+  smem_align_1024(smem_raw, base);
+  const uint32_t sQ = base;
+  auto sK = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage; };
+  auto sV = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage + Smem::kK; };
+  const uint32_t bar = base + Smem::kQ + 2 * Smem::kStage;
+  auto k_full = [&](int s) { return bar + 8 * s; };
+  auto k_empty = [&](int s) { return bar + 16 + 8 * s; };
+  auto v_full = [&](int s) { return bar + 32 + 8 * s; };
+  auto v_empty = [&](int s) { return bar + 48 + 8 * s; };
+  const uint32_t q_bar = bar + 64;
+
+  const int b = blockIdx.z, h = blockIdx.y;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
+  const int m0 = mblk * kFwdBM;
+  if (m0 >= sb.s_q) return;
+  const int off = sb.s_k - sb.s_q;  // key j visible to query i iff j <= i + off (causal)
+  int n_end = p.causal ? min(sb.s_k, m0 + kFwdBM + off) : sb.s_k;
+  n_end = max(n_end, 0);
+  const int n_blocks = (n_end + kFwdBN - 1) / kFwdBN;
+  const int hk = h / p.group;
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(k_full(s), kTma ? 1 : 128);
+      mbar_init(k_empty(s), 256);
+      mbar_init(v_full(s), kTma ? 1 : 128);
+      mbar_init(v_empty(s), 256);
+    }
+    mbar_init(q_bar, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (tid >= 256) {  // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<kProducerRegs>();
+    const int pt = tid - 256;
+    const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(sb.q0) + m0) * p.q_row + h * p.q_head;
+    load_tile<T, kFwdBM, kD>(sQ, q, p.q_row, sb.s_q - m0, pt);
+    mbar_arrive_cp_async(q_bar);
+    if constexpr (kTma) {
+      if (pt == 0) {
+        for (int n = 0; n < n_blocks; ++n) {
+          const int stage = n & 1, row = sb.k0 + n * kFwdBN;
+          if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
+          mbar_arrive_expect_tx(k_full(stage), Smem::kK);
+#pragma unroll
+          for (int c = 0; c < kD / 64; ++c)
+            tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, hk, row);
+          if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
+          mbar_arrive_expect_tx(v_full(stage), Smem::kV);
+#pragma unroll
+          for (int c = 0; c < kDV / 64; ++c)
+            tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, v_full(stage), c * 64, hk, row);
+        }
+      }
+    } else {
+      const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
+      const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
+      for (int n = 0; n < n_blocks; ++n) {
+        const int stage = n & 1;
+        const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
+        if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
+        load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
+        mbar_arrive_cp_async(k_full(stage));
+        if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
+        load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
+        mbar_arrive_cp_async(v_full(stage));
+      }
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  int row[2];  // this thread's two query rows (request-local indices)
+  row[0] = m0 + wg * 64 + warp * 16 + g;
+  row[1] = row[0] + 8;
+  const bool causal = p.causal != 0;
+
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  auto need_mask = [&](int n) {
+    return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
+  };
+  auto issue_s = [&](float (&s)[64], int stage) {
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK(stage), 0, kk),
+                                       kk > 0 ? 1 : 0);
+  };
+  // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
+  // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
+  // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
+  // wgmma (fence.proxy.async + a barrier of its 128 threads).
+  auto zero_v_tail = [&](int stage, int nb) {
+    if constexpr (kTma) {
+      const int r0 = sb.s_k - nb * kFwdBN;
+      if (r0 < kFwdBN) {
+        uint8_t* tile = smem_raw + (sV(stage) - smem_u32(smem_raw));
+        for (int idx = (tid & 127); idx < (kFwdBN - r0) * (kDV / 8); idx += 128)
+          *reinterpret_cast<uint4*>(tile + tile_off<kFwdBN>(r0 + idx / (kDV / 8), idx % (kDV / 8))) =
+              make_uint4(0u, 0u, 0u, 0u);
+        gmma::fence_proxy_async();
+        named_barrier_sync(4 + wg, 128);
+      }
+    }
+  };
+  auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
+  };
+
+  mbar_wait(q_bar, 0);
+  if constexpr (!kOverlap) {
+    for (int n = 0; n < n_blocks; ++n) {
+      const int stage = n & 1;
+      mbar_wait(k_full(stage), (n >> 1) & 1);
+      gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+      float s[64];
+      gmma::fence();
+      issue_s(s, stage);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(stage));
+      float sc[2];
+      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      scale_rows(o, sc);
+      uint32_t a[8][4];
+      pack_a<T, 128>(s, a);
+      mbar_wait(v_full(stage), (n >> 1) & 1);
+      gmma::fence_proxy_async();
+      gmma::reg_fence(o);
+      gmma::fence();
+      issue_pv(a, stage);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      mbar_arrive(v_empty(stage));
+    }
+  } else if (n_blocks > 0) {
+    uint32_t a[8][4];  // P of the previous block, the A operand of its P V
+    {
+      float s[64], sc[2];
+      mbar_wait(k_full(0), 0);
+      gmma::fence_proxy_async();
+      gmma::fence();
+      issue_s(s, 0);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(0));
+      softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      pack_a<T, 128>(s, a);  // O is still 0: no rescale
+    }
+    if (kPingpong && wg == 1 && n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
+    for (int n = 1; n < n_blocks; ++n) {
+      const int stage = n & 1, pstage = stage ^ 1;
+      float s[64], sc[2];
+      mbar_wait(k_full(stage), (n >> 1) & 1);
+      mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
+      zero_v_tail(pstage, n - 1);
+      gmma::fence_proxy_async();
+      if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
+      gmma::reg_fence(o);
+      gmma::fence();
+      issue_s(s, stage);
+      gmma::commit();
+      issue_pv(a, pstage);
+      gmma::commit();
+      if constexpr (kPingpong) {
+        if (!(wg == 1 && n == n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
+      }
+      gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
+      gmma::reg_fence(s);
+      mbar_arrive(k_empty(stage));
+      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      mbar_arrive(v_empty(pstage));
+      scale_rows(o, sc);
+      pack_a<T, 128>(s, a);
+    }
+    const int last = (n_blocks - 1) & 1;
+    mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
+    zero_v_tail(last, n_blocks - 1);
+    gmma::fence_proxy_async();
+    gmma::reg_fence(o);
+    gmma::fence();
+    issue_pv(a, last);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(o);
+    mbar_arrive(v_empty(last));
+  }
+
+  // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+  }
+  T* out = static_cast<T*>(p.out);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (row[e] >= sb.s_q) continue;
+    const float inv = l[e] == 0.f ? 0.f : 1.f / l[e];
+    const int64_t qi = static_cast<int64_t>(sb.q0) + row[e];
+    T* orow = out + qi * p.o_row + h * p.o_head;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = 8 * i + 2 * tq;
+      *reinterpret_cast<uint32_t*>(orow + col) =
+          HalfTraits<T>::pack(o[4 * i + 2 * e] * inv, o[4 * i + 2 * e + 1] * inv);
+    }
+    if (tq == 0) {
+      const float m = m_run[e] == -INFINITY ? 0.f : m_run[e];
+      p.lse[qi * p.lse_row + h * p.lse_head] = l[e] == 0.f ? -INFINITY : (m + log2f(l[e])) * kLn2;
+    }
+  }
+}
+
+template <class T, int kD, FwdSchedule kSchedule>
+cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v, int m_tiles,
+                       int b, cudaStream_t stream) {
+  constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kSchedule == FwdSchedule::kPingpongTma;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing,
+                                         kSchedule == FwdSchedule::kPingpongTma>;
+  cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
+  if (e != cudaSuccess) return e;
+  kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v);
+  return cudaGetLastError();
+}
+
+/// The (d, h, rows) tensor map of k or v with 64 x 1 x 128 boxes, 128B swizzle; false when the driver entry
+/// point is missing or the layout does not allow one (the caller then takes the cp.async producer).
+bool make_kv_map(const TensorRef& t, CUtensorMap* map) {
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr || t.shape[0] <= 0 || t.shape[0] > 0xFFFFFFFFLL) return false;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.stride[2] != 1) return false;
+  for (int i = 0; i < 2; ++i)
+    if (t.stride[i] <= 0 || (t.stride[i] * 2) % 16 != 0 || t.stride[i] * 2 >= (int64_t{1} << 40)) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.shape[2]), static_cast<cuuint64_t>(t.shape[1]),
+                              static_cast<cuuint64_t>(t.shape[0])};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.stride[1] * 2), static_cast<cuuint64_t>(t.stride[0] * 2)};
+  const cuuint32_t box[3] = {64, 1, kFwdBN};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  std::memset(map, 0, sizeof(*map));
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.data), dims, strides, box, estr,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+}  // namespace dense_prefill
+
+namespace {
+Status fwd_value_error(const std::string& what) { return value_error_status("flash_attn_varlen_func", what); }
+/// Last dim contiguous, other strides even and base 4-byte aligned: the epilogue's 2-element stores.
+bool pairs_ok(const TensorRef& t) {
+  if (t.stride[2] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  for (int i = 0; i < 2; ++i)
+    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
+  return true;
+}
+}  // namespace
+
+int64_t dense_prefill_fwd_workspace_bytes(const DensePrefillParams&) { return 0; }
+
+Status dense_prefill_fwd(const DensePrefillParams& p) {
+  return dense_prefill::fwd_with_schedule(p, dense_prefill::kFwdSchedule);
+}
+
+namespace dense_prefill {
+
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
+  const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
+  const int64_t h_kv = p.k.shape[1], d_v = p.v.shape[2];
+  const int64_t b = p.cu_seqlens_q.shape[0] - 1;
+  if (total_q == 0 || b <= 0 || p.max_seqlen_q <= 0) return Status::Ok();
+  if (!((d_qk == 128 || d_qk == 192) && d_v == 128))
+    return fwd_value_error("no kernel for head_dim_qk=" + std::to_string(d_qk) + " head_dim_vo=" + std::to_string(d_v));
+  if (!rows_16b_aligned(p.q, 2) || !rows_16b_aligned(p.k, 2) || !rows_16b_aligned(p.v, 2))
+    return fwd_value_error("q, k and v rows must start 16-byte aligned (strides multiples of 8 elements)");
+  if (!pairs_ok(p.out)) return fwd_value_error("out must have an even row / head stride and a 4-byte aligned start");
+  if (b > 65535 || h_q > 65535) return fwd_value_error("batch size and h_q must be <= 65535");
+  if (p.max_seqlen_q > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) || p.k.shape[0] >= (int64_t{1} << 31))
+    return fwd_value_error("sequence lengths must be < 2^31");
+
+  KernelParams kp{};
+  kp.q = p.q.data;
+  kp.k = p.k.data;
+  kp.v = p.v.data;
+  kp.out = p.out.data;
+  kp.lse = static_cast<float*>(p.lse.data);
+  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
+  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_k.data);
+  kp.cu_q_stride = p.cu_seqlens_q.stride[0];
+  kp.cu_k_stride = p.cu_seqlens_k.stride[0];
+  kp.q_row = p.q.stride[0];
+  kp.q_head = p.q.stride[1];
+  kp.k_row = p.k.stride[0];
+  kp.k_head = p.k.stride[1];
+  kp.v_row = p.v.stride[0];
+  kp.v_head = p.v.stride[1];
+  kp.o_row = p.out.stride[0];
+  kp.o_head = p.out.stride[1];
+  kp.lse_row = p.lse.stride[0];
+  kp.lse_head = p.lse.stride[1];
+  kp.h_q = static_cast<int>(h_q);
+  kp.group = static_cast<int>(h_q / h_kv);
+  kp.causal = p.causal ? 1 : 0;
+  kp.scale = p.softmax_scale;
+  kp.scale_log2 = p.softmax_scale * kLog2e;
+
+  DeviceGuard guard(p.q.device.id);
+  if (guard.error() != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "cudaSetDevice", guard.error());
+  const int m_tiles = static_cast<int>((p.max_seqlen_q + kFwdBM - 1) / kFwdBM);
+  cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  const bool bf16 = p.q.dtype == DType::kBFloat16;
+  const int bi = static_cast<int>(b);
+  CUtensorMap tmap_k, tmap_v;
+  std::memset(&tmap_k, 0, sizeof(tmap_k));
+  std::memset(&tmap_v, 0, sizeof(tmap_v));
+  if (schedule == FwdSchedule::kPingpongTma && !(make_kv_map(p.k, &tmap_k) && make_kv_map(p.v, &tmap_v)))
+    schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
+  cudaError_t e;
+  auto launch = [&](auto t, auto d) {
+    using TT = decltype(t);
+    constexpr int kDD = decltype(d)::value;
+    switch (schedule) {
+      case FwdSchedule::kOverlap:
+        return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      case FwdSchedule::kPingpong:
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      case FwdSchedule::kPingpongTma:
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+    }
+  };
+  using D128 = std::integral_constant<int, 128>;
+  using D192 = std::integral_constant<int, 192>;
+  if (d_qk == 128)
+    e = bf16 ? launch(__nv_bfloat16{}, D128{}) : launch(__half{}, D128{});
+  else
+    e = bf16 ? launch(__nv_bfloat16{}, D192{}) : launch(__half{}, D192{});
+  if (e != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "dense_prefill_fwd_kernel launch", e);
+  return Status::Ok();
+}
+
+}  // namespace dense_prefill
+}  // namespace flashmla::sm90

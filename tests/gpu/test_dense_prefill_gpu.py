@@ -1,0 +1,307 @@
+"""Dense MHA prefill (flash_attn_varlen_func, forward and backward) on the Hopper backend.
+
+1. FlashMLA's test plan (tests/test_fmha_sm100.py, spec §5.5): the 32 configurations
+   b = 2 x (mean_sq, mean_sk) in {(4096, 4096), (8192, 8192)} x varlen {F, T} x (h, h_k) in
+   {(128, 128), (32, 4)} x (d, dv) in {(128, 128), (192, 128)} x causal {F, T}; seed 0, varlen
+   lengths max(normalvariate(m, m/2), 1) for q and max(normalvariate(m, m/2), len_q) for k,
+   q / k / v / grad randn/10 bf16, softmax_scale (d + 100) ** -0.5. Against a float32 reference
+   (inputs upcast, explicit softmax, autograd for the gradients) with §5.5's tolerances: out and
+   dq / dk / dv abs 1e-3, rel 8.01/128, cos 7e-6; lse abs 1e-6, rel 2.01/65536. As FlashMLA, the
+   8192 configurations with h = 128 skip the correctness check (their determinism is still
+   checked). Beyond FlashMLA the backward runs for GQA (h 32, h_k 4) too.
+   Determinism (as §5.5): 5 further forwards give out and lse bitwise equal to the first; 5
+   further backwards give dk and dv (and dq: our contract, ops.h) bitwise equal.
+2. Short, ragged and empty cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests
+   (s_q = 0 and s_k = 0), causal rows without a visible key (out 0, lse -inf, zero gradients),
+   bf16 and fp16, GQA, both head-dim pairs, packed variants, is_varlen=False, NaN propagation.
+
+Outputs are poisoned the only way the op's own allocations can be: a NaN-filled block is freed
+into torch's caching allocator right before each call, so the op's outputs come out of it;
+any element the kernels do not write stays NaN and fails the NaN-position check.
+FLASHMLA_DENSE_PREFILL_TEST_DEVICE=cpu dry-runs the functions below on the CPU reference backend.
+"""
+
+import math
+import os
+import random
+import zlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import flash_mla  # noqa: E402
+from torch_reference import check_close  # noqa: E402  (spec §5.1 comparator)
+
+OUT_TOL = dict(abs_tol=1e-3, rel_tol=8.01 / 128, cos_tol=7e-6)
+LSE_TOL = dict(abs_tol=1e-6, rel_tol=2.01 / 65536, cos_tol=1e-7)
+REF_SCORES = 1 << 28
+# Device of the answers under test; "cpu" only dry-runs this file's logic on the reference backend.
+DEV = os.environ.get("FLASHMLA_DENSE_PREFILL_TEST_DEVICE", "cuda")  # float32 score elements per reference chunk (1 GiB)
+
+
+# ----------------------------------------------------------------------------- reference
+def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
+    """float32 reference, request by request and in chunks of query heads (bounded memory):
+    (out float32, lse float32, dq, dk, dv in q's dtype); gradients by autograd of the explicit
+    softmax attention (bottom-right causal mask; GQA by repeat_interleave), as FlashMLA's sdpa."""
+    total_q, h_q, _ = q.shape
+    h_k = k.shape[1]
+    g = h_q // h_k
+    out = torch.zeros(total_q, h_q, v.shape[2], dtype=torch.float32, device=q.device)
+    lse = torch.full((total_q, h_q), -math.inf, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        s_q, s_k = q1 - q0, k1 - k0
+        if s_q == 0 or s_k == 0:
+            continue
+        bias = torch.zeros(s_q, s_k, device=q.device)
+        has_keys = torch.ones(s_q, dtype=torch.bool, device=q.device)
+        if causal:
+            keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
+            has_keys = keep.any(-1)
+            # Rows without a visible key: unmasked here (a finite softmax) and zeroed below.
+            bias.masked_fill_(~keep & has_keys[:, None], -math.inf)
+        heads = max(1, min(h_q, REF_SCORES // (s_q * s_k)))
+        for h0 in range(0, h_q, heads):
+            h1 = min(h_q, h0 + heads)
+            kh = torch.arange(h0, h1, device=q.device) // g
+            qc = q[q0:q1, h0:h1].float().transpose(0, 1).contiguous().requires_grad_()
+            kc = k[k0:k1].float().transpose(0, 1)[kh].contiguous().requires_grad_()
+            vc = v[k0:k1].float().transpose(0, 1)[kh].contiguous().requires_grad_()
+            x = qc @ kc.transpose(-1, -2) * scale + bias
+            l = torch.where(has_keys, x.logsumexp(-1), -math.inf)
+            p = torch.softmax(x, -1) * has_keys[:, None]  # rows without keys: out 0, no gradient
+            o = p @ vc
+            o.backward(dout[q0:q1, h0:h1].float().transpose(0, 1))
+            out[q0:q1, h0:h1] = o.detach().transpose(0, 1)
+            lse[q0:q1, h0:h1] = l.detach().transpose(0, 1)
+            dq[q0:q1, h0:h1] = qc.grad.transpose(0, 1)
+            dk[k0:k1].index_add_(1, kh, kc.grad.transpose(0, 1))
+            dv[k0:k1].index_add_(1, kh, vc.grad.transpose(0, 1))
+            del x, p, o
+    return out, lse, dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+
+
+# ----------------------------------------------------------------------------- helpers
+def poison_allocator(nbytes):
+    """Free a NaN-filled block of `nbytes` into the caching allocator (see the module docstring)."""
+    block = torch.full((max(nbytes // 4, 1),), float("nan"), dtype=torch.float32, device=DEV)
+    del block
+
+
+def run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, **kw):
+    poison_allocator((q.shape[0] * q.shape[1] * (v.shape[2] * q.element_size() + 4)) + (1 << 20))
+    return flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+                                            **kw)
+
+
+def run_bwd(out, dout, q, k, v):
+    for t in (q, k, v):
+        t.grad = None
+    poison_allocator((q.numel() + k.numel() + v.numel()) * q.element_size() + (1 << 20))
+    out.backward(dout, retain_graph=True)
+    return q.grad.clone(), k.grad.clone(), v.grad.clone()
+
+
+def make_lengths(b, mean_sq, mean_sk, varlen):
+    seqlens_q = [mean_sq] * b
+    seqlens_k = [mean_sk] * b
+    if varlen:
+        for i in range(b):
+            seqlens_q[i] = int(max(random.normalvariate(mean_sq, mean_sq / 2), 1))
+        for i in range(b):
+            seqlens_k[i] = int(max(random.normalvariate(mean_sk, mean_sk / 2), seqlens_q[i]))
+    return seqlens_q, seqlens_k
+
+
+def cumulative(lengths):
+    return torch.tensor([0] + list(lengths), dtype=torch.int32, device=DEV).cumsum(0, dtype=torch.int32)
+
+
+def check_case(seqlens_q, seqlens_k, h, h_k, d, dv, causal, dtype=torch.bfloat16, has_bwd=True, correctness=True,
+               repeats=5, varlen=True, scale=None, data_scale=0.1):
+    cu_q, cu_k = cumulative(seqlens_q), cumulative(seqlens_k)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    max_q, max_k = max(seqlens_q), max(seqlens_k)
+    q = (torch.randn(total_q, h, d, device=DEV) * data_scale).to(dtype)
+    k = (torch.randn(total_k, h_k, d, device=DEV) * data_scale).to(dtype)
+    v = (torch.randn(total_k, h_k, dv, device=DEV) * data_scale).to(dtype)
+    dout = (torch.randn(total_q, h, dv, device=DEV) * data_scale).to(dtype)
+    scale = (d + 100) ** -0.5 if scale is None else scale
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max_q, max_k, scale, causal, is_varlen=varlen)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert lse.shape == (total_q, h) and lse.stride() == (1, total_q)
+    grads = run_bwd(out, dout, q1, k1, v1) if has_bwd else None
+    if correctness:
+        ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference(q, k, v, cu_q, cu_k, scale, causal, dout)
+        check_close("out", out.float(), ref_out, **OUT_TOL)
+        check_close("lse", lse, ref_lse, **LSE_TOL)
+        if has_bwd:
+            for name, a, r in zip(("dq", "dk", "dv"), grads, (ref_dq, ref_dk, ref_dv)):
+                check_close(name, a, r, **OUT_TOL)
+    for _ in range(repeats):
+        out_r, lse_r = run_fwd(q1, k1, v1, cu_q, cu_k, max_q, max_k, scale, causal, is_varlen=varlen)
+        assert torch.equal(out_r, out), "out deterministic check failed"
+        assert torch.equal(lse_r, lse), "lse deterministic check failed"
+        if has_bwd:
+            again = run_bwd(out_r, dout, q1, k1, v1)
+            for name, a, b in zip(("dq", "dk", "dv"), again, grads):
+                assert torch.equal(a, b), f"{name} deterministic check failed"
+    return out, lse, grads, (q, k, v, dout, cu_q, cu_k, scale)
+
+
+# ----------------------------------------------------------------------------- spec §5.5
+FMHA_CONFIGS = [
+    (mean, varlen, heads, dims, causal)
+    for mean in (4096, 8192)
+    for varlen in (False, True)
+    for heads in ((128, 128), (32, 4))
+    for dims in ((128, 128), (192, 128))
+    for causal in (False, True)
+]
+
+
+@pytest.mark.parametrize("mean,varlen,heads,dims,causal", FMHA_CONFIGS,
+                         ids=[f"s{m}-{'varlen' if vl else 'fixed'}-h{h[0]}_{h[1]}-d{d[0]}_{d[1]}-"
+                              f"{'causal' if c else 'full'}" for m, vl, h, d, c in FMHA_CONFIGS])
+def test_fmha_sm100_configurations(mean, varlen, heads, dims, causal):
+    torch.manual_seed(0)
+    random.seed(0)
+    seqlens_q, seqlens_k = make_lengths(2, mean, mean, varlen)
+    correctness = not (mean == 8192 and heads[0] == 128)
+    check_case(seqlens_q, seqlens_k, *heads, *dims, causal, has_bwd=True, correctness=correctness,
+               varlen=varlen)
+
+
+# ----------------------------------------------------------------------------- short / ragged / empty
+RAGGED = {
+    "ones": ([1, 1, 1], [1, 1, 1]),
+    "sevens": ([7, 7], [7, 7]),
+    "mixed": ([1, 7, 63, 129], [7, 1, 129, 63]),
+    "empty": ([0, 7, 5, 0, 129], [3, 0, 9, 0, 200]),
+    "sq_gt_sk": ([129, 63], [7, 1]),
+    "sq_lt_sk": ([7, 63], [129, 300]),
+}
+
+
+@pytest.mark.parametrize("lens", list(RAGGED))
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_short_ragged_and_empty(lens, dims, causal, heads, dtype):
+    torch.manual_seed(zlib.crc32(repr((lens, dims, causal, heads, str(dtype))).encode()))
+    seqlens_q, seqlens_k = RAGGED[lens]
+    out, lse, grads, (q, k, v, dout, cu_q, cu_k, scale) = check_case(
+        seqlens_q, seqlens_k, *heads, *dims, causal, dtype=dtype, repeats=2)
+    # Rows without a visible key: out exactly 0, lse exactly -inf, dq 0.
+    empty = torch.isneginf(lse)
+    assert torch.all(out[empty] == 0) and torch.all(grads[0][empty] == 0)
+
+
+def test_packed_and_is_varlen_false():
+    torch.manual_seed(5)
+    h, d, dv = 8, 192, 128
+    s = 100
+    qkv = (torch.randn(3 * s, h, 2 * d + dv, device=DEV) * 0.1).bfloat16().requires_grad_()
+    cu = cumulative([s, s, s])
+    out, lse = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, cu, s, d, causal=True)
+    q, k, v = qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:]
+    out2, lse2 = flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    garbage = torch.tensor([0, 5, 6, 7], dtype=torch.int32, device=DEV)
+    out3, lse3 = flash_mla.flash_attn_varlen_func(q, k, v, garbage, garbage, 1, 1, causal=True, is_varlen=False)
+    assert torch.equal(out, out3) and torch.equal(lse, lse3)
+    dout = torch.randn_like(out) * 0.1
+    out.backward(dout)
+    ref = reference(q.detach(), k.detach(), v.detach(), cu, cu, d ** -0.5, True, dout)
+    for name, a, r in zip(("dq", "dk", "dv"), (qkv.grad[..., :d], qkv.grad[..., d:2 * d], qkv.grad[..., 2 * d:]),
+                          ref[2:]):
+        check_close(name, a.contiguous(), r, **OUT_TOL)
+
+
+def test_nan_propagation_and_unread_keys():
+    torch.manual_seed(6)
+    s_q, s_k, h, d = 200, 260, 4, 128
+    q = torch.randn(s_q, h, d, device=DEV).bfloat16()
+    k = torch.randn(s_k, 1, d, device=DEV).bfloat16()
+    v = torch.randn(s_k, 1, d, device=DEV).bfloat16()
+    cu_q, cu_k = cumulative([s_q]), cumulative([s_k])
+    q[10, 2, 3] = float("nan")  # row 10 head 2
+    k[150, 0, 0] = float("nan")  # key 150: rows r with r + 60 >= 150, i.e. r >= 90 (causal)
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, s_q, s_k, causal=True)
+    expect = torch.zeros(s_q, h, dtype=torch.bool, device=DEV)
+    expect[90:] = True
+    expect[10, 2] = True
+    assert torch.equal(torch.isnan(lse), expect)
+    assert torch.equal(torch.isnan(out).any(-1), expect)
+    # A NaN in another request's key or value is never read.
+    k3 = torch.randn(160, 1, d, device=DEV).bfloat16()
+    v3 = torch.randn(160, 1, d, device=DEV).bfloat16()
+    k3[155, 0, 1] = float("nan")
+    v3[152, 0, 7] = float("nan")
+    q3 = torch.randn(100, h, d, device=DEV).bfloat16()
+    out3, lse3 = flash_mla.flash_attn_varlen_func(q3, k3, v3, cumulative([50, 50]), cumulative([150, 10]), 50, 150)
+    assert not torch.isnan(out3[:50]).any() and not torch.isnan(lse3[:50]).any()
+    assert torch.isnan(lse3[50:]).all() and torch.isnan(out3[50:]).any(-1).all()
+
+
+def test_other_frameworks_agree_with_torch():
+    """CuPy (fp16: CuPy has no bfloat16) and JAX on the GPU: the plain forward / backward (CuPy) and the
+    custom_vjp (JAX) give the same bits as the torch path."""
+    torch.manual_seed(7)
+    h, d, dv = 4, 128, 128
+    lens_q, lens_k = [7, 63, 1], [9, 63, 129]
+    cu_q, cu_k = cumulative(lens_q), cumulative(lens_k)
+    q = (torch.randn(int(cu_q[-1]), h, d, device=DEV) * 0.1).half()
+    k = (torch.randn(int(cu_k[-1]), 2, d, device=DEV) * 0.1).half()
+    v = (torch.randn(int(cu_k[-1]), 2, dv, device=DEV) * 0.1).half()
+    dout = (torch.randn(int(cu_q[-1]), h, dv, device=DEV) * 0.1).half()
+    qt, kt, vt = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_mla.flash_attn_varlen_func(qt, kt, vt, cu_q, cu_k, 63, 129, causal=True)
+    out.backward(dout)
+    ran = []
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        c = [cupy.from_dlpack(t.detach()) for t in (q, k, v, cu_q, cu_k, dout)]
+        o_c, l_c = flash_mla.flash_attn_varlen_func(*c[:5], 63, 129, causal=True)
+        assert isinstance(o_c, cupy.ndarray)
+        assert torch.equal(torch.from_dlpack(o_c), out) and torch.equal(torch.from_dlpack(l_c), lse)
+        g_c = flash_mla.flash_attn_varlen_backward(c[5], *c[:3], o_c, l_c, c[3], c[4], 63, 129, causal=True)
+        for a, b in zip(g_c, (qt.grad, kt.grad, vt.grad)):
+            assert torch.equal(torch.from_dlpack(a), b)
+        ran.append("cupy")
+    try:
+        import jax
+        import jax_tvm_ffi  # noqa: F401
+
+        gpus = jax.devices("gpu")
+    except (ImportError, RuntimeError):
+        gpus = []
+    if gpus and DEV == "cuda":
+        import numpy as np
+
+        put = lambda t: jax.device_put(t.detach().cpu().numpy(), gpus[0])  # noqa: E731
+        jq, jk, jv, jcq, jck, jdo = (put(t) for t in (q, k, v, cu_q, cu_k, dout))
+
+        def loss(a, b, c):
+            o, _ = flash_mla.flash_attn_varlen_func(a, b, c, jcq, jck, 63, 129, causal=True)
+            return jax.numpy.sum(o.astype(jax.numpy.float32) * jdo.astype(jax.numpy.float32))
+
+        o_j, l_j = flash_mla.flash_attn_varlen_func(jq, jk, jv, jcq, jck, 63, 129, causal=True)
+        np.testing.assert_array_equal(np.asarray(o_j), out.detach().cpu().numpy())
+        np.testing.assert_array_equal(np.asarray(l_j), lse.cpu().numpy())
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+        for a, b in zip(grads, (qt.grad, kt.grad, vt.grad)):
+            np.testing.assert_array_equal(np.asarray(a), b.cpu().numpy())
+        ran.append("jax")
+    if not ran:
+        pytest.skip("neither CuPy nor JAX with a GPU backend and jax-tvm-ffi is installed")

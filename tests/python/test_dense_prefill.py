@@ -1,0 +1,464 @@
+"""Dense MHA prefill (``flash_attn_varlen_func`` and its packed variants; spec §1.5, §2.5) on the CPU
+reference backend: forward and backward against a float64 NumPy oracle on fresh random inputs, through
+NumPy (plain forward + ``flash_attn_varlen_backward``), torch (autograd.Function, torch.ops with
+register_autograd, fake kernels, torch.compile) and JAX (custom_vjp, jax.jit); the packed variants,
+GQA, empty requests, lengths 1 / 7 / 63 / 129, s_q != s_k, causal (bottom-right), is_varlen=False,
+NaN propagation and the errors (each naming the argument)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flash_mla
+from mla_test_utils import BF16, check_allclose, to_jax_cpu
+from oracle import FP16
+
+DTYPES = {"bf16": BF16, "fp16": FP16}
+
+
+# ----------------------------------------------------------------------------- oracle (float64)
+def ref_forward(q, k, v, cu_q, cu_k, scale, causal):
+    """out (total_q, h_q, d_v), lse (total_q, h_q) in float64; empty rows: out 0, lse -inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    total_q, h_q, _ = q.shape
+    h_kv, d_v = k.shape[1], v.shape[2]
+    g = h_q // h_kv
+    out = np.zeros((total_q, h_q, d_v))
+    lse = np.full((total_q, h_q), -np.inf)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        s_q, s_k = q1 - q0, k1 - k0
+        if s_q == 0 or s_k == 0:
+            continue
+        kk = np.repeat(k[k0:k1], g, axis=1)  # (s_k, h_q, d)
+        vv = np.repeat(v[k0:k1], g, axis=1)
+        x = np.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
+        if causal:
+            mask = np.arange(s_k)[None, :] <= np.arange(s_q)[:, None] + s_k - s_q
+            x = np.where(mask[None], x, -np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            m = np.max(x, axis=-1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0.0)
+            p = np.exp(x - m)
+            s = p.sum(-1, keepdims=True)
+            l = (np.log(s) + m)[..., 0]  # (h, s_q); -inf for rows without keys
+            o = np.einsum("hqk,khd->qhd", np.where(s == 0, 0.0, p / np.where(s == 0, 1, s)), vv)
+        out[q0:q1] = o
+        lse[q0:q1] = l.T
+    return out, lse
+
+
+def ref_backward(q, k, v, cu_q, cu_k, scale, causal, dout):
+    """Exact float64 gradients (dq, dk, dv) of sum(out * dout)."""
+    q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
+    h_q, h_kv = q.shape[1], k.shape[1]
+    g = h_q // h_kv
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        s_q, s_k = q1 - q0, k1 - k0
+        if s_q == 0 or s_k == 0:
+            continue
+        kk = np.repeat(k[k0:k1], g, axis=1)
+        vv = np.repeat(v[k0:k1], g, axis=1)
+        x = np.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
+        mask = np.ones((s_q, s_k), bool)
+        if causal:
+            mask = np.arange(s_k)[None, :] <= np.arange(s_q)[:, None] + s_k - s_q
+        x = np.where(mask[None], x, -np.inf)
+        m = np.max(x, axis=-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.where(mask[None], np.exp(x - m), 0.0)
+        s = p.sum(-1, keepdims=True)
+        p = np.where(s == 0, 0.0, p / np.where(s == 0, 1, s))  # (h, q, k)
+        do = dout[q0:q1]
+        o = np.einsum("hqk,khd->qhd", p, vv)
+        dvv = np.einsum("hqk,qhd->khd", p, do)
+        dp = np.einsum("qhd,khd->hqk", do, vv)
+        delta = np.einsum("qhd,qhd->hq", do, o)[..., None]
+        ds = p * (dp - delta) * scale
+        dq[q0:q1] = np.einsum("hqk,khd->qhd", ds, kk)
+        dkk = np.einsum("hqk,qhd->khd", ds, q[q0:q1])
+        dk[k0:k1] = dkk.reshape(s_k, h_kv, g, -1).sum(2)
+        dv[k0:k1] = dvv.reshape(s_k, h_kv, g, -1).sum(2)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- data
+class Case:
+    def __init__(self, rng, seqlens_q, seqlens_k, h_q, h_kv, d_qk, d_v, dtype, causal, scale=None):
+        self.cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+        self.cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+        self.max_q, self.max_k = int(max(seqlens_q)), int(max(seqlens_k))
+        tq, tk = int(self.cu_q[-1]), int(self.cu_k[-1])
+
+        def rnd(*shape):
+            return (rng.standard_normal(shape)).astype(np.float32).astype(dtype)
+
+        self.q, self.k, self.v = rnd(tq, h_q, d_qk), rnd(tk, h_kv, d_qk), rnd(tk, h_kv, d_v)
+        self.dout = rnd(tq, h_q, d_v)
+        self.dtype, self.causal = dtype, causal
+        self.scale = d_qk ** -0.5 if scale is None else scale
+
+    def args(self, conv=lambda x: x):
+        return (conv(self.q), conv(self.k), conv(self.v), conv(self.cu_q), conv(self.cu_k), self.max_q, self.max_k)
+
+    def ref(self):
+        return ref_forward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.scale, self.causal)
+
+    def ref_grads(self):
+        return ref_backward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.scale, self.causal, self.dout)
+
+
+# Tolerances against float64. out / lse as the other operators' reference tests; gradients also
+# carry the rounding of out to the input dtype (the backward reads out through D = dout . out), so
+# they get a relative bound of a few output ulps plus an absolute one relative to the largest entry.
+OUT_TOL = {BF16: dict(abs_tol=2e-5, rel_tol=5e-3, cos_diff_tol=1e-5),
+           FP16: dict(abs_tol=5e-6, rel_tol=2e-3, cos_diff_tol=1e-6)}
+LSE_TOL = dict(abs_tol=1e-5, rel_tol=1e-5, cos_diff_tol=1e-10)
+
+
+def check_grad(name, ans, ref, dtype):
+    a = np.asarray(ans)
+    assert a.dtype == np.dtype(dtype), f"{name}: dtype {a.dtype}"
+    scale = float(np.max(np.abs(ref))) if ref.size else 1.0
+    rel = 2e-2 if dtype == BF16 else 4e-3
+    check_allclose(name, a, ref, abs_tol=rel * 0.25 * scale + 1e-6, rel_tol=rel, cos_diff_tol=1e-4)
+
+
+def check_fwd(out, lse, case):
+    ref_out, ref_lse = case.ref()
+    check_allclose("out", np.asarray(out), ref_out, dtype=case.dtype, **OUT_TOL[case.dtype])
+    check_allclose("lse", np.asarray(lse), ref_lse, dtype=np.float32, **LSE_TOL)
+
+
+SEQLENS = {  # (seqlens_q, seqlens_k): empty requests, 1, 7, 63, 129, s_q != s_k both ways
+    "ragged": ([1, 7, 0, 63, 5], [7, 7, 4, 40, 0]),
+    "long": ([129, 3], [129, 70]),
+}
+
+
+# ----------------------------------------------------------------------------- NumPy
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+@pytest.mark.parametrize("lens", ["ragged", "long"])
+def test_numpy_forward_and_backward(rng, dtype, dims, causal, heads, lens):
+    dt = DTYPES[dtype]
+    case = Case(rng, *SEQLENS[lens], *heads, *dims, dt, causal)
+    out, lse = flash_mla.flash_attn_varlen_func(*case.args(), softmax_scale=case.scale, causal=causal)
+    assert isinstance(out, np.ndarray) and out.shape == (case.q.shape[0], heads[0], dims[1])
+    assert lse.shape == (case.q.shape[0], heads[0]) and lse.strides == (4, 4 * case.q.shape[0])
+    check_fwd(out, lse, case)
+    dq, dk, dv = flash_mla.flash_attn_varlen_backward(case.dout, case.q, case.k, case.v, out, lse, case.cu_q,
+                                                      case.cu_k, case.max_q, case.max_k,
+                                                      softmax_scale=case.scale, causal=causal)
+    for name, a, r in zip(("dq", "dk", "dv"), (dq, dk, dv), case.ref_grads()):
+        check_grad(name, a, r, dt)
+
+
+def test_default_scale_and_empty_rows(rng):
+    # Request 1 is causal with s_q > s_k: its first rows see no key (out 0, lse -inf, dq 0).
+    case = Case(rng, [3, 6], [3, 2], 2, 2, 128, 128, BF16, True)
+    out, lse = flash_mla.flash_attn_varlen_func(*case.args(), causal=True)  # softmax_scale None -> 128 ** -0.5
+    check_fwd(out, lse, case)
+    empty = np.isneginf(np.asarray(lse))
+    assert empty.sum() == 4 * 2  # rows 0..3 of request 1, both heads
+    assert np.all(np.asarray(out, np.float32)[empty] == 0)
+    dq, _, _ = flash_mla.flash_attn_varlen_backward(case.dout, case.q, case.k, case.v, out, lse, case.cu_q,
+                                                    case.cu_k, case.max_q, case.max_k, causal=True)
+    assert np.all(np.asarray(dq, np.float32)[empty] == 0)
+
+
+def test_nan_reaches_only_the_rows_that_see_it(rng):
+    case = Case(rng, [6], [6], 2, 1, 128, 128, BF16, True)
+    case.k[4, 0, 5] = np.nan  # key 4: rows 4, 5 of both heads
+    case.q[1, 1, 0] = np.nan  # row 1 head 1
+    out, lse = flash_mla.flash_attn_varlen_func(*case.args(), softmax_scale=case.scale, causal=True)
+    expect = np.zeros((6, 2), bool)
+    expect[4:] = True
+    expect[1, 1] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), expect)
+    np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(-1), expect)
+    check_fwd(out, lse, case)  # the oracle has the same NaN positions
+
+
+def test_is_varlen_false(rng):
+    case = Case(rng, [5, 5, 5], [9, 9, 9], 4, 2, 192, 128, BF16, True)
+    ref = flash_mla.flash_attn_varlen_func(*case.args(), causal=True)
+    # cu_seqlens values are not used (only b = len - 1), as in FlashMLA's SM100 kernels.
+    garbage = np.array([0, 1, 2, 3], np.int32)
+    res = flash_mla.flash_attn_varlen_func(case.q, case.k, case.v, garbage, garbage, 1, 1, causal=True,
+                                           is_varlen=False)
+    for a, b in zip(res, ref):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16 if a.dtype == BF16 else np.uint32),
+                                      np.asarray(b).view(np.uint16 if b.dtype == BF16 else np.uint32))
+    with pytest.raises(ValueError, match=r"is_varlen=False: .* multiples of b = 2"):
+        flash_mla.flash_attn_varlen_func(case.q, case.k, case.v, garbage[:3], garbage[:3], 1, 1, is_varlen=False)
+
+
+def test_packed_variants_match(rng):
+    case = Case(rng, [7, 1], [7, 1], 2, 2, 192, 128, BF16, False)
+    ref_out, ref_lse = flash_mla.flash_attn_varlen_func(*case.args())
+    qkv = np.concatenate([case.q, case.k, case.v], -1)
+    out, lse = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, case.cu_q, case.max_q, 192)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint16), np.asarray(ref_out).view(np.uint16))
+    np.testing.assert_array_equal(lse, ref_lse)
+    case2 = Case(rng, [4, 0, 9], [12, 3, 2], 4, 2, 128, 128, FP16, True)
+    kv = np.concatenate([case2.k, case2.v], -1)
+    out, lse = flash_mla.flash_attn_varlen_kvpacked_func(case2.q, kv, case2.cu_q, case2.cu_k, case2.max_q,
+                                                         case2.max_k, 128, causal=True, softmax_scale=case2.scale)
+    check_fwd(out, lse, case2)
+
+
+# ----------------------------------------------------------------------------- errors
+def test_errors_name_the_argument(rng):
+    case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
+    f = flash_mla.flash_attn_varlen_func
+    q, k, v, cu_q, cu_k, mq, mk = case.args()
+    with pytest.raises(AssertionError, match="dropout_p"):
+        f(q, k, v, cu_q, cu_k, mq, mk, dropout_p=0.1)
+    with pytest.raises(AssertionError, match="deterministic"):
+        f(q, k, v, cu_q, cu_k, mq, mk, deterministic=True)
+    with pytest.raises(TypeError, match=r"^k: expected the dtype of q"):
+        f(q, k.astype(FP16), v, cu_q, cu_k, mq, mk)
+    with pytest.raises(TypeError, match=r"^q: expected dtype bfloat16 or float16, got float32"):
+        f(q.astype(np.float32), k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"no kernel for d_qk=128 d_v=64"):
+        f(q, k, v[..., :64], cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"no kernel for d_qk=64 d_v=128"):
+        f(q[..., :64], k[..., :64], v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"h_q % h_kv != 0"):
+        f(q[:, :3], k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^q: expected a 3-D tensor"):
+        f(q[0], k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k\[b\] = 6 must equal total_k = k.shape\[0\] = 7"):
+        f(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: request 0 has 3 tokens, more than max_seqlen_q = 2"):
+        f(q, k, v, cu_q, cu_k, 2, mk)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype int32, got int64"):
+        f(q, k, v, cu_q.astype(np.int64), cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^q: the last dimension must be contiguous"):
+        f(np.repeat(q, 2, -1)[..., ::2], k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(TypeError, match=r"^v: expected a tensor, got NoneType"):
+        f(q, k, None, cu_q, cu_k, mq, mk)
+    with pytest.raises(TypeError, match=r"^max_seqlen_qo: expected an int"):
+        f(q, k, v, cu_q, cu_k, 3.5, mk)
+    with pytest.raises(TypeError, match=r"^head_dim_qk: expected an int"):
+        flash_mla.flash_attn_varlen_qkvpacked_func(np.concatenate([q, q, q], -1), cu_q, mq, "128")
+    out, lse = f(q, k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^dout: expected shape \(5, 4, 128\)"):
+        flash_mla.flash_attn_varlen_backward(case.dout[:, :2], q, k, v, out, lse, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^lse: expected shape \(5, 4\)"):
+        flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse[:, :2], cu_q, cu_k, mq, mk)
+    with pytest.raises(TypeError, match=r"^lse: "):
+        flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse.astype(np.float64), cu_q, cu_k, mq, mk)
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _t(x, requires_grad=False):
+    torch = _torch()
+    x = np.asarray(x)
+    if x.dtype == BF16:
+        t = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(x.copy())
+    return t.requires_grad_(requires_grad)
+
+
+def _np(t):
+    torch = _torch()
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_torch_autograd(rng, dtype, causal, heads):
+    torch = _torch()
+    dt = DTYPES[dtype]
+    case = Case(rng, [1, 7, 0, 63], [7, 7, 3, 33], *heads, 192, 128, dt, causal)
+    q, k, v = (_t(x, True) for x in (case.q, case.k, case.v))
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, _t(case.cu_q), _t(case.cu_k), case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=causal)
+    assert out.requires_grad and not lse.requires_grad
+    assert lse.shape == (q.shape[0], heads[0]) and lse.stride() == (1, q.shape[0])
+    check_fwd(_np(out), _np(lse), case)
+    out.backward(_t(case.dout))
+    for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), case.ref_grads()):
+        check_grad(name, _np(t.grad), r, dt)
+    # The backward is deterministic: a second run gives the same bits.
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out2, _ = flash_mla.flash_attn_varlen_func(q, k, v, _t(case.cu_q), _t(case.cu_k), case.max_q, case.max_k,
+                                               softmax_scale=case.scale, causal=causal)
+    assert torch.equal(out2, out)
+    out2.backward(_t(case.dout))
+    for g, t in zip(grads, (q, k, v)):
+        assert torch.equal(g, t.grad)
+
+
+def test_torch_packed_grads_flow_into_the_packed_tensor(rng):
+    torch = _torch()
+    case = Case(rng, [5, 9], [5, 9], 2, 2, 128, 128, BF16, True)
+    qkv = _t(np.concatenate([case.q, case.k, case.v], -1), True)
+    out, _ = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, _t(case.cu_q), case.max_q, 128, causal=True,
+                                                        softmax_scale=case.scale)
+    out.backward(_t(case.dout))
+    dq, dk, dv = case.ref_grads()
+    g = qkv.grad
+    check_grad("dq", _np(g[..., :128]), dq, BF16)
+    check_grad("dk", _np(g[..., 128:256]), dk, BF16)
+    check_grad("dv", _np(g[..., 256:]), dv, BF16)
+    q = _t(case.q, True)
+    kv = _t(np.concatenate([case.k, case.v], -1), True)
+    out, _ = flash_mla.flash_attn_varlen_kvpacked_func(q, kv, _t(case.cu_q), _t(case.cu_k), case.max_q, case.max_k,
+                                                       128, causal=True, softmax_scale=case.scale)
+    out.backward(_t(case.dout))
+    check_grad("dq", _np(q.grad), dq, BF16)
+    check_grad("dk", _np(kv.grad[..., :128]), dk, BF16)
+    check_grad("dv", _np(kv.grad[..., 128:]), dv, BF16)
+
+
+def test_torch_is_varlen_false_and_errors(rng):
+    torch = _torch()
+    case = Case(rng, [4, 4], [6, 6], 2, 1, 128, 128, BF16, True)
+    q, k, v = (_t(x, True) for x in (case.q, case.k, case.v))
+    ones = torch.ones(3, dtype=torch.int32)  # values ignored with is_varlen=False
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, ones, ones, 0, 0, causal=True, is_varlen=False)
+    check_fwd(_np(out), _np(lse), case)
+    out.sum().backward()  # an expanded (stride 0) gradient
+    with pytest.raises(TypeError, match=r"^v: expected the dtype of q"):
+        flash_mla.flash_attn_varlen_func(q, k, v.half(), _t(case.cu_q), _t(case.cu_k), 4, 6)
+    with pytest.raises(ValueError, match=r"no kernel for d_qk=128 d_v=64"):
+        flash_mla.flash_attn_varlen_func(q, k, v[..., :64], _t(case.cu_q), _t(case.cu_k), 4, 6)
+
+
+def test_torch_ops_registered_autograd_fake_and_compile(rng):
+    torch = _torch()
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():
+        pytest.skip(f"torch.ops.flash_mla not available: {_torch_ops.load_error()}")
+    case = Case(rng, [3, 0, 5], [4, 2, 5], 4, 2, 128, 128, BF16, True)
+    q, k, v = (_t(x, True) for x in (case.q, case.k, case.v))
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    op = torch.ops.flash_mla.dense_prefill_fwd
+    out, lse = op(q, k, v, cu_q, cu_k, case.max_q, case.max_k, case.scale, True)
+    assert lse.stride() == (1, q.shape[0])
+    out.backward(_t(case.dout))  # register_autograd on the op itself
+    for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), case.ref_grads()):
+        check_grad(name, _np(t.grad), r, BF16)
+    torch.library.opcheck(op, (q.detach(), k.detach(), v.detach(), cu_q, cu_k, case.max_q, case.max_k,
+                               case.scale, True))
+    torch.library.opcheck(op, (q, k, v, cu_q, cu_k, case.max_q, case.max_k, case.scale, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    o, l = op(q.detach(), k.detach(), v.detach(), cu_q, cu_k, case.max_q, case.max_k, case.scale, True)
+    torch.library.opcheck(torch.ops.flash_mla.dense_prefill_bwd,
+                          (_t(case.dout), q.detach(), k.detach(), v.detach(), o, l, cu_q, cu_k, case.max_q,
+                           case.max_k, case.scale, True))
+
+    def step(q, k, v, cu_q, cu_k, dout):
+        out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, softmax_scale=case.scale,
+                                                    causal=True)
+        return out, lse
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    q2, k2, v2 = (_t(x, True) for x in (case.q, case.k, case.v))
+    out_c, lse_c = compiled(q2, k2, v2, cu_q, cu_k, _t(case.dout))
+    out_c.backward(_t(case.dout))
+    assert torch.equal(out_c, out.detach()) and torch.equal(lse_c, lse.detach())
+    for a, b in zip((q2, k2, v2), (q, k, v)):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_flash_mla_cuda_raw_functions(rng):
+    torch = _torch()
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():
+        pytest.skip(f"torch.ops.flash_mla not available: {_torch_ops.load_error()}")
+    import flash_mla.cuda as fc
+
+    case = Case(rng, [6, 2], [3, 8], 4, 2, 192, 128, BF16, True)
+    q, k, v = (_t(x) for x in (case.q, case.k, case.v))
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    out = torch.full((8, 4, 128), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((4, 8), float("nan")).T
+    ws = torch.empty(0, dtype=torch.uint8)
+    assert fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 1, case.scale, case.max_q, case.max_k,
+                                True) is None
+    check_fwd(_np(out), _np(lse), case)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    fc.dense_prefill_bwd(ws, _t(case.dout), q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1, case.scale, case.max_q,
+                         case.max_k, True)
+    for name, t, r in zip(("dq", "dk", "dv"), (dq, dk, dv), case.ref_grads()):
+        check_grad(name, _np(t), r, BF16)
+    with pytest.raises(ValueError, match="mask_mode_code"):
+        fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 2, case.scale, case.max_q, case.max_k, True)
+
+
+# ----------------------------------------------------------------------------- JAX
+def test_jax_custom_vjp_grad_and_jit(rng):
+    jax = pytest.importorskip("jax")
+    import flash_mla._jax
+
+    jnp = jax.numpy
+    case = Case(rng, [1, 7, 0, 20], [7, 7, 2, 20], 4, 2, 192, 128, BF16, True)
+    q, k, v, cu_q, cu_k = (to_jax_cpu(x) for x in (case.q, case.k, case.v, case.cu_q, case.cu_k))
+    if not flash_mla._jax.use_xla(q):
+        pytest.skip("jax-tvm-ffi is not installed (the custom_vjp needs XLA custom calls)")
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+    assert isinstance(out, jax.Array) and lse.shape == (q.shape[0], 4)
+    check_fwd(np.asarray(out), np.asarray(lse), case)
+    dout = to_jax_cpu(case.dout)
+
+    def loss(q, k, v):
+        o, _ = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+        return jnp.sum(o.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for name, a, r in zip(("dq", "dk", "dv"), grads, case.ref_grads()):
+        check_grad(name, np.asarray(a), r, BF16)
+    grads_jit = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(grads, grads_jit):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    # The plain backward agrees bit for bit with the NumPy path.
+    g_np = flash_mla.flash_attn_varlen_backward(case.dout, case.q, case.k, case.v, np.asarray(out), np.asarray(lse),
+                                                case.cu_q, case.cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+    g_jx = flash_mla.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+    for a, b in zip(g_np, g_jx):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+    # Shape errors raise while tracing, naming the argument.
+    with pytest.raises(ValueError, match=r"no kernel for d_qk=192 d_v=64"):
+        jax.jit(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20))(q, k, v[..., :64])
+
+
+def test_cupy_or_paddle_if_installed(rng):
+    """Other DLPack frameworks take the plain TVM-FFI path (CPU here: Paddle; CuPy needs a GPU)."""
+    paddle = pytest.importorskip("paddle")
+    case = Case(rng, [3, 4], [5, 4], 2, 2, 128, 128, FP16, False)
+    conv = lambda x: paddle.to_tensor(np.asarray(x))  # noqa: E731
+    out, lse = flash_mla.flash_attn_varlen_func(*case.args(conv), softmax_scale=case.scale)
+    assert isinstance(out, paddle.Tensor)
+    check_fwd(out.numpy(), lse.numpy(), case)
+    grads = flash_mla.flash_attn_varlen_backward(conv(case.dout), *case.args(conv)[:3], out, lse,
+                                                 *case.args(conv)[3:], softmax_scale=case.scale)
+    for name, a, r in zip(("dq", "dk", "dv"), grads, case.ref_grads()):
+        check_grad(name, a.numpy(), r, FP16)

@@ -1,0 +1,102 @@
+// tools/dense_prefill_check/shim.cpp — a C entry point into the sm90 dense MHA prefill kernels
+// (src/sm90/prefill/dense/) for the standalone GPU check (check.py, through ctypes): raw device pointers,
+// shapes and element strides in, the sm90 launcher's Status message out. It skips the core's validation
+// (check.py passes valid inputs), so the check runs without the Python package or its bindings.
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "flashmla/ops.h"
+#include "sm90/prefill/dense/dense_prefill.h"
+#include "sm90/sm90.h"
+
+namespace {
+using flashmla::DType;
+using flashmla::TensorRef;
+
+// meta: ndim shape entries then ndim stride entries.
+TensorRef ref(void* data, DType dt, int ndim, const int64_t* meta, int device) {
+  TensorRef t;
+  t.defined = true;
+  t.data = data;
+  t.dtype = dt;
+  t.ndim = ndim;
+  for (int i = 0; i < ndim; ++i) {
+    t.shape[i] = meta[i];
+    t.stride[i] = meta[ndim + i];
+  }
+  t.device.type = flashmla::DeviceType::kCUDA;
+  t.device.id = device;
+  return t;
+}
+
+int report(const flashmla::Status& s, char* err, int errlen) {
+  if (s.ok()) return 0;
+  std::strncpy(err, s.message.c_str(), errlen - 1);
+  err[errlen - 1] = 0;
+  return 1;
+}
+
+// ptrs: q, k, v, cu_q, cu_k, out, lse; meta: q(6) k(6) v(6) out(6) lse(4) cu_q(2) cu_k(2) max_q max_k
+flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float scale, int causal, int dtype,
+                                        int device, void* stream) {
+  const DType dt = dtype == 0 ? DType::kBFloat16 : DType::kFloat16;
+  flashmla::DensePrefillParams p;
+  p.q = ref(ptrs[0], dt, 3, meta + 0, device);
+  p.k = ref(ptrs[1], dt, 3, meta + 6, device);
+  p.v = ref(ptrs[2], dt, 3, meta + 12, device);
+  p.out = ref(ptrs[5], dt, 3, meta + 18, device);
+  p.lse = ref(ptrs[6], DType::kFloat32, 2, meta + 24, device);
+  p.cu_seqlens_q = ref(ptrs[3], DType::kInt32, 1, meta + 28, device);
+  p.cu_seqlens_k = ref(ptrs[4], DType::kInt32, 1, meta + 30, device);
+  p.max_seqlen_q = meta[32];
+  p.max_seqlen_k = meta[33];
+  p.softmax_scale = scale;
+  p.causal = causal != 0;
+  p.stream = stream;
+  return p;
+}
+}  // namespace
+
+extern "C" {
+
+// schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong,
+// 3 = pingpong_tma (dense_prefill.h).
+int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
+                            void* stream, int schedule, char* err, int errlen) {
+  namespace dp = flashmla::sm90::dense_prefill;
+  const flashmla::DensePrefillParams p = fwd_params(ptrs, meta, scale, causal, dtype, device, stream);
+  if (schedule < 0) return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
+  const dp::FwdSchedule sched = schedule == 0   ? dp::FwdSchedule::kSerial
+                                : schedule == 1 ? dp::FwdSchedule::kOverlap
+                                : schedule == 2 ? dp::FwdSchedule::kPingpong
+                                                : dp::FwdSchedule::kPingpongTma;
+  return report(dp::fwd_with_schedule(p, sched), err, errlen);
+}
+
+// ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)
+// workspace_bytes. With workspace == nullptr: writes the workspace size to *ws_bytes and returns.
+// schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 1 = fused dQ (dense_prefill.h).
+int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
+                            void* stream, int schedule, int64_t* ws_bytes, char* err, int errlen) {
+  namespace dp = flashmla::sm90::dense_prefill;
+  const DType dt = dtype == 0 ? DType::kBFloat16 : DType::kFloat16;
+  flashmla::DensePrefillBwdParams bp;
+  bp.fwd = fwd_params(ptrs, meta, scale, causal, dtype, device, stream);
+  bp.dout = ref(ptrs[7], dt, 3, meta + 34, device);
+  bp.dq = ref(ptrs[8], dt, 3, meta + 40, device);
+  bp.dk = ref(ptrs[9], dt, 3, meta + 46, device);
+  bp.dv = ref(ptrs[10], dt, 3, meta + 52, device);
+  bp.workspace = ptrs[11];
+  bp.workspace_bytes = meta[58];
+  bp.stream = stream;
+  const dp::BwdSchedule sched = schedule == 1 ? dp::BwdSchedule::kFusedDq : dp::BwdSchedule::kTwoKernel;
+  if (ptrs[11] == nullptr) {
+    *ws_bytes = schedule < 0 ? flashmla::sm90::dense_prefill_bwd_workspace_bytes(bp)
+                             : dp::bwd_workspace_bytes_with_schedule(bp, sched);
+    return 0;
+  }
+  if (schedule < 0) return report(flashmla::sm90::dense_prefill_bwd(bp), err, errlen);
+  return report(dp::bwd_with_schedule(bp, sched), err, errlen);
+}
+}
