@@ -137,11 +137,11 @@ constexpr int kProducers = 128;
 // Register split of the CTA's pool (384 x 168, moved by setmaxnreg): S + softmax + half of O /
 // half of O / producers.
 constexpr int kLaunchRegs = 168;
-// Diagnostic switch prepared in session 17, not yet run (bench/NOTES.md "First device calls ... end of
-// session 17"): 1 drops the producer's L2 bulk prefetch of the next block's records (and, MODEL1, the
-// prefetch.global.L2 of their scale records).
+// Build switch (A/B): 0 adds the producer's L2 bulk prefetch of the next block's records (and, MODEL1,
+// a prefetch.global.L2 of their scale records). Off by default: on an H200 the gathers alone were
+// 3-4 % faster (V3.2 b 128, peak case), the prefetch's extra L2 traffic costing more than it hid.
 #ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
-#define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 0
+#define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 1
 #endif
 constexpr int kWg0Regs = 216;
 constexpr int kWg1Regs = 160;
@@ -202,29 +202,29 @@ struct RowPart {
   uint2 sc;  // V32: the fp32 scales of the part's two 128-dim tiles; MODEL1: the 8-byte e8m0 record
 };
 
-// Cache policy of the producer's FP8 gathers (A/B switch, default 0 = the measured kernel):
+// Cache policy of the producer's FP8 gathers (build switch, default 1):
 //   0: ld.global.nc.L1::no_allocate (each 64-byte group goes to L2 on its own);
 //   1: ld.global.nc.L1::evict_last.L2::256B: the record's lines are allocated in L1, so the groups of
 //      one record that share a 128-byte line (V3.2 records are 656 bytes, only 16-byte aligned) are
 //      one L2 request, and L2 fetches 256-byte neighbourhoods from DRAM;
 //   2: ld.global.nc.L1::evict_last (allocate, no L2 prefetch hint).
-// How far ahead the producer loads its rows' cache indices (A/B switch, default 1 = the measured
-// kernel): 1 = block g + 1's at the start of step g (used after part A of g, ~3300 cycles later, and
-// session 17's trace still saw a ~1500-cycle wait there); 2 = block g + 2's, a whole step earlier.
+// How far ahead the producer loads its rows' cache indices (build switch, default 1): 1 = block g + 1's
+// at the start of step g (used after part A of g, ~3300 cycles later); 2 = block g + 2's, a whole step
+// earlier (measured: no gain).
 #ifndef FLASHMLA_SPARSE_DECODE_INDEX_AHEAD
 #define FLASHMLA_SPARSE_DECODE_INDEX_AHEAD 1
 #endif
-// Where the RoPE bf16 bytes of a block come from (A/B switch, default 0 = the measured kernel):
+// Where the RoPE bf16 bytes of a block come from (build switch, default 2):
 //   0: cp.async.cg of all 64 rows into each CTA (L2 -> shared memory, no L1 allocation);
 //   1: the same with cp.async.ca (allocated in L1: the CTA's own rows' RoPE lines are also the lines
 //      of their scales and last FP8 group);
 //   2: through registers, loaded with the FP8 bytes under FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY; a
 //      cluster CTA loads only the rows it dequantizes and sends them to the peer by st.async.
 #ifndef FLASHMLA_SPARSE_DECODE_ROPE_MODE
-#define FLASHMLA_SPARSE_DECODE_ROPE_MODE 0
+#define FLASHMLA_SPARSE_DECODE_ROPE_MODE 2
 #endif
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
-#define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 0
+#define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
 #if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0
