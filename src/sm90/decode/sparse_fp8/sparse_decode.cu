@@ -30,7 +30,7 @@ namespace sparse_combine {
 // slice of 128*J output dims (J float4 per lane; see combine_float4s_per_lane).
 // Requests with a single split were written by the main kernel and are skipped
 // (unless out is strided: then the main kernel writes partials for all requests).
-// kCompact (the default since session 17, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
+// kCompact (the default, see launch_sparse_combine): x = num_sm_parts * s_q instead. Only a request that
 // crosses a part boundary has several splits, so there are at most num_sm_parts - 1 of them, and part q
 // takes the request it begins inside (begin_block_idx > 0) unless part q - 1 began inside it too; each
 // split request is combined exactly once, and batches larger than num_sm_parts launch fewer CTAs.
@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
 // batches whose schedule splits no request at all (every part ends on a request boundary): that time was
 // the launch of b * s_q * h_q / 8 CTAs (8192 at b256) that read num_splits and exit, ~8 waves. The compact
 // grid launches num_sm_parts * s_q * h_q / 8 (1056), one wave; batches with split requests (b74, b148)
-// also launch 2-4x fewer CTAs. Measured on the H200: whole call x1.011 geomean (session 16), x1.008
-// (session 17 call 2, which also passed the sparse pytest and the 4748-case spec §5.2 grid with it).
+// also launch 2-4x fewer CTAs. Measured on the H200: whole call x1.008-1.011 geomean; the sparse pytest
+// and the 4748-case spec §5.2 grid pass with it.
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
                                   cudaStream_t stream) {
   const bool compact = cp.out_vec_ok && metadata != nullptr && num_sm_parts > 0 && num_sm_parts < cp.b;
@@ -200,9 +200,9 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 /// wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads
 /// dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte aligned (the v2 / v4
 /// launchers fall back to v1 there).
-/// H200 A/B runs: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
-/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against
-/// session 4's v3 (seesaw over block pairs, now deleted) and v1: bench/NOTES.md "sparse FP8 decode v4".
+/// Measured on an H200: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
+/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against v1
+/// and against a seesaw over block pairs: docs/sparse-fp8-decode.md.
 int sparse_decode_kernel_version(int64_t h_q) {
   return h_q <= 16 ? 2 : (h_q > 32 ? 4 : 1);
 }

@@ -1,7 +1,7 @@
 // src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh — sparse FP8 MLA decode v4 for 64-row head tiles (h_q > 32):
 // one 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1
-// while the consumers work on block g (session 4's v3 ran the prefill's seesaw over block pairs,
-// which keeps both buffers busy in every step; bench/NOTES.md "sparse FP8 decode v4").
+// while the consumers work on block g, which keeps both buffers busy in every step (x1.24 over
+// running the prefill's seesaw over block pairs; docs/sparse-fp8-decode.md).
 //
 // CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
 // num_sm_parts) as v1, walking the same (request, 64-slot block) range; the CTA's blocks are
@@ -17,13 +17,15 @@
 //   * warpgroup 2 (producer, setmaxnreg kProdRegs; FlashMLA's mapping): lanes 8q + i of warp w
 //     own rows 8w + i and 8w + i + 32 of every block and the 16-byte quarter q of each 64-dim
 //     group of them. Each thread loads its rows' cache indices one block ahead and computes their
-//     record addresses itself (L2 prefetch of the next block's records after part A), loads both
-//     parts' FP8 bytes and scales into registers before its first wait, then per part waits until
+//     record addresses itself (after part A; FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH=0 adds an L2
+//     prefetch of the next block's records there), loads both parts' FP8 bytes and scales (and, by
+//     default, its rows' RoPE bytes) into registers before its first wait, then per part waits until
 //     the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times
 //     the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs (8 consecutive rows per
-//     store: no bank conflict), copies the RoPE bf16 bytes (part B) by cp.async and arrives on the
-//     part's full barrier (one arrival per warp + 128 cp.async noinc arrivals). Sessions 4-7 ran two producer
-//     warpgroups at 64 registers (8 threads per row, a shared address table; bench/NOTES.md).
+//     store: no bank conflict), stores the RoPE bf16 bytes (part B; FLASHMLA_SPARSE_DECODE_ROPE_MODE)
+//     and arrives on the part's full barrier (one arrival per warp + 128 cp.async noinc arrivals).
+//     One producer warpgroup at 128 registers with this mapping and one arrival per warp beat two
+//     at 64 registers (8 threads per row, a shared address table): anchor geomean 0.699 -> 0.844.
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
 // then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
 // Only for 16-byte aligned caches (v1 keeps the byte-copy path); q rows may be unaligned.
@@ -150,14 +152,14 @@ static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThrea
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
 // Barrier arrivals: one lane per warp after __syncwarp (the consumers' releases, the producers'
-// plain arrivals; every thread arriving was 2-3% slower on V3.2, session 8); the cp.async arrivals
+// plain arrivals; every thread arriving was 2-3% slower on V3.2); the cp.async arrivals
 // stay per thread. Full barrier: 4 warp arrivals + 128 cp.async noinc arrivals.
 constexpr int kFullCount = kProducers / 32 + kProducers;
 constexpr int kTileBytes = 9 * kSlabBytes;  // 64 rows x 576 dims (slab 8 also holds P)
 
-// (Session 15's three opt-in variants of warpgroup 0's block step were removed after session 16's A/B:
-// a tree row max of the raw S with P = exp2(fma(S, c, -m)) lost, x0.992 kernel geomean; P's proxy
-// fence after the P V_L issue was neutral, x1.002; S(g + 1) issued ahead: at warpgroup 0's loop.)
+// (Variants of warpgroup 0's block step that were measured and not kept: a tree row max of the raw S
+// with P = exp2(fma(S, c, -m)) lost, x0.992 kernel geomean; P's proxy fence after the P V_L issue
+// was neutral, x1.002; S(g + 1) issued ahead: at warpgroup 0's loop.)
 
 /// Where part PT of a block gets its data, per format. The FP8 bytes of a record come in 64-dim
 /// groups (64 bytes, bf16 chunks 8d .. 8d + 7); part A is groups 0-3 (dims 0-255), part B groups
@@ -336,19 +338,19 @@ __device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j,
   for (int k = 0; k < 2; ++k) put(slab_off(row, PartMap<F, 1>::kRopeChunk0 + 4 * k + j), r.v[k]);
 }
 
-// ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats
-// since session 7, bench/NOTES.md "sparse FP8 decode v4, session 7"): the two head-tile CTAs of a
+// ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats,
+// kClusterDefault; docs/sparse-fp8-decode.md): the two head-tile CTAs of a
 // (query token, partition) walk the same blocks. Each CTA's
 // producers dequantize half of every block's rows (thread row row[rank]) into their own slabs
 // (st.shared) and the peer's (st.async to the peer's mapa address, completing 16 bytes of
-// transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), copy all 64
-// rows' RoPE and write all 64 validity bytes locally. A full barrier counts the 132 local arrivals
+// transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), send the
+// RoPE of those rows the same way (FLASHMLA_SPARSE_DECODE_ROPE_MODE 2; modes 0 and 1 copy all 64
+// rows' RoPE locally) and write all 64 validity bytes locally. A full barrier counts the 132 local arrivals
 // (one per producer warp, warp 0's an arrive.expect_tx for the peer's bytes of the part, + 128
 // cp.async noinc) and the peer's transaction bytes; the consumers release a part on both CTAs'
 // free barriers (one arrival per consumer warp on each: count 8), so a part is refilled only when
-// both CTAs' consumers are done with it. (Session 6's
-// first cluster variant, commit 027b0c0, used st.shared::cluster plus 256 remote arrivals per part
-// and was slower than the plain kernel.)
+// both CTAs' consumers are done with it. (Sharing the dequantization by st.shared::cluster plus 256
+// remote arrivals per part, commit 027b0c0, was slower than the plain kernel.)
 namespace cl {
 __device__ __forceinline__ uint32_t rank() {
   uint32_t r;
@@ -370,7 +372,7 @@ __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar
                ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
                : "memory");
 }
-/// Arrival on an mbarrier of the peer CTA. Session 9: release at CTA scope (the PTX default, as
+/// Arrival on an mbarrier of the peer CTA: release at CTA scope (the PTX default, as
 /// CUTLASS's ClusterBarrier::arrive(cta_id) issues it); the cluster-scope release cost an ERRBAR
 /// per arrival (12% of the V3.2 kernel's stall samples). What it orders: the consumers' reads of a
 /// part, which are complete (wgmma.wait_group) before the arrival.
@@ -379,10 +381,11 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
 }
 /// Wait (acquire at CTA scope, the PTX default, as CUTLASS's cluster barriers wait; the peer's
 /// bytes arrive by st.async, whose complete_tx is applied once they are in this CTA's shared
-/// memory). Session 9: acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try.
+/// memory). Acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try; CTA scope for both
+/// the arrival and the wait measured V3.2 -3.2%, peak h128 -5.3%.
 /// Formally, PTX's scoped model pairs a cross-CTA release only with a cluster-scope acquire; the
 /// CTA-scope pair relies on the same hardware behaviour as CUTLASS's multicast pipelines and
-/// FlashMLA's 2-CTA sparse decode (review: bench/NOTES.md, "Session 9").
+/// FlashMLA's 2-CTA sparse decode (docs/sparse-fp8-decode.md).
 __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
   uint32_t ok;
   do {
@@ -765,8 +768,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       FLASHMLA_V4_TRACE_REQ(req - begin_req, 1, tid == 0);
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (the row's address once per
-      // thread and request, as in dense decode v4 since session 10; the block loops' SASS is
-      // unchanged by it).
+      // thread and request, as in dense decode v4; the block loops' SASS is unchanged by it).
       const int r = tid >> 2, c0 = tid & 3;
       const int h = ht * 64 + r;
       const bool valid = h < p.h_q;
@@ -800,10 +802,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     float l_run[2] = {0.f, 0.f};
 
     if constexpr (kWg == 0) {
-      // (Sessions 6-7 issued S of block g + 1 behind P V_L of block g for MODEL1's plain kernel;
-      // with one producer warpgroup it ran 13% slower, MODEL1 config1 b128 113 vs 98 us, and was
-      // removed in session 8: bench/NOTES.md. Session 16 A/B: issuing S(g + 1) part A behind P V_L(g),
-      // wait_group 1 releasing part A of g at once, lost, x0.992 kernel geomean.)
+      // (S of block g + 1 is not issued behind P V_L of block g: with one producer warpgroup that
+      // ran 13% slower, MODEL1 config1 b128 113 vs 98 us, ptxas serializing those wgmma (C7515);
+      // docs/sparse-fp8-decode.md. Issuing only S(g + 1) part A behind P V_L(g), wait_group 1
+      // releasing part A of g at once, also lost, x0.992 kernel geomean.)
       float s[32];
       auto issue_s = [&](int gg) {
         const int xx = gg & 1;
@@ -864,7 +866,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::commit();
         FLASHMLA_V4_TRACE_BLK(0, g, 6, tid == 0);
         // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
-        // (FlashMLA's order; session 13-14: with the two changes above x1.013 kernel geomean).
+        // (FlashMLA's order; with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
         FLASHMLA_V4_TRACE_BLK(0, g, 7, tid == 0);
         gmma::wait<0>();
@@ -1057,7 +1059,7 @@ int max_active_clusters() {
   return cache[dev];
 }
 
-/// The 2-CTA cluster variant per format (a build-time switch; A/B runs edit it): on for both, see bench/NOTES.md "sparse FP8 decode v4, session 7"
+/// The 2-CTA cluster variant per format (a build-time switch): on for both, see docs/sparse-fp8-decode.md
 /// (V3.2 b128 574 -> 503 us, MODEL1 config2 b128 372 -> 337 us on one H200).
 template <Fmt F>
 constexpr bool kClusterDefault = true;
