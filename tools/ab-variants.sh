@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, from the repository root, carry [".deps", ".whl"] and the variants):
 #   bash tools/ab-variants.sh VARIANTS_DIR COMMAND...
 # VARIANTS_DIR holds one folder per variant whose files replace the same paths of the tree
-# (e.g. VARIANTS_DIR/reread/src/sm90/sparse_decode_kernel_v4.cuh); an empty folder (or the name
+# (e.g. VARIANTS_DIR/reread/src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh); an empty folder (or the name
 # given in AB_TREE, default "main") is the tree as is.
 # Git does not carry empty directories to the device machine, so name the tree variant "main" (the
 # script creates that folder there) rather than relying on another empty folder.

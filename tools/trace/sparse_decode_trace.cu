@@ -1,9 +1,9 @@
-// tools/trace/sparse_decode_trace.cu — event timeline of the sparse FP8 decode kernel v4 (diagnostic).
+// tools/trace/sparse_decode_trace.cu — event timeline of the sparse FP8 decode producer kernel (wgmma_producer_kernel.cuh; diagnostic).
 //
 // Question it answers: do the consumer warpgroups of src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh wait for the
 // producer warpgroup (its FP8 dequantization into the two K buffers), and where in the block step?
 //
-// Builds the v4 kernel with FLASHMLA_TRACE defined (the events of the header's FLASHMLA_V4_TRACE_*
+// Builds the producer kernel with FLASHMLA_TRACE defined (the events of the header's FLASHMLA_V4_TRACE_*
 // list), makes random inputs the way bench/bench_sparse_decode.py does (s_q 2, varlen lengths
 // N(s_kv, s_kv / 2), per-request random page tables, topk distinct tokens per (request, row) in random
 // order with -1 for the slots past a short request's length, FP8 caches in the exact V32 / MODEL1
@@ -11,7 +11,7 @@
 // RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on, softmax scale d_qk^-0.55),
 // runs the project's device scheduler (src/sm90/common/scheduler.cu) with num_sm_parts from
 // core::sparse_decode_num_sm_parts, picks the plain or 2-CTA cluster kernel with the library's rule
-// (sparse::v4::launch: head-tile pairs, clusters resident; FLASHMLA_TRACE_CLUSTER=0|1 forces one), times the
+// (sparse::wgmma_producer::launch: head-tile pairs, clusters resident; FLASHMLA_TRACE_CLUSTER=0|1 forces one), times the
 // main kernel alone (CUDA events, an L2 flush of FLASHMLA_TRACE_FLUSH_GB GB, default 8 as the benchmark,
 // before every run), then runs it once more with the trace buffer set and prints, per role, the median
 // cycles between the events of a block step over the traced CTAs' inner steps, the fraction of each
@@ -78,7 +78,7 @@
 namespace {
 
 namespace tr = flashmla::sm90::trace;
-namespace v4 = flashmla::sm90::sparse::v4;
+namespace wp = flashmla::sm90::sparse::wgmma_producer;
 using flashmla::sm90::SparseDecodeKernelParams;
 using flashmla::sm90::SparseScope;
 using flashmla::sm90::sparse::Fmt;
@@ -272,23 +272,23 @@ SparseScope kernel_scope(const Scope& s, int s_q) {
   return k;
 }
 
-// ---------------------------------------------------------------- kernel choice (v4::launch's rule, unless
+// ---------------------------------------------------------------- kernel choice (wp::launch's rule, unless
 // FLASHMLA_TRACE_CLUSTER forces the variant)
 template <Fmt F>
 bool library_picks_cluster(const SparseDecodeKernelParams& kp, int num_sm_parts) {
-  bool on = v4::kClusterDefault<F>;
+  bool on = wp::kClusterDefault<F>;
   if (const char* env = std::getenv("FLASHMLA_TRACE_CLUSTER"); env != nullptr && env[0] != '\0')
     on = env[0] != '0';
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
-    if (clusters <= v4::max_active_clusters<F>()) return true;
+    if (clusters <= wp::max_active_clusters<F>()) return true;
   }
   return false;
 }
 
 template <Fmt F>
 cudaError_t launch_variant(bool cluster, const SparseDecodeKernelParams& kp, int num_sm_parts) {
-  return cluster ? v4::launch_k<F, true>(kp, num_sm_parts, 0) : v4::launch_k<F, false>(kp, num_sm_parts, 0);
+  return cluster ? wp::launch_k<F, true>(kp, num_sm_parts, 0) : wp::launch_k<F, false>(kp, num_sm_parts, 0);
 }
 
 // ---------------------------------------------------------------- statistics
@@ -694,7 +694,7 @@ int main(int argc, char** argv) {
   const int every = argc > 4 ? std::atoi(argv[4]) : 1;
   const int s_q = 2;
   if (b < 1 || h_q <= 32 || h_q % 64 != 0 || every < 1) {
-    std::fprintf(stderr, "b >= 1, h_q a multiple of 64 (v4 serves h_q > 32), every >= 1\n");
+    std::fprintf(stderr, "b >= 1, h_q a multiple of 64 (the producer kernel serves h_q > 32), every >= 1\n");
     return 2;
   }
   const int reps = std::getenv("FLASHMLA_TRACE_REPS") ? std::max(1, std::atoi(std::getenv("FLASHMLA_TRACE_REPS"))) : 20;
@@ -783,8 +783,8 @@ int main(int argc, char** argv) {
   kp.out_vec_ok = 1;
   kp.scale_log2 = static_cast<float>(std::pow(static_cast<double>(cfg.d_qk), -0.55)) * 1.4426950408889634f;
   kp.kernel_version = 4;
-  if (!v4::usable(kp)) {
-    std::fprintf(stderr, "v4 is not usable for these parameters\n");
+  if (!wp::usable(kp)) {
+    std::fprintf(stderr, "the producer kernel is not usable for these parameters\n");
     return 1;
   }
 
@@ -810,15 +810,15 @@ int main(int argc, char** argv) {
     cudaFuncAttributes fa{};
 #if SPARSE_TRACE_FMT != 2
     if (v32)
-      CHECK(cluster ? cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kV32, true>)
-                    : cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kV32, false>));
+      CHECK(cluster ? cudaFuncGetAttributes(&fa, wp::flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<Fmt::kV32, true>)
+                    : cudaFuncGetAttributes(&fa, wp::flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<Fmt::kV32, false>));
 #endif
 #if SPARSE_TRACE_FMT != 1
     if (!v32)
-      CHECK(cluster ? cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, true>)
-                    : cudaFuncGetAttributes(&fa, v4::flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<Fmt::kModel1, false>));
+      CHECK(cluster ? cudaFuncGetAttributes(&fa, wp::flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<Fmt::kModel1, true>)
+                    : cudaFuncGetAttributes(&fa, wp::flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<Fmt::kModel1, false>));
 #endif
-    std::printf("kernel: v4 %s %s (FLASHMLA_TRACE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
+    std::printf("kernel: wgmma_producer %s %s (FLASHMLA_TRACE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
                 "%d regs, %zu B local (traced build)\n",
                 v32 ? "V32" : "MODEL1", cluster ? "cluster" : "plain",
                 std::getenv("FLASHMLA_TRACE_CLUSTER") ? std::getenv("FLASHMLA_TRACE_CLUSTER") : "unset",
@@ -839,7 +839,7 @@ int main(int argc, char** argv) {
     const cudaError_t e = run();
     if (e != cudaSuccess) {
       std::fprintf(stderr, "launch: %s%s\n", cudaGetErrorString(e),
-                   e == cudaErrorInvalidConfiguration ? " (v4 refused: the library would run v1)" : "");
+                   e == cudaErrorInvalidConfiguration ? " (the producer kernel refused: the library would run the mma.sync kernel)" : "");
       std::exit(1);
     }
     CHECK(cudaEventRecord(e1));

@@ -129,7 +129,7 @@ __device__ __forceinline__ unsigned long long flashmla_v4_trace_smid() {
 #define FLASHMLA_V4_TRACE_CTA(...) static_cast<void>(0)
 #endif
 
-namespace flashmla::sm90::sparse::v4 {
+namespace flashmla::sm90::sparse::wgmma_producer {
 
 using namespace seesaw;
 
@@ -424,7 +424,7 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
 
 template <Fmt F, bool kCluster>
-__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_v4(const SparseDecodeKernelParams p) {
+__global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
@@ -991,13 +991,13 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
 
 template <Fmt F, bool kCluster>
 cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, kCluster>;
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
   // sparse_decode_v32.cu / sparse_decode_model1.cu then run v1).
   static const int regs = [] {
     cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, kCluster>) == cudaSuccess
+    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>) == cudaSuccess
                ? a.numRegs
                : 0;
   }();
@@ -1036,7 +1036,7 @@ int max_active_clusters() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   if (!done[dev]) {
-    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_v4<F, true>;
+    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, true>;
     int n = 0;
     if (set_max_dynamic_smem(kernel, kSmemBytes) == cudaSuccess) {
       cudaLaunchConfig_t cfg{};
@@ -1077,4 +1077,4 @@ cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStr
   return launch_k<F, false>(kp, num_sm_parts, stream);
 }
 
-}  // namespace flashmla::sm90::sparse::v4
+}  // namespace flashmla::sm90::sparse::wgmma_producer
