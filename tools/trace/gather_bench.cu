@@ -16,6 +16,8 @@
 //                 one block ahead; check the SASS: the LDGs of g + 1 must precede the first use of g)
 //   4 bulk        one 528-byte cp.async.bulk per row into a two-stage shared buffer, one block ahead
 //   5 cpasync     16-byte cp.async per thread chunk into the same buffer, one block ahead
+//   6 ldg-policy  1 with the shipped producer's cache policy (ld.global.nc.L1::evict_last.L2::256B)
+//   7 bulk-3      4 with three stages, two blocks ahead
 // Every timed launch follows a 256 MB memset (L2 flush) and reads its own slice of the index array, so a
 // single-CTA run does not re-read records from L2. Prints per method: the best of 5 launches' time, GB/s
 // of record bytes (64 x 528 per block) and that launch's cycles per block per CTA.
@@ -37,7 +39,7 @@ constexpr int kRec = 656;           // V3.2 record bytes (spec §3.3)
 constexpr int kUse = 528;           // bytes the producer reads by LDG (FP8 + scales; RoPE goes by cp.async)
 constexpr int kRows = 64;           // records per block
 constexpr int kStage = kRows * kUse;  // 33792 bytes per shared-memory stage (methods 4, 5)
-constexpr int kSmem = 120 * 1024;   // > half of the SM: one CTA per SM
+constexpr int kSmem = 3 * kStage + 64;  // > half of the SM: one CTA per SM
 
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -50,6 +52,19 @@ struct Loaded {
   uint2 s[2];
 };
 
+__device__ __forceinline__ uint4 ldg16_evict_last_256(const void* a) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg8_evict_last(const void* a) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(a));
+  return v;
+}
+
 template <int kMethod>
 __global__ void __launch_bounds__(128, 1)
     gather_kernel(const uint8_t* __restrict__ recs, const int32_t* __restrict__ idx, int blocks,
@@ -58,7 +73,7 @@ __global__ void __launch_bounds__(128, 1)
   const int t = threadIdx.x, j = (t & 31) >> 3;
   const int row[2] = {(t >> 5) * 8 + (t & 7), (t >> 5) * 8 + (t & 7) + 32};
   const int32_t* my = idx + static_cast<int64_t>(blockIdx.x) * blocks * kRows;
-  const uint32_t s_u = smem_u32(smem), bar_u = s_u + 2 * kStage;
+  const uint32_t s_u = smem_u32(smem), bar_u = s_u + 3 * kStage;
   uint32_t acc = 0;
   auto rec_of = [&](int g, int i) { return recs + static_cast<int64_t>(my[g * kRows + row[i]]) * kRec; };
   auto load = [&](Loaded& L, const uint8_t* a0, const uint8_t* a1) {
@@ -66,8 +81,9 @@ __global__ void __launch_bounds__(128, 1)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-      for (int d = 0; d < 8; ++d) L.u[i][d] = ldg16(a[i] + 64 * d + 16 * j);
-      L.s[i] = ldg8(a[i] + 512 + 8 * (j & 1));
+      for (int d = 0; d < 8; ++d)
+        L.u[i][d] = kMethod == 6 ? ldg16_evict_last_256(a[i] + 64 * d + 16 * j) : ldg16(a[i] + 64 * d + 16 * j);
+      L.s[i] = kMethod == 6 ? ldg8_evict_last(a[i] + 512 + 8 * (j & 1)) : ldg8(a[i] + 512 + 8 * (j & 1));
     }
   };
   auto use = [&](const Loaded& L) {
@@ -78,9 +94,9 @@ __global__ void __launch_bounds__(128, 1)
       acc ^= L.s[i].x + L.s[i].y;
     }
   };
-  if (kMethod >= 4 && t == 0) {
-    mbar_init(bar_u, 1);
-    mbar_init(bar_u + 8, 1);
+  constexpr int kStages = kMethod == 7 ? 3 : 2;
+  if ((kMethod == 4 || kMethod == 5 || kMethod == 7) && t == 0) {
+    for (int s = 0; s < kStages; ++s) mbar_init(bar_u + 8 * s, 1);
     fence_barrier_init();
   }
   __syncthreads();
@@ -91,7 +107,7 @@ __global__ void __launch_bounds__(128, 1)
       load(L, rec_of(g, 0), rec_of(g, 1));
       use(L);
     }
-  } else if constexpr (kMethod == 1 || kMethod == 2) {
+  } else if constexpr (kMethod == 1 || kMethod == 2 || kMethod == 6) {
     auto ix = [&](int g, int i) { return g < blocks ? my[g * kRows + row[i]] : 0; };
     int v0 = ix(0, 0), v1 = ix(0, 1);
     int p0 = ix(1, 0), p1 = ix(1, 1);  // method 2: block g + 1's indices (its prefetch was issued at g - 1)
@@ -137,10 +153,10 @@ __global__ void __launch_bounds__(128, 1)
       use(B);
     }
   } else {
-    // Stage g & 1 holds block g's 64 x 528 bytes (row r at r * 528); filled one block ahead.
+    // Stage g % kStages holds block g's 64 x 528 bytes (row r at r * 528); filled kStages - 1 blocks ahead.
     auto issue = [&](int g) {
-      const uint32_t st = s_u + static_cast<uint32_t>((g & 1) * kStage), bar = bar_u + 8u * (g & 1);
-      if constexpr (kMethod == 4) {
+      const uint32_t st = s_u + static_cast<uint32_t>((g % kStages) * kStage), bar = bar_u + 8u * (g % kStages);
+      if constexpr (kMethod == 4 || kMethod == 7) {
         if (t == 0) mbar_arrive_expect_tx(bar, kStage);
         __syncwarp();
         if (t < kRows) bulk_load(st + t * kUse, recs + static_cast<int64_t>(my[g * kRows + t]) * kRec, kUse, bar);
@@ -153,20 +169,20 @@ __global__ void __launch_bounds__(128, 1)
         cp_async_commit();
       }
     };
-    issue(0);
+    for (int g = 0; g < kStages - 1 && g < blocks; ++g) issue(g);
     for (int g = 0; g < blocks; ++g) {
-      if (g + 1 < blocks) {
-        __syncthreads();  // everyone is done reading stage (g + 1) & 1 (block g - 1)
-        issue(g + 1);
+      if (g + kStages - 1 < blocks) {
+        __syncthreads();  // everyone is done reading stage (g + kStages - 1) % kStages (block g - 1)
+        issue(g + kStages - 1);
       }
-      if constexpr (kMethod == 4) {
-        mbar_wait(bar_u + 8u * (g & 1), static_cast<uint32_t>((g >> 1) & 1));
+      if constexpr (kMethod == 4 || kMethod == 7) {
+        mbar_wait(bar_u + 8u * (g % kStages), static_cast<uint32_t>((g / kStages) & 1));
       } else {
         if (g + 1 < blocks) cp_async_wait<1>();
         else cp_async_wait<0>();
         __syncthreads();
       }
-      const uint8_t* st = smem + (g & 1) * kStage;
+      const uint8_t* st = smem + (g % kStages) * kStage;
       Loaded L;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -255,5 +271,7 @@ int main(int argc, char** argv) {
   if (method < 0 || method == 3) run<3>("ldg-regs2", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
   if (method < 0 || method == 4) run<4>("bulk", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
   if (method < 0 || method == 5) run<5>("cpasync", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 6) run<6>("ldg-policy", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
+  if (method < 0 || method == 7) run<7>("bulk-3", recs, idx, blocks, ctas, d_cyc, d_sink, flush, flush_bytes);
   return 0;
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build and run tools/trace/gather_bench.cu (the sparse-decode producer's gather pattern by six load
+# Build and run tools/trace/gather_bench.cu (the sparse-decode producer's gather pattern by eight load
 # methods) on an sm_90a machine: one CTA per SM, then a single CTA (the latency-bound case), then the
 # producer's load of ~128 blocks per CTA over an 8 GB buffer. Every timed launch is L2-flushed and reads
 # its own indices (the single-CTA run is latency-bound on DRAM, not on L2). Needs no CUTLASS. Writes $OUT/gather-bench.txt.

@@ -210,11 +210,19 @@ struct RowPart {
 //      one record that share a 128-byte line (V3.2 records are 656 bytes, only 16-byte aligned) are
 //      one L2 request, and L2 fetches 256-byte neighbourhoods from DRAM;
 //   2: ld.global.nc.L1::evict_last (allocate, no L2 prefetch hint).
-// How far ahead the producer loads its rows' cache indices (build switch, default 1): 1 = block g + 1's
-// at the start of step g (used after part A of g, ~3300 cycles later); 2 = block g + 2's, a whole step
-// earlier (measured: no gain).
+// Where the cluster kernel's producer turns the next block's cache indices into record addresses
+// (build switch, default 1): 0 right after part A's arrival (where the L2 prefetch of
+// FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH=0 needs them), 1 after part B's arrival, so that waiting for
+// the index loads does not delay part B. With indices two blocks ahead (below) the cluster kernel ran
+// V3.2 b128 -3.9 %, peak h128 d576 -4.3 %; the plain kernel keeps 0 and one block ahead (the same
+// pair made its V3.2 h64 peak case 11.5 % slower). docs/sparse-fp8-decode.md.
+#ifndef FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE
+#define FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE 1
+#endif
+// How far ahead the cluster kernel's producer loads its rows' cache indices (build switch, default 2):
+// 1 = block g + 1's at the start of step g; 2 = block g + 2's, a whole step earlier.
 #ifndef FLASHMLA_SPARSE_DECODE_INDEX_AHEAD
-#define FLASHMLA_SPARSE_DECODE_INDEX_AHEAD 1
+#define FLASHMLA_SPARSE_DECODE_INDEX_AHEAD 2
 #endif
 // Where the RoPE bf16 bytes of a block come from (build switch, default 2):
 //   0: cp.async.cg of all 64 rows into each CTA (L2 -> shared memory, no L1 allocation);
@@ -428,6 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
+  constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
+  constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base_u;
   uint8_t* base = smem_align_1024(smem_raw, base_u);
@@ -570,37 +580,39 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         const bool any = __any_sync(0xffffffffu, j == 0 && (r.rec[0] == 0 || r.rec[1] == 0));
         if ((t & 31) == 0) sInval[x * 4 + (t >> 5)] = any ? 1 : 0;
       };
-#if FLASHMLA_SPARSE_DECODE_INDEX_AHEAD == 2
-      // Block 1's indices before the loop; step g loads block g + 2's.
+      // kIndexAhead 2: block 1's indices before the loop; step g loads block g + 2's.
       int va[2] = {-1, -1};
-      bool exta = false;
-      ++nb;
-      skip_empty();
-      bool more_a = nreq <= end_req;
-      if (more_a) exta = block_indices(va);
-#endif
-      for (int g = 0;; ++g) {
-        FLASHMLA_V4_TRACE_BLK(2, g, 0, t == 0);
-#if FLASHMLA_SPARSE_DECODE_INDEX_AHEAD == 2
-        const bool more = more_a;
-        const int vn[2] = {va[0], va[1]};
-        const bool extn = exta;
-        if (more_a) {
-          ++nb;
-          skip_empty();
-          more_a = nreq <= end_req;
-          va[0] = va[1] = -1;
-          exta = false;
-          if (more_a) exta = block_indices(va);
-        }
-#else
+      bool exta = false, more_a = false;
+      if constexpr (kIndexAhead == 2) {
         ++nb;
         skip_empty();
-        const bool more = nreq <= end_req;
+        more_a = nreq <= end_req;
+        if (more_a) exta = block_indices(va);
+      }
+      for (int g = 0;; ++g) {
+        FLASHMLA_V4_TRACE_BLK(2, g, 0, t == 0);
+        bool more;
         int vn[2] = {-1, -1};
         bool extn = false;
-        if (more) extn = block_indices(vn);
-#endif
+        if constexpr (kIndexAhead == 2) {
+          more = more_a;
+          vn[0] = va[0];
+          vn[1] = va[1];
+          extn = exta;
+          if (more_a) {
+            ++nb;
+            skip_empty();
+            more_a = nreq <= end_req;
+            va[0] = va[1] = -1;
+            exta = false;
+            if (more_a) exta = block_indices(va);
+          }
+        } else {
+          ++nb;
+          skip_empty();
+          more = nreq <= end_req;
+          if (more) extn = block_indices(vn);
+        }
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -651,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
-          next_addresses(hi ? 1 : 0, hi ? 2 : 1);
+          if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
@@ -672,6 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
+          if (kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         } else {
           RowPart<F, 0> pa0, pa1;
@@ -701,7 +714,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
           FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
-          next_addresses(0, 2);
+          if (!kLateAddr) next_addresses(0, 2);
           FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
@@ -718,6 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), 0);
+          if (kLateAddr) next_addresses(0, 2);
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
         }
         if (!more) break;
