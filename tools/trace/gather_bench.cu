@@ -1,7 +1,7 @@
 // tools/trace/gather_bench.cu — how fast can one warpgroup per SM gather V3.2 FP8 records (656 bytes each,
 // the sparse decode's access pattern) with each load method? A diagnostic for the sparse-decode producer
 // (docs/sparse-fp8-decode.md: its gathers take 3000+ cycles from issue to use while DRAM moves only
-// ~0.8 TB/s). Not yet run on a GPU.
+// ~0.8 TB/s). Results: bench/results/2026-12-03-gather-bench.txt, docs/sparse-fp8-decode.md.
 //
 // One CTA of 128 threads per SM (the producer warpgroup's size; the dynamic shared memory forces one CTA
 // per SM), each gathering `blocks` blocks of 64 random records (uniform over a `gb`-GB buffer, so nearly
