@@ -302,14 +302,14 @@ double quant(std::vector<double> v, double q) {
 double med(const std::vector<double>& v) { return quant(v, 0.5); }
 double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
 
-constexpr int kRoleEvents[3] = {10, 7, 9};
+constexpr int kRoleEvents[3] = {10, 7, 10};
 const char* const kRoleName[3] = {"WG0 (S, softmax, O[:, :256])", "WG1 (O[:, 256:])", "producer"};
 const char* const kEvName[3][10] = {
     {"start = wait A", "A full", "S(A) issued", "B full", "S done", "softmax done", "PV_L issued", "P announced",
      "PV_L done", "A released"},
     {"start = wait P", "P ready", "wait B", "B full", "PV_R issued", "PV_R done", "B released", "", "", ""},
     {"block start", "loads issued", "A free", "A stored", "A arrived", "next addr", "B free", "B stored",
-     "B arrived", ""}};
+     "B arrived", "step done"}};
 
 struct Cta {
   int slot = 0, id = 0, rank = 0, smid = 0, n_blk = 0, begin_req = 0, end_req = 0, W = 0;
@@ -633,8 +633,8 @@ int selftest() {
       for (int e = 0; e < 10; ++e) put(sl, 0, g, e, t + w0[e]);
       const int w1[7] = {200, 960, 1000, 1002, 1010, 1800, 1810};
       for (int e = 0; e < 7; ++e) put(sl, 1, g, e, t + w1[e]);
-      const int wp[9] = {0, 100, 600, 1000, 1010, 1050, 1300, 1400, 1410};
-      for (int e = 0; e < 9; ++e) put(sl, 2, g, e, t - 1500 + wp[e]);
+      const int wp[10] = {0, 100, 600, 1000, 1010, 1050, 1300, 1400, 1410, 1420};
+      for (int e = 0; e < 10; ++e) put(sl, 2, g, e, t - 1500 + wp[e]);
     }
     for (int r = 0; r < 3; ++r) {
       const unsigned long long t = r == 0 ? base + 2000 : T(req_g0[r]) - 2500;

@@ -67,7 +67,8 @@
 //   role 2 (producer, tid 256): 0 block start, 1 part A and B FP8 loads issued = before the free wait
 //                          of part A, 2 part A free, 3 part A dequantized + stored, 4 part A arrived,
 //                          5 next addresses = before the free wait of part B, 6 part B free, 7 part B
-//                          (and RoPE cp.async) stored, 8 part B arrived
+//                          (and RoPE cp.async) stored, 8 part B arrived, 9 step done (after the next
+//                          block's addresses where they are computed late, kLateAddr)
 //   role 3, step r (request r of the CTA): 0 WG0 request start, 1 WG0 first consumer barrier passed
 //                          (Q copy starts), 2 WG0 Q loaded (second barrier passed), 3 WG0 epilogue start,
 //                          4 WG0 epilogue barrier passed, 5 WG0 epilogue end, 6 WG1 epilogue start
@@ -684,8 +685,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
-          if (kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
+          if (kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
+          FLASHMLA_V4_TRACE_BLK(2, g, 9, t == 0);
         } else {
           RowPart<F, 0> pa0, pa1;
           RowPart<F, 1> pb0, pb1;
@@ -731,8 +733,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), 0);
-          if (kLateAddr) next_addresses(0, 2);
           FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
+          if (kLateAddr) next_addresses(0, 2);
+          FLASHMLA_V4_TRACE_BLK(2, g, 9, t == 0);
         }
         if (!more) break;
         ra = rn;
