@@ -1,0 +1,164 @@
+"""Tensor-parallel head counts of sparse FP8 decode, side by side with FlashMLA in one GPU run.
+
+After a tensor-parallel split a rank holds h_q / TP query heads (16 at TP8 for DeepSeek-V3.2's 128).
+FlashMLA's sparse decode takes 64 or 128 heads only, so an integration pads each shard's q to 64 heads
+(zeros) and drops the padded rows of the output. This tool times, on the same inputs:
+
+* ours, native: `flash_mla_with_kvcache` on q with h_q heads (the library's own kernel choice);
+* ours, padded: the same call on q zero-padded to 64 heads (the wgmma producer kernel);
+* FlashMLA, padded: FlashMLA (the anchor, built by the anchor kit into /tmp/anchor) on the padded q.
+
+Both packages are named `flash_mla`, so each runs in its own subprocess (`--worker`), with the anchor
+first on sys.path for FlashMLA's. Inputs are the V3.2 format (d_qk 576, page block 64, s_kv 32768,
+varlen lengths, topk 2048 distinct tokens per row, sink on), built from the same seed in every process
+(`bench_sparse_decode.make_scope`). Time = main kernel + combine kernel per call, each call after an L2
+flush, FlashMLA's kineto method (`common.kernel_times_us`); the scheduler metadata is reused as across
+layers. ratio = FlashMLA padded time / ours native time (> 1: ours is faster).
+
+Rows: the five of issue 24 (b, s_q, h_q) = (128, 1, 16), (128, 2, 16), (128, 2, 32), (32, 2, 16),
+(8, 1, 16); `--sweep` adds ours native against ours padded for h_q 1, 2, 4, 8, 12, 16, 24, 32, 48
+(b 128, s_q 1 and 2), the "never slower than our own padded kernel" check.
+
+Usage (GPU machine, repository root, ours installed, anchor built by `bash .anchor/build.sh`):
+  python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep]
+Writes OUT_DIR/<date>-sparse-decode-tp-vs-flashmla.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROWS = [(128, 1, 16), (128, 2, 16), (128, 2, 32), (32, 2, 16), (8, 1, 16)]
+SWEEP_H = [1, 2, 4, 8, 12, 16, 24, 32, 48]
+CFG = dict(d_qk=576, s_kv=32768, topk=2048, pbs=64)
+PAD = 64
+
+
+def worker(label: str, cases: list, modes: list) -> None:
+    """Times each (b, s_q, h_q) in each mode ('native' / 'pad64') with whichever flash_mla is first on
+    sys.path; prints one 'TP <json>' line per measurement."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    import bench_sparse_decode as B  # noqa: PLC0415 (imports flash_mla: the one on sys.path)
+    import common  # noqa: PLC0415
+
+    import flash_mla  # noqa: PLC0415
+
+    names = [B.KERNEL, B.COMBINE]
+    for b, s_q, h_q in cases:
+        gen = random.Random(1000 * b + 10 * s_q + h_q)
+        torch.manual_seed(1000 * b + 10 * s_q + h_q)
+        d = CFG["d_qk"]
+        q = torch.randn(b, s_q, h_q, d, device="cuda").clamp(-1, 1).to(torch.bfloat16)
+        sink = torch.randn(h_q, device="cuda")
+        cache, indices, _ = B.make_scope(b, s_q, CFG["s_kv"], CFG["topk"], CFG["pbs"], d, gen)
+        for mode in modes:
+            if mode == "native":
+                qm, sm = q, sink
+            else:
+                qm = torch.zeros(b, s_q, PAD, d, dtype=torch.bfloat16, device="cuda")
+                qm[:, :, :h_q] = q
+                sm = torch.zeros(PAD, device="cuda")
+                sm[:h_q] = sink
+            sched, _ = flash_mla.get_mla_metadata()
+            kw = dict(softmax_scale=d ** -0.55, is_fp8_kvcache=True, indices=indices, attn_sink=sm)
+
+            def call(qm=qm, sched=sched, kw=kw):
+                return flash_mla.flash_mla_with_kvcache(qm, cache, None, None, 512, sched, **kw)
+
+            try:
+                out, _ = call()
+                t = common.kernel_times_us(call, names, reps=20)
+                kt = t[names[0]]
+                ct = 0.0 if math.isnan(t[names[1]]) else t[names[1]]
+                rec = dict(label=label, b=b, s_q=s_q, h_q=h_q, mode=mode, kernel_us=kt, combine_us=ct,
+                           us=kt + ct, finite=bool(torch.isfinite(out[:, :, :h_q]).all()))
+            except Exception as e:  # FlashMLA refuses h_q it does not support: record why
+                rec = dict(label=label, b=b, s_q=s_q, h_q=h_q, mode=mode, error=f"{type(e).__name__}: {e}"[:300])
+            print("TP " + json.dumps(rec), flush=True)
+        del cache, indices
+        torch.cuda.empty_cache()
+    print(f"# {label}: flash_mla from {flash_mla.__file__}", flush=True)
+
+
+def run_worker(label: str, pythonpath: str | None, cases: list, modes: list) -> list:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    arg = json.dumps(dict(cases=cases, modes=modes))
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", label, arg], env=env,
+                       capture_output=True, text=True, cwd="/tmp")
+    if p.returncode:
+        sys.exit(f"{label} worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    sys.stdout.write("".join(line + "\n" for line in p.stdout.splitlines() if line.startswith("#")))
+    return [json.loads(line[3:]) for line in p.stdout.splitlines() if line.startswith("TP ")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", nargs="?", help="output folder")
+    ap.add_argument("--anchor", default="/tmp/anchor/flashmla", help="FlashMLA built by the anchor kit")
+    ap.add_argument("--sweep", action="store_true", help="also ours native vs ours padded over h_q 1..48")
+    ap.add_argument("--worker", nargs=2, metavar=("LABEL", "JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        spec = json.loads(args.worker[1])
+        worker(args.worker[0], [tuple(c) for c in spec["cases"]], spec["modes"])
+        return
+    if not args.out:
+        ap.error("OUT_DIR is required")
+    if not os.path.isdir(os.path.join(args.anchor, "flash_mla")):
+        sys.exit(f"no FlashMLA anchor at {args.anchor} (build it with: bash .anchor/build.sh)")
+    import torch
+
+    sweep = [(128, s_q, h) for s_q in (1, 2) for h in SWEEP_H] if args.sweep else []
+    ours = run_worker("ours", None, ROWS + [c for c in sweep if c not in ROWS], ["native", "pad64"])
+    anchor = run_worker("anchor", args.anchor, ROWS, ["pad64"])
+    get = {(r["label"], r["b"], r["s_q"], r["h_q"], r["mode"]): r for r in ours + anchor}
+    rows = []
+    for b, s_q, h_q in ROWS + [c for c in sweep if c not in ROWS]:
+        on, op = get[("ours", b, s_q, h_q, "native")], get[("ours", b, s_q, h_q, "pad64")]
+        ap_ = get.get(("anchor", b, s_q, h_q, "pad64"))
+        row = dict(b=b, s_q=s_q, h_q=h_q, ours_native_us=on.get("us"), ours_pad64_us=op.get("us"),
+                   anchor_pad64_us=None if ap_ is None else ap_.get("us"),
+                   native_vs_own_padded=(op["us"] / on["us"]) if "us" in on and "us" in op else None)
+        if ap_ is not None and "us" in ap_ and "us" in on:
+            row["ratio"] = ap_["us"] / on["us"]
+        for r in (on, op, ap_):
+            if r is not None and "error" in r:
+                row.setdefault("errors", []).append(f"{r['label']} {r['mode']}: {r['error']}")
+        rows.append(row)
+        print(f"b {b:4d} s_q {s_q} h_q {h_q:3d}: ours native {row['ours_native_us'] or float('nan'):8.1f} us, "
+              f"ours pad64 {row['ours_pad64_us'] or float('nan'):8.1f} us, FlashMLA pad64 "
+              f"{row['anchor_pad64_us'] or float('nan'):8.1f} us, ratio {row.get('ratio', float('nan')):.3f}")
+    r = [x["ratio"] for x in rows if "ratio" in x]
+    date = datetime.date.today().isoformat()
+    doc = dict(family="sparse-decode-tp", date=date, gpu=torch.cuda.get_device_name(0),
+               anchor=dict(name="FlashMLA", commit="9241ae3", measured_in_same_run=True, path=args.anchor,
+                           input="q zero-padded to 64 heads"),
+               timing="main kernel + combine per call, L2 flushed before each call, kineto (common.kernel_times_us)",
+               config=dict(CFG, format="V3.2", sink=True), geomean_ratio=math.exp(sum(map(math.log, r)) / len(r))
+               if r else None, min_ratio=min(r) if r else None,
+               targets=dict(ratio_ge_1_every_row=bool(r) and min(r) >= 1.0,
+                            native_never_slower_than_own_padded=all(
+                                x["native_vs_own_padded"] is not None and x["native_vs_own_padded"] >= 1.0
+                                for x in rows)),
+               rows=rows)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{date}-sparse-decode-tp-vs-flashmla.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}; geomean ratio {doc['geomean_ratio']}, min {doc['min_ratio']}")
+
+
+if __name__ == "__main__":
+    main()
