@@ -384,6 +384,8 @@ def main():
     ap.add_argument("--no-perf", action="store_true")
     ap.add_argument("--no-big", action="store_true", help="skip the spec §5.5 configurations")
     ap.add_argument("--no-variants", action="store_true", help="only the library's default schedules")
+    ap.add_argument("--perf-only", action="store_true",
+                    help="only the timing of every schedule on the 16 shapes (correctness checked by an earlier run)")
     args = ap.parse_args()
     VARIANTS["on"] = not args.no_variants
     OUT_DIR["path"] = args.out
@@ -391,6 +393,8 @@ def main():
     dev = "cuda"
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
 
+    if args.perf_only:
+        args.no_big = True
     print("== smoke")
     safe(run_case, lib, "smoke d128 s256 h4/4", [256], [256], 4, 4, 128, False, det=True)
     safe(run_case, lib, "smoke d192 s300/333 h4/2 causal", [300], [333], 4, 2, 192, True, det=True)
@@ -399,6 +403,8 @@ def main():
         safe(run_case, lib, f"smoke edges d{d}", [1, 0, 130, 3], [0, 5, 129, 200], 4, 2, d, False, det=True)
     if args.quick:
         return finish(args)
+    if args.perf_only:
+        return perf_all(lib, args)
 
     print("== reference self-test")
     safe(ref_selftest, dev)
@@ -442,6 +448,10 @@ def main():
                                  f"lens q{lq} k{lk}", lq, lk, h, hk, d, causal, det=True)
                             torch.cuda.empty_cache()
 
+    return perf_all(lib, args)
+
+
+def perf_all(lib, args):
     if not args.no_perf:
         print("== performance (TFLOPS, spec §5.5 FLOPs; torch SDPA cuDNN backend in the same process)")
         for s in (4096, 8192):
