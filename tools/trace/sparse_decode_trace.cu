@@ -81,6 +81,7 @@ namespace {
 namespace tr = flashmla::sm90::trace;
 namespace wp = flashmla::sm90::sparse::wgmma_producer;
 using flashmla::sm90::SparseDecodeKernelParams;
+using flashmla::sm90::SparseDecodeMainKernel;
 using flashmla::sm90::SparseScope;
 using flashmla::sm90::sparse::Fmt;
 
@@ -783,7 +784,7 @@ int main(int argc, char** argv) {
   kp.q_vec = 1;
   kp.out_vec_ok = 1;
   kp.scale_log2 = static_cast<float>(std::pow(static_cast<double>(cfg.d_qk), -0.55)) * 1.4426950408889634f;
-  kp.kernel_version = 4;
+  kp.main_kernel = SparseDecodeMainKernel::kWgmmaProducer;
   if (!wp::usable(kp)) {
     std::fprintf(stderr, "the producer kernel is not usable for these parameters\n");
     return 1;
