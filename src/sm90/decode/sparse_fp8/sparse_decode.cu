@@ -200,9 +200,10 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
 /// 128B-swizzled K buffers + two wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, the
 /// mma.sync kernel (all threads dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte
 /// aligned (the other two launchers fall back to it there).
-/// Measured on an H200, small-heads vs mma.sync kernel time (bench/results/2026-11-30-sparse-decode-v2-ab.log,
-/// b = 128): h_q 8 V3.2 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19. The wgmma producer
-/// kernel against the mma.sync kernel and against a seesaw over block pairs: docs/sparse-fp8-decode.md.
+/// Measured on an H200, kernel time of the small-heads kernel / the mma.sync kernel (b = 128,
+/// bench/results/2026-11-30-sparse-decode-small-heads-ab.log): h_q 8 V3.2 0.97, MODEL1 0.81; h_q 16
+/// 0.94 / 0.82; h_q 32 V3.2 1.19. The wgmma producer kernel against the mma.sync kernel and against a
+/// seesaw over block pairs: docs/sparse-fp8-decode.md.
 SparseDecodeMainKernel sparse_decode_main_kernel(int64_t h_q) {
   return h_q <= 16 ? SparseDecodeMainKernel::kMmaSmallHeads
                    : (h_q > 32 ? SparseDecodeMainKernel::kWgmmaProducer : SparseDecodeMainKernel::kMmaSync);
