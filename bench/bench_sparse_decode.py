@@ -35,7 +35,7 @@ COMBINE = "flash_fwd_mla_combine_kernel"
 
 
 def default_kernel(h_q):
-    """Main kernel the library runs for h_q (sparse_decode_kernel_version() in
+    """Main kernel the library runs for h_q (sparse_decode_main_kernel() in
     src/sm90/decode/sparse_fp8/sparse_decode.cu; the benchmark's caches are 16-byte aligned)."""
     return "mma_small_heads" if h_q <= 16 else ("wgmma_producer" if h_q > 32 else "mma_sync")
 

@@ -41,7 +41,7 @@ def _dense(q, k, bt, lens, causal):
     return flash_mla.flash_mla_with_kvcache(q, k, bt, lens, 512, flash_mla.get_mla_metadata()[0], causal=causal)
 
 
-DENSE = [  # b, s_q, h_q, h_kv, lens, causal: kernels by head tile (mma.sync <= 32 rows, wgmma v4 above)
+DENSE = [  # b, s_q, h_q, h_kv, lens, causal (page 64, aligned cache: the seesaw kernel, choose_dense_kernel)
     (2, 1, 128, 1, [6000, 300], False),  # long request: split KV + combine
     (3, 2, 16, 1, [150, 1, 0], True),  # request 1 token 0: causally empty; request 2: zero length
     (2, 2, 64, 2, [2000, 64], True),
@@ -87,26 +87,29 @@ def _sparse(q, packed, idx, sink, topk_length):
                                             topk_length=topk_length)
 
 
-def _strided_cuda(t):
+def _strided_cuda(t, extra_offset=0):
+    """`t` on the GPU with its strides; `extra_offset` elements are added to the storage offset."""
     n = t.untyped_storage().nbytes() // t.element_size()
-    flat = t.as_strided((n,), (1,), 0).cuda()
-    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
+    flat = torch.zeros(n + extra_offset, dtype=t.dtype, device="cuda")
+    flat[extra_offset:] = t.as_strided((n,), (1,), 0).cuda()
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset() + extra_offset)
 
 
-SPARSE = [  # h_q, d_qk, b, s_q, topk, kernel env (None: automatic by h_q)
-    (128, 576, 2, 2, 256, None),
-    (64, 512, 3, 1, 128, None),
-    (16, 576, 2, 2, 192, None),
-    (64, 576, 2, 1, 128, "v1"),
-    (128, 512, 64, 1, 128, None),  # many requests: split work + combine
+SPARSE = [  # h_q, d_qk, b, s_q, topk, unaligned cache: the kernel is chosen by h_q (small-heads <= 16,
+    # mma.sync <= 32, wgmma producer above); a cache 4 bytes past a 16-byte boundary takes the
+    # mma.sync kernel's byte-copy path for every h_q
+    (128, 576, 2, 2, 256, False),
+    (64, 512, 3, 1, 128, False),
+    (16, 576, 2, 2, 192, False),
+    (64, 576, 2, 1, 128, True),
+    (128, 512, 64, 1, 128, False),  # many requests: split work + combine
 ]
 
 
-@pytest.mark.parametrize("case", SPARSE, ids=lambda c: f"hq{c[0]}-d{c[1]}-b{c[2]}-sq{c[3]}-{c[5] or 'auto'}")
-def test_sparse_decode_nan_gpu(case, monkeypatch):
-    h_q, d_qk, b, s_q, topk, kernel = case
-    if kernel:
-        monkeypatch.setenv("FLASHMLA_SPARSE_DECODE_KERNEL", kernel)
+@pytest.mark.parametrize("case", SPARSE,
+                         ids=lambda c: f"hq{c[0]}-d{c[1]}-b{c[2]}-sq{c[3]}-{'unaligned' if c[5] else 'aligned'}")
+def test_sparse_decode_nan_gpu(case):
+    h_q, d_qk, b, s_q, topk, unaligned = case
     q, kv, idx, sink = _sparse_case(b, s_q, h_q, d_qk, topk, 4096, seed=h_q * 7 + b)
     topk_length = torch.full((b,), topk, dtype=torch.int32)
     topk_length[1] = 0  # request 1: no valid slot
@@ -117,7 +120,9 @@ def test_sparse_decode_nan_gpu(case, monkeypatch):
     packed = quant.quantize_k_cache(kv)
     ref_out, ref_lse = _sparse(q, packed, idx, sink, topk_length)
     assert ref_lse.isnan().any()
-    out, lse = _sparse(q.cuda(), _strided_cuda(packed), idx.cuda(), sink.cuda(), topk_length.cuda())
+    packed_cuda = _strided_cuda(packed, extra_offset=4 if unaligned else 0)
+    assert (packed_cuda.data_ptr() % 16 != 0) == unaligned
+    out, lse = _sparse(q.cuda(), packed_cuda, idx.cuda(), sink.cuda(), topk_length.cuda())
     torch.cuda.synchronize()
     check_close("lse", lse, ref_lse, 1e-6, 8.01 / 65536, 1e-7)
     check_close("out", out, ref_out, 1e-3, 2.01 / 128, 5e-6)

@@ -458,8 +458,8 @@ def test_meta_device_tensors_use_fake_kernels():
 
 
 def test_mixed_meta_and_cpu_tensors_raise(rng):
-    """Session-6 breaker finding (regression 10): one tensor on ``meta`` and the rest on the CPU
-    went to the fake kernels and returned uninitialised outputs; now the core's device error."""
+    """One tensor on ``meta`` and the rest on the CPU raises the core's device error instead of going
+    to the fake kernels (which would return uninitialised outputs)."""
     q = torch.randn(2, 1, 4, 576).to(torch.bfloat16)
     kc = torch.randn(4, 64, 1, 576).to(torch.bfloat16)
     bt = torch.arange(4, dtype=torch.int32).reshape(2, 2)

@@ -1,6 +1,6 @@
 // tools/trace/prefill_trace.cu — timeline of the sparse-prefill seesaw kernel's roles (diagnostic).
 //
-// Builds the v3w kernel (src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh) with FLASHMLA_TRACE defined, runs it on
+// Builds the seesaw kernel (src/sm90/prefill/sparse/wgmma_seesaw_kernel.cuh) with FLASHMLA_TRACE defined, runs it on
 // random inputs of one benchmark shape, times it (CUDA events, L2 flushed between runs), then runs it
 // once more with the event buffer set and prints, per role, the median cycles between the events of one
 // pipeline step (a pair of 64-key blocks) over the traced CTAs' middle steps. Not a test: the output is

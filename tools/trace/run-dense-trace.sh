@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build tools/trace/dense_trace.cu twice (CTA + pair events; CTA events only, -DFLASHMLA_DENSE_TRACE_CTA_ONLY:
-# fewer trace instructions in the pair loop) and run it on the dense-decode whole-call shapes where v4 is
-# 0.72-0.83x of FlashMLA (b 128, s_q 1, s_k 256 / 1024) and on one compute-bound shape (b 128, h_q 128,
-# s_k 8192: the pair loop's per-role step times). On an sm_90a machine, from anywhere in the repository:
+# fewer trace instructions in the pair loop) and run it on the dense-decode whole-call shapes where the
+# seesaw kernel (wgmma_seesaw_kernel.cuh) is 0.72-0.83x of FlashMLA (b 128, s_q 1, s_k 256 / 1024) and
+# on one compute-bound shape (b 128, h_q 128, s_k 8192: the pair loop's per-role step times). On an
+# sm_90a machine, from anywhere in the repository:
 #   OUT=/tmp/o bash tools/trace/run-dense-trace.sh
 # Writes $OUT/trace-dense.txt (everything: per-CTA lines, per-role tables, one CTA's timeline) and prints
 # a few summary lines per run (the file is what to read). Device call: carry [".deps"] (CUTLASS headers). CASES / LONG_CASES (';'-separated argument lists of dense_trace:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build tools/trace/sparse_decode_trace.cu (the sparse FP8 decode v4 kernel with its FLASHMLA_TRACE events)
-# and run it on the sparse-decode benchmark shapes where the kernel is slowest against FlashMLA (on an
-# sm_90a machine, from anywhere; needs .deps/cutlass_include, e.g. carried to the device machine).
+# Build tools/trace/sparse_decode_trace.cu (the sparse FP8 decode wgmma producer kernel with its
+# FLASHMLA_TRACE events) and run it on the sparse-decode benchmark shapes where the kernel is slowest
+# against FlashMLA (on an sm_90a machine, from anywhere; needs .deps/cutlass_include, e.g. carried to the
+# device machine).
 #   OUT=/tmp/o bash tools/trace/run-sparse-decode-trace.sh
 # CASES: ';'-separated argument lists of the program (format b [h_q] [every]); "@plain" / "@cluster" in a
 # case forces that kernel variant (FLASHMLA_TRACE_CLUSTER=0 / 1; unmarked: the library's choice,

@@ -3,12 +3,13 @@
 // Question it answers: do the consumer warpgroups of src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh wait for the
 // producer warpgroup (its FP8 dequantization into the two K buffers), and where in the block step?
 //
-// Builds the producer kernel with FLASHMLA_TRACE defined (the events of the header's FLASHMLA_V4_TRACE_*
-// list), makes random inputs the way bench/bench_sparse_decode.py does (s_q 2, varlen lengths
-// N(s_kv, s_kv / 2), per-request random page tables, topk distinct tokens per (request, row) in random
-// order with -1 for the slots past a short request's length, FP8 caches in the exact V32 / MODEL1
-// byte layouts of spec §3.3 / §3.4 with FlashMLA's padded block strides, power-of-two scales 2^-7,
-// RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on, softmax scale d_qk^-0.55),
+// Builds the producer kernel with FLASHMLA_TRACE defined (the events of the header's
+// FLASHMLA_SPARSE_DECODE_TRACE_* list), makes random inputs the way bench/bench_sparse_decode.py does
+// (s_q 2, varlen lengths N(s_kv, s_kv / 2), per-request random page tables, topk distinct tokens per
+// (request, row) in random order with -1 for the slots past a short request's length, FP8 caches in the
+// exact V32 / MODEL1 byte layouts of spec §3.3 / §3.4 with FlashMLA's padded block strides,
+// power-of-two scales 2^-7, RoPE ~ N(0, 1) / 10, q ~ N(0, 1) clamped to [-1, 1], attention sink on,
+// softmax scale d_qk^-0.55),
 // runs the project's device scheduler (src/sm90/common/scheduler.cu) with num_sm_parts from
 // core::sparse_decode_num_sm_parts, picks the plain or 2-CTA cluster kernel with the library's rule
 // (sparse::wgmma_producer::launch: head-tile pairs, clusters resident; FLASHMLA_TRACE_CLUSTER=0|1 forces one), times the
@@ -80,6 +81,7 @@ namespace {
 namespace tr = flashmla::sm90::trace;
 namespace wp = flashmla::sm90::sparse::wgmma_producer;
 using flashmla::sm90::SparseDecodeKernelParams;
+using flashmla::sm90::SparseDecodeMainKernel;
 using flashmla::sm90::SparseScope;
 using flashmla::sm90::sparse::Fmt;
 
@@ -782,7 +784,7 @@ int main(int argc, char** argv) {
   kp.q_vec = 1;
   kp.out_vec_ok = 1;
   kp.scale_log2 = static_cast<float>(std::pow(static_cast<double>(cfg.d_qk), -0.55)) * 1.4426950408889634f;
-  kp.kernel_version = 4;
+  kp.main_kernel = SparseDecodeMainKernel::kWgmmaProducer;
   if (!wp::usable(kp)) {
     std::fprintf(stderr, "the producer kernel is not usable for these parameters\n");
     return 1;

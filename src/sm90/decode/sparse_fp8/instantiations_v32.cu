@@ -7,7 +7,7 @@
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  if (kp.kernel_version == 4 && sparse::wgmma_producer::usable(kp)) {
+  if (kp.main_kernel == SparseDecodeMainKernel::kWgmmaProducer && sparse::wgmma_producer::usable(kp)) {
     // The wgmma producer kernel refuses (cudaErrorInvalidConfiguration) when its compiled register
     // count cannot fund the setmaxnreg split; the mma.sync kernel serves the call then.
     const cudaError_t e = sparse::wgmma_producer::launch<sparse::Fmt::kV32>(kp, num_sm_parts, stream);

@@ -326,12 +326,13 @@ cudaError_t launch_main_ws_r(const SparseDecodeKernelParams& kp, int num_sm_part
   return cudaGetLastError();
 }
 
-/// This kernel (one 16-row head tile) when kp.kernel_version == 2 (h_q <= 16, sparse_decode.cu) and
-/// both caches are 16-byte aligned; else the mma.sync kernel of mma_sync_kernel.cuh.
+/// This kernel (one 16-row head tile) when kp.main_kernel is kMmaSmallHeads (h_q <= 16, sparse_decode.cu)
+/// and both caches are 16-byte aligned; else the mma.sync kernel of mma_sync_kernel.cuh.
 template <Fmt F>
 cudaError_t launch_main_auto(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   const bool vec_ok = kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
-  if (kp.kernel_version != 2 || !vec_ok || tile_rows_for(kp.h_q) != 16) return launch_main<F>(kp, num_sm_parts, stream);
+  if (kp.main_kernel != SparseDecodeMainKernel::kMmaSmallHeads || !vec_ok || tile_rows_for(kp.h_q) != 16)
+    return launch_main<F>(kp, num_sm_parts, stream);
   return launch_main_ws_r<F, 1>(kp, num_sm_parts, stream);
 }
 

@@ -195,16 +195,18 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   return s;
 }
 
-/// Main-kernel choice by shape: v2 (warp-specialised producer, mma.sync consumers) for h_q <= 16,
-/// v4 (one producer warpgroup dequantizing into two whole-block 128B-swizzled K buffers + two
-/// wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, v1 (mma.sync, all threads
-/// dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte aligned (the v2 / v4
-/// launchers fall back to v1 there).
-/// Measured on an H200: v2 vs v1 (bench/results/2026-11-30-sparse-decode-v2-ab.log, b = 128): h_q 8 V3.2
-/// 0.97, MODEL1 0.81; h_q 16 0.94 / 0.82; h_q 32 V3.2 1.19 (kernel time of v2 / v1). v4 against v1
-/// and against a seesaw over block pairs: docs/sparse-fp8-decode.md.
-int sparse_decode_kernel_version(int64_t h_q) {
-  return h_q <= 16 ? 2 : (h_q > 32 ? 4 : 1);
+/// Main-kernel choice by shape: the small-heads kernel (warp-specialised producer, mma.sync consumers)
+/// for h_q <= 16, the wgmma producer kernel (one producer warpgroup dequantizing into two whole-block
+/// 128B-swizzled K buffers + two wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, the
+/// mma.sync kernel (all threads dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte
+/// aligned (the other two launchers fall back to it there).
+/// Measured on an H200, kernel time of the small-heads kernel / the mma.sync kernel (b = 128,
+/// bench/results/2026-11-30-sparse-decode-small-heads-ab.log): h_q 8 V3.2 0.97, MODEL1 0.81; h_q 16
+/// 0.94 / 0.82; h_q 32 V3.2 1.19. The wgmma producer kernel against the mma.sync kernel and against a
+/// seesaw over block pairs: docs/sparse-fp8-decode.md.
+SparseDecodeMainKernel sparse_decode_main_kernel(int64_t h_q) {
+  return h_q <= 16 ? SparseDecodeMainKernel::kMmaSmallHeads
+                   : (h_q > 32 ? SparseDecodeMainKernel::kWgmmaProducer : SparseDecodeMainKernel::kMmaSync);
 }
 
 }  // namespace
@@ -281,7 +283,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    kp.kernel_version = sparse_decode_kernel_version(h_q);
+    kp.main_kernel = sparse_decode_main_kernel(h_q);
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
                                       : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);

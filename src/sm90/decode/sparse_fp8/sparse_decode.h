@@ -23,7 +23,18 @@ struct SparseScope {
   int vec = 1;  // base and block stride 16-byte aligned: 16-byte cp.async gathers
 };
 
-/// Parameters of `flash_fwd_splitkv_mla_fp8_sparse_kernel`. Strides in elements.
+/// The sparse decode main kernels (sparse_decode.cu picks one per call by h_q). The small-heads and
+/// wgmma producer kernels need 16-byte aligned caches; the mma.sync kernel serves any call they cannot.
+enum class SparseDecodeMainKernel : int {
+  kMmaSync,        // mma_sync_kernel.cuh: mma.sync, all threads dequantize; 16 < h_q <= 32, and any h_q
+                   // over caches that are not 16-byte aligned
+  kMmaSmallHeads,  // mma_small_heads_kernel.cuh: producer warpgroup + mma.sync consumers; h_q <= 16
+  kWgmmaProducer,  // wgmma_producer_kernel.cuh: producer warpgroup + two wgmma consumer warpgroups over
+                   // two whole-block K buffers; h_q > 32
+};
+
+/// Parameters of the sparse decode main kernels (`flash_fwd_splitkv_mla_fp8_sparse_kernel*`). Strides
+/// in elements.
 struct SparseDecodeKernelParams {
   const void* q;  // (b, s_q, h_q, d_qk) bf16
   int64_t q_stride_b, q_stride_s, q_stride_h;
@@ -42,12 +53,7 @@ struct SparseDecodeKernelParams {
   int q_vec;       // q 16-byte aligned rows: cp.async
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
   float scale_log2;  // softmax_scale * log2(e)
-  int kernel_version;  // the main kernel, chosen by shape in sparse_decode.cu (sparse_decode_kernel_version):
-                       // 1: mma_sync_kernel.cuh (mma.sync, all threads dequantize; 16 < h_q <= 32, and
-                       //    any h_q over caches that are not 16-byte aligned);
-                       // 2: mma_small_heads_kernel.cuh (producer warpgroup + mma.sync consumers; h_q <= 16);
-                       // 4: wgmma_producer_kernel.cuh (producer warpgroup + two wgmma consumer
-                       //    warpgroups over two whole-block K buffers; h_q > 32)
+  SparseDecodeMainKernel main_kernel;  // chosen by shape in sparse_decode.cu (sparse_decode_main_kernel)
 };
 
 struct SparseCombineParams {

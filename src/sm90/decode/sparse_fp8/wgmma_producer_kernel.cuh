@@ -1,11 +1,13 @@
-// src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh — sparse FP8 MLA decode v4 for 64-row head tiles (h_q > 32):
+// src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh — sparse FP8 MLA decode with a producer warpgroup
+// and two wgmma consumer warpgroups, for 64-row head tiles (h_q > 32):
 // one 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1
 // while the consumers work on block g, which keeps both buffers busy in every step (x1.24 over
 // running the prefill's seesaw over block pairs; docs/sparse-fp8-decode.md).
 //
 // CTA = (query token sq, head tile of 64 heads, scheduler partition), grid (s_q * head_tiles,
-// num_sm_parts) as v1, walking the same (request, 64-slot block) range; the CTA's blocks are
-// numbered g = 0, 1, ... across its requests, block g uses buffer g & 1. 384 threads:
+// num_sm_parts) as the mma.sync kernel (mma_sync_kernel.cuh), walking the same (request, 64-slot
+// block) range; the CTA's blocks are numbered g = 0, 1, ... across its requests, block g uses buffer
+// g & 1. 384 threads:
 //   * warpgroup 0 (setmaxnreg kWg0Regs): per block S = Q K^T (m64n64k16 chains over the 9 or 8
 //     slabs; two parts: slabs 0-3, slabs 4-8), masking (spec §2.7 invalid slots), the online
 //     softmax (m, l for whole rows), P (bf16) into registers and into slab 8 of the block's buffer
@@ -21,14 +23,16 @@
 //     prefetch of the next block's records there), loads both parts' FP8 bytes and scales (and, by
 //     default, its rows' RoPE bytes) into registers before its first wait, then per part waits until
 //     the consumers released it, dequantizes exactly (spec §2.7: fp8 -> f16 -> f32 -> bf16, times
-//     the tile scale in bf16, v1's dequant8) into the 128B-swizzled slabs (8 consecutive rows per
-//     store: no bank conflict), stores the RoPE bf16 bytes (part B; FLASHMLA_SPARSE_DECODE_ROPE_MODE)
-//     and arrives on the part's full barrier (one arrival per warp + 128 cp.async noinc arrivals).
+//     the tile scale in bf16, mma_sync_kernel.cuh's dequant8) into the 128B-swizzled slabs (8
+//     consecutive rows per store: no bank conflict), stores the RoPE bf16 bytes (part B;
+//     FLASHMLA_SPARSE_DECODE_ROPE_MODE) and arrives on the part's full barrier (one arrival per warp
+//     + 128 cp.async noinc arrivals).
 //     One producer warpgroup at 128 registers with this mapping and one arrival per warp beat two
 //     at 64 registers (8 threads per row, a shared address table): anchor geomean 0.699 -> 0.844.
 // Per request: Q reload behind a consumer barrier (both consumer warpgroups copy), then its blocks,
 // then out + lse (attention sink) or fp32 partials for the combine (spec §4.5).
-// Only for 16-byte aligned caches (v1 keeps the byte-copy path); q rows may be unaligned.
+// Only for 16-byte aligned caches (other caches take the mma.sync kernel's byte-copy path); q rows
+// may be unaligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,7 +48,7 @@
 #include "sm90/common/wgmma.cuh"
 
 // ---- Optional event timeline (diagnostics only: tools/trace/sparse_decode_trace.cu). Without
-// FLASHMLA_TRACE every FLASHMLA_V4_TRACE_* below expands to nothing and the machine code is unchanged.
+// FLASHMLA_TRACE every FLASHMLA_SPARSE_DECODE_TRACE_* below expands to nothing and the machine code is unchanged.
 // Uses trace.cuh's buffer, constants and symbols (g_trace, g_trace_every, g_trace_slots) with this
 // kernel's own CTA numbering: the grid is (s_q * head tiles, num_sm_parts), so the traced CTA id is
 // blockIdx.y * gridDim.x + blockIdx.x (trace.cuh's FLASHMLA_TRACE_DECL keys on blockIdx.x alone, which
@@ -81,53 +85,60 @@
 //                          9 value begin_req, 10 value end_req, 11 value 0x100 | 2 * (V32) | kCluster
 #ifdef FLASHMLA_TRACE
 __device__ int g_sparse_decode_trace_step0 = 0;  // window: blocks step0 .. step0 + kMaxSteps - 1 of every CTA
-__device__ __forceinline__ unsigned long long flashmla_v4_trace_globaltimer() {
+__device__ __forceinline__ unsigned long long flashmla_sparse_decode_trace_globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
   return t;
 }
-__device__ __forceinline__ unsigned long long flashmla_v4_trace_smid() {
+__device__ __forceinline__ unsigned long long flashmla_sparse_decode_trace_smid() {
   unsigned r;
   asm volatile("mov.u32 %0, %%smid;\n" : "=r"(r));
   return r;
 }
-#define FLASHMLA_V4_TRACE_DECL()                                                                       \
-  const unsigned flashmla_v4_trace_id_ = blockIdx.y * gridDim.x + blockIdx.x;                          \
-  unsigned long long* const flashmla_v4_trace_cta_ =                                                   \
-      (g_trace != nullptr && flashmla_v4_trace_id_ % static_cast<unsigned>(g_trace_every) == 0u &&     \
-       static_cast<int>(flashmla_v4_trace_id_ / static_cast<unsigned>(g_trace_every)) < g_trace_slots) \
-          ? g_trace + static_cast<long long>(flashmla_v4_trace_id_ / static_cast<unsigned>(g_trace_every)) * \
-                          (::flashmla::sm90::trace::kRoles * ::flashmla::sm90::trace::kMaxSteps *      \
-                           ::flashmla::sm90::trace::kEvents)                                           \
-          : nullptr;                                                                                   \
-  const int flashmla_v4_trace_step0_ = g_sparse_decode_trace_step0
+#define FLASHMLA_SPARSE_DECODE_TRACE_DECL()                                                          \
+  const unsigned flashmla_sparse_decode_trace_id_ = blockIdx.y * gridDim.x + blockIdx.x;             \
+  unsigned long long* const flashmla_sparse_decode_trace_cta_ =                                      \
+      (g_trace != nullptr &&                                                                         \
+       flashmla_sparse_decode_trace_id_ % static_cast<unsigned>(g_trace_every) == 0u &&              \
+       static_cast<int>(flashmla_sparse_decode_trace_id_ / static_cast<unsigned>(g_trace_every)) <   \
+           g_trace_slots)                                                                            \
+          ? g_trace + static_cast<long long>(flashmla_sparse_decode_trace_id_ /                      \
+                                             static_cast<unsigned>(g_trace_every)) *                 \
+                          (::flashmla::sm90::trace::kRoles * ::flashmla::sm90::trace::kMaxSteps *    \
+                           ::flashmla::sm90::trace::kEvents)                                         \
+          : nullptr;                                                                                 \
+  const int flashmla_sparse_decode_trace_step0_ = g_sparse_decode_trace_step0
 // `value` is evaluated only by the writing thread of a traced CTA, after the checks.
-#define FLASHMLA_V4_TRACE_PUT(role, step, event, first_thread, value)                                   \
-  do {                                                                                                 \
-    const int flashmla_v4_s_ = (step);                                                                 \
-    if (flashmla_v4_trace_cta_ != nullptr && (first_thread) && flashmla_v4_s_ >= 0 &&                  \
-        flashmla_v4_s_ < ::flashmla::sm90::trace::kMaxSteps)                                           \
-      flashmla_v4_trace_cta_[((role) * ::flashmla::sm90::trace::kMaxSteps + flashmla_v4_s_) *          \
-                                 ::flashmla::sm90::trace::kEvents +                                    \
-                             (event)] = static_cast<unsigned long long>(value);                        \
+#define FLASHMLA_SPARSE_DECODE_TRACE_PUT(role, step, event, first_thread, value)                     \
+  do {                                                                                               \
+    const int flashmla_sparse_decode_trace_s_ = (step);                                              \
+    if (flashmla_sparse_decode_trace_cta_ != nullptr && (first_thread) &&                            \
+        flashmla_sparse_decode_trace_s_ >= 0 &&                                                      \
+        flashmla_sparse_decode_trace_s_ < ::flashmla::sm90::trace::kMaxSteps)                        \
+      flashmla_sparse_decode_trace_cta_[((role) * ::flashmla::sm90::trace::kMaxSteps +               \
+                                         flashmla_sparse_decode_trace_s_) *                          \
+                                            ::flashmla::sm90::trace::kEvents +                       \
+                                        (event)] = static_cast<unsigned long long>(value);           \
   } while (0)
 // Role 0-2 event of block g (window offset applied).
-#define FLASHMLA_V4_TRACE_BLK(role, g, event, first_thread) \
-  FLASHMLA_V4_TRACE_PUT(role, (g) - flashmla_v4_trace_step0_, event, first_thread, clock64())
+#define FLASHMLA_SPARSE_DECODE_TRACE_BLK(role, g, event, first_thread) \
+  FLASHMLA_SPARSE_DECODE_TRACE_PUT(role, (g) - flashmla_sparse_decode_trace_step0_, event, first_thread, clock64())
 // Role 3 event / value of request ordinal r (only r < kMaxSteps - 1).
-#define FLASHMLA_V4_TRACE_REQ(r, event, first_thread) \
-  FLASHMLA_V4_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, clock64())
-#define FLASHMLA_V4_TRACE_REQ_VAL(r, event, first_thread, value) \
-  FLASHMLA_V4_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, value)
+#define FLASHMLA_SPARSE_DECODE_TRACE_REQ(r, event, first_thread)                                        \
+  FLASHMLA_SPARSE_DECODE_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, \
+                                   clock64())
+#define FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(r, event, first_thread, value)                             \
+  FLASHMLA_SPARSE_DECODE_TRACE_PUT(3, r, event, (first_thread) && (r) < ::flashmla::sm90::trace::kMaxSteps - 1, \
+                                   value)
 // Role 3 summary step.
-#define FLASHMLA_V4_TRACE_CTA(event, first_thread, value) \
-  FLASHMLA_V4_TRACE_PUT(3, ::flashmla::sm90::trace::kMaxSteps - 1, event, first_thread, value)
+#define FLASHMLA_SPARSE_DECODE_TRACE_CTA(event, first_thread, value) \
+  FLASHMLA_SPARSE_DECODE_TRACE_PUT(3, ::flashmla::sm90::trace::kMaxSteps - 1, event, first_thread, value)
 #else
-#define FLASHMLA_V4_TRACE_DECL() static_assert(true, "")
-#define FLASHMLA_V4_TRACE_BLK(...) static_cast<void>(0)
-#define FLASHMLA_V4_TRACE_REQ(...) static_cast<void>(0)
-#define FLASHMLA_V4_TRACE_REQ_VAL(...) static_cast<void>(0)
-#define FLASHMLA_V4_TRACE_CTA(...) static_cast<void>(0)
+#define FLASHMLA_SPARSE_DECODE_TRACE_DECL() static_assert(true, "")
+#define FLASHMLA_SPARSE_DECODE_TRACE_BLK(...) static_cast<void>(0)
+#define FLASHMLA_SPARSE_DECODE_TRACE_REQ(...) static_cast<void>(0)
+#define FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(...) static_cast<void>(0)
+#define FLASHMLA_SPARSE_DECODE_TRACE_CTA(...) static_cast<void>(0)
 #endif
 
 namespace flashmla::sm90::sparse::wgmma_producer {
@@ -294,8 +305,8 @@ __device__ __forceinline__ __nv_bfloat162 group_scale(uint2 sc, int d) {
   }
 }
 
-/// Dequantizes part PT of one row exactly (spec §2.7, v1's dequant8) and hands each 16-byte chunk
-/// to put(byte offset in the buffer, value).
+/// Dequantizes part PT of one row exactly (spec §2.7, mma_sync_kernel.cuh's dequant8) and hands each
+/// 16-byte chunk to put(byte offset in the buffer, value).
 template <Fmt F, int PT, class Put>
 __device__ __forceinline__ void row_part_store(const RowPart<F, PT>& r, int row, int j, Put&& put) {
   using M = PartMap<F, PT>;
@@ -461,9 +472,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wg = warp / 4, wq = warp % 4;
   const int gq = lane / 4, tq = lane % 4;
-  FLASHMLA_V4_TRACE_DECL();
-  FLASHMLA_V4_TRACE_CTA(0, tid == 0, clock64());
-  FLASHMLA_V4_TRACE_CTA(4, tid == 0, flashmla_v4_trace_globaltimer());
+  FLASHMLA_SPARSE_DECODE_TRACE_DECL();
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(0, tid == 0, clock64());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(4, tid == 0, flashmla_sparse_decode_trace_globaltimer());
 
   const int32_t* meta = p.tile_scheduler_metadata + part_id * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
@@ -480,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
   if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
   else __syncthreads();
-  FLASHMLA_V4_TRACE_CTA(1, tid == 0, clock64());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(1, tid == 0, clock64());
   // Cluster variant: this CTA's rank and the peer's barriers (shared::cluster addresses).
   const uint32_t rank = kCluster ? cl::rank() : 0u;
   const uint32_t r_bar_u = kCluster ? cl::mapa(bar_u, rank ^ 1u) : 0u;
@@ -591,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (more_a) exta = block_indices(va);
       }
       for (int g = 0;; ++g) {
-        FLASHMLA_V4_TRACE_BLK(2, g, 0, t == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 0, t == 0);
         bool more;
         int vn[2] = {-1, -1};
         bool extn = false;
@@ -647,9 +658,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowRope rr;
           row_rope_load<F>(rr, my_rec, j);
 #endif
-          FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-          FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
@@ -659,15 +670,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
           publish_any_invalid(ra, x);
-          FLASHMLA_V4_TRACE_BLK(2, g, 3, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
-          FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
-          FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-          FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 6, t == 0);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
@@ -681,13 +692,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
-          FLASHMLA_V4_TRACE_BLK(2, g, 7, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
-          FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
           if (kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
-          FLASHMLA_V4_TRACE_BLK(2, g, 9, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 9, t == 0);
         } else {
           RowPart<F, 0> pa0, pa1;
           RowPart<F, 1> pb0, pb1;
@@ -701,9 +712,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_rope_load<F>(rr1, ra.rec[1], j);
 #endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
-          FLASHMLA_V4_TRACE_BLK(2, g, 1, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-          FLASHMLA_V4_TRACE_BLK(2, g, 2, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa0, row[0], j, put);
           row_part_store<F, 0>(pa1, row[1], j, put);
           if (j == 0) {
@@ -711,15 +722,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
           }
           publish_any_invalid(ra, x);
-          FLASHMLA_V4_TRACE_BLK(2, g, 3, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
-          FLASHMLA_V4_TRACE_BLK(2, g, 4, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(0, 2);
-          FLASHMLA_V4_TRACE_BLK(2, g, 5, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-          FLASHMLA_V4_TRACE_BLK(2, g, 6, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 6, t == 0);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr0, row[0], j, put);
           row_rope_store<F>(rr1, row[1], j, put);
@@ -729,13 +740,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           row_part_store<F, 1>(pb0, row[0], j, put);
           row_part_store<F, 1>(pb1, row[1], j, put);
-          FLASHMLA_V4_TRACE_BLK(2, g, 7, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), 0);
-          FLASHMLA_V4_TRACE_BLK(2, g, 8, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
           if (kLateAddr) next_addresses(0, 2);
-          FLASHMLA_V4_TRACE_BLK(2, g, 9, t == 0);
+          FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 9, t == 0);
         }
         if (!more) break;
         ra = rn;
@@ -774,18 +785,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else no_split = true;
     if (!p.out_vec_ok) no_split = false;
     const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
-    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 8, tid == 0, g);
-    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 9, tid == 0, n_blk);
-    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 10, tid == 0, req);
-    FLASHMLA_V4_TRACE_REQ_VAL(req - begin_req, 11, tid == 0, no_split ? 1 : 0);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 8, tid == 0, g);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 9, tid == 0, n_blk);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 10, tid == 0, req);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 11, tid == 0, no_split ? 1 : 0);
 
     if (n_blk > 0) {
-      FLASHMLA_V4_TRACE_REQ(req - begin_req, 0, tid == 0);
+      FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 0, tid == 0);
       named_barrier_sync(kBarConsumers, kConsumers);  // S of the previous request done, its sM / sL read
-      FLASHMLA_V4_TRACE_REQ(req - begin_req, 1, tid == 0);
+      FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 1, tid == 0);
       const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (the row's address once per
-      // thread and request, as in dense decode v4; the block loops' SASS is unchanged by it).
+      // thread and request, as in the dense decode seesaw kernel, wgmma_seesaw_kernel.cuh).
       const int r = tid >> 2, c0 = tid & 3;
       const int h = ht * 64 + r;
       const bool valid = h < p.h_q;
@@ -809,7 +820,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       cp_async_wait<0>();
       gmma::fence_proxy_async();
       named_barrier_sync(kBarConsumers, kConsumers);  // Q in shared memory, visible to wgmma
-      FLASHMLA_V4_TRACE_REQ(req - begin_req, 2, tid == 0);
+      FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 2, tid == 0);
     }
 
     float o[128];
@@ -831,15 +842,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
         const uint64_t db = gmma::make_desc_sw128(sK_u + static_cast<uint32_t>(xx * kSmemK), 16, 1024);
-        FLASHMLA_V4_TRACE_BLK(0, gg, 0, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 0, tid == 0);
         full_wait(bar_full(xx, 0), phh);
-        FLASHMLA_V4_TRACE_BLK(0, gg, 1, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 1, tid == 0);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<0, 4>(s, dq, db);
-        FLASHMLA_V4_TRACE_BLK(0, gg, 2, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 2, tid == 0);
         full_wait(bar_full(xx, 1), phh);
-        FLASHMLA_V4_TRACE_BLK(0, gg, 3, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 3, tid == 0);
         gmma::fence_proxy_async();
         gmma::fence();
         s_chain<4, kSlabs>(s, dq, db);
@@ -851,7 +862,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         issue_s(g);
         gmma::wait<0>();  // S of block g
         gmma::reg_fence(s);
-        FLASHMLA_V4_TRACE_BLK(0, g, 4, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 4, tid == 0);
 
         float mx[2] = {-INFINITY, -INFINITY};
         if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
@@ -873,7 +884,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         uint8_t* sP = sK + x * kSmemK + 8 * kSlabBytes;  // slab 8: S is done with it
         exp_pack_store_p(s, mu, rs, a, sP, row_local, tq);
         gmma::fence_proxy_async();  // P (generic stores) -> warpgroup 1's wgmma
-        FLASHMLA_V4_TRACE_BLK(0, g, 5, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 5, tid == 0);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc[hh] + rs[hh];
         scale_o(o, sc);
@@ -881,49 +892,49 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         pv_rs_chain(o, a, gmma::make_desc_sw128(sKx_u, kSlabBytes, 1024));
         gmma::commit();
-        FLASHMLA_V4_TRACE_BLK(0, g, 6, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 6, tid == 0);
         // P is announced only now, so P.V_L enters the tensor pipe before warpgroup 1's P.V_R
         // (FlashMLA's order; with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
-        FLASHMLA_V4_TRACE_BLK(0, g, 7, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 7, tid == 0);
         gmma::wait<0>();
         gmma::reg_fence(o);
-        FLASHMLA_V4_TRACE_BLK(0, g, 8, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 8, tid == 0);
         release(x, 0);  // slabs 0-3 of the buffer are free
-        FLASHMLA_V4_TRACE_BLK(0, g, 9, tid == 0);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 9, tid == 0);
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
         const int x = g & 1;
         const uint32_t ph = static_cast<uint32_t>((g >> 1) & 1);
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
-        FLASHMLA_V4_TRACE_BLK(1, g, 0, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 0, tid == 128);
         named_barrier_sync(kBarP0 + x, kConsumers);  // P and the rescale factors of block g
-        FLASHMLA_V4_TRACE_BLK(1, g, 1, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 1, tid == 128);
         float sc[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) sc[hh] = sScale[x * 64 + row_local[hh]];
         scale_o(o, sc);
-        FLASHMLA_V4_TRACE_BLK(1, g, 2, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 2, tid == 128);
         full_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
-        FLASHMLA_V4_TRACE_BLK(1, g, 3, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 3, tid == 128);
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
         gmma::fence();
         pv_ss_chain(o, gmma::make_desc_sw128(sKx_u + 8 * kSlabBytes, 16, 1024),
                     gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
-        FLASHMLA_V4_TRACE_BLK(1, g, 4, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 4, tid == 128);
         gmma::wait<0>();
         gmma::reg_fence(o);
-        FLASHMLA_V4_TRACE_BLK(1, g, 5, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 5, tid == 128);
         release(x, 1);  // slabs 4-8 of the buffer are free
-        FLASHMLA_V4_TRACE_BLK(1, g, 6, tid == 128);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 6, tid == 128);
       }
     }
 
     // ---- epilogue: warpgroup 0 holds the rows' m and l; warpgroup 1 reads them from shared memory
-    FLASHMLA_V4_TRACE_REQ(req - begin_req, kWg == 0 ? 3 : 6, n_blk > 0 && tid == kWg * 128);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 3 : 6, n_blk > 0 && tid == kWg * 128);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
       if constexpr (kWg == 0) {
@@ -938,7 +949,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         }
       }
       named_barrier_sync(kBarConsumers, kConsumers);
-      FLASHMLA_V4_TRACE_REQ(req - begin_req, 4, tid == 0);
+      FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 4, tid == 0);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         L[hh] = sL[row_local[hh]];
@@ -977,9 +988,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         if (kWg == 0 && tq == 0) p.lse_accum[arow] = lse2;
       }
     }
-    FLASHMLA_V4_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
+    FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
   }
-  FLASHMLA_V4_TRACE_CTA(8, tid == 0, g);
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(8, tid == 0, g);
   };
   if (wg == 0) {
     setmaxnreg_inc<kWg0Regs>();
@@ -990,18 +1001,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else setmaxnreg_dec<kWg1Regs>();
     consumer(std::integral_constant<int, 1>{});
   }
-  FLASHMLA_V4_TRACE_CTA(2, tid == 0, clock64());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(2, tid == 0, clock64());
   if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
-  FLASHMLA_V4_TRACE_CTA(3, tid == 0, clock64());
-  FLASHMLA_V4_TRACE_CTA(5, tid == 0, flashmla_v4_trace_globaltimer());
-  FLASHMLA_V4_TRACE_CTA(6, tid == 0, flashmla_v4_trace_smid());
-  FLASHMLA_V4_TRACE_CTA(7, tid == 0, rank);
-  FLASHMLA_V4_TRACE_CTA(9, tid == 0, begin_req);
-  FLASHMLA_V4_TRACE_CTA(10, tid == 0, end_req);
-  FLASHMLA_V4_TRACE_CTA(11, tid == 0, 0x100u | (F == Fmt::kV32 ? 2u : 0u) | (kCluster ? 1u : 0u));
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(3, tid == 0, clock64());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(5, tid == 0, flashmla_sparse_decode_trace_globaltimer());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(6, tid == 0, flashmla_sparse_decode_trace_smid());
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(7, tid == 0, rank);
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(9, tid == 0, begin_req);
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(10, tid == 0, end_req);
+  FLASHMLA_SPARSE_DECODE_TRACE_CTA(11, tid == 0, 0x100u | (F == Fmt::kV32 ? 2u : 0u) | (kCluster ? 1u : 0u));
 }
 
-/// v4 serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; v1 / v2 the rest.
+/// This kernel serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; the mma.sync kernel
+/// (mma_sync_kernel.cuh) and the small-heads kernel (mma_small_heads_kernel.cuh) the rest.
 inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.h_q > 32 && kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
@@ -1011,7 +1023,7 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
-  // sparse_decode_v32.cu / sparse_decode_model1.cu then run v1).
+  // instantiations_v32.cu / instantiations_model1.cu then run the mma.sync kernel).
   static const int regs = [] {
     cudaFuncAttributes a{};
     return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>) == cudaSuccess
@@ -1081,7 +1093,7 @@ int max_active_clusters() {
 template <Fmt F>
 constexpr bool kClusterDefault = true;
 
-/// v4 for a call: the cluster variant when the head tiles pair up (an even number of 64-head
+/// This kernel for a call: the cluster variant when the head tiles pair up (an even number of 64-head
 /// tiles), it is on for the format, and the device keeps every cluster of the grid resident at
 /// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
 template <Fmt F>
