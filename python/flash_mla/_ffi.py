@@ -55,9 +55,12 @@ def framework_of(x: Any) -> str:
     Subclasses of ``numpy.ndarray`` defined elsewhere (a user's own array type) count as NumPy, so
     results come back as NumPy arrays.
     """
+    mod = type(x).__module__
+    if mod == "torch":  # torch.Tensor (the common case first)
+        return mod
     if isinstance(x, np.ndarray):
         return "numpy"
-    mod = type(x).__module__.split(".")[0]
+    mod = mod.split(".")[0]
     if mod in ("torch", "numpy", "cupy", "paddle"):
         return mod
     if mod in ("jax", "jaxlib"):
@@ -154,7 +157,18 @@ def stream_scope(x: Any):
     dev_id = int(x.device.id)
     with cupy.cuda.Device(dev_id):
         ptr = int(cupy.cuda.get_current_stream().ptr)
-    return tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev_id), ptr)
+    return raw_stream_scope(dev_id, ptr)
+
+
+_CUDA_DEVICES: dict = {}  # device id -> tvm_ffi.Device("cuda", id), made once
+
+
+def raw_stream_scope(dev_id: int, stream: int):
+    """Context in which the C++ module launches on CUDA device `dev_id` on the raw stream `stream`."""
+    dev = _CUDA_DEVICES.get(dev_id)
+    if dev is None:
+        dev = _CUDA_DEVICES[dev_id] = tvm_ffi.device("cuda", dev_id)
+    return tvm_ffi.use_raw_stream(dev, stream)
 
 
 def has_cuda_backend() -> bool:
