@@ -18,19 +18,29 @@ device and stream capture, about 0.5 us that this does not see). Shapes are a ti
 h_q 16, one 64-token page) and a tiny prefill. The FlashMLASchedMeta is reused across calls (the layers
 of one decoding step), as in a model.
 
-``--real`` times the same calls with the real CPU op and the op called directly, so that the Python
-layer shows as the difference (noisier: the reference attention runs too).
+``--anchor-path DIR`` times FlashMLA's Python layer the same way, in a second process with DIR first on
+sys.path (both packages import as ``flash_mla``): its native module ``flash_mla.cuda`` is replaced by a
+stub module before FlashMLA's package imports it (so FlashMLA need not be built), on the meta tensors
+(FlashMLA's dense prefill allocates its outputs and a 32 MB workspace in Python, which on cpu tensors
+would be timed as host mallocs).
+
+``--real`` times the same calls with the real CPU op and the op called directly (dominated by the
+reference attention and its threads: a check of the stub, not a measure of the layer).
 
 Usage: python bench/bench_python_layer.py [--calls 2000] [--rounds 15] [--json PATH] [--profile NAME]
+                                          [--anchor-path DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 
 def per_call_us(fn, calls: int, rounds: int):
@@ -47,10 +57,10 @@ def per_call_us(fn, calls: int, rounds: int):
     return min(per), statistics.median(per)
 
 
-def torch_cases(torch, flash_mla, device: str, stub: bool):
+def torch_cases(torch, flash_mla, device: str, stub: bool, anchor_cuda=None):
     """(name, fn) pairs of the public entry points on torch tensors of `device`; with `stub`, every
-    op's C++ entry returns outputs made here."""
-    ops = torch.ops.flash_mla
+    op's C++ entry returns outputs made here (with `anchor_cuda`, FlashMLA's stub ``flash_mla.cuda``
+    module, that module's functions)."""
     dev = torch.device(device)
     bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
     b, s_q, h_q, d = 1, 1, 16, 576
@@ -86,10 +96,17 @@ def torch_cases(torch, flash_mla, device: str, stub: bool):
         prefill = outs(((s_p, h_s, 512), bf16), ((s_p, h_s), f32), ((s_p, h_s), f32))
         varlen = (torch.empty(tq, hq, dv, dtype=bf16, device=dev),
                   torch.empty_strided((tq, hq), (1, tq), dtype=f32, device=dev))
-        ops.dense_decode_fwd.default._op = lambda *a: dense_new if a[7] is None else dense_reuse
-        ops.sparse_decode_fwd.default._op = lambda *a: sparse_new if a[5] is None else sparse_reuse
-        ops.sparse_prefill_fwd.default._op = lambda *a: prefill
-        ops.dense_prefill_fwd.default._op = lambda *a: varlen
+        stubs = {  # (both packages' ops take the metadata at the same positions)
+            "dense_decode_fwd": lambda *a: dense_new if a[7] is None else dense_reuse,
+            "sparse_decode_fwd": lambda *a: sparse_new if a[5] is None else sparse_reuse,
+            "sparse_prefill_fwd": lambda *a: prefill,
+            "dense_prefill_fwd": (lambda *a: None) if anchor_cuda is not None else (lambda *a: varlen),
+        }
+        for name, fn in stubs.items():
+            if anchor_cuda is not None:  # FlashMLA writes the dense prefill's outputs into its arguments
+                setattr(anchor_cuda, name, fn)
+            else:
+                getattr(torch.ops.flash_mla, name).default._op = fn
 
     sd, ss = flash_mla.get_mla_metadata()[0], flash_mla.get_mla_metadata()[0]
     fwk = flash_mla.flash_mla_with_kvcache
@@ -102,6 +119,7 @@ def torch_cases(torch, flash_mla, device: str, stub: bool):
         ("flash_attn_varlen_func", lambda: flash_mla.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 4, 4)),
     ]
     if not stub:
+        ops = torch.ops.flash_mla
         cases.append(("torch.ops dense_decode_fwd (direct)",
                       lambda: ops.dense_decode_fwd.default(q, k, 512, sl, bt, d ** -0.5, False, None, None)))
     return cases
@@ -149,7 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--real", action="store_true", help="real CPU op instead of the stub (torch, cpu only)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--profile", help="cProfile one case (its name as printed) and print the top functions")
+    ap.add_argument("--anchor-path", help="FlashMLA's source tree (the directory holding its flash_mla package): "
+                    "its Python layer side by side")
+    ap.add_argument("--as-anchor", help=argparse.SUPPRESS)  # the FlashMLA process: its source tree
     args = ap.parse_args(argv)
+
+    if args.as_anchor:
+        return anchor_process(args)
 
     import numpy as np
     import torch
@@ -164,6 +188,34 @@ def main(argv=None) -> int:
     if not args.real:
         groups.append(("torch meta", torch_cases(torch, flash_mla, "meta", True)))
         groups.append(("numpy tvm-ffi", numpy_cases(np, flash_mla, True)))
+    results = run_groups(groups, args)
+    doc = {"python": sys.version.split()[0], "torch": torch.__version__, "stub": not args.real,
+           "calls": args.calls, "rounds": args.rounds, "results": results}
+    if args.anchor_path and not args.real:
+        # FlashMLA's process and our meta group again, alternating twice: the minimum of each side.
+        ours_meta = [r for r in results if r["route"] == "torch meta"]
+        anchor = []
+        for i in range(2):
+            anchor.append(run_anchor(args))
+            if i == 0:
+                ours_meta += run_groups([g for g in groups if g[0] == "torch meta"], args, quiet=True)
+        best = lambda rows: {r["entry"]: min(x["us_per_call_min"] for x in rows if x["entry"] == r["entry"])  # noqa: E731
+                             for r in rows}
+        ours, theirs = best(ours_meta), best([r for a in anchor for r in a["results"]])
+        doc["side_by_side"] = {"anchor_module": anchor[0]["module"], "route": "torch meta",
+                               "entries": [{"entry": e, "ours_us": ours[e], "flashmla_us": theirs[e],
+                                            "ratio": ours[e] / theirs[e]} for e in theirs if e in ours]}
+        print("\nPython layer side by side (torch meta, stubbed op; min us per call, two runs each):")
+        for r in doc["side_by_side"]["entries"]:
+            print(f"  {r['entry']:40s} ours {r['ours_us']:7.2f}  FlashMLA {r['flashmla_us']:7.2f}  "
+                  f"ratio {r['ratio']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+def run_groups(groups, args, quiet: bool = False) -> list:
     results = []
     for group, cases in groups:
         for name, fn in cases:
@@ -185,11 +237,36 @@ def main(argv=None) -> int:
             best, med = per_call_us(fn, args.calls, args.rounds)
             results.append({"route": group, "entry": name, "us_per_call_min": round(best, 3),
                             "us_per_call_median": round(med, 3)})
-            print(f"{label:60s} {best:8.2f} us/call (median {med:.2f})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"python": sys.version.split()[0], "torch": torch.__version__, "stub": not args.real,
-                       "calls": args.calls, "rounds": args.rounds, "results": results}, f, indent=1)
+            if not quiet:
+                print(f"{label:60s} {best:8.2f} us/call (median {med:.2f})")
+    return results
+
+
+def run_anchor(args) -> dict:
+    """FlashMLA's Python layer in a process of its own; returns its results."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--as-anchor", os.path.abspath(args.anchor_path),
+                          "--calls", str(args.calls), "--rounds", str(args.rounds)],
+                         capture_output=True, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"FlashMLA process failed (rc {out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def anchor_process(args) -> int:
+    """FlashMLA's package from args.as_anchor with a stub native module; prints ``RESULT <json>``."""
+    sys.path.insert(0, args.as_anchor)
+    import torch
+
+    cuda = types.ModuleType("flash_mla.cuda")  # found in sys.modules before FlashMLA's own flash_mla/cuda*.so
+    sys.modules["flash_mla.cuda"] = cuda
+    import flash_mla
+
+    where = os.path.abspath(flash_mla.__file__)
+    if not where.startswith(os.path.abspath(args.as_anchor) + os.sep):
+        raise RuntimeError(f"imported {where}, not FlashMLA from {args.as_anchor}")
+    results = run_groups([("torch meta", torch_cases(torch, flash_mla, "meta", True, anchor_cuda=cuda))], args)
+    print("RESULT " + json.dumps({"module": where, "results": results}), flush=True)
     return 0
 
 

@@ -38,6 +38,7 @@ _state: dict = {"loaded": None, "error": None}
 _torch: Any = None
 _Tensor: Any = None
 _ops: Any = None
+_NoneType = type(None)
 _ERROR_CLASSES = {
     "ValueError": ValueError,
     "TypeError": TypeError,
@@ -116,6 +117,11 @@ def handles(*tensors: Any) -> bool:
     # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
     # sys.modules can fail ("dictionary changed size during iteration"). A torch tensor's type
     # lives in a torch module, which is cheap to test without importing torch for other frameworks.
+    if _Tensor is not None:  # the common case in one C-level pass: plain torch.Tensor and None only
+        kinds = set(map(type, tensors))
+        kinds.discard(_NoneType)
+        if len(kinds) == 1 and _Tensor in kinds:
+            return load()
     for first in tensors:
         if first is not None:
             break
@@ -201,14 +207,21 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     if torch.compiler.is_compiling():
         return None
     dev = q.get_device()
-    key = [dev, 0]
-    for t in lengths:
-        if t is None:
-            key += (None, 0)
-        elif t.is_inference():
+    capture = 0
+    if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
+        t = lengths[0]
+        if t.is_inference():
             return None
-        else:
-            key += (t, t._version)
+        key = [dev, capture, t, t._version]
+    else:
+        key = [dev, capture]
+        for t in lengths:
+            if t is None:
+                key += (None, 0)
+            elif t.is_inference():
+                return None
+            else:
+                key += (t, t._version)
     if dev >= 0 and (dev != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
@@ -220,6 +233,8 @@ def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
     """True if two :func:`schedule_key` keys are both set and name the same tensors at the same versions."""
     if a is None or b is None or len(a) != len(b) or a[0] != b[0] or a[1] != b[1]:
         return False
+    if len(a) == 4:  # one length tensor (dense decode)
+        return a[2] is b[2] and a[3] == b[3]
     for i in range(2, len(a), 2):
         if a[i] is not b[i] or a[i + 1] != b[i + 1]:
             return False

@@ -97,10 +97,12 @@ class FlashMLASchedMeta:
     config: Optional[Config] = None
     tile_scheduler_metadata: Optional[Any] = None
     num_splits: Optional[Any] = None
-    _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False)
-    _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False)
-    _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
-    _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    # Private state (not constructor arguments: get_mla_metadata() makes the object with the class defaults,
+    # which __init__ then need not assign).
+    _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False, init=False)
+    _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False, init=False)
+    _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
+    _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
