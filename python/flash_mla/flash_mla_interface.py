@@ -344,7 +344,7 @@ def flash_mla_with_kvcache(
     tsm = sched.tile_scheduler_metadata
     reuse = not use_jax and sched.have_initialized and tsm is not None and (
         _torch_ops.same_schedule_key(sched._gpu_key, gpu_key) if on_device else True)
-    if reuse and use_torch and _ffi.framework_of(tsm) != "torch":
+    if reuse and use_torch and type(tsm) is not _torch_ops._Tensor and _ffi.framework_of(tsm) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
         reuse = False
