@@ -60,12 +60,13 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softma
             # An export that fails (BufferError; the C++ side never raises it) is redone below, where the
             # error names the argument.
             try:
-                _ffi.lib.dense_decode_fwd_dps(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-                                              causal, out, lse, scratch)
+                _ffi.call_tagged(_ffi.lib.dense_decode_fwd_dps, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                 softmax_scale, causal, out, lse, scratch)
                 return out, lse
             except BufferError:
                 pass
-        _ffi.lib.dense_decode_fwd_dps(
+        _ffi.call_tagged(
+            _ffi.lib.dense_decode_fwd_dps,
             _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(block_table, "block_table"),
             _ffi.to_ffi(cache_seqlens, "cache_seqlens"), head_dim_v, softmax_scale, causal,
             _ffi.to_ffi(out), _ffi.to_ffi(lse), _ffi.to_ffi(scratch))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -169,6 +170,25 @@ def raw_stream_scope(dev_id: int, stream: int):
     if dev is None:
         dev = _CUDA_DEVICES[dev_id] = tvm_ffi.device("cuda", dev_id)
     return tvm_ffi.use_raw_stream(dev, stream)
+
+
+_TAG = re.compile(r"\[flash_mla:(\w+)\] ")
+_TAGGED_CLASSES = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def call_tagged(fn: Any, *args: Any) -> Any:
+    """Call one of the module's destination-passing functions (``*_fwd_dps``). They report the core's
+    errors as a RuntimeError whose message starts with ``[flash_mla:<Class>] `` (the form that reaches
+    Python through XLA, python/flash_mla/_jax.py); here that becomes the error of that class with the
+    plain message, as the other functions of the module raise it."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        m = _TAG.search(msg)
+        if m is None or m.group(1) not in _TAGGED_CLASSES:
+            raise
+        raise _TAGGED_CLASSES[m.group(1)](msg[m.end():].rstrip()) from None
 
 
 def has_cuda_backend() -> bool:
