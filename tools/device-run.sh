@@ -57,7 +57,9 @@ for step in "$@"; do
       fi
       python3 bench/bench_call_overhead.py --out "$OUT" ${anchor[@]+"${anchor[@]}"} 2>&1 | tee "$OUT/bench-call-overhead.log"
       rc=$((rc | ${PIPESTATUS[0]}))
-      python3 bench/bench_python_layer.py --json "$OUT/python-layer.json" 2>&1 | tee "$OUT/python-layer.log" ;;
+      pl_anchor=(); [ -d .anchor/flashmla/flash_mla ] && pl_anchor=(--anchor-path .anchor/flashmla)
+      python3 bench/bench_python_layer.py --json "$OUT/python-layer.json" ${pl_anchor[@]+"${pl_anchor[@]}"} 2>&1 |
+        tee "$OUT/python-layer.log" ;;
     pytest-prefill)  # tests/gpu/test_sparse_prefill_gpu.py; a hang (timeout) stops the whole run
       timeout 60 python3 -m pytest tests/gpu/test_sparse_prefill_gpu.py -q -rs --tb=short 2>&1 | tee "$OUT/pytest-sparse-prefill-gpu.log"
       r=${PIPESTATUS[0]}; rc=$((rc | r)); [ "$r" = 124 ] && { echo "pytest-prefill timed out"; exit 124; } ;;
