@@ -48,8 +48,18 @@ for step in "$@"; do
         2>&1 | tee "$OUT/grid-decode-${sl/:/-}.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     grid-prefill)    # the 617-case spec §5.3 grid
       FLASHMLA_FULL_GRID=1 python3 -m pytest tests/gpu/test_sparse_prefill_grid_gpu.py -q -rs --tb=line 2>&1 | tee "$OUT/grid-prefill.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
-    bench-overhead)  # host µs per tiny decode call, by way in (issue 5)
-      python3 bench/bench_call_overhead.py --out "$OUT" 2>&1 | tee "$OUT/bench-call-overhead.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    bench-overhead)  # host µs per tiny decode call, by way in (issue 5); side by side with FlashMLA when .anchor/
+                     # was carried (issue 25: built into /tmp/anchor); the stubbed Python layer on this host's CPU
+      anchor=()
+      if [ -f .anchor/build.sh ]; then
+        if bash .anchor/build.sh > "$OUT/anchor-build.log" 2>&1; then anchor=(--anchor-path /tmp/anchor/flashmla)
+        else echo "FlashMLA anchor build failed ($OUT/anchor-build.log): no side by side"; fi
+      fi
+      python3 bench/bench_call_overhead.py --out "$OUT" ${anchor[@]+"${anchor[@]}"} 2>&1 | tee "$OUT/bench-call-overhead.log"
+      rc=$((rc | ${PIPESTATUS[0]}))
+      pl_anchor=(); [ -d .anchor/flashmla/flash_mla ] && pl_anchor=(--anchor-path .anchor/flashmla)
+      python3 bench/bench_python_layer.py --json "$OUT/python-layer.json" ${pl_anchor[@]+"${pl_anchor[@]}"} 2>&1 |
+        tee "$OUT/python-layer.log" ;;
     pytest-prefill)  # tests/gpu/test_sparse_prefill_gpu.py; a hang (timeout) stops the whole run
       timeout 60 python3 -m pytest tests/gpu/test_sparse_prefill_gpu.py -q -rs --tb=short 2>&1 | tee "$OUT/pytest-sparse-prefill-gpu.log"
       r=${PIPESTATUS[0]}; rc=$((rc | r)); [ "$r" = 124 ] && { echo "pytest-prefill timed out"; exit 124; } ;;

@@ -46,13 +46,27 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softma
     import cupy as cp
 
     dev = int(q.device.id)
-    b, s_q, h_q = (int(x) for x in q.shape[:3])
-    with cp.cuda.Device(dev):
+    q_shape = q.shape
+    b, s_q, h_q = int(q_shape[0]), int(q_shape[1]), int(q_shape[2])
+    with cp.cuda.Device(dev):  # one switch to q's device: outputs from its pool, its current stream
         out = cp.empty((b, s_q, h_q, head_dim_v), dtype=q.dtype)
         lse = cp.empty((b, h_q, s_q), dtype=cp.float32)
         scratch = _scratch(cp, False, dev, b, s_q, h_q, int(k_cache.shape[2]))
-    with _ffi.stream_scope(q):
-        _ffi.lib.dense_decode_fwd_dps(
+        stream = int(cp.cuda.get_current_stream().ptr)
+    with _ffi.raw_stream_scope(dev, stream):
+        if type(k_cache) is type(q) and type(block_table) is type(q) and type(cache_seqlens) is type(q):
+            # CuPy arrays go into the call as they are: TVM-FFI takes each through its DLPack export inside
+            # the call, as _ffi.to_ffi would in Python (one Python call and one tvm_ffi.Tensor per array).
+            # An export that fails (BufferError; the C++ side never raises it) is redone below, where the
+            # error names the argument.
+            try:
+                _ffi.call_tagged(_ffi.lib.dense_decode_fwd_dps, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                 softmax_scale, causal, out, lse, scratch)
+                return out, lse
+            except BufferError:
+                pass
+        _ffi.call_tagged(
+            _ffi.lib.dense_decode_fwd_dps,
             _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(block_table, "block_table"),
             _ffi.to_ffi(cache_seqlens, "cache_seqlens"), head_dim_v, softmax_scale, causal,
             _ffi.to_ffi(out), _ffi.to_ffi(lse), _ffi.to_ffi(scratch))

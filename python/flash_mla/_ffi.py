@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -55,9 +56,12 @@ def framework_of(x: Any) -> str:
     Subclasses of ``numpy.ndarray`` defined elsewhere (a user's own array type) count as NumPy, so
     results come back as NumPy arrays.
     """
+    mod = type(x).__module__
+    if mod == "torch":  # torch.Tensor (the common case first)
+        return mod
     if isinstance(x, np.ndarray):
         return "numpy"
-    mod = type(x).__module__.split(".")[0]
+    mod = mod.split(".")[0]
     if mod in ("torch", "numpy", "cupy", "paddle"):
         return mod
     if mod in ("jax", "jaxlib"):
@@ -154,7 +158,37 @@ def stream_scope(x: Any):
     dev_id = int(x.device.id)
     with cupy.cuda.Device(dev_id):
         ptr = int(cupy.cuda.get_current_stream().ptr)
-    return tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", dev_id), ptr)
+    return raw_stream_scope(dev_id, ptr)
+
+
+_CUDA_DEVICES: dict = {}  # device id -> tvm_ffi.Device("cuda", id), made once
+
+
+def raw_stream_scope(dev_id: int, stream: int):
+    """Context in which the C++ module launches on CUDA device `dev_id` on the raw stream `stream`."""
+    dev = _CUDA_DEVICES.get(dev_id)
+    if dev is None:
+        dev = _CUDA_DEVICES[dev_id] = tvm_ffi.device("cuda", dev_id)
+    return tvm_ffi.use_raw_stream(dev, stream)
+
+
+_TAG = re.compile(r"\[flash_mla:(\w+)\] ")
+_TAGGED_CLASSES = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def call_tagged(fn: Any, *args: Any) -> Any:
+    """Call one of the module's destination-passing functions (``*_fwd_dps``). They report the core's
+    errors as a RuntimeError whose message starts with ``[flash_mla:<Class>] `` (the form that reaches
+    Python through XLA, python/flash_mla/_jax.py); here that becomes the error of that class with the
+    plain message, as the other functions of the module raise it."""
+    try:
+        return fn(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        m = _TAG.search(msg)
+        if m is None or m.group(1) not in _TAGGED_CLASSES:
+            raise
+        raise _TAGGED_CLASSES[m.group(1)](msg[m.end():].rstrip()) from None
 
 
 def has_cuda_backend() -> bool:

@@ -32,6 +32,13 @@ from typing import Any, Optional
 
 _LIB_NAME = "libflashmla_torch.so"
 _state: dict = {"loaded": None, "error": None}
+# Set by load() once the op library is loaded: the torch module (so that calls need no import
+# statement), torch.Tensor, and the OpOverloads that the entry points call (one attribute chain
+# through torch.ops, resolved once).
+_torch: Any = None
+_Tensor: Any = None
+_ops: Any = None
+_NoneType = type(None)
 _ERROR_CLASSES = {
     "ValueError": ValueError,
     "TypeError": TypeError,
@@ -61,6 +68,7 @@ def load() -> bool:
 
             torch.ops.load_library(library_path())
             _register_fakes(torch)
+            _bind(torch)
             ok = True
         except Exception as e:  # an incompatible torch (older than the ABI target) etc.
             _state["error"] = f"{type(e).__name__}: {e}"
@@ -72,6 +80,22 @@ def load() -> bool:
 # torch._dynamo.assume_constant_result does; set directly so torch need not be imported here).
 # So the first call of a public function may happen inside a compiled region, fullgraph included.
 load._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+class _Ops:
+    """The OpOverloads of torch.ops.flash_mla that the entry points call."""
+
+    def __init__(self, torch: Any) -> None:
+        ns = torch.ops.flash_mla
+        for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_fwd",
+                     "dense_prefill_bwd", "quantize_kv_cache", "dequantize_kv_cache"):
+            setattr(self, name, getattr(ns, name).default)
+
+
+def _bind(torch: Any) -> None:
+    global _torch, _Tensor, _ops
+    _ops = _Ops(torch)
+    _torch, _Tensor = torch, torch.Tensor
 
 
 def available() -> bool:
@@ -93,21 +117,35 @@ def handles(*tensors: Any) -> bool:
     # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
     # sys.modules can fail ("dictionary changed size during iteration"). A torch tensor's type
     # lives in a torch module, which is cheap to test without importing torch for other frameworks.
-    first = next((t for t in tensors if t is not None), None)
-    if first is None or type(first).__module__.split(".")[0] != "torch":
+    if _Tensor is not None:  # the common case in one C-level pass: plain torch.Tensor and None only
+        kinds = set(map(type, tensors))
+        kinds.discard(_NoneType)
+        if len(kinds) == 1 and _Tensor in kinds:
+            return load()
+    for first in tensors:
+        if first is not None:
+            break
+    else:
         return False
-    import torch
+    mod = type(first).__module__
+    if mod != "torch" and not mod.startswith("torch."):
+        return False
+    tensor = _Tensor
+    if tensor is None:  # the op library is not loaded (yet): torch is imported, since `first` is a torch object
+        import torch
 
+        tensor = torch.Tensor
     for t in tensors:
-        if t is not None and not isinstance(t, torch.Tensor):
+        if t is not None and not isinstance(t, tensor):
             return False
     return load()
 
 
 def call(op: Any, *args: Any) -> Any:
     """Run ``op(*args)``; a ``[flash_mla:<Class>]`` RuntimeError is re-raised as that class."""
-    import torch
-
+    torch = _torch
+    if torch is None:
+        import torch
     if torch.compiler.is_compiling():
         return op(*args)
     try:
@@ -129,9 +167,12 @@ def call(op: Any, *args: Any) -> Any:
 
 def host_copy(x: Any):
     """NumPy copy of a small CPU int tensor (None for device tensors and while compiling)."""
-    import torch
-
-    if x is None or torch.compiler.is_compiling() or x.device.type != "cpu":
+    if x is None or not x.is_cpu:
+        return None
+    torch = _torch
+    if torch is None:
+        import torch
+    if torch.compiler.is_compiling():
         return None
     try:
         return x.detach().numpy().copy()
@@ -160,22 +201,31 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     kernels, ``.data``, a DLPack alias, a CUDA-graph replay) do not bump the version either:
     reuse then needs unchanged values, as in FlashMLA.
     """
-    import torch
-
+    torch = _torch
+    if torch is None:
+        import torch
     if torch.compiler.is_compiling():
         return None
-    key = [q.get_device(), 0]
-    for t in lengths:
-        if t is None:
-            key += (None, 0)
-        elif t.is_inference():
+    dev = q.get_device()
+    capture = 0
+    if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
+        t = lengths[0]
+        if t.is_inference():
             return None
-        else:
-            key += (t, t._version)
-    if key[0] >= 0 and (key[0] != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
+        key = [dev, capture, t, t._version]
+    else:
+        key = [dev, capture]
+        for t in lengths:
+            if t is None:
+                key += (None, 0)
+            elif t.is_inference():
+                return None
+            else:
+                key += (t, t._version)
+    if dev >= 0 and (dev != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
-        key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(key[0]).cuda_stream))
+        key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(dev).cuda_stream))
     return tuple(key)
 
 
@@ -183,6 +233,8 @@ def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
     """True if two :func:`schedule_key` keys are both set and name the same tensors at the same versions."""
     if a is None or b is None or len(a) != len(b) or a[0] != b[0] or a[1] != b[1]:
         return False
+    if len(a) == 4:  # one length tensor (dense decode)
+        return a[2] is b[2] and a[3] == b[3]
     for i in range(2, len(a), 2):
         if a[i] is not b[i] or a[i + 1] != b[i + 1]:
             return False
@@ -330,52 +382,38 @@ def _register_fakes(torch) -> None:
 
 # ----------------------------------------------------------------------------- entry points
 def dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm, num_splits):
-    import torch
-
-    return call(torch.ops.flash_mla.dense_decode_fwd.default, q, k_cache, head_dim_v, cache_seqlens, block_table,
+    return call(_ops.dense_decode_fwd, q, k_cache, head_dim_v, cache_seqlens, block_table,
                 softmax_scale, causal, tsm, num_splits)
 
 
 def sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
                       extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
-    import torch
-
-    return call(torch.ops.flash_mla.sparse_decode_fwd.default, q, k_cache, indices, topk_length, attn_sink, tsm,
+    return call(_ops.sparse_decode_fwd, q, k_cache, indices, topk_length, attn_sink, tsm,
                 num_splits, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
 
 
 def sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
-    import torch
-
-    return call(torch.ops.flash_mla.sparse_prefill_fwd.default, q, kv, indices, sm_scale, d_v, attn_sink,
+    return call(_ops.sparse_prefill_fwd, q, kv, indices, sm_scale, d_v, attn_sink,
                 topk_length)
 
 
 def dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-    import torch
-
-    return call(torch.ops.flash_mla.dense_prefill_fwd.default, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    return call(_ops.dense_prefill_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                 max_seqlen_k, softmax_scale, causal)
 
 
 def dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                       causal):
-    import torch
-
-    return call(torch.ops.flash_mla.dense_prefill_bwd.default, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+    return call(_ops.dense_prefill_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                 max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 
 
 def quantize_kv_cache(kv_cache, packed, fmt):
-    import torch
-
-    return call(torch.ops.flash_mla.quantize_kv_cache.default, kv_cache, packed, fmt)
+    return call(_ops.quantize_kv_cache, kv_cache, packed, fmt)
 
 
 def dequantize_kv_cache(packed, kv_cache, fmt):
-    import torch
-
-    return call(torch.ops.flash_mla.dequantize_kv_cache.default, packed, kv_cache, fmt)
+    return call(_ops.dequantize_kv_cache, packed, kv_cache, fmt)
 
 
 if "torch" in sys.modules:  # torch imported first: register torch.ops.flash_mla right away

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from math import isfinite as _isfinite
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -96,10 +97,12 @@ class FlashMLASchedMeta:
     config: Optional[Config] = None
     tile_scheduler_metadata: Optional[Any] = None
     num_splits: Optional[Any] = None
-    _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False)
-    _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False)
-    _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
-    _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False)
+    # Private state (not constructor arguments: get_mla_metadata() makes the object with the class defaults,
+    # which __init__ then need not assign).
+    _lengths: Optional[Tuple[Optional[np.ndarray], ...]] = dataclasses.field(default=None, repr=False, init=False)
+    _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False, init=False)
+    _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
+    _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
@@ -246,31 +249,38 @@ def flash_mla_with_kvcache(
     if num_splits is not None:
         raise _AssertValueError("num_splits: must be None (the scheduler object carries the splits)")
     sched = tile_scheduler_metadata
-    _require_tensors(q=q, k_cache=k_cache)
-    if len(q.shape) != 4:
+    try:  # (each shape read once: a torch.Size is made on every access)
+        q_shape, k_shape = q.shape, k_cache.shape
+    except AttributeError:
+        _require_tensors(q=q, k_cache=k_cache)  # raises, naming the argument
+        raise
+    if len(q_shape) != 4:
         raise ValueError(f"q: expected a 4-D tensor (b, s_q, h_q, d_qk), got shape {_shape(q)}")
-    if len(k_cache.shape) != 4:
+    if len(k_shape) != 4:
         raise ValueError(
             f"k_cache: expected a 4-D tensor (num_blocks, page_block_size, h_kv, last), got shape {_shape(k_cache)}"
         )
-    for name, t, rank, layout in (("indices", indices, 3, "(b, s_q, topk)"),
-                                  ("extra_k_cache", extra_k_cache, 4, "(num_blocks, page_block_size, 1, last)"),
-                                  ("extra_indices_in_kvcache", extra_indices_in_kvcache, 3, "(b, s_q, extra_topk)")):
-        if t is not None and not hasattr(t, "shape"):
-            raise TypeError(f"{name}: expected a {rank}-D tensor {layout} or None, got {type(t).__name__}")
-        if t is not None and len(t.shape) != rank:
-            raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
-    d_qk = int(q.shape[-1])
+    if indices is not None or extra_k_cache is not None or extra_indices_in_kvcache is not None:
+        for name, t, rank, layout in (("indices", indices, 3, "(b, s_q, topk)"),
+                                      ("extra_k_cache", extra_k_cache, 4, "(num_blocks, page_block_size, 1, last)"),
+                                      ("extra_indices_in_kvcache", extra_indices_in_kvcache, 3, "(b, s_q, extra_topk)")):
+            if t is not None and not hasattr(t, "shape"):
+                raise TypeError(f"{name}: expected a {rank}-D tensor {layout} or None, got {type(t).__name__}")
+            if t is not None and len(t.shape) != rank:
+                raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
+    b, s_q, h_q, d_qk = int(q_shape[0]), int(q_shape[1]), int(q_shape[2]), int(q_shape[3])
     if softmax_scale is None:
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
-    head_dim_v = _int_arg("head_dim_v", head_dim_v)
-    softmax_scale = _float_arg("softmax_scale", softmax_scale)
+    if type(head_dim_v) is not int:
+        head_dim_v = _int_arg("head_dim_v", head_dim_v)
+    if type(softmax_scale) is not float or not _isfinite(softmax_scale):
+        softmax_scale = _float_arg("softmax_scale", softmax_scale)
+    causal = bool(causal)
     topk = int(indices.shape[-1]) if indices is not None else None
     extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
     extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None
     config_key = (  # FlashMLASchedMeta.Config's fields; a plain tuple compares ~10x faster than the dataclass
-        int(q.shape[0]), int(q.shape[1]), int(q.shape[2]), int(k_cache.shape[1]), int(k_cache.shape[2]),
-        bool(causal), bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
+        b, s_q, h_q, int(k_shape[1]), int(k_shape[2]), causal, bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
     )
     # torch tensors take the torch.ops path (flash_mla/_torch_ops.py), JAX arrays XLA custom calls
     # (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
@@ -280,25 +290,32 @@ def flash_mla_with_kvcache(
         q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
         attn_sink=attn_sink, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
         topk_length=topk_length, extra_topk_length=extra_topk_length)
+    # Host copies of the length tensors (CPU tensors only; None for device tensors and on the XLA path,
+    # which recomputes the schedule every call). `host_lengths`: whether any was copied.
     if use_jax:
-        lengths = (None,) if topk is None else (None, None)  # that path recomputes the schedule every call
+        lengths = (None,) if topk is None else (None, None)
+        host_lengths = False
     else:
         host_copy = _torch_ops.host_copy if use_torch else _host_copy
-        lengths = (
-            (host_copy(cache_seqlens),) if topk is None else (host_copy(topk_length), host_copy(extra_topk_length))
-        )
+        if topk is None:
+            lengths = (host_copy(cache_seqlens),)
+            host_lengths = lengths[0] is not None
+        else:
+            lengths = (host_copy(topk_length), host_copy(extra_topk_length))
+            host_lengths = lengths[0] is not None or lengths[1] is not None
     presence = (topk_length is not None, extra_topk_length is not None)
     if sched.have_initialized:
-        config = FlashMLASchedMeta.Config(*config_key) if sched._config_key != config_key else None
-        if config is not None and sched.config != config:
-            for field in dataclasses.fields(config):
-                old, new = getattr(sched.config, field.name), getattr(config, field.name)
-                if old != new:
-                    raise SchedMetaMismatchError(
-                        f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for {field.name}={old!r}, "
-                        f"got {new!r}; a FlashMLASchedMeta "
-                        "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
-                    )
+        if sched._config_key != config_key:
+            config = FlashMLASchedMeta.Config(*config_key)
+            if sched.config != config:
+                for field in dataclasses.fields(config):
+                    old, new = getattr(sched.config, field.name), getattr(config, field.name)
+                    if old != new:
+                        raise SchedMetaMismatchError(
+                            f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for "
+                            f"{field.name}={old!r}, got {new!r}; a FlashMLASchedMeta "
+                            "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
+                        )
         if sched._presence is not None and sched._presence != presence:
             raise SchedMetaMismatchError(
                 "topk_length / extra_topk_length: this FlashMLASchedMeta was computed "
@@ -306,7 +323,7 @@ def flash_mla_with_kvcache(
                 f"{'with' if sched._presence[1] else 'without'} extra_topk_length; its split schedule would be "
                 "stale. Call get_mla_metadata() again"
             )
-        if sched._lengths is not None:
+        if host_lengths and sched._lengths is not None:
             names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
             for name, old, new in zip(names, sched._lengths, lengths):
                 if old is not None and new is not None and not np.array_equal(old, new):
@@ -314,28 +331,28 @@ def flash_mla_with_kvcache(
                         f"{name}: values differ from the call that computed this FlashMLASchedMeta; its split "
                         "schedule would be stale. Call get_mla_metadata() again when lengths change"
                     )
-    like = q
     # On the CPU the schedule is reused (changed lengths raise above). On the GPU the lengths are
     # never read back: torch calls reuse it only while the length tensors are the same objects at
     # the same versions, in the same CUDA-graph capture (see _torch_ops.schedule_key); every other
     # GPU call recomputes it on its stream (a one-CTA kernel, capturable). So a reused
     # FlashMLASchedMeta is never stale there, even after the lengths changed (regression 6).
-    on_device = _torch_ops.on_device(q) if use_torch else _on_device(q)
+    on_device = (not q.is_cpu) if use_torch else _on_device(q)
     gpu_key = None
     if use_torch and on_device:
         gpu_key = _torch_ops.schedule_key(
             q, (cache_seqlens,) if topk is None else (topk_length, extra_topk_length))
-    reuse = not use_jax and sched.have_initialized and sched.tile_scheduler_metadata is not None and (
+    tsm = sched.tile_scheduler_metadata
+    reuse = not use_jax and sched.have_initialized and tsm is not None and (
         _torch_ops.same_schedule_key(sched._gpu_key, gpu_key) if on_device else True)
-    if reuse and use_torch and _ffi.framework_of(sched.tile_scheduler_metadata) != "torch":
+    if reuse and use_torch and type(tsm) is not _torch_ops._Tensor and _ffi.framework_of(tsm) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
         reuse = False
     if use_torch:
-        meta_in = (sched.tile_scheduler_metadata, sched.num_splits) if reuse else (None, None)
+        meta_in = (tsm, sched.num_splits) if reuse else (None, None)
     else:
         meta_in = (
-            (_ffi.to_ffi(sched.tile_scheduler_metadata, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
+            (_ffi.to_ffi(tsm, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
             if reuse
             else (None, None)
         )
@@ -348,61 +365,61 @@ def flash_mla_with_kvcache(
         if use_torch:
             res = _torch_ops.sparse_decode_fwd(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
-                extra_indices_in_kvcache, extra_topk_length, int(head_dim_v), float(softmax_scale))
+                extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
         elif use_jax:
             from . import _jax
 
             res = _jax.sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
-                                     extra_indices_in_kvcache, extra_topk_length, int(head_dim_v),
-                                     float(softmax_scale))
+                                     extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
         else:
             with _ffi.stream_scope(q):
                 res = _ffi.lib.sparse_decode_fwd(
-                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(indices, "indices"), _ffi.to_ffi(topk_length, "topk_length"),
-                    _ffi.to_ffi(attn_sink, "attn_sink"), meta_in[0], meta_in[1], _ffi.to_ffi(extra_k_cache, "extra_k_cache"),
-                    _ffi.to_ffi(extra_indices_in_kvcache, "extra_indices_in_kvcache"), _ffi.to_ffi(extra_topk_length, "extra_topk_length"), int(head_dim_v),
-                    float(softmax_scale),
+                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(indices, "indices"),
+                    _ffi.to_ffi(topk_length, "topk_length"), _ffi.to_ffi(attn_sink, "attn_sink"), meta_in[0],
+                    meta_in[1], _ffi.to_ffi(extra_k_cache, "extra_k_cache"),
+                    _ffi.to_ffi(extra_indices_in_kvcache, "extra_indices_in_kvcache"),
+                    _ffi.to_ffi(extra_topk_length, "extra_topk_length"), head_dim_v, softmax_scale,
                 )
     else:
-        for name, val in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
-                          ("extra_indices_in_kvcache", extra_indices_in_kvcache),
-                          ("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
-            if val is not None:
-                raise _AssertValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
+        if (attn_sink is not None or extra_k_cache is not None or extra_indices_in_kvcache is not None
+                or topk_length is not None or extra_topk_length is not None):
+            for name, val in (("attn_sink", attn_sink), ("extra_k_cache", extra_k_cache),
+                              ("extra_indices_in_kvcache", extra_indices_in_kvcache),
+                              ("topk_length", topk_length), ("extra_topk_length", extra_topk_length)):
+                if val is not None:
+                    raise _AssertValueError(f"{name}: only supported by sparse decoding (pass indices), got a tensor")
         if block_table is None or cache_seqlens is None:
             raise _AssertValueError("block_table and cache_seqlens: required for dense decoding, got None")
         # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
         # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
         if use_torch:
-            res = _torch_ops.dense_decode_fwd(
-                q, k_cache, int(head_dim_v), cache_seqlens, block_table, float(softmax_scale), bool(causal),
-                meta_in[0], meta_in[1])
+            res = _torch_ops.dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale,
+                                              causal, meta_in[0], meta_in[1])
         elif use_jax:
             from . import _jax
 
-            res = _jax.dense_decode(q, k_cache, block_table, cache_seqlens, int(head_dim_v), float(softmax_scale),
-                                    bool(causal))
-        elif _cupy.handles(q) and head_dim_v == 512:  # outputs from CuPy's memory pool (flash_mla/_cupy.py)
-            res = _cupy.dense_decode(q, k_cache, block_table, cache_seqlens, int(head_dim_v),
-                                     float(softmax_scale), bool(causal)) + (None, None)
+            res = _jax.dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+        elif head_dim_v == 512 and _cupy.handles(q):  # outputs from CuPy's memory pool (flash_mla/_cupy.py)
+            res = _cupy.dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+                                     causal) + (None, None)
         else:
             with _ffi.stream_scope(q):
                 res = _ffi.lib.dense_decode_fwd(
-                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), int(head_dim_v),
+                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), head_dim_v,
                     _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
-                    float(softmax_scale), bool(causal), meta_in[0], meta_in[1],
+                    softmax_scale, causal, meta_in[0], meta_in[1],
                 )
     if use_torch or use_jax or res[2] is None:
         out, lse, tsm, splits = res  # (JAX, CuPy: the metadata stays inside the call, tsm = splits = None)
     else:
-        out, lse, tsm, splits = (_ffi.from_ffi(t, like) for t in res)
+        out, lse, tsm, splits = (_ffi.from_ffi(t, q) for t in res)
     if not sched.have_initialized:
         sched.have_initialized = True
         sched.config = FlashMLASchedMeta.Config(*config_key)
         sched._config_key = config_key
         sched._lengths = lengths
         sched._presence = presence
-    elif sched._lengths is not None:
+    elif host_lengths and sched._lengths is not None:
         # A first call that could not read the lengths (JAX, GPU, torch.compile) leaves None; the first
         # call that can read them becomes the reference, so later CPU reuse is still checked.
         sched._lengths = tuple(new if old is None else old for old, new in zip(sched._lengths, lengths))
@@ -438,11 +455,14 @@ def flash_mla_sparse_fwd(
     booleans included); ``ValueError`` for a NaN / infinite ``sm_scale``, wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
     last dimension.
     """
-    _require_tensors(q=q, kv=kv, indices=indices)
-    sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
-    d_v = _int_arg("d_v", d_v)
+    if not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
+        _require_tensors(q=q, kv=kv, indices=indices)  # raises, naming the argument
+    if type(sm_scale) is not float or not _isfinite(sm_scale):
+        sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
+    if type(d_v) is not int:
+        d_v = _int_arg("d_v", d_v)
     if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
-        return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length))
+        return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
     if _ffi.framework_of(q) == "jax" and _jax_use_xla(q, kv=kv, indices=indices, attn_sink=attn_sink,
                                                        topk_length=topk_length):  # XLA custom call (works under jax.jit): _jax.py
         from . import _jax
@@ -497,17 +517,26 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
     ``(cu_q, cu_k, max_q, max_k, scale, causal)``. With ``is_varlen=False`` every request has
     total / b tokens (FlashMLA's SM100 kernels ignore the values of cu_seqlens then; so does this):
     uniform cu_seqlens are made on q's device."""
-    _require_tensors(q=q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)
-    for name, t, layout in (("q", q, "(total_q, h_q, d_qk)"), ("k", k, "(total_k, h_kv, d_qk)"),
-                            ("v", v, "(total_k, h_kv, d_v)")):
-        if len(t.shape) != 3:
-            raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {_shape(t)}")
-    d_qk = int(q.shape[-1])
+    if not (hasattr(q, "shape") and hasattr(k, "shape") and hasattr(v, "shape") and hasattr(cu_seqlens_qo, "shape")
+            and hasattr(cu_seqlens_kv, "shape")):
+        _require_tensors(q=q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)  # raises
+    q_shape = q.shape
+    if len(q_shape) != 3 or len(k.shape) != 3 or len(v.shape) != 3:
+        for name, t, layout in (("q", q, "(total_q, h_q, d_qk)"), ("k", k, "(total_k, h_kv, d_qk)"),
+                                ("v", v, "(total_k, h_kv, d_v)")):
+            if len(t.shape) != 3:
+                raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {_shape(t)}")
     if softmax_scale is None:
+        d_qk = int(q_shape[-1])
         softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
-    scale = _float_arg("softmax_scale", softmax_scale)
-    max_q = _int_arg("max_seqlen_qo", max_seqlen_qo)
-    max_k = _int_arg("max_seqlen_kv", max_seqlen_kv)
+    scale = softmax_scale
+    if type(scale) is not float or not _isfinite(scale):
+        scale = _float_arg("softmax_scale", scale)
+    max_q, max_k = max_seqlen_qo, max_seqlen_kv
+    if type(max_q) is not int:
+        max_q = _int_arg("max_seqlen_qo", max_q)
+    if type(max_k) is not int:
+        max_k = _int_arg("max_seqlen_kv", max_k)
     cu_q, cu_k = cu_seqlens_qo, cu_seqlens_kv
     if not is_varlen:
         if len(cu_q.shape) != 1 or int(cu_q.shape[0]) < 2:

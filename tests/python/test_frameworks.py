@@ -187,3 +187,35 @@ def test_cupy_scratch_for_rejected_shapes_defers_to_the_call_validation():
     for b, h_q, h_kv in [(0, 16, 1), (2, 16, 3), (2, 16, 0)]:
         assert _cupy._scratch(_FakeCupy, False, 0, b, 1, h_q, h_kv) == ("empty", (1,), "uint8")
         assert (False, 0, b, 1, h_q, h_kv) not in _cupy._SCRATCH
+
+
+def test_cupy_destination_passing_call_errors_and_values_on_numpy(rng):
+    """flash_mla/_cupy.py hands its arrays straight to the destination-passing dense decode (TVM-FFI
+    converts them through DLPack inside the call) and turns the call's tagged errors into the core's
+    classes. The same function with NumPy arrays on the CPU: values equal to the public API's, and a
+    wrong dtype or head_dim_v raises TypeError / ValueError naming the argument, as the public API."""
+    from flash_mla import _ffi
+
+    c = gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=100, dtype=np.float16, varlen=True)
+    b, s_q, h_q = c.q.shape[:3]
+    scale = 576 ** -0.5
+    n = max(int(_ffi.lib.decode_scratch_bytes(False, 1, 0, b, s_q, h_q, 1)), 1)
+
+    def call(cache_seqlens=c.cache_seqlens, head_dim_v=512):
+        out = np.full((b, s_q, h_q, 512), np.nan, np.float16)
+        lse = np.full((b, h_q, s_q), np.nan, np.float32)
+        _ffi.call_tagged(_ffi.lib.dense_decode_fwd_dps, c.q, c.k_cache, c.block_table, cache_seqlens, head_dim_v,
+                         scale, False, out, lse, np.zeros(n, np.uint8))
+        return out, lse
+
+    out, lse = call()
+    ref = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512,
+                                           flash_mla.get_mla_metadata()[0], None, scale)
+    np.testing.assert_array_equal(out.view(np.uint16), ref[0].view(np.uint16))
+    np.testing.assert_array_equal(lse, ref[1])
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        call(cache_seqlens=c.cache_seqlens.astype(np.int64))
+    with pytest.raises(ValueError, match="head_dim_v"):
+        call(head_dim_v=256)
+    with pytest.raises(RuntimeError, match="boom"):  # an untagged error passes through unchanged
+        _ffi.call_tagged(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
