@@ -36,6 +36,21 @@ inline bool rows_16b_aligned(const TensorRef& t, int dims) {
   return true;
 }
 
+/// Fills a decode launch's output fields (the main kernels' and the combine kernels' parameters):
+/// out (b, s_q, h_q, 512) and lse (b, h_q, s_q, float32), their pointers and strides in elements.
+template <class Params>
+void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse) {
+  kp.out = out.data;
+  kp.o_stride_b = out.stride[0];
+  kp.o_stride_s = out.stride[1];
+  kp.o_stride_h = out.stride[2];
+  kp.o_stride_d = out.stride[3];
+  kp.lse = static_cast<float*>(lse.data);
+  kp.lse_stride_b = lse.stride[0];
+  kp.lse_stride_h = lse.stride[1];
+  kp.lse_stride_s = lse.stride[2];
+}
+
 /// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links
 /// -lcuda); nullptr when the driver does not provide it (the callers then take their non-TMA path).
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

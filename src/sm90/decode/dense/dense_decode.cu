@@ -215,15 +215,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.bt_stride_b = p.block_table.stride[0];
     kp.bt_stride_j = p.block_table.stride[1];
     kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
-    kp.out = p.out.data;
-    kp.o_stride_b = p.out.stride[0];
-    kp.o_stride_s = p.out.stride[1];
-    kp.o_stride_h = p.out.stride[2];
-    kp.o_stride_d = p.out.stride[3];
-    kp.lse = static_cast<float*>(p.lse.data);
-    kp.lse_stride_b = p.lse.stride[0];
-    kp.lse_stride_h = p.lse.stride[1];
-    kp.lse_stride_s = p.lse.stride[2];
+    set_decode_outputs(kp, p.out, p.lse);
     kp.o_accum = o_accum;
     kp.lse_accum = lse_accum;
     kp.tile_scheduler_metadata = metadata;
@@ -271,15 +263,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
 
   if (stages & kStageCombine) {
     DenseCombineParams cp{};
-    cp.out = p.out.data;
-    cp.o_stride_b = p.out.stride[0];
-    cp.o_stride_s = p.out.stride[1];
-    cp.o_stride_h = p.out.stride[2];
-    cp.o_stride_d = p.out.stride[3];
-    cp.lse = static_cast<float*>(p.lse.data);
-    cp.lse_stride_b = p.lse.stride[0];
-    cp.lse_stride_h = p.lse.stride[1];
-    cp.lse_stride_s = p.lse.stride[2];
+    set_decode_outputs(cp, p.out, p.lse);
     cp.o_accum = o_accum;
     cp.lse_accum = lse_accum;
     cp.num_splits = num_splits;
