@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/host_utils.h"
@@ -94,11 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     int blk_hi = req == end_req ? end_blk : n_blk_req;
     blk_hi = min(blk_hi, n_blk_req);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     // Per-row key limit (bottom-right causal mask); padded rows see everything.
     int limit[2];

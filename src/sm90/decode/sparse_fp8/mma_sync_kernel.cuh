@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/host_utils.h"
@@ -190,12 +191,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     int blk_hi = req == end_req ? end_blk : n_total;
     blk_hi = min(blk_hi, n_total);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
     if (!p.out_vec_ok) no_split = false;  // strided out: every request goes through the combine kernel
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     // Valid slot bounds of this request (slots >= bound are never read).
     const int lim_main =

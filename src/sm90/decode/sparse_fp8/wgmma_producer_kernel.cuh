@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "sm90/common/host_utils.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/seesaw.cuh"
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/trace.cuh"
@@ -784,7 +785,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else if (req == end_req) no_split = !last_splitted;
     else no_split = true;
     if (!p.out_vec_ok) no_split = false;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 8, tid == 0, g);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 9, tid == 0, n_blk);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 10, tid == 0, req);

@@ -1,0 +1,32 @@
+// src/sm90/common/decode_schedule.cuh — a decode main kernel's share of the split-KV schedule: one
+// row of tile_scheduler_metadata (spec §4.2-§4.3, written by common/scheduler.cu) per CTA part, read
+// the same way by the dense and the sparse FP8 decode kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace flashmla::sm90 {
+
+// A part's schedule row: it processes requests begin_req .. end_req, from block begin_blk of begin_req
+// to block end_blk (exclusive) of end_req; begin_split is the split index of begin_req that the part
+// computes; first_splitted / last_splitted say whether its first / last request is shared with another
+// part (then this part writes a split partial for the combine kernel, not out). The kernels keep the
+// row's fields in registers; the helpers below take the ones they need.
+
+/// True when the part holds request req whole (its O and LSE go straight to out and lse).
+__device__ __forceinline__ bool part_holds_whole_request(int req, int begin_req, int end_req, int first_splitted,
+                                                         int last_splitted) {
+  bool whole;
+  if (req == begin_req) whole = !first_splitted;
+  else if (req == end_req) whole = !last_splitted;
+  else whole = true;
+  return whole;
+}
+
+/// The index in o_accum / lse_accum of the split of request req that the part computes; num_splits:
+/// the scheduler's prefix sums of splits per request (b + 1 entries).
+__device__ __forceinline__ int part_split_slot(const int32_t* num_splits, int req, int begin_req, int begin_split) {
+  return num_splits[req] + (req == begin_req ? begin_split : 0);
+}
+
+}  // namespace flashmla::sm90
