@@ -29,4 +29,11 @@ __device__ __forceinline__ int part_split_slot(const int32_t* num_splits, int re
   return num_splits[req] + (req == begin_req ? begin_split : 0);
 }
 
+/// One past the last block of request req (n_blocks blocks in all) that the part processes: block
+/// end_blk of its last request end_req, else the request's end.
+__device__ __forceinline__ int part_end_block(int req, int n_blocks, int end_req, int end_blk) {
+  int blk_hi = req == end_req ? end_blk : n_blocks;
+  return min(blk_hi, n_blocks);
+}
+
 }  // namespace flashmla::sm90

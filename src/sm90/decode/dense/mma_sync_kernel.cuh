@@ -92,8 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_blk_req;
-    blk_hi = min(blk_hi, n_blk_req);
+    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
     bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);

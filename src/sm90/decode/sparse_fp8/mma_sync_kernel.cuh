@@ -188,8 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     int n_main, n_total;
     request_blocks(p, req, n_main, n_total);
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_total;
-    blk_hi = min(blk_hi, n_total);
+    const int blk_hi = part_end_block(req, n_total, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
     bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
     if (!p.out_vec_ok) no_split = false;  // strided out: every request goes through the combine kernel
