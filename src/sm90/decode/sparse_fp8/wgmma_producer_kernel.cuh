@@ -407,18 +407,7 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
 /// Formally, PTX's scoped model pairs a cross-CTA release only with a cluster-scope acquire; the
 /// CTA-scope pair relies on the same hardware behaviour as CUTLASS's multicast pipelines and
 /// FlashMLA's 2-CTA sparse decode (docs/sparse-fp8-decode.md).
-__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (ok == 0);
-}
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) { mbar_wait(bar, parity); }
 /// Every thread of both CTAs (barrier.cluster, aligned).
 __device__ __forceinline__ void sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
