@@ -36,10 +36,23 @@ inline bool rows_16b_aligned(const TensorRef& t, int dims) {
   return true;
 }
 
-/// Fills a decode launch's output fields (the main kernels' and the combine kernels' parameters):
-/// out (b, s_q, h_q, 512) and lse (b, h_q, s_q, float32), their pointers and strides in elements.
+/// Fills a decode main kernel's query fields: q (b, s_q, h_q, d_qk), its pointer and its strides in
+/// elements (b, s and h; the last dim is read contiguous).
 template <class Params>
-void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse) {
+void set_decode_query(Params& kp, const TensorRef& q) {
+  kp.q = q.data;
+  kp.q_stride_b = q.stride[0];
+  kp.q_stride_s = q.stride[1];
+  kp.q_stride_h = q.stride[2];
+}
+
+/// Fills a decode launch's output fields (the main kernels' and the combine kernels' parameters):
+/// out (b, s_q, h_q, 512) and lse (b, h_q, s_q, float32), their pointers and strides in elements, and
+/// the split-KV buffers: o_accum (splits, rows, 512) and lse_accum (splits, rows) float32, num_splits
+/// (b + 1) int32 prefix sums of splits per request.
+template <class Params>
+void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse, float* o_accum, float* lse_accum,
+                        const int32_t* num_splits) {
   kp.out = out.data;
   kp.o_stride_b = out.stride[0];
   kp.o_stride_s = out.stride[1];
@@ -49,6 +62,9 @@ void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse) 
   kp.lse_stride_b = lse.stride[0];
   kp.lse_stride_h = lse.stride[1];
   kp.lse_stride_s = lse.stride[2];
+  kp.o_accum = o_accum;
+  kp.lse_accum = lse_accum;
+  kp.num_splits = num_splits;
 }
 
 /// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links

@@ -203,10 +203,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
 
   if (stages & kStageMain) {
     DenseDecodeKernelParams kp{};
-    kp.q = p.q.data;
-    kp.q_stride_b = p.q.stride[0];
-    kp.q_stride_s = p.q.stride[1];
-    kp.q_stride_h = p.q.stride[2];
+    set_decode_query(kp, p.q);
     kp.k = p.k_cache.data;
     kp.k_stride_blk = p.k_cache.stride[0];
     kp.k_stride_tok = p.k_cache.stride[1];
@@ -215,11 +212,8 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.bt_stride_b = p.block_table.stride[0];
     kp.bt_stride_j = p.block_table.stride[1];
     kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
-    set_decode_outputs(kp, p.out, p.lse);
-    kp.o_accum = o_accum;
-    kp.lse_accum = lse_accum;
+    set_decode_outputs(kp, p.out, p.lse, o_accum, lse_accum, num_splits);
     kp.tile_scheduler_metadata = metadata;
-    kp.num_splits = num_splits;
     kp.b = static_cast<int>(d.b);
     kp.s_q = static_cast<int>(d.s_q);
     kp.h_q = static_cast<int>(d.h_q);
@@ -263,10 +257,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
 
   if (stages & kStageCombine) {
     DenseCombineParams cp{};
-    set_decode_outputs(cp, p.out, p.lse);
-    cp.o_accum = o_accum;
-    cp.lse_accum = lse_accum;
-    cp.num_splits = num_splits;
+    set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
     cp.b = static_cast<int>(d.b);
     cp.s_q = static_cast<int>(d.s_q);
     cp.h_q = static_cast<int>(d.h_q);

@@ -250,19 +250,13 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
 
   if (stages & kSparseStageMain) {
     SparseDecodeKernelParams kp{};
-    kp.q = p.q.data;
-    kp.q_stride_b = p.q.stride[0];
-    kp.q_stride_s = p.q.stride[1];
-    kp.q_stride_h = p.q.stride[2];
+    set_decode_query(kp, p.q);
     kp.main = make_scope(p.k_cache, p.indices, p.topk_length);
     kp.has_extra = has_extra ? 1 : 0;
     if (has_extra) kp.extra = make_scope(p.extra_k_cache, p.extra_indices_in_kvcache, p.extra_topk_length);
     kp.attn_sink = sink;
-    set_decode_outputs(kp, p.out, p.lse);
-    kp.o_accum = o_accum;
-    kp.lse_accum = lse_accum;
+    set_decode_outputs(kp, p.out, p.lse, o_accum, lse_accum, num_splits);
     kp.tile_scheduler_metadata = metadata;
-    kp.num_splits = num_splits;
     kp.b = static_cast<int>(b);
     kp.s_q = static_cast<int>(s_q);
     kp.h_q = static_cast<int>(h_q);
@@ -279,10 +273,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
 
   if (stages & kSparseStageCombine) {
     SparseCombineParams cp{};
-    set_decode_outputs(cp, p.out, p.lse);
-    cp.o_accum = o_accum;
-    cp.lse_accum = lse_accum;
-    cp.num_splits = num_splits;
+    set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
     cp.attn_sink = sink;
     cp.b = static_cast<int>(b);
     cp.s_q = static_cast<int>(s_q);
