@@ -146,10 +146,7 @@ __device__ __forceinline__ void softmax_p(float (&s)[NT_S][4], float (&mx)[2], f
     float bm = sRed[row_local[hh] * C];
 #pragma unroll
     for (int c = 1; c < C; ++c) bm = fmaxf(bm, sRed[row_local[hh] * C + c]);
-    const float m_new = fmaxf(m_run[hh], bm);
-    m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
-    m_run[hh] = m_new;
+    alpha[hh] = advance_row_max(m_run[hh], fmaxf(m_run[hh], bm), m_use[hh]);
   }
 
   // P = exp2(S - m), row sums, P -> smem

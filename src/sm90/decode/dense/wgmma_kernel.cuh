@@ -236,10 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float bm = fmaxf(sRed[row_local[hh] * 2], sRed[row_local[hh] * 2 + 1]);
-        const float m_new = fmaxf(m_run[hh], bm);
-        m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
-        m_run[hh] = m_new;
+        alpha[hh] = advance_row_max(m_run[hh], fmaxf(m_run[hh], bm), m_use[hh]);
       }
 
       // ---- P -> smem, row sums, rescale O

@@ -863,10 +863,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         float mu[2], sc[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const float m_new = lazy_max(m_run[hh], mx[hh]);
-          mu[hh] = m_new == -INFINITY ? 0.f : m_new;
-          sc[hh] = exp2f(m_run[hh] - mu[hh]);
-          m_run[hh] = m_new;
+          sc[hh] = advance_row_max(m_run[hh], lazy_max(m_run[hh], mx[hh]), mu[hh]);
           if (tq == 0) sScale[x * 64 + row_local[hh]] = sc[hh];
         }
         float rs[2] = {0.f, 0.f};

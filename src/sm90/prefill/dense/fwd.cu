@@ -68,10 +68,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
   float m_use[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const float m_new = seesaw::lazy_max(m_run[e], mx[e]);
-    m_use[e] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, no NaN
-    sc[e] = exp2f(m_run[e] - m_use[e]);
-    m_run[e] = m_new;
+    sc[e] = advance_row_max(m_run[e], seesaw::lazy_max(m_run[e], mx[e]), m_use[e]);
     l[e] *= sc[e];
   }
 #pragma unroll
