@@ -441,12 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint32_t base_u;
-  uint8_t* base = smem_align_1024(smem_raw, base_u);
-  const uint32_t sQ_u = base_u;
-  const uint32_t sK_u = sQ_u + kSmemQ;
-  uint8_t* sK = base + kSmemQ;
-  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
   float* sL = sRed + 64;
   float* sScale = sRed + 128;  // [buffer][64]
@@ -801,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           uint16_t v[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(base + slab_off(r, c)) =
+          *reinterpret_cast<uint4*>(sQ + slab_off(r, c)) =
               make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
                          v[6] | (uint32_t(v[7]) << 16));
         }
