@@ -67,6 +67,17 @@ void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse, 
   kp.num_splits = num_splits;
 }
 
+/// True when `t` (rank dimensions, 2-byte elements: bf16 / fp16) can take 4-byte stores of element
+/// pairs: its last dim is contiguous, every other stride is even wherever that dimension has more
+/// than one index, and the base address is 4-byte aligned. The launchers' test for the epilogues'
+/// paired stores.
+inline bool element_pairs_aligned(const TensorRef& t, int rank) {
+  if (t.stride[rank - 1] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  for (int i = 0; i < rank - 1; ++i)
+    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
+  return true;
+}
+
 /// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links
 /// -lcuda); nullptr when the driver does not provide it (the callers then take their non-TMA path).
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

@@ -94,13 +94,6 @@ bool out_bulk_ok(const TensorRef& out) {  // out is bf16 / fp16 (q's dtype)
   return out.stride[3] == 1 && rows_16b_aligned(out, 3);
 }
 
-bool out_vec_ok(const TensorRef& out) {
-  if (out.stride[3] != 1) return false;
-  for (int i = 0; i < 3; ++i)
-    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
-  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
-}
-
 }  // namespace
 
 namespace {
@@ -191,7 +184,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   int32_t* num_splits = static_cast<int32_t*>(p.num_splits.data);
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
-  const bool vec = out_vec_ok(p.out);
+  const bool vec = element_pairs_aligned(p.out, 4);
   const int tuning = options.tuning;
 
   if ((stages & kStageScheduler) && !p.metadata_ready) {

@@ -163,13 +163,6 @@ int64_t lse_accum_bytes(int64_t splits, int64_t s_q, int64_t h_q) {
   return align_up(splits * s_q * h_q * static_cast<int64_t>(sizeof(float)));
 }
 
-bool out_vec_ok(const TensorRef& out) {
-  if (out.stride[3] != 1) return false;
-  for (int i = 0; i < 3; ++i)
-    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
-  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
-}
-
 /// q rows 16-byte aligned (cp.async path).
 bool q_vec_ok(const TensorRef& q) { return rows_16b_aligned(q, 3); }
 
@@ -235,7 +228,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
                                             lse_accum_bytes(b + num_sm_parts, s_q, h_q));
-  const bool vec = out_vec_ok(p.out);
+  const bool vec = element_pairs_aligned(p.out, 4);
   const bool has_extra = p.extra_k_cache.defined;
   const float* sink = p.attn_sink.defined ? static_cast<const float*>(p.attn_sink.data) : nullptr;
 
