@@ -10,8 +10,9 @@ namespace flashmla::sm90 {
 // A part's schedule row: it processes requests begin_req .. end_req, from block begin_blk of begin_req
 // to block end_blk (exclusive) of end_req; begin_split is the split index of begin_req that the part
 // computes; first_splitted / last_splitted say whether its first / last request is shared with another
-// part (then this part writes a split partial for the combine kernel, not out). The kernels keep the
-// row's fields in registers; the helpers below take the ones they need.
+// part (then this part writes a split partial for the combine kernel, not out). The kernels read the
+// row into locals and the helpers take the fields they need (a struct holding the row changed the
+// kernels' machine code).
 
 /// True when the part holds request req whole (its O and LSE go straight to out and lse).
 __device__ __forceinline__ bool part_holds_whole_request(int req, int begin_req, int end_req, int first_splitted,
