@@ -13,6 +13,7 @@
 
 #include "sm90/decode/dense/dense_decode.h"
 #include "sm90/sm90.h"
+#include "sm90/common/combine.cuh"
 #include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
@@ -36,13 +37,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   const int64_t base_row = (static_cast<int64_t>(start) * p.h_kv + g) * p.m_rows + row;
   const float* la = p.lse_accum + base_row;
 
-  float mx = -INFINITY;
-  for (int k = lane; k < n; k += 32) mx = fmaxf(mx, la[k * split_stride]);
-  mx = warp_max(mx);
-  if (mx == -INFINITY) mx = 0.f;
-  float s = 0.f;
-  for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
-  s = warp_sum(s);
+  float mx;
+  const float s = combine_split_sum(la, n, split_stride, lane, mx);
   const float lse2 = row_sum_empty(s) ? INFINITY : log2f(s) + mx;  // a NaN split makes s NaN
   if (lane == 0 && blockIdx.z == 0) {
     p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = lse2 == INFINITY ? INFINITY : lse2 * kLn2;

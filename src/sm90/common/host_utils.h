@@ -36,6 +36,48 @@ inline bool rows_16b_aligned(const TensorRef& t, int dims) {
   return true;
 }
 
+/// Fills a decode main kernel's query fields: q (b, s_q, h_q, d_qk), its pointer and its strides in
+/// elements (b, s and h; the last dim is read contiguous).
+template <class Params>
+void set_decode_query(Params& kp, const TensorRef& q) {
+  kp.q = q.data;
+  kp.q_stride_b = q.stride[0];
+  kp.q_stride_s = q.stride[1];
+  kp.q_stride_h = q.stride[2];
+}
+
+/// Fills a decode launch's output fields (the main kernels' and the combine kernels' parameters):
+/// out (b, s_q, h_q, 512) and lse (b, h_q, s_q, float32), their pointers and strides in elements, and
+/// the split-KV buffers: o_accum (splits, rows, 512) and lse_accum (splits, rows) float32, num_splits
+/// (b + 1) int32 prefix sums of splits per request.
+template <class Params>
+void set_decode_outputs(Params& kp, const TensorRef& out, const TensorRef& lse, float* o_accum, float* lse_accum,
+                        const int32_t* num_splits) {
+  kp.out = out.data;
+  kp.o_stride_b = out.stride[0];
+  kp.o_stride_s = out.stride[1];
+  kp.o_stride_h = out.stride[2];
+  kp.o_stride_d = out.stride[3];
+  kp.lse = static_cast<float*>(lse.data);
+  kp.lse_stride_b = lse.stride[0];
+  kp.lse_stride_h = lse.stride[1];
+  kp.lse_stride_s = lse.stride[2];
+  kp.o_accum = o_accum;
+  kp.lse_accum = lse_accum;
+  kp.num_splits = num_splits;
+}
+
+/// True when `t` (rank dimensions, 2-byte elements: bf16 / fp16) can take 4-byte stores of element
+/// pairs: its last dim is contiguous, every other stride is even wherever that dimension has more
+/// than one index, and the base address is 4-byte aligned. The launchers' test for the epilogues'
+/// paired stores.
+inline bool element_pairs_aligned(const TensorRef& t, int rank) {
+  if (t.stride[rank - 1] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
+  for (int i = 0; i < rank - 1; ++i)
+    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
+  return true;
+}
+
 /// cuTensorMapEncodeTiled, fetched once through the runtime's driver entry point (so nothing links
 /// -lcuda); nullptr when the driver does not provide it (the callers then take their non-TMA path).
 using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

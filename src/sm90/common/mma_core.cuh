@@ -22,6 +22,25 @@ namespace flashmla::sm90::mma_core {
 
 constexpr int kRowBytes = 1152;  // shared-memory bytes per Q / K row
 constexpr int kBlockN = 64;      // keys per block
+constexpr int kDimV = 512;       // value columns (O's width)
+
+/// The tile of a kernel on this core with R row groups (R = 1, 2 or 4; see the layout above) and the
+/// shared-memory bytes of its Q, K, P and row-reduction buffers. The kernels add their own buffers
+/// (a K double buffer, staging, masks, barriers) in their Cfg.
+template <int R>
+struct Tile {
+  static constexpr int BM = 16 * R;       // rows per CTA tile (query rows or heads)
+  static constexpr int C = 8 / R;         // warps per row group
+  static constexpr int KW = kBlockN / C;  // keys per warp for S
+  static constexpr int NT_S = KW / 8;     // n-tiles of S per warp
+  static constexpr int VW = kDimV / C;    // V columns per warp
+  static constexpr int NT_O = VW / 8;     // n-tiles of O per warp
+  static constexpr int kSmemQ = BM * kRowBytes;
+  static constexpr int kSmemK = kBlockN * kRowBytes;
+  static constexpr int kSmemP = BM * kBlockN * 2;
+  static constexpr int kSmemRed = BM * C * 4;
+  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+};
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a Q / K tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
@@ -127,10 +146,7 @@ __device__ __forceinline__ void softmax_p(float (&s)[NT_S][4], float (&mx)[2], f
     float bm = sRed[row_local[hh] * C];
 #pragma unroll
     for (int c = 1; c < C; ++c) bm = fmaxf(bm, sRed[row_local[hh] * C + c]);
-    const float m_new = fmaxf(m_run[hh], bm);
-    m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
-    alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
-    m_run[hh] = m_new;
+    alpha[hh] = advance_row_max(m_run[hh], fmaxf(m_run[hh], bm), m_use[hh]);
   }
 
   // P = exp2(S - m), row sums, P -> smem

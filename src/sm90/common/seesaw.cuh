@@ -178,4 +178,20 @@ __device__ __forceinline__ void scale_rowmax(float (&s)[32], float scale_log2, f
   quad_rowmax(mx);
 }
 
+/// A seesaw kernel's tiles in dynamic shared memory, from its 1024-byte aligned start (128B-swizzle
+/// atoms and wgmma descriptors need it): the Q tile (kSmemQ bytes), the two K stages (kSmemK each),
+/// then the float reduction area sRed. sQ_u / sK_u: the shared::cta addresses of Q and of K stage 0;
+/// sQ / sK: their generic pointers.
+struct SmemTiles {
+  uint32_t sQ_u, sK_u;
+  uint8_t *sQ, *sK;
+  float* sRed;
+};
+template <int kSmemQ, int kSmemK>
+__device__ __forceinline__ SmemTiles smem_tiles(uint8_t* smem_raw) {
+  uint32_t base_u;
+  uint8_t* base = smem_align_1024(smem_raw, base_u);
+  return {base_u, base_u + kSmemQ, base, base + kSmemQ, reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK)};
+}
+
 }  // namespace flashmla::sm90::seesaw

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace flashmla::sm90 {
@@ -161,6 +162,16 @@ struct HalfTraits<__half> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
+
+// One step of a softmax row's running max (base 2) to m_new: m_use is the max the block's scores are
+// shifted by (m_new, or 0 while the row has seen only -inf, so that P = 2^(-inf - 0) = 0 rather than
+// NaN); returns alpha = 2^(m_run - m_use), the factor that rescales the row's O and L; m_run = m_new.
+__device__ __forceinline__ float advance_row_max(float& m_run, float m_new, float& m_use) {
+  m_use = m_new == -INFINITY ? 0.f : m_new;
+  const float alpha = exp2f(m_run - m_use);
+  m_run = m_new;
+  return alpha;
+}
 
 // A finished softmax row's sum L = sum over its valid keys of 2^(s - m), m the running max used for
 // P (at most the row max, so the largest term is >= 1): L == 0 exactly when the row has no valid key

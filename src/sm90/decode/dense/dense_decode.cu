@@ -94,13 +94,6 @@ bool out_bulk_ok(const TensorRef& out) {  // out is bf16 / fp16 (q's dtype)
   return out.stride[3] == 1 && rows_16b_aligned(out, 3);
 }
 
-bool out_vec_ok(const TensorRef& out) {
-  if (out.stride[3] != 1) return false;
-  for (int i = 0; i < 3; ++i)
-    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
-  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
-}
-
 }  // namespace
 
 namespace {
@@ -191,7 +184,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   int32_t* num_splits = static_cast<int32_t*>(p.num_splits.data);
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + lse_accum_bytes(d, num_sm_parts));
-  const bool vec = out_vec_ok(p.out);
+  const bool vec = element_pairs_aligned(p.out, 4);
   const int tuning = options.tuning;
 
   if ((stages & kStageScheduler) && !p.metadata_ready) {
@@ -203,10 +196,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
 
   if (stages & kStageMain) {
     DenseDecodeKernelParams kp{};
-    kp.q = p.q.data;
-    kp.q_stride_b = p.q.stride[0];
-    kp.q_stride_s = p.q.stride[1];
-    kp.q_stride_h = p.q.stride[2];
+    set_decode_query(kp, p.q);
     kp.k = p.k_cache.data;
     kp.k_stride_blk = p.k_cache.stride[0];
     kp.k_stride_tok = p.k_cache.stride[1];
@@ -215,19 +205,8 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.bt_stride_b = p.block_table.stride[0];
     kp.bt_stride_j = p.block_table.stride[1];
     kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
-    kp.out = p.out.data;
-    kp.o_stride_b = p.out.stride[0];
-    kp.o_stride_s = p.out.stride[1];
-    kp.o_stride_h = p.out.stride[2];
-    kp.o_stride_d = p.out.stride[3];
-    kp.lse = static_cast<float*>(p.lse.data);
-    kp.lse_stride_b = p.lse.stride[0];
-    kp.lse_stride_h = p.lse.stride[1];
-    kp.lse_stride_s = p.lse.stride[2];
-    kp.o_accum = o_accum;
-    kp.lse_accum = lse_accum;
+    set_decode_outputs(kp, p.out, p.lse, o_accum, lse_accum, num_splits);
     kp.tile_scheduler_metadata = metadata;
-    kp.num_splits = num_splits;
     kp.b = static_cast<int>(d.b);
     kp.s_q = static_cast<int>(d.s_q);
     kp.h_q = static_cast<int>(d.h_q);
@@ -271,18 +250,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
 
   if (stages & kStageCombine) {
     DenseCombineParams cp{};
-    cp.out = p.out.data;
-    cp.o_stride_b = p.out.stride[0];
-    cp.o_stride_s = p.out.stride[1];
-    cp.o_stride_h = p.out.stride[2];
-    cp.o_stride_d = p.out.stride[3];
-    cp.lse = static_cast<float*>(p.lse.data);
-    cp.lse_stride_b = p.lse.stride[0];
-    cp.lse_stride_h = p.lse.stride[1];
-    cp.lse_stride_s = p.lse.stride[2];
-    cp.o_accum = o_accum;
-    cp.lse_accum = lse_accum;
-    cp.num_splits = num_splits;
+    set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
     cp.b = static_cast<int>(d.b);
     cp.s_q = static_cast<int>(d.s_q);
     cp.h_q = static_cast<int>(d.h_q);

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/host_utils.h"
@@ -34,19 +35,9 @@ constexpr int kRowBytes = 1152;    // smem bytes per Q/K row (576 bf16), also fo
 constexpr int kDimV = 512;
 
 template <int R>
-struct Cfg {
-  static constexpr int BM = 16 * R;         // rows per CTA tile
-  static constexpr int C = 8 / R;           // warps per row group
-  static constexpr int KW = kBlockN / C;    // keys per warp for S
-  static constexpr int NT_S = KW / 8;       // n-tiles of S per warp
-  static constexpr int VW = kDimV / C;      // V columns per warp
-  static constexpr int NT_O = VW / 8;       // n-tiles of O per warp
-  static constexpr int kSmemQ = BM * kRowBytes;
-  static constexpr int kSmemK = kBlockN * kRowBytes;
-  static constexpr int kSmemP = BM * kBlockN * 2;
-  static constexpr int kSmemRed = BM * C * 4;
-  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemK + kSmemP + kSmemRed;
-  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+struct Cfg : mma_core::Tile<R> {
+  using Tile = mma_core::Tile<R>;
+  static constexpr int kSmemBytes = Tile::kSmemQ + 2 * Tile::kSmemK + Tile::kSmemP + Tile::kSmemRed;
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
@@ -91,14 +82,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_blk_req;
-    blk_hi = min(blk_hi, n_blk_req);
+    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     // Per-row key limit (bottom-right causal mask); padded rows see everything.
     int limit[2];

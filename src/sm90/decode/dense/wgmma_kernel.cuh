@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
 
@@ -105,14 +106,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_blk_req;
-    blk_hi = min(blk_hi, n_blk_req);
+    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
 #pragma unroll
@@ -239,10 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float bm = fmaxf(sRed[row_local[hh] * 2], sRed[row_local[hh] * 2 + 1]);
-        const float m_new = fmaxf(m_run[hh], bm);
-        m_use[hh] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hh] = exp2f(m_run[hh] - m_use[hh]);
-        m_run[hh] = m_new;
+        alpha[hh] = advance_row_max(m_run[hh], fmaxf(m_run[hh], bm), m_use[hh]);
       }
 
       // ---- P -> smem, row sums, rescale O

@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/tma.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -318,14 +319,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int seqlen = max(p.seqlens[req], 0);
     const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_blk_req;
-    blk_hi = min(blk_hi, n_blk_req);
+    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
 #pragma unroll

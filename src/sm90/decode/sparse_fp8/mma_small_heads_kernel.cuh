@@ -18,6 +18,7 @@
 
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/host_utils.h"
+#include "sm90/common/decode_schedule.cuh"
 
 namespace flashmla::sm90::sparse {
 
@@ -216,12 +217,9 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
   for (int req = begin_req; req <= end_req; ++req) {
     const ReqInfo ri = req_info(req);
     const int n_blk = ri.n_blk;
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
     if (!p.out_vec_ok) no_split = false;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     if (n_blk > 0) {
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // every consumer is done with sQ

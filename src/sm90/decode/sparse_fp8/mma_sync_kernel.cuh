@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/host_utils.h"
@@ -63,21 +64,12 @@ struct FmtCfg<Fmt::kModel1> {
 };
 
 template <int R, int NS>
-struct Cfg {
-  static constexpr int BM = 16 * R;       // heads per CTA tile
-  static constexpr int C = 8 / R;         // warps per row group
-  static constexpr int KW = kBlockN / C;  // keys per warp for S
-  static constexpr int NT_S = KW / 8;     // n-tiles of S per warp
-  static constexpr int VW = kDimV / C;    // V columns per warp
-  static constexpr int NT_O = VW / 8;     // n-tiles of O per warp
-  static constexpr int kSmemQ = BM * kRowBytes;
-  static constexpr int kSmemK = kBlockN * kRowBytes;
-  static constexpr int kSmemP = BM * kBlockN * 2;
-  static constexpr int kSmemRed = BM * C * 4;
+struct Cfg : mma_core::Tile<R> {
+  using Tile = mma_core::Tile<R>;
   static constexpr int kSmemRawStage = kBlockN * kRawStride;
   static constexpr int kSmemValid = kBlockN * (NS + 1);
-  static constexpr int kSmemBytes = kSmemQ + kSmemK + kSmemP + kSmemRed + NS * kSmemRawStage + kSmemValid;
-  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static constexpr int kSmemBytes =
+      Tile::kSmemQ + Tile::kSmemK + Tile::kSmemP + Tile::kSmemRed + NS * kSmemRawStage + kSmemValid;
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 
@@ -187,15 +179,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     int n_main, n_total;
     request_blocks(p, req, n_main, n_total);
     const int blk_lo = req == begin_req ? begin_blk : 0;
-    int blk_hi = req == end_req ? end_blk : n_total;
-    blk_hi = min(blk_hi, n_total);
+    const int blk_hi = part_end_block(req, n_total, end_req, end_blk);
     const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split;
-    if (req == begin_req) no_split = !first_splitted;
-    else if (req == end_req) no_split = !last_splitted;
-    else no_split = true;
+    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
     if (!p.out_vec_ok) no_split = false;  // strided out: every request goes through the combine kernel
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     // Valid slot bounds of this request (slots >= bound are never read).
     const int lim_main =

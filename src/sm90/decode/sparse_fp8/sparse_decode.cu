@@ -20,6 +20,7 @@
 #include "sm90/common/host_utils.h"
 #include "sm90/sm90.h"
 #include "sm90/decode/sparse_fp8/sparse_decode.h"
+#include "sm90/common/combine.cuh"
 #include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
@@ -58,13 +59,8 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
   const int64_t base_row = (static_cast<int64_t>(start) * p.s_q + sq) * p.h_q + h;
   const float* la = p.lse_accum + base_row;
 
-  float mx = -INFINITY;
-  for (int k = lane; k < n; k += 32) mx = fmaxf(mx, la[k * split_stride]);
-  mx = warp_max(mx);
-  if (mx == -INFINITY) mx = 0.f;
-  float s = 0.f;
-  for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
-  s = warp_sum(s);
+  float mx;
+  const float s = combine_split_sum(la, n, split_stride, lane, mx);
   const bool empty = row_sum_empty(s);  // a NaN split makes s NaN: not empty
   const float lse2 = empty ? INFINITY : log2f(s) + mx;
   if (lane == 0 && blockIdx.z == 0)
@@ -167,13 +163,6 @@ int64_t lse_accum_bytes(int64_t splits, int64_t s_q, int64_t h_q) {
   return align_up(splits * s_q * h_q * static_cast<int64_t>(sizeof(float)));
 }
 
-bool out_vec_ok(const TensorRef& out) {
-  if (out.stride[3] != 1) return false;
-  for (int i = 0; i < 3; ++i)
-    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
-  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
-}
-
 /// q rows 16-byte aligned (cp.async path).
 bool q_vec_ok(const TensorRef& q) { return rows_16b_aligned(q, 3); }
 
@@ -239,7 +228,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
   float* lse_accum = static_cast<float*>(p.workspace);
   float* o_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
                                             lse_accum_bytes(b + num_sm_parts, s_q, h_q));
-  const bool vec = out_vec_ok(p.out);
+  const bool vec = element_pairs_aligned(p.out, 4);
   const bool has_extra = p.extra_k_cache.defined;
   const float* sink = p.attn_sink.defined ? static_cast<const float*>(p.attn_sink.data) : nullptr;
 
@@ -254,27 +243,13 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
 
   if (stages & kSparseStageMain) {
     SparseDecodeKernelParams kp{};
-    kp.q = p.q.data;
-    kp.q_stride_b = p.q.stride[0];
-    kp.q_stride_s = p.q.stride[1];
-    kp.q_stride_h = p.q.stride[2];
+    set_decode_query(kp, p.q);
     kp.main = make_scope(p.k_cache, p.indices, p.topk_length);
     kp.has_extra = has_extra ? 1 : 0;
     if (has_extra) kp.extra = make_scope(p.extra_k_cache, p.extra_indices_in_kvcache, p.extra_topk_length);
     kp.attn_sink = sink;
-    kp.out = p.out.data;
-    kp.o_stride_b = p.out.stride[0];
-    kp.o_stride_s = p.out.stride[1];
-    kp.o_stride_h = p.out.stride[2];
-    kp.o_stride_d = p.out.stride[3];
-    kp.lse = static_cast<float*>(p.lse.data);
-    kp.lse_stride_b = p.lse.stride[0];
-    kp.lse_stride_h = p.lse.stride[1];
-    kp.lse_stride_s = p.lse.stride[2];
-    kp.o_accum = o_accum;
-    kp.lse_accum = lse_accum;
+    set_decode_outputs(kp, p.out, p.lse, o_accum, lse_accum, num_splits);
     kp.tile_scheduler_metadata = metadata;
-    kp.num_splits = num_splits;
     kp.b = static_cast<int>(b);
     kp.s_q = static_cast<int>(s_q);
     kp.h_q = static_cast<int>(h_q);
@@ -291,18 +266,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
 
   if (stages & kSparseStageCombine) {
     SparseCombineParams cp{};
-    cp.out = p.out.data;
-    cp.o_stride_b = p.out.stride[0];
-    cp.o_stride_s = p.out.stride[1];
-    cp.o_stride_h = p.out.stride[2];
-    cp.o_stride_d = p.out.stride[3];
-    cp.lse = static_cast<float*>(p.lse.data);
-    cp.lse_stride_b = p.lse.stride[0];
-    cp.lse_stride_h = p.lse.stride[1];
-    cp.lse_stride_s = p.lse.stride[2];
-    cp.o_accum = o_accum;
-    cp.lse_accum = lse_accum;
-    cp.num_splits = num_splits;
+    set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
     cp.attn_sink = sink;
     cp.b = static_cast<int>(b);
     cp.s_q = static_cast<int>(s_q);

@@ -42,6 +42,7 @@
 #include <type_traits>
 
 #include "sm90/common/host_utils.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/seesaw.cuh"
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/trace.cuh"
@@ -406,18 +407,7 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
 /// Formally, PTX's scoped model pairs a cross-CTA release only with a cluster-scope acquire; the
 /// CTA-scope pair relies on the same hardware behaviour as CUTLASS's multicast pipelines and
 /// FlashMLA's 2-CTA sparse decode (docs/sparse-fp8-decode.md).
-__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
-  uint32_t ok;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (ok == 0);
-}
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) { mbar_wait(bar, parity); }
 /// Every thread of both CTAs (barrier.cluster, aligned).
 __device__ __forceinline__ void sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -451,12 +441,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint32_t base_u;
-  uint8_t* base = smem_align_1024(smem_raw, base_u);
-  const uint32_t sQ_u = base_u;
-  const uint32_t sK_u = sQ_u + kSmemQ;
-  uint8_t* sK = base + kSmemQ;
-  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
   float* sL = sRed + 64;
   float* sScale = sRed + 128;  // [buffer][64]
@@ -784,7 +769,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     else if (req == end_req) no_split = !last_splitted;
     else no_split = true;
     if (!p.out_vec_ok) no_split = false;
-    const int split_slot = p.num_splits[req] + (req == begin_req ? begin_split : 0);
+    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 8, tid == 0, g);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 9, tid == 0, n_blk);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ_VAL(req - begin_req, 10, tid == 0, req);
@@ -811,7 +796,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           uint16_t v[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(base + slab_off(r, c)) =
+          *reinterpret_cast<uint4*>(sQ + slab_off(r, c)) =
               make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
                          v[6] | (uint32_t(v[7]) << 16));
         }
@@ -873,10 +858,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         float mu[2], sc[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const float m_new = lazy_max(m_run[hh], mx[hh]);
-          mu[hh] = m_new == -INFINITY ? 0.f : m_new;
-          sc[hh] = exp2f(m_run[hh] - mu[hh]);
-          m_run[hh] = m_new;
+          sc[hh] = advance_row_max(m_run[hh], lazy_max(m_run[hh], mx[hh]), mu[hh]);
           if (tq == 0) sScale[x * 64 + row_local[hh]] = sc[hh];
         }
         float rs[2] = {0.f, 0.f};

@@ -527,12 +527,6 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
 namespace {
 const char* const kBwdOp = "flash_attn_varlen_func backward";
 Status bwd_value_error(const std::string& what) { return value_error_status(kBwdOp, what); }
-bool pairs_ok(const TensorRef& t) {
-  if (t.stride[2] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
-  for (int i = 0; i < 2; ++i)
-    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
-  return true;
-}
 int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
 int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
@@ -578,7 +572,7 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   if (!rows_16b_aligned(p.q, 2) || !rows_16b_aligned(p.k, 2) || !rows_16b_aligned(p.v, 2) ||
       !rows_16b_aligned(bp.dout, 2) || !rows_16b_aligned(p.out, 2))
     return bwd_value_error("q, k, v, out and dout rows must start 16-byte aligned (strides multiples of 8 elements)");
-  if (!pairs_ok(bp.dq) || !pairs_ok(bp.dk) || !pairs_ok(bp.dv))
+  if (!element_pairs_aligned(bp.dq, 3) || !element_pairs_aligned(bp.dk, 3) || !element_pairs_aligned(bp.dv, 3))
     return bwd_value_error("dq, dk and dv must have even row / head strides and 4-byte aligned starts");
   if (b > 65535 || h_q > 65535) return bwd_value_error("batch size and h_q must be <= 65535");
   if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||

@@ -68,10 +68,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
   float m_use[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const float m_new = seesaw::lazy_max(m_run[e], mx[e]);
-    m_use[e] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet: P = 0, no NaN
-    sc[e] = exp2f(m_run[e] - m_use[e]);
-    m_run[e] = m_new;
+    sc[e] = advance_row_max(m_run[e], seesaw::lazy_max(m_run[e], mx[e]), m_use[e]);
     l[e] *= sc[e];
   }
 #pragma unroll
@@ -380,13 +377,6 @@ bool make_kv_map(const TensorRef& t, CUtensorMap* map) {
 
 namespace {
 Status fwd_value_error(const std::string& what) { return value_error_status("flash_attn_varlen_func", what); }
-/// Last dim contiguous, other strides even and base 4-byte aligned: the epilogue's 2-element stores.
-bool pairs_ok(const TensorRef& t) {
-  if (t.stride[2] != 1 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0) return false;
-  for (int i = 0; i < 2; ++i)
-    if (t.shape[i] > 1 && t.stride[i] % 2 != 0) return false;
-  return true;
-}
 }  // namespace
 
 int64_t dense_prefill_fwd_workspace_bytes(const DensePrefillParams&) { return 0; }
@@ -406,7 +396,8 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
     return fwd_value_error("no kernel for head_dim_qk=" + std::to_string(d_qk) + " head_dim_vo=" + std::to_string(d_v));
   if (!rows_16b_aligned(p.q, 2) || !rows_16b_aligned(p.k, 2) || !rows_16b_aligned(p.v, 2))
     return fwd_value_error("q, k and v rows must start 16-byte aligned (strides multiples of 8 elements)");
-  if (!pairs_ok(p.out)) return fwd_value_error("out must have an even row / head stride and a 4-byte aligned start");
+  if (!element_pairs_aligned(p.out, 3))
+    return fwd_value_error("out must have an even row / head stride and a 4-byte aligned start");
   if (b > 65535 || h_q > 65535) return fwd_value_error("batch size and h_q must be <= 65535");
   if (p.max_seqlen_q > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) || p.k.shape[0] >= (int64_t{1} << 31))
     return fwd_value_error("sequence lengths must be < 2^31");

@@ -77,20 +77,10 @@ namespace mma_sync {
 constexpr int kRowBytes = 1152;  // smem bytes per Q/K row (576 bf16), also for d_qk 512
 
 template <int R>
-struct Cfg {
-  static constexpr int BM = 16 * R;       // heads per CTA tile
-  static constexpr int C = 8 / R;         // warps per row group
-  static constexpr int KW = kBlockN / C;  // keys per warp for S
-  static constexpr int NT_S = KW / 8;     // n-tiles of S per warp
-  static constexpr int VW = kDimV / C;    // V columns per warp
-  static constexpr int NT_O = VW / 8;     // n-tiles of O per warp
-  static constexpr int kSmemQ = BM * kRowBytes;
-  static constexpr int kSmemK = kBlockN * kRowBytes;
-  static constexpr int kSmemP = BM * kBlockN * 2;
-  static constexpr int kSmemRed = BM * C * 4;
+struct Cfg : mma_core::Tile<R> {
+  using Tile = mma_core::Tile<R>;
   static constexpr int kSmemValid = 2 * kBlockN;
-  static constexpr int kSmemBytes = kSmemQ + 2 * kSmemK + kSmemP + kSmemRed + kSmemValid;
-  static_assert(NT_S >= 1, "at least one n-tile of keys per warp");
+  static constexpr int kSmemBytes = Tile::kSmemQ + 2 * Tile::kSmemK + Tile::kSmemP + Tile::kSmemRed + kSmemValid;
   static_assert(kSmemBytes <= 232448, "shared memory");
 };
 

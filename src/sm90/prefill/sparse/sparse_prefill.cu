@@ -18,14 +18,6 @@ namespace {
 Status cuda_error(const char* what, cudaError_t e) { return cuda_error_status("flash_mla_sparse_fwd", what, e); }
 Status value_error(const std::string& what) { return value_error_status("flash_mla_sparse_fwd", what); }
 
-/// out's last dim contiguous with 4-byte aligned element pairs (the per-thread epilogue stores).
-bool out_vec_ok(const TensorRef& out) {
-  if (out.stride[2] != 1) return false;
-  for (int i = 0; i < 2; ++i)
-    if (out.shape[i] > 1 && out.stride[i] % 2 != 0) return false;
-  return reinterpret_cast<uintptr_t>(out.data) % 4 == 0;
-}
-
 }  // namespace
 
 Status sparse_prefill(const SparsePrefillParams& p) {
@@ -68,7 +60,7 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   kp.num_head_tiles = static_cast<int>(head_tiles);
   kp.q_vec = rows_16b_aligned(p.q, 2) ? 1 : 0;
   kp.kv_vec = rows_16b_aligned(p.kv, 1) ? 1 : 0;
-  kp.out_vec_ok = out_vec_ok(p.out) ? 1 : 0;
+  kp.out_vec_ok = element_pairs_aligned(p.out, 3) ? 1 : 0;
   kp.out_bulk_ok = p.out.stride[2] == 1 && rows_16b_aligned(p.out, 2) ? 1 : 0;
   kp.scale_log2 = p.sm_scale * 1.4426950408889634f;
 

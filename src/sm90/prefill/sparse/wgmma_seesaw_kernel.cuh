@@ -159,12 +159,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  uint32_t base_u;
-  uint8_t* base = smem_align_1024(smem_raw, base_u);
-  const uint32_t sQ_u = base_u;
-  const uint32_t sK_u = sQ_u + kSmemQ;
-  uint8_t* sK = base + kSmemQ;
-  float* sRed = reinterpret_cast<float*>(base + kSmemQ + 2 * kSmemK);
+  const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM0 = sRed;
   float* sS0 = sRed + 64;
   float* sM1 = sRed + 128;
@@ -408,7 +403,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       const bool valid = h < p.h_q;
       const __nv_bfloat16* src = valid ? qb + static_cast<int64_t>(h) * p.q_stride_h + c * 8
                                        : static_cast<const __nv_bfloat16*>(p.q);
-      *reinterpret_cast<uint4*>(base + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(sQ + slab_off(r, c)) = valid ? load8_u16(src) : make_uint4(0, 0, 0, 0);
     }
     if (p.attn_sink != nullptr && tid < 64) {  // published by the barrier below
       const int h = ht * 64 + tid;
@@ -742,7 +737,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
     for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
       for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(base + slab_off(row_local[hh], wg * 32 + j) + 4 * tq) =
+        *reinterpret_cast<uint32_t*>(sQ + slab_off(row_local[hh], wg * 32 + j) + 4 * tq) =
             HalfTraits<__nv_bfloat16>::pack(o[4 * j + 2 * hh] * inv[hh], o[4 * j + 2 * hh + 1] * inv[hh]);
     }
     gmma::fence_proxy_async();  // generic-proxy stores -> the tensor stores' reads
@@ -763,7 +758,7 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
     // 1 KB row to out.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      uint8_t* row = base + row_local[hh] * kStageRowBytes + wg * 512 + 4 * tq;
+      uint8_t* row = sQ + row_local[hh] * kStageRowBytes + wg * 512 + 4 * tq;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<uint32_t*>(row + 16 * j) =
