@@ -45,21 +45,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def host_us(fn, sync, calls: int, rounds: int) -> float:
-    for _ in range(20):
-        fn()
-    sync()
-    per = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        per.append((t1 - t0) / calls * 1e6)
-    return statistics.median(per)
-
-
 def host_and_wall_us(fn, sync, calls: int, rounds: int):
     """(host, wall) us per call, each the median over `rounds` of N back-to-back calls: host stops the
     clock when the last call returns, wall after synchronising the device."""
@@ -224,7 +209,7 @@ def main(argv=None) -> int:
 
     def add(name, fn, sync_fn=sync, note=""):
         try:
-            us = host_us(fn, sync_fn, args.calls, args.rounds)
+            us = host_and_wall_us(fn, sync_fn, args.calls, args.rounds)[0]
         except Exception as e:  # a path that is not available in this build/environment
             print(f"{name:22s} skipped: {type(e).__name__}: {e}")
             return
