@@ -8,7 +8,8 @@
 // store 16 bytes to shared memory, then time (clock64) a) the fence alone, with the loads still in
 // flight; then use the loaded values. Variant `none` times the same fence with no load in flight (the
 // loads are consumed before the store). Prints the median cycles of the fence per variant.
-//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/fence_probe tools/trace/fence_probe.cu
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc -Itools/trace -o /tmp/fence_probe \
+//        tools/trace/fence_probe.cu
 //   /tmp/fence_probe
 #include <cuda_runtime.h>
 
@@ -17,26 +18,14 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      return 1;                                                                    \
-    }                                                                              \
-  } while (0)
+#include "sm90/common/utils.cuh"
+#include "trace_host.cuh"
+
+using flashmla::sm90::ldg16_evict_last_l2_256;
 
 constexpr int kLoads = 8;
 constexpr int kSteps = 64;
 constexpr int kRec = 656;
-
-__device__ __forceinline__ uint4 ldg16(const void* a) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(a));
-  return v;
-}
 
 // kInFlight: the fence runs while the step's loads are outstanding; else after they were consumed.
 template <bool kInFlight>
@@ -49,7 +38,7 @@ __global__ void __launch_bounds__(128, 1) probe(const uint8_t* __restrict__ recs
   for (int step = 0; step < kSteps; ++step) {
     uint4 v[kLoads];
 #pragma unroll
-    for (int i = 0; i < kLoads; ++i) v[i] = ldg16(recs + static_cast<int64_t>(my[step * kLoads + i]) * kRec);
+    for (int i = 0; i < kLoads; ++i) v[i] = ldg16_evict_last_l2_256(recs + static_cast<int64_t>(my[step * kLoads + i]) * kRec);
     if constexpr (!kInFlight) {
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) acc += v[i].x ^ v[i].w;

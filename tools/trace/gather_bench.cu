@@ -16,7 +16,7 @@
 //                 one block ahead; check the SASS: the LDGs of g + 1 must precede the first use of g)
 //   4 bulk        one 528-byte cp.async.bulk per row into a two-stage shared buffer, one block ahead
 //   5 cpasync     16-byte cp.async per thread chunk into the same buffer, one block ahead
-//   6 ldg-policy  1 with the shipped producer's cache policy (ld.global.nc.L1::evict_last.L2::256B)
+//   6 ldg-policy  1 with the shipped producer's cache policy (utils.cuh's ldg16_evict_last_l2_256)
 //   7 bulk-3      4 with three stages, two blocks ahead
 // Every timed launch follows a 256 MB memset (L2 flush) and reads its own slice of the index array, so a
 // single-CTA run does not re-read records from L2. Prints per method: the best of 5 launches' time, GB/s
@@ -52,19 +52,6 @@ struct Loaded {
   uint2 s[2];
 };
 
-__device__ __forceinline__ uint4 ldg16_evict_last_256(const void* a) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(a));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg8_evict_last(const void* a) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(a));
-  return v;
-}
-
 template <int kMethod>
 __global__ void __launch_bounds__(128, 1)
     gather_kernel(const uint8_t* __restrict__ recs, const int32_t* __restrict__ idx, int blocks,
@@ -82,7 +69,7 @@ __global__ void __launch_bounds__(128, 1)
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int d = 0; d < 8; ++d)
-        L.u[i][d] = kMethod == 6 ? ldg16_evict_last_256(a[i] + 64 * d + 16 * j) : ldg16(a[i] + 64 * d + 16 * j);
+        L.u[i][d] = kMethod == 6 ? ldg16_evict_last_l2_256(a[i] + 64 * d + 16 * j) : ldg16(a[i] + 64 * d + 16 * j);
       L.s[i] = kMethod == 6 ? ldg8_evict_last(a[i] + 512 + 8 * (j & 1)) : ldg8(a[i] + 512 + 8 * (j & 1));
     }
   };

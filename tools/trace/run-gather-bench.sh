@@ -18,5 +18,5 @@ for args in "-1 256 4" "-1 256 4 1" "-1 128 8"; do
   timeout 120 /tmp/gather_bench $args 2>&1 | tee -a "$LOG"
 done
 # Does the producer's proxy fence wait for global loads in flight? (tools/trace/fence_probe.cu)
-timeout 120 "$NVCC" -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -o /tmp/fence_probe tools/trace/fence_probe.cu 2>&1 | tee -a "$LOG" &&
+timeout 120 "$NVCC" -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc -Itools/trace -o /tmp/fence_probe tools/trace/fence_probe.cu 2>&1 | tee -a "$LOG" &&
   timeout 60 /tmp/fence_probe 2>&1 | tee -a "$LOG"

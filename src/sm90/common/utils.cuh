@@ -61,6 +61,22 @@ __device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
   return v;
 }
 
+// The same kept in L1 (evict_last): the 16-byte pieces of one gathered record that share a 128-byte
+// line become one L2 request; the 16-byte load also asks L2 to fetch the 256-byte neighbourhood from
+// DRAM (the sparse FP8 decode producer's gathers, docs/sparse-fp8-decode.md).
+__device__ __forceinline__ uint4 ldg16_evict_last_l2_256(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg8_evict_last(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
 // ---- shared-memory mbarriers (PTX ISA "mbarrier"), addresses are shared::cta byte addresses
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -218,11 +218,11 @@ struct RowPart {
 };
 
 // Cache policy of the producer's FP8 gathers (build switch, default 1):
-//   0: ld.global.nc.L1::no_allocate (each 64-byte group goes to L2 on its own);
-//   1: ld.global.nc.L1::evict_last.L2::256B: the record's lines are allocated in L1, so the groups of
-//      one record that share a 128-byte line (V3.2 records are 656 bytes, only 16-byte aligned) are
-//      one L2 request, and L2 fetches 256-byte neighbourhoods from DRAM;
-//   2: ld.global.nc.L1::evict_last (allocate, no L2 prefetch hint).
+//   0: ldg16 / ldg8, L1::no_allocate (each 64-byte group goes to L2 on its own);
+//   1: ldg16_evict_last_l2_256 / ldg8_evict_last (utils.cuh): the record's lines are allocated in L1,
+//      so the groups of one record that share a 128-byte line (V3.2 records are 656 bytes, only
+//      16-byte aligned) are one L2 request, and L2 fetches 256-byte neighbourhoods from DRAM.
+//   (L1::evict_last without the L2 hint measured no better than 1; docs/sparse-fp8-decode.md.)
 // Where the cluster kernel's producer turns the next block's cache indices into record addresses
 // (build switch, default 1): 0 right after part A's arrival (where the L2 prefetch of
 // FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH=0 needs them), 1 after part B's arrival, so that waiting for
@@ -250,29 +250,10 @@ struct RowPart {
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
-#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0
-  return ldg16(a);
-#else
-  uint4 v;
-#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 1
-  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-#else
-  asm volatile("ld.global.nc.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-#endif
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(a));
-  return v;
-#endif
+  return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
-
 __device__ __forceinline__ uint2 ldg8_fp8(const uint8_t* a) {
-#if FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0
-  return ldg8(a);
-#else
-  uint2 v;
-  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(a));
-  return v;
-#endif
+  return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg8(a) : ldg8_evict_last(a);
 }
 
 /// Loads part PT of the row at `rec` (zeros for an invalid row: rec == 0).
