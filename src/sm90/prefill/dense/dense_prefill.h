@@ -11,8 +11,10 @@ namespace flashmla::sm90::dense_prefill {
 /// with the two consumer warpgroups taking turns to issue their GEMMs; kPingpongTma = kPingpong with K / V
 /// loaded by TMA instead of the producer warpgroup's cp.async (kPingpong where no tensor map can be made).
 enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma };
-/// The schedule dense_prefill_fwd uses (kSerial until kOverlap has passed the GPU check on an H200).
-constexpr FwdSchedule kFwdSchedule = FwdSchedule::kSerial;
+/// The schedule dense_prefill_fwd uses: kPingpongTma, the fastest on each of the 16 benchmark shapes
+/// (H200, tools/dense_prefill_check/check.py --perf-only, bench/results/2026-12-03-dense-prefill-schedules.log:
+/// 363-511 TFLOP/s against kSerial 240-306, kOverlap 246-323, kPingpong 252-328).
+constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPingpongTma;
 
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies both).
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
@@ -22,7 +24,9 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 /// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
 /// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
 enum class BwdSchedule { kTwoKernel, kFusedDq };
-/// The schedule dense_prefill_bwd uses (kTwoKernel until kFusedDq has passed the GPU check on an H200).
+/// The schedule dense_prefill_bwd uses: kTwoKernel. kFusedDq measured the same at d_qk 192 (where it is
+/// kTwoKernel) and 0.37-0.68x as fast at d_qk 128 (its dq accumulation in order serialises the key
+/// blocks), same log as above.
 constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernel;
 
 /// Workspace bytes of dense_prefill_bwd with a given schedule.
