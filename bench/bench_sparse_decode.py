@@ -34,10 +34,14 @@ KERNEL = "flash_fwd_splitkv_mla_fp8_sparse_kernel"
 COMBINE = "flash_fwd_mla_combine_kernel"
 
 
-def default_kernel(h_q):
-    """Main kernel the library runs for h_q (sparse_decode_main_kernel() in
+def default_kernel(b, s_q, h_q):
+    """Main kernel the library runs for the shape (sparse_decode_main_kernel() in
     src/sm90/decode/sparse_fp8/sparse_decode.cu; the benchmark's caches are 16-byte aligned)."""
-    return "mma_small_heads" if h_q <= 16 else ("wgmma_producer" if h_q > 32 else "mma_sync")
+    if h_q > 32:
+        return "wgmma_producer"
+    if h_q > 16:
+        return "wgmma_producer" if b * s_q >= 8 else "mma_sync"
+    return "wgmma_producer" if b * s_q >= 32 else "mma_small_heads"
 
 
 BS = [2, 64, 74, 128, 148, 256]
@@ -155,7 +159,7 @@ def bench_case(name, cfg, b, anchor, ceil, s_q=2, seed=0):
         "anchor_tflops": anchor,
         "ratio_to_anchor": None if anchor is None else flop / tt / 1e6 / anchor,
         "ratio_kernel_only": None if anchor is None else flop / kt / 1e6 / anchor,
-        "kernel": default_kernel(h_q),
+        "kernel": default_kernel(b, s_q, h_q),
     }
     del cache, kw
     torch.cuda.empty_cache()

@@ -181,6 +181,25 @@ def check_case(case, noncontig=True, unaligned_cache=False):
 
 
 # ----------------------------------------------------------------------------- §5.2 correctness subset
+# With enough query tokens (b * s_q: 32 for h_q <= 16, 8 for h_q <= 32) the wgmma producer kernel serves
+# small h_q, its 64-row head tile masked past h_q (sparse_decode.cu, sparse_decode_main_kernel); fewer
+# tokens stay on the mma.sync kernels.
+@pytest.mark.parametrize("b,s_q", [(33, 1), (16, 2), (31, 1), (7, 1), (4, 2)])
+@pytest.mark.parametrize("h_q", [1, 8, 16, 24, 32, 48])
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_small_heads_many_query_tokens(b, s_q, h_q, d_qk):
+    extra = (300, 64, 16) if d_qk == 512 else None
+    case = Case(h_q * 100 + b * 3 + s_q + d_qk, b=b, s_q=s_q, h_q=h_q, d_qk=d_qk, main=(700, 192, 64),
+                extra=extra, topk_len=d_qk == 512, sink=h_q % 16 == 8)
+    check_case(case)
+
+
+@pytest.mark.parametrize("h_q", [8, 24])
+def test_small_heads_many_query_tokens_unaligned_cache(h_q):
+    case = Case(h_q + 4321, b=33, s_q=1, h_q=h_q, d_qk=576, main=(300, 100, 5))
+    check_case(case, unaligned_cache=True)
+
+
 # (d_qk, h_q, b, s_q, (s_k, topk, pbs), extra triple or None, topk_len, extra_topk_len, varlen)
 CORRECTNESS = [
     (576, 64, 4, 1, (512, 64, 2), None, False, False, True),

@@ -184,18 +184,24 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   return s;
 }
 
-/// Main-kernel choice by shape: the small-heads kernel (warp-specialised producer, mma.sync consumers)
-/// for h_q <= 16, the wgmma producer kernel (one producer warpgroup dequantizing into two whole-block
-/// 128B-swizzled K buffers + two wgmma consumer warpgroups, 64-row head tiles) for h_q > 32, the
-/// mma.sync kernel (all threads dequantize) for 16 < h_q <= 32 and for caches that are not 16-byte
-/// aligned (the other two launchers fall back to it there).
-/// Measured on an H200, kernel time of the small-heads kernel / the mma.sync kernel (b = 128,
-/// bench/results/2026-11-30-sparse-decode-small-heads-ab.log): h_q 8 V3.2 0.97, MODEL1 0.81; h_q 16
-/// 0.94 / 0.82; h_q 32 V3.2 1.19. The wgmma producer kernel against the mma.sync kernel and against a
-/// seesaw over block pairs: docs/sparse-fp8-decode.md.
-SparseDecodeMainKernel sparse_decode_main_kernel(int64_t h_q) {
-  return h_q <= 16 ? SparseDecodeMainKernel::kMmaSmallHeads
-                   : (h_q > 32 ? SparseDecodeMainKernel::kWgmmaProducer : SparseDecodeMainKernel::kMmaSync);
+/// Main-kernel choice by shape (q_tokens = b * s_q, the query tokens of the call). The wgmma producer
+/// kernel (one producer warpgroup dequantizing into two whole-block 128B-swizzled K buffers + two
+/// wgmma consumer warpgroups, 64-row head tiles with the rows past h_q masked) serves h_q > 32, and
+/// smaller h_q once there are enough query tokens for its dequantization pipeline to outweigh the unused
+/// rows of its head tile: 8 for 16 < h_q <= 32, 32 for h_q <= 16. Below that, the small-heads kernel
+/// (warp-specialised producer, mma.sync consumers on 16-row tiles) serves h_q <= 16 and the mma.sync
+/// kernel (all threads dequantize, 32-row tiles) 16 < h_q <= 32. Caches that are not 16-byte aligned
+/// take the mma.sync kernel whatever this says (the other two launchers fall back to it).
+/// Measured on an H200, V3.2 topk 2048, whole call, the library's kernel against our wgmma kernel on q
+/// zero-padded to 64 heads (bench/results/2026-12-03-sparse-decode-tp-vs-flashmla.json, rows b 4-128,
+/// s_q 1-2, h_q 1-48): small-heads 1.02-1.12x at 4-16 tokens; wgmma on h_q 1-32 1.04-1.13x from 16
+/// tokens (small heads ran 0.86-0.90x at 128 tokens); mma.sync for h_q 24-32 1.04-1.07x at 4 tokens,
+/// 0.99-1.00x at 8, 0.96x at 16.
+SparseDecodeMainKernel sparse_decode_main_kernel(int64_t b, int64_t s_q, int64_t h_q) {
+  const int64_t q_tokens = b * s_q;
+  if (h_q > 32) return SparseDecodeMainKernel::kWgmmaProducer;
+  if (h_q > 16) return q_tokens >= 8 ? SparseDecodeMainKernel::kWgmmaProducer : SparseDecodeMainKernel::kMmaSync;
+  return q_tokens >= 32 ? SparseDecodeMainKernel::kWgmmaProducer : SparseDecodeMainKernel::kMmaSmallHeads;
 }
 
 }  // namespace
@@ -253,12 +259,13 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.b = static_cast<int>(b);
     kp.s_q = static_cast<int>(s_q);
     kp.h_q = static_cast<int>(h_q);
+    // Head tiles of the mma.sync kernels (16 / 32 / 64 rows); the wgmma kernel's launcher sets its own.
     const int bm = h_q <= 16 ? 16 : (h_q <= 32 ? 32 : 64);
     kp.num_head_tiles = static_cast<int>((h_q + bm - 1) / bm);
     kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-    kp.main_kernel = sparse_decode_main_kernel(h_q);
+    kp.main_kernel = sparse_decode_main_kernel(b, s_q, h_q);
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
                                       : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);

@@ -23,14 +23,15 @@ struct SparseScope {
   int vec = 1;  // base and block stride 16-byte aligned: 16-byte cp.async gathers
 };
 
-/// The sparse decode main kernels (sparse_decode.cu picks one per call by h_q). The small-heads and
+/// The sparse decode main kernels (sparse_decode.cu picks one per call by shape). The small-heads and
 /// wgmma producer kernels need 16-byte aligned caches; the mma.sync kernel serves any call they cannot.
 enum class SparseDecodeMainKernel : int {
-  kMmaSync,        // mma_sync_kernel.cuh: mma.sync, all threads dequantize; 16 < h_q <= 32, and any h_q
-                   // over caches that are not 16-byte aligned
-  kMmaSmallHeads,  // mma_small_heads_kernel.cuh: producer warpgroup + mma.sync consumers; h_q <= 16
+  kMmaSync,        // mma_sync_kernel.cuh: mma.sync, all threads dequantize; 16 < h_q <= 32 with few query
+                   // tokens, and any h_q over caches that are not 16-byte aligned
+  kMmaSmallHeads,  // mma_small_heads_kernel.cuh: producer warpgroup + mma.sync consumers; h_q <= 16 with
+                   // few query tokens
   kWgmmaProducer,  // wgmma_producer_kernel.cuh: producer warpgroup + two wgmma consumer warpgroups over
-                   // two whole-block K buffers; h_q > 32
+                   // two whole-block K buffers; h_q > 32, and any h_q with many query tokens
 };
 
 /// Parameters of the sparse decode main kernels (`flash_fwd_splitkv_mla_fp8_sparse_kernel*`). Strides

@@ -1,5 +1,5 @@
 // src/sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh — sparse FP8 MLA decode with a producer warpgroup
-// and two wgmma consumer warpgroups, for 64-row head tiles (h_q > 32):
+// and two wgmma consumer warpgroups, for 64-row head tiles (rows past h_q masked):
 // one 64-slot block per step over two whole-block K buffers, so the producers fill block g + 1
 // while the consumers work on block g, which keeps both buffers busy in every step (x1.24 over
 // running the prefill's seesaw over block pairs; docs/sparse-fp8-decode.md).
@@ -975,10 +975,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(11, tid == 0, 0x100u | (F == Fmt::kV32 ? 2u : 0u) | (kCluster ? 1u : 0u));
 }
 
-/// This kernel serves 64-row head tiles (h_q > 32) over 16-byte aligned caches; the mma.sync kernel
-/// (mma_sync_kernel.cuh) and the small-heads kernel (mma_small_heads_kernel.cuh) the rest.
+/// This kernel serves 16-byte aligned caches (the mma.sync kernel, mma_sync_kernel.cuh, the rest).
 inline bool usable(const SparseDecodeKernelParams& kp) {
-  return kp.h_q > 32 && kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
+  return kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
 template <Fmt F, bool kCluster>
@@ -1059,8 +1058,11 @@ constexpr bool kClusterDefault = true;
 /// This kernel for a call: the cluster variant when the head tiles pair up (an even number of 64-head
 /// tiles), it is on for the format, and the device keeps every cluster of the grid resident at
 /// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
+/// `kp.num_head_tiles` is the mma.sync kernels' tiling; this kernel's 64-row head tiles are set here.
 template <Fmt F>
-cudaError_t launch(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream) {
+  SparseDecodeKernelParams kp = kp_in;
+  kp.num_head_tiles = (kp.h_q + 63) / 64;
   const bool on = kClusterDefault<F>;
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
