@@ -1,0 +1,379 @@
+"""Where the host time of an eager decode call goes, layer by layer (issue 25, item 4; run by
+tools/profile-host-path.sh on the GPU machine).
+
+Subcommands (each prints a table and, with --json, writes it):
+
+``layers``          this package (``import flash_mla``), per side-by-side case of bench/bench_call_overhead.py,
+                    each way in with the schedule reused as the public API reuses it:
+                      api            flash_mla.flash_mla_with_kvcache (public API, FlashMLASchedMeta reused)
+                      api-gc-off     the same with Python's garbage collector off
+                      python-layer   the public API with the native op replaced by a stub returning outputs
+                                     made once (Python alone, on real CUDA tensors: torch.cuda queries included)
+                      call-wrapper   flash_mla._torch_ops.dense_decode_fwd / sparse_decode_fwd (error mapping +
+                                     OpOverload + dispatcher + op)
+                      opoverload     torch.ops.flash_mla.<op>.default(...) (OpOverload + dispatcher + op)
+                      op-packet      torch.ops.flash_mla.<op>(...) (the OpOverloadPacket's overload resolution too)
+                      opoverload-schedule   opoverload computing the schedule (what ``torch.ops`` times in
+                                     bench_call_overhead: 3 launches, 5 non-empty allocations)
+                      tvm-ffi        the TVM-FFI function with the same torch tensors (no torch dispatcher;
+                                     TVM-FFI allocates through torch's allocator)
+                    and torch baselines: torch.empty of out's shape, torch.ops.aten.empty_strided.default,
+                    five torch.empty in a row, torch.ops.aten.alias.default (a dispatcher round trip that
+                    allocates nothing).
+                    Per row: host us per call (N calls back to back, no synchronisation: the clock stops when
+                    the last call returns), host us with N/10 calls (a launch queue that throttles the host
+                    would show up as host(N) > host(N/10)), and synchronised us (a sync after every call).
+                    The b1 case's api row is timed once more at the end ("process age": the side-by-side
+                    worker's b1 rows came out slower than its later ones).
+``anchor-layers``   FlashMLA (run with its source tree first on PYTHONPATH): api, python-layer (flash_mla.cuda
+                    stubbed) and cuda-direct (flash_mla.cuda.<op>, pybind11) for the same cases.
+``loop``            the public API of one case in a loop for --seconds (for py-spy / perf).
+``pyspy-summary``   top frames of a ``py-spy record -f raw`` file: by self samples and by inclusive samples.
+
+Usage: python tools/host_path_layers.py layers [--json PATH] [--calls 200] [--rounds 7]
+       PYTHONPATH=/tmp/anchor/flashmla python tools/host_path_layers.py anchor-layers [--json PATH]
+       python tools/host_path_layers.py loop [--case "dense b1 h16 s_k64"] [--seconds 6]
+       python tools/host_path_layers.py pyspy-summary RAW [--top 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+# The cases of bench/bench_call_overhead.py's side by side (copied so that this file runs on its own).
+CASES = [
+    ("dense b1 h16 s_k64", dict(kind="dense", b=1, s_q=1, h_q=16, s_k=64)),
+    ("dense b1 h128 s_k2048", dict(kind="dense", b=1, s_q=1, h_q=128, s_k=2048)),
+    ("dense b16 h16 s_k2048", dict(kind="dense", b=16, s_q=1, h_q=16, s_k=2048)),
+    ("dense b128 s_q4 h16 s_k256", dict(kind="dense", b=128, s_q=4, h_q=16, s_k=256)),
+    ("sparse-fp8 b1 h64 topk2048", dict(kind="sparse", b=1, s_q=1, h_q=64, topk=2048)),
+]
+
+
+def timings(fn, sync, calls: int, rounds: int) -> dict:
+    """host_us (median over rounds of N back-to-back calls), host_us_short (N // 10 calls), sync_us (a
+    synchronisation after every call), rounds_host_us (every round's host figure, in order)."""
+    for _ in range(20):
+        fn()
+    sync()
+    host = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        host.append((t1 - t0) / calls * 1e6)
+    short_n = max(calls // 10, 5)
+    short = []
+    for _ in range(rounds * 2):
+        t0 = time.perf_counter()
+        for _ in range(short_n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        short.append((t1 - t0) / short_n * 1e6)
+    synced = []
+    for _ in range(rounds):
+        n = max(calls // 4, 5)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+            sync()
+        synced.append((time.perf_counter() - t0) / n * 1e6)
+    return {"host_us": statistics.median(host), "host_us_short": statistics.median(short),
+            "sync_us": statistics.median(synced), "rounds_host_us": [round(x, 2) for x in host]}
+
+
+def make_case(torch, flash_mla, params: dict, g):
+    """Tensors of one case and the public-API call (FlashMLASchedMeta reused); both packages' API."""
+    dev = g.device
+    d, pbs = 576, 64
+    b, s_q, h_q = params["b"], params["s_q"], params["h_q"]
+    q = torch.randn(b, s_q, h_q, d, device=dev, generator=g).to(torch.bfloat16)
+    sched = flash_mla.get_mla_metadata()[0]
+    scale = d ** -0.5
+    c = {"q": q, "sched": sched, "scale": scale, "kind": params["kind"]}
+    if params["kind"] == "dense":
+        s_k = params["s_k"]
+        blocks = (s_k + pbs - 1) // pbs
+        c["k"] = (torch.randn(b * blocks, pbs, 1, d, device=dev, generator=g) / 4).to(torch.bfloat16)
+        c["bt"] = torch.arange(b * blocks, dtype=torch.int32, device=dev).view(b, blocks)
+        c["sl"] = torch.full((b,), s_k, dtype=torch.int32, device=dev)
+        c["api"] = lambda: flash_mla.flash_mla_with_kvcache(q, c["k"], c["bt"], c["sl"], 512, sched, None, scale)
+        # The op's arguments (ours and FlashMLA's extension take the same order), metadata appended later.
+        c["op_args"] = (q, c["k"], 512, c["sl"], c["bt"], scale, False)
+    else:
+        s_kv = 4096
+        c["k"] = torch.zeros(s_kv // pbs, pbs, 1, 656, dtype=torch.uint8, device=dev)
+        c["idx"] = torch.randint(0, s_kv, (b, s_q, params["topk"]), dtype=torch.int32, device=dev, generator=g)
+        c["api"] = lambda: flash_mla.flash_mla_with_kvcache(q, c["k"], None, None, 512, sched, None, scale, False,
+                                                            True, indices=c["idx"])
+    c["api"]()  # computes the schedule
+    tsm, splits = sched.tile_scheduler_metadata, sched.num_splits
+    if params["kind"] == "dense":
+        c["op_args_meta"] = c["op_args"] + (tsm, splits)
+        c["op_args_nometa"] = c["op_args"] + (None, None)
+    else:
+        c["op_args_meta"] = (q, c["k"], c["idx"], None, None, tsm, splits, None, None, None, 512, scale)
+        c["op_args_nometa"] = (q, c["k"], c["idx"], None, None, None, None, None, None, None, 512, scale)
+    return c
+
+
+def report(rows: list, name: str, r: dict) -> None:
+    rows.append(dict(name=name, **r))
+    print(f"{name:50s} host {r['host_us']:8.2f}  host(N/10) {r['host_us_short']:8.2f}  synchronised "
+          f"{r['sync_us']:8.2f} us/call", flush=True)
+
+
+def try_row(rows, name, fn, sync, calls, rounds) -> None:
+    try:
+        report(rows, name, timings(fn, sync, calls, rounds))
+    except Exception as e:  # noqa: BLE001 - one way in missing is reported, not fatal
+        print(f"{name:50s} skipped: {type(e).__name__}: {e}", flush=True)
+        rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+
+
+def gpu_info(torch, device: str) -> dict:
+    info = {"torch": torch.__version__, "python": sys.version.split()[0], "device": device}
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count)
+    else:
+        info.update(gpu="none (a dry run on the CPU reference backend)")
+    return info
+
+
+def sync_of(torch, device: str):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def cmd_layers(args) -> dict:
+    import torch
+
+    import flash_mla
+    from flash_mla import _ffi, _torch_ops
+
+    assert _torch_ops.available(), _torch_ops.load_error()
+    sync = sync_of(torch, args.device)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    rows: list = []
+    res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device), "rows": rows}
+    print(f"flash_mla from {res['package']} on {res['gpu']}, torch {res['torch']}", flush=True)
+    ops = torch.ops.flash_mla
+    first_api = None
+    for name, params in CASES[:args.cases]:
+        c = make_case(torch, flash_mla, params, g)
+        opname = "dense_decode_fwd" if c["kind"] == "dense" else "sparse_decode_fwd"
+        overload = getattr(ops, opname).default
+        packet = getattr(ops, opname)
+        wrapper = getattr(_torch_ops, opname)
+        a_meta, a_none = c["op_args_meta"], c["op_args_nometa"]
+        try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
+        if first_api is None:
+            first_api = (name, c)
+        gc.disable()
+        try:
+            try_row(rows, f"{name} | api-gc-off", c["api"], sync, args.calls, args.rounds)
+        finally:
+            gc.enable()
+        # Python alone: the OpOverloads that _torch_ops calls replaced by a stub returning fixed outputs.
+        fixed = overload(*a_meta)
+        sync()
+        real_ops = _torch_ops._ops
+
+        class _Stub:
+            pass
+
+        stub = _Stub()
+        setattr(stub, opname, lambda *a, _r=fixed: _r)
+        _torch_ops._ops = stub
+        try:
+            try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
+        finally:
+            _torch_ops._ops = real_ops
+        try_row(rows, f"{name} | call-wrapper (_torch_ops.{opname})", lambda: wrapper(*a_meta), sync, args.calls,
+                args.rounds)
+        try_row(rows, f"{name} | opoverload", lambda: overload(*a_meta), sync, args.calls, args.rounds)
+        try_row(rows, f"{name} | op-packet", lambda: packet(*a_meta), sync, args.calls, args.rounds)
+        try_row(rows, f"{name} | opoverload-schedule", lambda: overload(*a_none), sync, args.calls, args.rounds)
+        ffi_fn = getattr(_ffi.lib, opname)
+        try_row(rows, f"{name} | tvm-ffi (torch tensors, schedule given)", lambda: ffi_fn(*a_meta), sync, args.calls,
+                args.rounds)
+        try_row(rows, f"{name} | tvm-ffi (torch tensors, schedule computed)", lambda: ffi_fn(*a_none), sync,
+                args.calls, args.rounds)
+        if c["kind"] == "dense":
+            q = c["q"]
+            b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
+            shape = (b, s_q, h_q, 512)
+            strides = (s_q * h_q * 512, h_q * 512, 512, 1)
+            empty_strided = torch.ops.aten.empty_strided.default
+            alias = torch.ops.aten.alias.default
+            dev = q.device
+            bf16 = torch.bfloat16
+            try_row(rows, f"{name} | baseline torch.empty(out)", lambda: torch.empty(shape, dtype=bf16, device=dev),
+                    sync, args.calls, args.rounds)
+            try_row(rows, f"{name} | baseline aten.empty_strided.default(out)",
+                    lambda: empty_strided(shape, strides, dtype=bf16, device=dev), sync, args.calls, args.rounds)
+
+            def five():
+                torch.empty(shape, dtype=bf16, device=dev)
+                torch.empty((b, h_q, s_q), dtype=torch.float32, device=dev)
+                torch.empty((0, 8), dtype=torch.int32, device=dev)
+                torch.empty((0,), dtype=torch.int32, device=dev)
+                torch.empty((1 << 20,), dtype=torch.uint8, device=dev)
+
+            try_row(rows, f"{name} | baseline 5x torch.empty", five, sync, args.calls, args.rounds)
+            try_row(rows, f"{name} | baseline aten.alias.default(q)", lambda: alias(q), sync, args.calls, args.rounds)
+        del c
+    if first_api is not None:  # process age: the first case again, last
+        name, c = first_api
+        try_row(rows, f"{name} | api (again, at the end of the process)", c["api"], sync, args.calls, args.rounds)
+    return res
+
+
+def cmd_anchor_layers(args) -> dict:
+    import torch
+
+    import flash_mla
+    import flash_mla.cuda as fcuda  # FlashMLA's pybind11 extension
+
+    sync = sync_of(torch, args.device)
+    g = torch.Generator(device=args.device).manual_seed(0)
+    rows: list = []
+    res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device), "rows": rows}
+    print(f"FlashMLA from {res['package']} on {res['gpu']}", flush=True)
+    interface = sys.modules.get("flash_mla.flash_mla_interface")
+    first_api = None
+    for name, params in CASES[:args.cases]:
+        c = make_case(torch, flash_mla, params, g)
+        opname = "dense_decode_fwd" if c["kind"] == "dense" else "sparse_decode_fwd"
+        direct = getattr(fcuda, opname)
+        a_meta = c["op_args_meta"]
+        try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
+        if first_api is None:
+            first_api = (name, c)
+        gc.disable()
+        try:
+            try_row(rows, f"{name} | api-gc-off", c["api"], sync, args.calls, args.rounds)
+        finally:
+            gc.enable()
+        if interface is not None and hasattr(interface, "flash_mla_cuda"):
+            fixed = direct(*a_meta)
+            sync()
+            real = interface.flash_mla_cuda
+
+            class _Stub:
+                pass
+
+            stub = _Stub()
+            setattr(stub, opname, lambda *a, _r=fixed: _r)
+            interface.flash_mla_cuda = stub
+            try:
+                try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
+            finally:
+                interface.flash_mla_cuda = real
+        try_row(rows, f"{name} | cuda-direct (flash_mla.cuda.{opname})", lambda: direct(*a_meta), sync, args.calls,
+                args.rounds)
+        del c
+    if first_api is not None:
+        name, c = first_api
+        try_row(rows, f"{name} | api (again, at the end of the process)", c["api"], sync, args.calls, args.rounds)
+    return res
+
+
+def cmd_loop(args) -> dict:
+    import torch
+
+    import flash_mla
+
+    params = dict(CASES)[args.case]
+    c = make_case(torch, flash_mla, params, torch.Generator(device=args.device).manual_seed(0))
+    fn = c["api"]
+    sync = sync_of(torch, args.device)
+    n = 0
+    t_end = time.perf_counter() + args.seconds
+    t0 = time.perf_counter()
+    while time.perf_counter() < t_end:
+        for _ in range(200):
+            fn()
+        sync()
+        n += 200
+    dt = time.perf_counter() - t0
+    print(f"loop {args.case}: {n} calls, {dt / n * 1e6:.2f} us/call (wall, sampled)", flush=True)
+    return {"case": args.case, "calls": n, "us_per_call": dt / n * 1e6}
+
+
+def cmd_pyspy_summary(args) -> dict:
+    """py-spy's raw format: one line per distinct stack, frames joined by ';' (outermost first), a space,
+    the sample count."""
+    self_c, incl_c = collections.Counter(), collections.Counter()
+    total = 0
+    with open(args.raw, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line or " " not in line:
+                continue
+            stack, _, cnt = line.rpartition(" ")
+            try:
+                n = int(cnt)
+            except ValueError:
+                continue
+            frames = [fr.strip() for fr in stack.split(";") if fr.strip()]
+            if not frames:
+                continue
+            total += n
+            self_c[frames[-1]] += n
+            for fr in set(frames):
+                incl_c[fr] += n
+    out = {"total_samples": total,
+           "self": [(fr, n, round(100.0 * n / max(total, 1), 2)) for fr, n in self_c.most_common(args.top)],
+           "inclusive": [(fr, n, round(100.0 * n / max(total, 1), 2)) for fr, n in incl_c.most_common(args.top * 2)]}
+    print(f"total samples {total}")
+    print("--- self (leaf frames)")
+    for fr, n, pct in out["self"]:
+        print(f"{pct:6.2f}%  {n:7d}  {fr[:160]}")
+    print("--- inclusive")
+    for fr, n, pct in out["inclusive"]:
+        print(f"{pct:6.2f}%  {n:7d}  {fr[:160]}")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("layers", "anchor-layers"):
+        s = sub.add_parser(name)
+        s.add_argument("--calls", type=int, default=200)
+        s.add_argument("--rounds", type=int, default=7)
+        s.add_argument("--json")
+        s.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the plumbing
+        s.add_argument("--cases", type=int, default=len(CASES), help="the first N cases only")
+    s = sub.add_parser("loop")
+    s.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    s.add_argument("--case", default=CASES[0][0])
+    s.add_argument("--seconds", type=float, default=6.0)
+    s.add_argument("--json")
+    s = sub.add_parser("pyspy-summary")
+    s.add_argument("raw")
+    s.add_argument("--top", type=int, default=40)
+    s.add_argument("--json")
+    args = ap.parse_args(argv)
+    fn = {"layers": cmd_layers, "anchor-layers": cmd_anchor_layers, "loop": cmd_loop,
+          "pyspy-summary": cmd_pyspy_summary}[args.cmd]
+    res = fn(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
