@@ -188,20 +188,39 @@ struct PartMap {
   static constexpr int kRecBytes = F == Fmt::kV32 ? 656 : 576;
 };
 
-/// Byte address of the record (and, MODEL1, of the 8-byte scale record) of cache token `idx`
-/// (valid: 0 <= idx < num_tokens; spec §3.2-3.4 layouts).
+/// The fields of a cache scope that address its records, held in registers by the producer (a
+/// reference into the kernel parameters selected by main / extra made each an indexed constant load
+/// on the address path).
+struct ScopeAddr {
+  const uint8_t* cache;
+  int64_t block_stride;  // bytes
+  uint32_t pbs, pbs_magic;  // page_block_size and ceil(2^32 / page_block_size) (0 when it is 1)
+  int num_tokens;
+};
+
+__device__ __forceinline__ ScopeAddr scope_addr(const SparseScope& sc) {
+  return {sc.cache, sc.block_stride, static_cast<uint32_t>(sc.page_block_size), sc.pbs_magic, sc.num_tokens};
+}
+
+/// Byte address of the record (and, MODEL1, of the 8-byte scale record) of cache token `u`
+/// (0 <= u < num_tokens < 2^31; spec §3.2-3.4 layouts). The page block is umulhi(u, pbs_magic),
+/// which is u / pbs or one more (pbs_magic exceeds 2^32 / pbs by less than 1 and u < 2^32), so one
+/// correction of the remainder makes it exact, without the hardware-less integer division.
 template <Fmt F>
-__device__ __forceinline__ void row_addr(const SparseScope& sc, int idx, uint64_t& rec, uint64_t& scale) {
-  const uint32_t u = static_cast<uint32_t>(idx);
-  const uint32_t pbs = static_cast<uint32_t>(sc.page_block_size);
-  const uint32_t blk = u / pbs, row = u - blk * pbs;
+__device__ __forceinline__ void row_addr(const ScopeAddr& sc, uint32_t u, uint64_t& rec, uint64_t& scale) {
+  uint32_t blk = sc.pbs_magic != 0 ? __umulhi(u, sc.pbs_magic) : u;
+  int32_t row = static_cast<int32_t>(u - blk * sc.pbs);
+  if (row < 0) {
+    --blk;
+    row += static_cast<int32_t>(sc.pbs);
+  }
   const uint8_t* base = sc.cache + static_cast<int64_t>(blk) * sc.block_stride;
   if constexpr (F == Fmt::kV32) {
     rec = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(row) * 656);
     scale = rec + FmtCfg<F>::kScaleRaw;
   } else {
     rec = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(row) * 576);
-    scale = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(pbs) * 576 + static_cast<int64_t>(row) * 8);
+    scale = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(sc.pbs) * 576 + static_cast<int64_t>(row) * 8);
   }
 }
 
@@ -525,14 +544,24 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
       return is_extra;
     };
-    // Record addresses of the rows (0 for an invalid slot: negative or past the cache, spec §2.7).
+    // Record addresses of the rows (0 for an invalid slot: negative or past the cache, spec §2.7),
+    // both rows computed without a branch so that their dependent chains overlap.
+    const ScopeAddr addr_main = scope_addr(p.main), addr_extra = scope_addr(p.extra);
     auto addresses = [&](const int (&v)[2], bool is_extra, RowAddr& ra) {
-      const SparseScope& sc = is_extra ? p.extra : p.main;
+      // Field by field (register selects; a reference to either struct would put both in local memory).
+      ScopeAddr sc;
+      sc.cache = is_extra ? addr_extra.cache : addr_main.cache;
+      sc.block_stride = is_extra ? addr_extra.block_stride : addr_main.block_stride;
+      sc.pbs = is_extra ? addr_extra.pbs : addr_main.pbs;
+      sc.pbs_magic = is_extra ? addr_extra.pbs_magic : addr_main.pbs_magic;
+      sc.num_tokens = is_extra ? addr_extra.num_tokens : addr_main.num_tokens;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        ra.rec[i] = 0;
-        ra.scl[i] = 0;
-        if (v[i] >= 0 && v[i] < sc.num_tokens) row_addr<F>(sc, v[i], ra.rec[i], ra.scl[i]);
+        const bool ok = v[i] >= 0 && v[i] < sc.num_tokens;
+        uint64_t rec, scl;
+        row_addr<F>(sc, ok ? static_cast<uint32_t>(v[i]) : 0u, rec, scl);
+        ra.rec[i] = ok ? rec : 0;
+        ra.scl[i] = ok ? scl : 0;
       }
     };
     // The plain arrival on a part's full barrier (after this thread's fence.proxy.async); thread 0
