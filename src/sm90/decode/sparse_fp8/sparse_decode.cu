@@ -16,6 +16,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/page_division.h"
 #include "core/tile_schedule_greedy.h"
 #include "sm90/common/host_utils.h"
 #include "sm90/sm90.h"
@@ -171,9 +172,7 @@ SparseScope make_scope(const TensorRef& cache, const TensorRef& indices, const T
   s.cache = static_cast<const uint8_t*>(cache.data);
   s.block_stride = cache.stride[0];  // 1-byte elements
   s.page_block_size = static_cast<int>(cache.shape[1]);
-  s.pbs_magic = s.page_block_size == 1 ? 0u
-                                       : static_cast<uint32_t>(((uint64_t{1} << 32) + s.page_block_size - 1) /
-                                                               static_cast<uint64_t>(s.page_block_size));
+  s.pbs_magic = core::page_div_magic(static_cast<uint32_t>(s.page_block_size));
   s.num_tokens = static_cast<int>(cache.shape[0] * cache.shape[1]);
   s.indices = static_cast<const int32_t*>(indices.data);
   s.idx_stride_b = indices.stride[0];

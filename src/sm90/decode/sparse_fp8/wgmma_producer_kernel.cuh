@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/page_division.h"
 #include "sm90/common/host_utils.h"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/seesaw.cuh"
@@ -203,17 +204,14 @@ __device__ __forceinline__ ScopeAddr scope_addr(const SparseScope& sc) {
 }
 
 /// Byte address of the record (and, MODEL1, of the 8-byte scale record) of cache token `u`
-/// (0 <= u < num_tokens < 2^31; spec §3.2-3.4 layouts). The page block is umulhi(u, pbs_magic),
-/// which is u / pbs or one more (pbs_magic exceeds 2^32 / pbs by less than 1 and u < 2^32), so one
-/// correction of the remainder makes it exact, without the hardware-less integer division.
+/// (0 <= u < num_tokens < 2^31; spec §3.2-3.4 layouts), its page block by multiplication
+/// (core/page_division.h: the GPU has no integer divider, and the division's ~25 dependent
+/// instructions per row sat on the producer's critical path).
 template <Fmt F>
 __device__ __forceinline__ void row_addr(const ScopeAddr& sc, uint32_t u, uint64_t& rec, uint64_t& scale) {
-  uint32_t blk = sc.pbs_magic != 0 ? __umulhi(u, sc.pbs_magic) : u;
-  int32_t row = static_cast<int32_t>(u - blk * sc.pbs);
-  if (row < 0) {
-    --blk;
-    row += static_cast<int32_t>(sc.pbs);
-  }
+  uint32_t blk;
+  int32_t row;
+  core::split_page_token(u, sc.pbs, sc.pbs_magic, blk, row);
   const uint8_t* base = sc.cache + static_cast<int64_t>(blk) * sc.block_stride;
   if constexpr (F == Fmt::kV32) {
     rec = reinterpret_cast<uint64_t>(base + static_cast<int64_t>(row) * 656);
