@@ -52,8 +52,8 @@ for f in "$PKG/lib/libflashmla_core.a" build/device/libflashmla_core.a; do [ -f 
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 if [ -n "$CORE_LIB" ] && [ -x "$NVCC" ]; then
   step "build tools/host_path_core.cu against $CORE_LIB" 45 \
-    "$NVCC" -O2 -std=c++20 -arch=sm_90a -I"$PKG/include" -Iinclude -Isrc tools/host_path_core.cu "$CORE_LIB" \
-    -o /tmp/host_path_core > "$OUT/core-build.log" 2>&1 || tail -20 "$OUT/core-build.log"
+    "$NVCC" -O2 -std=c++20 -gencode arch=compute_90a,code=sm_90a -I"$PKG/include" -Iinclude -Isrc tools/host_path_core.cu "$CORE_LIB" \
+    -lpthread -ldl -o /tmp/host_path_core > "$OUT/core-build.log" 2>&1 || tail -20 "$OUT/core-build.log"
   if [ -x /tmp/host_path_core ]; then
     step "host_path_core" 20 /tmp/host_path_core 200 9 > "$OUT/core.txt" 2>&1
     cat "$OUT/core.txt" | grep -v '^JSON'
