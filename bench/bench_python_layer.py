@@ -103,6 +103,9 @@ def torch_cases(torch, flash_mla, device: str, stub: bool, anchor_cuda=None):
             "sparse_prefill_fwd": lambda *a: prefill,
             "dense_prefill_fwd": (lambda *a: None) if anchor_cuda is not None else (lambda *a: varlen),
         }
+        if anchor_cuda is None:  # ours: a call that reuses the schedule runs these ((out, lse) only)
+            stubs["dense_decode_fwd_scheduled"] = lambda *a: dense_new[:2]
+            stubs["sparse_decode_fwd_scheduled"] = lambda *a: sparse_new[:2]
         for name, fn in stubs.items():
             if anchor_cuda is not None:  # FlashMLA writes the dense prefill's outputs into its arguments
                 setattr(anchor_cuda, name, fn)

@@ -21,7 +21,8 @@
 // Cases: dense b1 h16 s_k64 and b1 h128 s_k2048 (bf16, d 576, page 64), sparse b1 h64 topk 2048.
 //
 // Build (tools/profile-host-path.sh does this):
-//   nvcc -O2 -std=c++20 -arch=sm_90a -I<pkg>/include -Isrc tools/host_path_core.cu <pkg>/lib/libflashmla_core.a
+//   nvcc -O2 -std=c++20 -gencode arch=compute_90a,code=sm_90a -I<pkg>/include -Isrc tools/host_path_core.cu \
+//     <pkg>/lib/libflashmla_core.a -lpthread -ldl
 // Usage: host_path_core [calls=200] [rounds=9]   (prints one line per row and a JSON line "JSON {...}")
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -9,9 +9,10 @@ Subcommands (each prints a table and, with --json, writes it):
                       api-gc-off     the same with Python's garbage collector off
                       python-layer   the public API with the native op replaced by a stub returning outputs
                                      made once (Python alone, on real CUDA tensors: torch.cuda queries included)
-                      call-wrapper   flash_mla._torch_ops.dense_decode_fwd / sparse_decode_fwd (error mapping +
-                                     OpOverload + dispatcher + op)
-                      opoverload     torch.ops.flash_mla.<op>.default(...) (OpOverload + dispatcher + op)
+                      call-wrapper   flash_mla._torch_ops.<op> and <op>_scheduled (error mapping + OpOverload +
+                                     dispatcher + op)
+                      opoverload     torch.ops.flash_mla.<op>_scheduled.default(...) (what a reusing call runs:
+                                     OpOverload + dispatcher + op) and <op>.default with the schedule given (4 outputs)
                       op-packet      torch.ops.flash_mla.<op>(...) (the OpOverloadPacket's overload resolution too)
                       opoverload-schedule   opoverload computing the schedule (what ``torch.ops`` times in
                                      bench_call_overhead: 3 launches, 5 non-empty allocations)
@@ -27,12 +28,14 @@ Subcommands (each prints a table and, with --json, writes it):
                     worker's b1 rows came out slower than its later ones).
 ``anchor-layers``   FlashMLA (run with its source tree first on PYTHONPATH): api, python-layer (flash_mla.cuda
                     stubbed) and cuda-direct (flash_mla.cuda.<op>, pybind11) for the same cases.
-``loop``            the public API of one case in a loop for --seconds (for py-spy / perf).
+``loop``            the public API of one case in a loop for --seconds; with --pyspy / --perf-data, py-spy
+                    (--native) or perf attached to the loop only (after imports and warm-up).
 ``pyspy-summary``   top frames of a ``py-spy record -f raw`` file: by self samples and by inclusive samples.
 
 Usage: python tools/host_path_layers.py layers [--json PATH] [--calls 200] [--rounds 7]
        PYTHONPATH=/tmp/anchor/flashmla python tools/host_path_layers.py anchor-layers [--json PATH]
        python tools/host_path_layers.py loop [--case "dense b1 h16 s_k64"] [--seconds 6]
+                                             [--pyspy /tmp/pyspy/bin/py-spy --raw OUT.raw | --perf-data OUT.data]
        python tools/host_path_layers.py pyspy-summary RAW [--top 40]
 """
 
@@ -127,8 +130,19 @@ def make_case(torch, flash_mla, params: dict, g):
     return c
 
 
+# Where to write the results after every row (--json), so that a run cut short keeps what it measured.
+_SAVE: dict = {"path": None, "res": None}
+
+
+def save() -> None:
+    if _SAVE["path"] and _SAVE["res"] is not None:
+        with open(_SAVE["path"], "w") as f:
+            json.dump(_SAVE["res"], f, indent=1)
+
+
 def report(rows: list, name: str, r: dict) -> None:
     rows.append(dict(name=name, **r))
+    save()
     print(f"{name:50s} host {r['host_us']:8.2f}  host(N/10) {r['host_us_short']:8.2f}  synchronised "
           f"{r['sync_us']:8.2f} us/call", flush=True)
 
@@ -139,6 +153,7 @@ def try_row(rows, name, fn, sync, calls, rounds) -> None:
     except Exception as e:  # noqa: BLE001 - one way in missing is reported, not fatal
         print(f"{name:50s} skipped: {type(e).__name__}: {e}", flush=True)
         rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+        save()
 
 
 def gpu_info(torch, device: str) -> dict:
@@ -166,6 +181,7 @@ def cmd_layers(args) -> dict:
     g = torch.Generator(device=args.device).manual_seed(0)
     rows: list = []
     res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device), "rows": rows}
+    _SAVE["res"] = res
     print(f"flash_mla from {res['package']} on {res['gpu']}, torch {res['torch']}", flush=True)
     ops = torch.ops.flash_mla
     first_api = None
@@ -175,6 +191,7 @@ def cmd_layers(args) -> dict:
         overload = getattr(ops, opname).default
         packet = getattr(ops, opname)
         wrapper = getattr(_torch_ops, opname)
+        scheduled = getattr(ops, opname + "_scheduled", None)  # what a reusing public call runs
         a_meta, a_none = c["op_args_meta"], c["op_args_nometa"]
         try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
         if first_api is None:
@@ -194,6 +211,7 @@ def cmd_layers(args) -> dict:
 
         stub = _Stub()
         setattr(stub, opname, lambda *a, _r=fixed: _r)
+        setattr(stub, opname + "_scheduled", lambda *a, _r=fixed[:2]: _r)  # (what a reusing call runs)
         _torch_ops._ops = stub
         try:
             try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
@@ -201,7 +219,14 @@ def cmd_layers(args) -> dict:
             _torch_ops._ops = real_ops
         try_row(rows, f"{name} | call-wrapper (_torch_ops.{opname})", lambda: wrapper(*a_meta), sync, args.calls,
                 args.rounds)
-        try_row(rows, f"{name} | opoverload", lambda: overload(*a_meta), sync, args.calls, args.rounds)
+        if scheduled is not None:
+            sched_wrapper = getattr(_torch_ops, opname + "_scheduled")
+            try_row(rows, f"{name} | call-wrapper (_torch_ops.{opname}_scheduled)", lambda: sched_wrapper(*a_meta),
+                    sync, args.calls, args.rounds)
+            try_row(rows, f"{name} | opoverload {opname}_scheduled", lambda: scheduled.default(*a_meta), sync,
+                    args.calls, args.rounds)
+        try_row(rows, f"{name} | opoverload (schedule given, 4 outputs)", lambda: overload(*a_meta), sync, args.calls,
+                args.rounds)
         try_row(rows, f"{name} | op-packet", lambda: packet(*a_meta), sync, args.calls, args.rounds)
         try_row(rows, f"{name} | opoverload-schedule", lambda: overload(*a_none), sync, args.calls, args.rounds)
         ffi_fn = getattr(_ffi.lib, opname)
@@ -249,6 +274,7 @@ def cmd_anchor_layers(args) -> dict:
     g = torch.Generator(device=args.device).manual_seed(0)
     rows: list = []
     res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device), "rows": rows}
+    _SAVE["res"] = res
     print(f"FlashMLA from {res['package']} on {res['gpu']}", flush=True)
     interface = sys.modules.get("flash_mla.flash_mla_interface")
     first_api = None
@@ -289,33 +315,87 @@ def cmd_anchor_layers(args) -> dict:
     return res
 
 
-def cmd_loop(args) -> dict:
-    import torch
-
-    import flash_mla
-
-    params = dict(CASES)[args.case]
-    c = make_case(torch, flash_mla, params, torch.Generator(device=args.device).manual_seed(0))
-    fn = c["api"]
-    sync = sync_of(torch, args.device)
+def _sampled_loop(fn, sync, seconds: float):
+    """The loop that py-spy / perf sample (pyspy-summary keeps the stacks inside this function)."""
     n = 0
-    t_end = time.perf_counter() + args.seconds
+    t_end = time.perf_counter() + seconds
     t0 = time.perf_counter()
     while time.perf_counter() < t_end:
         for _ in range(200):
             fn()
         sync()
         n += 200
-    dt = time.perf_counter() - t0
-    print(f"loop {args.case}: {n} calls, {dt / n * 1e6:.2f} us/call (wall, sampled)", flush=True)
-    return {"case": args.case, "calls": n, "us_per_call": dt / n * 1e6}
+    return n, time.perf_counter() - t0
+
+
+def _allow_any_tracer() -> None:
+    """Lets a profiler that is not this process's ancestor attach (Yama ptrace_scope 1): PR_SET_PTRACER_ANY."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
+    except Exception as e:  # noqa: BLE001 - not Linux / no prctl: the profiler may still be allowed
+        print(f"prctl(PR_SET_PTRACER_ANY) failed: {e}", flush=True)
+
+
+def cmd_loop(args) -> dict:
+    """The public API of one case in a loop for --seconds after the imports and a warm-up; with --pyspy /
+    --perf-data the profiler is started on this process only then (so the imports are not sampled)."""
+    import subprocess
+
+    import torch
+
+    import flash_mla
+
+    params = dict(CASES)[args.case]
+    c = make_case(torch, flash_mla, params, torch.Generator(device=args.device).manual_seed(0))
+    sync = sync_of(torch, args.device)
+    for _ in range(200):  # warm-up outside the sampled function
+        c["api"]()
+    sync()
+    prof = None
+    dur = max(int(args.seconds) - 1, 1)
+    if args.pyspy:
+        _allow_any_tracer()
+        prof = subprocess.Popen([args.pyspy, "record", "--native", "-r", str(args.rate), "-d", str(dur), "-f", "raw",
+                                 "-o", args.raw, "--pid", str(os.getpid())])
+    elif args.perf_data:
+        _allow_any_tracer()
+        prof = subprocess.Popen(["perf", "record", "-g", "-F", "4999", "-o", args.perf_data, "-p", str(os.getpid()),
+                                 "--", "sleep", str(dur)])
+    if prof is not None:
+        time.sleep(0.5)  # the profiler attaches
+    n, dt = _sampled_loop(c["api"], sync, args.seconds)
+    print(f"loop {args.case}: {n} calls, {dt / n * 1e6:.2f} us/call (wall{', sampled' if prof else ''})", flush=True)
+    rc = None
+    if prof is not None:
+        try:
+            rc = prof.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            prof.send_signal(2)  # SIGINT: py-spy / perf stop and still write what they sampled
+            try:
+                rc = prof.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                prof.kill()
+        print(f"profiler exit status {rc}", flush=True)
+    return {"case": args.case, "calls": n, "us_per_call": dt / n * 1e6, "profiler_rc": rc}
+
+
+def _frame_library(frame: str) -> str:
+    """The library of a py-spy frame "name (where)": a shared object's name, or "[python]" for Python code."""
+    where = frame[frame.rfind("(") + 1:].rstrip(")") if frame.endswith(")") else ""
+    if ".py:" in where or where.startswith("<frozen") or where.endswith(".py"):
+        return "[python]"
+    lib = where.split(":")[0].strip()
+    return lib or "[unknown]"
 
 
 def cmd_pyspy_summary(args) -> dict:
     """py-spy's raw format: one line per distinct stack, frames joined by ';' (outermost first), a space,
-    the sample count."""
-    self_c, incl_c = collections.Counter(), collections.Counter()
-    total = 0
+    the sample count. Only stacks inside `--within` (default: the loop of ``loop``, not the imports)."""
+    self_c, incl_c, lib_c = collections.Counter(), collections.Counter(), collections.Counter()
+    total = skipped = 0
     with open(args.raw, errors="replace") as f:
         for line in f:
             line = line.rstrip("\n")
@@ -329,20 +409,26 @@ def cmd_pyspy_summary(args) -> dict:
             frames = [fr.strip() for fr in stack.split(";") if fr.strip()]
             if not frames:
                 continue
+            if args.within and not any(fr.startswith(args.within) for fr in frames):
+                skipped += n
+                continue
             total += n
             self_c[frames[-1]] += n
+            lib_c[_frame_library(frames[-1])] += n
             for fr in set(frames):
                 incl_c[fr] += n
-    out = {"total_samples": total,
-           "self": [(fr, n, round(100.0 * n / max(total, 1), 2)) for fr, n in self_c.most_common(args.top)],
-           "inclusive": [(fr, n, round(100.0 * n / max(total, 1), 2)) for fr, n in incl_c.most_common(args.top * 2)]}
-    print(f"total samples {total}")
-    print("--- self (leaf frames)")
-    for fr, n, pct in out["self"]:
-        print(f"{pct:6.2f}%  {n:7d}  {fr[:160]}")
-    print("--- inclusive")
-    for fr, n, pct in out["inclusive"]:
-        print(f"{pct:6.2f}%  {n:7d}  {fr[:160]}")
+
+    def rows(counter, k):
+        return [(fr, n, round(100.0 * n / max(total, 1), 2)) for fr, n in counter.most_common(k)]
+
+    out = {"total_samples": total, "samples_outside": skipped, "within": args.within,
+           "self_by_library": rows(lib_c, 30), "self": rows(self_c, args.top), "inclusive": rows(incl_c, args.top * 2)}
+    print(f"samples {total} inside {args.within or 'everything'} ({skipped} outside: imports, set-up)")
+    for title, key in (("self samples by library (leaf frame's shared object)", "self_by_library"),
+                       ("self (leaf frames)", "self"), ("inclusive", "inclusive")):
+        print(f"--- {title}")
+        for fr, n, pct in out[key]:
+            print(f"{pct:6.2f}%  {n:7d}  {fr[:160]}")
     return out
 
 
@@ -358,14 +444,20 @@ def main(argv=None) -> int:
         s.add_argument("--cases", type=int, default=len(CASES), help="the first N cases only")
     s = sub.add_parser("loop")
     s.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    s.add_argument("--pyspy", help="py-spy executable: record this process's loop (--native) into --raw")
+    s.add_argument("--raw", default="pyspy.raw")
+    s.add_argument("--rate", type=int, default=2000)
+    s.add_argument("--perf-data", help="perf record -g this process's loop into this file")
     s.add_argument("--case", default=CASES[0][0])
     s.add_argument("--seconds", type=float, default=6.0)
     s.add_argument("--json")
     s = sub.add_parser("pyspy-summary")
     s.add_argument("raw")
     s.add_argument("--top", type=int, default=40)
+    s.add_argument("--within", default="_sampled_loop", help="only stacks with a frame starting with this ('' = all)")
     s.add_argument("--json")
     args = ap.parse_args(argv)
+    _SAVE["path"] = args.json
     fn = {"layers": cmd_layers, "anchor-layers": cmd_anchor_layers, "loop": cmd_loop,
           "pyspy-summary": cmd_pyspy_summary}[args.cmd]
     res = fn(args)

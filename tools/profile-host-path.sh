@@ -13,7 +13,8 @@
 #   pyspy-*.raw, pyspy-*.txt   py-spy --native samples of a loop of public-API calls (b1 h16 s_k64), summarised
 #   perf-ours.txt              perf report of the same loop, when perf is installed
 #   summary.txt                the lines above that matter, one file
-# Usage: bash tools/profile-host-path.sh        (env: OUT, ANCHOR_DIR=/tmp/anchor/flashmla, PYSPY_WHEEL=...)
+# Usage: bash tools/profile-host-path.sh    (env: OUT, ANCHOR_DIR=/tmp/anchor/flashmla, PYSPY_WHEEL=<py-spy wheel>;
+#        the wheel is also looked for in .anchor/tools/, .whl/ and /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,6 +22,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 ANCHOR_DIR=${ANCHOR_DIR:-/tmp/anchor/flashmla}
+DEVICE=${PROFILE_DEVICE:-cuda}  # (cpu: a dry run of the loops on the reference backend, on a machine without a GPU)
 BUDGET=${PROFILE_BUDGET_S:-112}
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
@@ -52,8 +54,8 @@ for f in "$PKG/lib/libflashmla_core.a" build/device/libflashmla_core.a; do [ -f 
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 if [ -n "$CORE_LIB" ] && [ -x "$NVCC" ]; then
   step "build tools/host_path_core.cu against $CORE_LIB" 45 \
-    "$NVCC" -O2 -std=c++20 -arch=sm_90a -I"$PKG/include" -Iinclude -Isrc tools/host_path_core.cu "$CORE_LIB" \
-    -o /tmp/host_path_core > "$OUT/core-build.log" 2>&1 || tail -20 "$OUT/core-build.log"
+    "$NVCC" -O2 -std=c++20 -gencode arch=compute_90a,code=sm_90a -I"$PKG/include" -Iinclude -Isrc tools/host_path_core.cu "$CORE_LIB" \
+    -lpthread -ldl -o /tmp/host_path_core > "$OUT/core-build.log" 2>&1 || tail -20 "$OUT/core-build.log"
   if [ -x /tmp/host_path_core ]; then
     step "host_path_core" 20 /tmp/host_path_core 200 9 > "$OUT/core.txt" 2>&1
     cat "$OUT/core.txt" | grep -v '^JSON'
@@ -64,12 +66,12 @@ else
 fi
 
 # ---- the Python / torch layers, ours and FlashMLA's
-step "layers (ours)" 40 python3 tools/host_path_layers.py layers --json "$OUT/layers-ours.json" \
+step "layers (ours)" 40 python3 tools/host_path_layers.py layers --device "$DEVICE" --json "$OUT/layers-ours.json" \
   > "$OUT/layers-ours.txt" 2>&1; cat "$OUT/layers-ours.txt"
 HAVE_ANCHOR=0
 if ls "$ANCHOR_DIR"/flash_mla/cuda*.so >/dev/null 2>&1; then
   HAVE_ANCHOR=1
-  PYTHONPATH=$ANCHOR_DIR:$PYTHONPATH step "layers (FlashMLA from $ANCHOR_DIR)" 25 \
+  PYTHONPATH=$ANCHOR_DIR${PYTHONPATH:+:$PYTHONPATH} step "layers (FlashMLA from $ANCHOR_DIR)" 25 \
     python3 tools/host_path_layers.py anchor-layers --json "$OUT/layers-flashmla.json" > "$OUT/layers-flashmla.txt" 2>&1
   cat "$OUT/layers-flashmla.txt"
 else
@@ -77,40 +79,54 @@ else
 fi
 
 # ---- py-spy native profile of a loop of public-API calls
-PYSPY=/tmp/pyspy/bin/py-spy
-if [ ! -x "$PYSPY" ]; then
-  WHL=${PYSPY_WHEEL:-$(ls .anchor/tools/py_spy-*.whl 2>/dev/null | head -1)}
-  if [ -n "$WHL" ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy "$WHL" > "$OUT/pyspy-install.log" 2>&1 ||
+PYSPY=""
+for c in /tmp/pyspy/bin/py-spy /tmp/site/bin/py-spy "$(command -v py-spy 2>/dev/null)"; do
+  [ -n "$c" ] && [ -x "$c" ] && { PYSPY=$c; break; }
+done
+if [ -z "$PYSPY" ]; then
+  WHL=${PYSPY_WHEEL:-$(ls .anchor/tools/py_spy-*.whl .anchor/py_spy-*.whl .whl/py_spy-*.whl /tmp/py_spy-*.whl 2>/dev/null | head -1)}
+  if [ -n "$WHL" ] && [ -f "$WHL" ]; then
+    if python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy "$WHL" > "$OUT/pyspy-install.log" 2>&1; then
+      PYSPY=/tmp/pyspy/bin/py-spy
+    else
       echo "py-spy install failed: $(tail -2 "$OUT/pyspy-install.log")"
+    fi
   else
-    echo "no py-spy wheel (.anchor/tools/py_spy-*.whl or PYSPY_WHEEL)"
+    echo "=== py-spy: no py-spy and no wheel (PYSPY_WHEEL, .anchor/tools/, .whl/ or /tmp/py_spy-*.whl): skipped"
   fi
 fi
 pyspy_run() {  # pyspy_run LABEL [PYTHONPATH prefix]
   local label=$1 pp=${2:-}
-  PYTHONPATH=${pp:+$pp:}$PYTHONPATH step "py-spy record --native ($label)" 22 \
-    "$PYSPY" record --native -r 2000 -f raw -o "$OUT/pyspy-$label.raw" -- \
-    python3 tools/host_path_layers.py loop --seconds 5 > "$OUT/pyspy-$label.log" 2>&1
+  # py-spy attaches to the loop process after its imports and warm-up (host_path_layers.py loop --pyspy),
+  # so that only the calls are sampled; SIGINT at the limit still writes what was sampled.
+  PYTHONPATH=${pp:+$pp:}${PYTHONPATH:-} step "py-spy record --native ($label)" 25 \
+    python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" --pyspy "$PYSPY" \
+    --raw "$OUT/pyspy-$label.raw" > "$OUT/pyspy-$label.log" 2>&1
   local rc=$?
-  if [ $rc -ne 0 ] || [ ! -s "$OUT/pyspy-$label.raw" ]; then
-    echo "py-spy ($label) failed (rc $rc; ptrace may be refused in this container): $(tail -3 "$OUT/pyspy-$label.log")"
+  if [ ! -s "$OUT/pyspy-$label.raw" ]; then
+    echo "py-spy ($label) wrote nothing (rc $rc; ptrace may be refused in this container): $(tail -4 "$OUT/pyspy-$label.log")"
     return 1
   fi
+  grep "^loop" "$OUT/pyspy-$label.log"
   python3 tools/host_path_layers.py pyspy-summary "$OUT/pyspy-$label.raw" --top 45 > "$OUT/pyspy-$label.txt" 2>&1
-  head -60 "$OUT/pyspy-$label.txt"
+  head -75 "$OUT/pyspy-$label.txt"
 }
-if [ -x "$PYSPY" ]; then
+if [ -n "$PYSPY" ] && [ -x "$PYSPY" ]; then
   pyspy_run ours
   [ $HAVE_ANCHOR = 1 ] && pyspy_run flashmla "$ANCHOR_DIR"
 fi
 
 # ---- perf (when installed and time is left)
 if command -v perf >/dev/null 2>&1 && [ "$(left)" -gt 25 ]; then
-  step "perf record (ours)" 18 perf record -g -F 4999 -o /tmp/perf-ours.data -- \
-    python3 tools/host_path_layers.py loop --seconds 4 > "$OUT/perf-record.log" 2>&1 &&
-    timeout 15 perf report -i /tmp/perf-ours.data --stdio --no-children --percent-limit 0.7 2>/dev/null |
-      head -400 > "$OUT/perf-ours.txt"
+  step "perf record (ours)" 20 python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" \
+    --perf-data /tmp/perf-ours.data > "$OUT/perf-record.log" 2>&1 &&
+    { echo "## self"; timeout 10 perf report -i /tmp/perf-ours.data --stdio --no-children -g none --sort dso,sym \
+        --percent-limit 0.3 2>/dev/null | grep -v '^$' | cut -c1-220 | head -120
+      echo "## inclusive"; timeout 10 perf report -i /tmp/perf-ours.data --stdio --children -g none --sort sym \
+        --percent-limit 2 2>/dev/null | grep -v '^$' | cut -c1-220 | head -120
+      echo "## self by shared object"; timeout 10 perf report -i /tmp/perf-ours.data --stdio --no-children -g none \
+        --sort dso 2>/dev/null | grep -v '^$' | head -40; } > "$OUT/perf-ours.txt"
+    head -50 "$OUT/perf-ours.txt"
 else
   echo "=== perf: not installed or no time left"
 fi

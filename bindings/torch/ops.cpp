@@ -95,11 +95,17 @@ TensorRef to_ref(const Tensor& t, const char* name) {
     raise("ValueError", std::string(name) + ": at most " + std::to_string(flashmla::kMaxTensorDims) +
                             " dimensions, got " + std::to_string(ndim));
   r.ndim = static_cast<int32_t>(ndim);
+  // (one shim call each for the sizes and the strides, not one per dimension: this runs for every tensor
+  // argument of every call)
+  const auto sizes = t.sizes();
+  const auto strides = t.strides();
+  int64_t numel = 1;
   for (int64_t i = 0; i < ndim; ++i) {
-    r.shape[i] = t.size(i);
-    r.stride[i] = t.stride(i);
+    r.shape[i] = sizes[i];
+    r.stride[i] = strides[i];
+    numel *= sizes[i];
   }
-  r.data = t.numel() == 0 ? nullptr : t.data_ptr();
+  r.data = numel == 0 ? nullptr : t.data_ptr();
   if (t.is_cpu()) {
     r.device = {flashmla::DeviceType::kCPU, 0};
   } else if (t.is_cuda()) {
@@ -200,34 +206,32 @@ void* stream_for(const TensorRef& q) {
 }
 
 using DecodeResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
+using ScheduledDecodeResult = std::tuple<Tensor, Tensor>;
 
-/// Shared tail of both decode ops: plan, allocate, run. Returns (out, lse, tile_scheduler_metadata, num_splits).
-/// Without given metadata the last two are the schedule this call computed (on the stream, for the caller to
-/// reuse); with given metadata they are empty tensors of shapes (0, 8) and (0,): the op's outputs never alias
-/// its inputs, and reusing a schedule costs neither an allocation of its size nor a copy kernel.
+/// Shared tail of the decode ops: plan, allocate, run. `tsm_in` / `num_splits_in`: the schedule an earlier
+/// call computed (both or neither; validated by the core), or null. Without it the schedule is computed into
+/// *tsm_out / *splits_out, allocated here, on the stream (for the caller to reuse). Returns (out, lse).
 template <typename Params>
-DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTensor& tsm_in,
-                        const OptTensor& num_splits_in, Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
-                        Status (*fwd_fn)(const Params&)) {
+ScheduledDecodeResult run_decode(Params& p, DType out_dtype, const Tensor* tsm_in, const Tensor* num_splits_in,
+                                 std::optional<Tensor>* tsm_out, std::optional<Tensor>* splits_out,
+                                 Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
+                                 Status (*fwd_fn)(const Params&)) {
   MaybeDeviceGuard guard(p.q);
-  if (tsm_in.has_value() != num_splits_in.has_value())
-    raise("ValueError", "tile_scheduler_metadata and num_splits must be given together");
   flashmla::DecodePlan plan;
   check(plan_fn(p, &plan));
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
   Tensor out = alloc(p.q.device, {b, s_q, h_q, p.head_dim_v}, out_dtype);
   Tensor lse = alloc(p.q.device, {b, h_q, s_q}, DType::kFloat32);
-  const bool reuse = tsm_in.has_value();
-  Tensor tsm = alloc(p.q.device, {reuse ? 0 : plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32);
-  Tensor splits = alloc(p.q.device, {reuse ? 0 : plan.num_splits_len}, DType::kInt32);
-  if (reuse) {
+  if (tsm_in != nullptr) {
     // Validated by the core (shape / dtype / device) before the copy is read.
     p.tile_scheduler_metadata = to_ref(*tsm_in, "tile_scheduler_metadata");
     p.num_splits = to_ref(*num_splits_in, "num_splits");
     p.metadata_ready = true;
   } else {
-    p.tile_scheduler_metadata = to_ref(tsm, "tile_scheduler_metadata");
-    p.num_splits = to_ref(splits, "num_splits");
+    tsm_out->emplace(alloc(p.q.device, {plan.num_sm_parts, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32));
+    splits_out->emplace(alloc(p.q.device, {plan.num_splits_len}, DType::kInt32));
+    p.tile_scheduler_metadata = to_ref(**tsm_out, "tile_scheduler_metadata");
+    p.num_splits = to_ref(**splits_out, "num_splits");
     p.metadata_ready = false;
   }
   Tensor ws = alloc(p.q.device, {plan.workspace_bytes > 0 ? plan.workspace_bytes : 1}, DType::kUInt8);
@@ -237,7 +241,28 @@ DecodeResult run_decode(Params& p, const Tensor& q, DType out_dtype, const OptTe
   p.workspace_bytes = plan.workspace_bytes;
   p.stream = stream_for(p.q);
   check(fwd_fn(p));
-  return {out, lse, tsm, splits};
+  return {out, lse};
+}
+
+/// The ops that return the schedule: (out, lse, tile_scheduler_metadata, num_splits). Without given metadata the
+/// last two are the schedule this call computed; with given metadata they are empty tensors of shapes (0, 8) and
+/// (0,): the op's outputs never alias its inputs, and reusing a schedule costs neither an allocation of its size
+/// nor a copy kernel. (The *_scheduled ops below return (out, lse) only: what a reusing caller needs.)
+template <typename Params>
+DecodeResult run_decode_returning_schedule(Params& p, DType out_dtype, const OptTensor& tsm_in,
+                                           const OptTensor& num_splits_in,
+                                           Status (*plan_fn)(const Params&, flashmla::DecodePlan*),
+                                           Status (*fwd_fn)(const Params&)) {
+  if (tsm_in.has_value() != num_splits_in.has_value())
+    raise("ValueError", "tile_scheduler_metadata and num_splits must be given together");
+  if (tsm_in.has_value()) {
+    auto [out, lse] = run_decode(p, out_dtype, &*tsm_in, &*num_splits_in, nullptr, nullptr, plan_fn, fwd_fn);
+    return {out, lse, alloc(p.q.device, {0, flashmla::kTileSchedulerMetadataWidth}, DType::kInt32),
+            alloc(p.q.device, {0}, DType::kInt32)};
+  }
+  std::optional<Tensor> tsm, splits;
+  auto [out, lse] = run_decode(p, out_dtype, nullptr, nullptr, &tsm, &splits, plan_fn, fwd_fn);
+  return {out, lse, *tsm, *splits};
 }
 
 // ------------------------------------------------------------------ ops
@@ -246,8 +271,18 @@ DecodeResult dense_decode_fwd(Tensor q, Tensor k_cache, int64_t head_dim_v, Tens
                               OptTensor num_splits) {
   auto p = flashmla::bindings::dense_decode_params(kRef, q, k_cache, block_table, cache_seqlens, head_dim_v,
                                                   softmax_scale, causal);
-  return run_decode(p, q, p.q.dtype, tile_scheduler_metadata, num_splits, flashmla::dense_decode_plan,
-                    flashmla::dense_decode_fwd);
+  return run_decode_returning_schedule(p, p.q.dtype, tile_scheduler_metadata, num_splits,
+                                       flashmla::dense_decode_plan, flashmla::dense_decode_fwd);
+}
+
+/// dense_decode_fwd with the schedule of an earlier call (the reusing call of the Python layer): (out, lse).
+ScheduledDecodeResult dense_decode_fwd_scheduled(Tensor q, Tensor k_cache, int64_t head_dim_v, Tensor cache_seqlens,
+                                                 Tensor block_table, double softmax_scale, bool causal,
+                                                 Tensor tile_scheduler_metadata, Tensor num_splits) {
+  auto p = flashmla::bindings::dense_decode_params(kRef, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                  softmax_scale, causal);
+  return run_decode(p, p.q.dtype, &tile_scheduler_metadata, &num_splits, nullptr, nullptr,
+                    flashmla::dense_decode_plan, flashmla::dense_decode_fwd);
 }
 
 DecodeResult sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, OptTensor topk_length, OptTensor attn_sink,
@@ -257,8 +292,21 @@ DecodeResult sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, OptTens
   auto p = flashmla::bindings::sparse_decode_params(kRef, q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
                                                    extra_indices_in_kvcache, extra_topk_length, head_dim_v,
                                                    softmax_scale);
-  return run_decode(p, q, DType::kBFloat16, tile_scheduler_metadata, num_splits, flashmla::sparse_decode_plan,
-                    flashmla::sparse_decode_fwd);
+  return run_decode_returning_schedule(p, DType::kBFloat16, tile_scheduler_metadata, num_splits,
+                                       flashmla::sparse_decode_plan, flashmla::sparse_decode_fwd);
+}
+
+/// sparse_decode_fwd with the schedule of an earlier call: (out, lse).
+ScheduledDecodeResult sparse_decode_fwd_scheduled(Tensor q, Tensor k_cache, Tensor indices, OptTensor topk_length,
+                                                  OptTensor attn_sink, Tensor tile_scheduler_metadata,
+                                                  Tensor num_splits, OptTensor extra_k_cache,
+                                                  OptTensor extra_indices_in_kvcache, OptTensor extra_topk_length,
+                                                  int64_t head_dim_v, double softmax_scale) {
+  auto p = flashmla::bindings::sparse_decode_params(kRef, q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                                                   extra_indices_in_kvcache, extra_topk_length, head_dim_v,
+                                                   softmax_scale);
+  return run_decode(p, DType::kBFloat16, &tile_scheduler_metadata, &num_splits, nullptr, nullptr,
+                    flashmla::sparse_decode_plan, flashmla::sparse_decode_fwd);
 }
 
 std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, double sm_scale,
@@ -356,9 +404,17 @@ STABLE_TORCH_LIBRARY(flash_mla, m) {
       "float softmax_scale, bool causal, Tensor? tile_scheduler_metadata=None, Tensor? num_splits=None) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
+      "dense_decode_fwd_scheduled(Tensor q, Tensor k_cache, int head_dim_v, Tensor cache_seqlens, "
+      "Tensor block_table, float softmax_scale, bool causal, Tensor tile_scheduler_metadata, Tensor num_splits) "
+      "-> (Tensor, Tensor)");
+  m.def(
       "sparse_decode_fwd(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
       "Tensor? tile_scheduler_metadata, Tensor? num_splits, Tensor? extra_k_cache, Tensor? extra_indices_in_kvcache, "
       "Tensor? extra_topk_length, int head_dim_v, float softmax_scale) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "sparse_decode_fwd_scheduled(Tensor q, Tensor k_cache, Tensor indices, Tensor? topk_length, Tensor? attn_sink, "
+      "Tensor tile_scheduler_metadata, Tensor num_splits, Tensor? extra_k_cache, Tensor? extra_indices_in_kvcache, "
+      "Tensor? extra_topk_length, int head_dim_v, float softmax_scale) -> (Tensor, Tensor)");
   m.def(
       "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, "
       "Tensor? topk_length=None) -> (Tensor, Tensor, Tensor)");
@@ -375,7 +431,9 @@ STABLE_TORCH_LIBRARY(flash_mla, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(flash_mla, CPU, m) {
   m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
+  m.impl("dense_decode_fwd_scheduled", TORCH_BOX(&dense_decode_fwd_scheduled));
   m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
+  m.impl("sparse_decode_fwd_scheduled", TORCH_BOX(&sparse_decode_fwd_scheduled));
   m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
   m.impl("dense_prefill_fwd", TORCH_BOX(&dense_prefill_fwd));
   m.impl("dense_prefill_bwd", TORCH_BOX(&dense_prefill_bwd));
@@ -386,7 +444,9 @@ STABLE_TORCH_LIBRARY_IMPL(flash_mla, CPU, m) {
 #ifdef FLASHMLA_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(flash_mla, CUDA, m) {
   m.impl("dense_decode_fwd", TORCH_BOX(&dense_decode_fwd));
+  m.impl("dense_decode_fwd_scheduled", TORCH_BOX(&dense_decode_fwd_scheduled));
   m.impl("sparse_decode_fwd", TORCH_BOX(&sparse_decode_fwd));
+  m.impl("sparse_decode_fwd_scheduled", TORCH_BOX(&sparse_decode_fwd_scheduled));
   m.impl("sparse_prefill_fwd", TORCH_BOX(&sparse_prefill_fwd));
   m.impl("dense_prefill_fwd", TORCH_BOX(&dense_prefill_fwd));
   m.impl("dense_prefill_bwd", TORCH_BOX(&dense_prefill_bwd));

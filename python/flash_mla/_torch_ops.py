@@ -9,6 +9,9 @@ the helpers that :mod:`flash_mla.flash_mla_interface` uses to send torch tensors
 Ops (schemas in ops.cpp):
   dense_decode_fwd, sparse_decode_fwd -> (out, lse, tile_scheduler_metadata, num_splits)
       (the last two are the schedule the call computed, or empty when the caller passed one)
+  dense_decode_fwd_scheduled, sparse_decode_fwd_scheduled -> (out, lse)
+      (the same with the schedule of an earlier call required: what a call that reuses a
+      FlashMLASchedMeta runs, without the two empty outputs)
   sparse_prefill_fwd                  -> (out, max_logits, lse)
   dense_prefill_fwd                   -> (out, lse); lse (total_q, h_q) with FlashMLA's strides (1, total_q);
                                          differentiable in q, k, v (torch.library.register_autograd)
@@ -38,6 +41,11 @@ _state: dict = {"loaded": None, "error": None}
 _torch: Any = None
 _Tensor: Any = None
 _ops: Any = None
+# torch's current CUDA device and whether the current stream is capturing (the C functions behind
+# torch.cuda.current_device / is_current_stream_capturing, bound once; schedule_key asks both on every
+# CUDA call), or the public functions where a torch build lacks the former.
+_cuda_current_device: Any = None
+_cuda_capturing: Any = None
 _NoneType = type(None)
 _ERROR_CLASSES = {
     "ValueError": ValueError,
@@ -87,15 +95,19 @@ class _Ops:
 
     def __init__(self, torch: Any) -> None:
         ns = torch.ops.flash_mla
-        for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_fwd",
-                     "dense_prefill_bwd", "quantize_kv_cache", "dequantize_kv_cache"):
+        for name in ("dense_decode_fwd", "dense_decode_fwd_scheduled", "sparse_decode_fwd",
+                     "sparse_decode_fwd_scheduled", "sparse_prefill_fwd", "dense_prefill_fwd", "dense_prefill_bwd",
+                     "quantize_kv_cache", "dequantize_kv_cache"):
             setattr(self, name, getattr(ns, name).default)
 
 
 def _bind(torch: Any) -> None:
-    global _torch, _Tensor, _ops
+    global _torch, _Tensor, _ops, _cuda_current_device, _cuda_capturing
     _ops = _Ops(torch)
     _torch, _Tensor = torch, torch.Tensor
+    # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
+    _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+    _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def available() -> bool:
@@ -222,7 +234,8 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
                 return None
             else:
                 key += (t, t._version)
-    if dev >= 0 and (dev != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing()):
+    if dev >= 0 and (dev != (_cuda_current_device or torch.cuda.current_device)()
+                     or (_cuda_capturing or torch.cuda.is_current_stream_capturing)()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
         key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(dev).cuda_stream))
@@ -305,6 +318,13 @@ def _register_fakes(torch) -> None:
         parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
         return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None)
 
+    @torch.library.register_fake(lib + "dense_decode_fwd_scheduled")
+    def _dense_decode_scheduled_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
+                                     tile_scheduler_metadata, num_splits):
+        _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                           tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+        return _decode_outputs(torch, q, q.dtype, head_dim_v, 0, True)[:2]
+
     @torch.library.register_fake(lib + "sparse_decode_fwd")
     def _sparse_decode_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
                             extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
@@ -314,6 +334,16 @@ def _register_fakes(torch) -> None:
                            extra_topk_length=extra_topk_length)
         parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
         return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None)
+
+    @torch.library.register_fake(lib + "sparse_decode_fwd_scheduled")
+    def _sparse_decode_scheduled_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
+                                      extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v,
+                                      softmax_scale):
+        _check_same_device("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                           tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
+                           extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
+                           extra_topk_length=extra_topk_length)
+        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, 0, True)[:2]
 
     @torch.library.register_fake(lib + "sparse_prefill_fwd")
     def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
@@ -365,7 +395,8 @@ def _register_fakes(torch) -> None:
     # kernel from register_autograd costs ~3 us a call) skips autograd for them, as torch's warning advises.
     impl = torch.library.Library("flash_mla", "IMPL")
     # (dense_prefill_bwd: no double backward; its outputs do not require grad either.)
-    for name in ("dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_bwd"):
+    for name in ("dense_decode_fwd", "dense_decode_fwd_scheduled", "sparse_decode_fwd", "sparse_decode_fwd_scheduled",
+                 "sparse_prefill_fwd", "dense_prefill_bwd"):
         impl.impl(name, torch.library.fallthrough_kernel, "Autograd")
     _state["autograd_impl"] = impl  # the registrations live as long as this object
 
@@ -386,9 +417,21 @@ def dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax
                 softmax_scale, causal, tsm, num_splits)
 
 
+def dense_decode_fwd_scheduled(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                               num_splits):
+    return call(_ops.dense_decode_fwd_scheduled, q, k_cache, head_dim_v, cache_seqlens, block_table,
+                softmax_scale, causal, tsm, num_splits)
+
+
 def sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
                       extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
     return call(_ops.sparse_decode_fwd, q, k_cache, indices, topk_length, attn_sink, tsm,
+                num_splits, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+
+
+def sparse_decode_fwd_scheduled(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                                extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+    return call(_ops.sparse_decode_fwd_scheduled, q, k_cache, indices, topk_length, attn_sink, tsm,
                 num_splits, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
 
 

@@ -38,9 +38,12 @@ if not _torch_ops.available():
 
 
 def _with_metadata(res: Any, tile_scheduler_metadata: Any, num_splits: Any) -> List[Any]:
-    """The op returns empty metadata when it was given some (no aliasing); FlashMLA's wrapper stores
-    what comes back, so hand the given tensors back as FlashMLA does."""
+    """[out, lse, tile_scheduler_metadata, num_splits]: given metadata is handed back, as FlashMLA does (its
+    wrapper stores what comes back); the ops never return it (no aliasing): the *_scheduled ops return
+    (out, lse) only, the others the schedule they computed."""
     res = list(res)
+    if len(res) == 2:
+        return res + [tile_scheduler_metadata, num_splits]
     if tile_scheduler_metadata is not None:
         res[2] = tile_scheduler_metadata
     if num_splits is not None:
@@ -61,9 +64,10 @@ def dense_decode_fwd(q: Any, k_cache: Any, head_dim_v: int, cache_seqlens: Any, 
                      num_splits: Any = None) -> List[Any]:
     """Dense MLA decode (FlashMLA's ``flash_mla.cuda.dense_decode_fwd``); see the module docstring."""
     _require_torch(q=q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table)
-    res = _torch_ops.dense_decode_fwd(q, k_cache, _int_arg("head_dim_v", head_dim_v), cache_seqlens, block_table,
-                                      _float_arg("softmax_scale", softmax_scale), bool(causal), tile_scheduler_metadata,
-                                      num_splits)
+    op = (_torch_ops.dense_decode_fwd_scheduled if tile_scheduler_metadata is not None and num_splits is not None
+          else _torch_ops.dense_decode_fwd)
+    res = op(q, k_cache, _int_arg("head_dim_v", head_dim_v), cache_seqlens, block_table,
+             _float_arg("softmax_scale", softmax_scale), bool(causal), tile_scheduler_metadata, num_splits)
     return _with_metadata(res, tile_scheduler_metadata, num_splits)
 
 
@@ -73,9 +77,11 @@ def sparse_decode_fwd(q: Any, k_cache: Any, indices: Any, topk_length: Any, attn
                       softmax_scale: float) -> List[Any]:
     """Sparse FP8 MLA decode (FlashMLA's ``flash_mla.cuda.sparse_decode_fwd``); see the module docstring."""
     _require_torch(q=q, k_cache=k_cache, indices=indices)
-    res = _torch_ops.sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
-                                       extra_k_cache, extra_indices_in_kvcache, extra_topk_length,
-                                       _int_arg("head_dim_v", head_dim_v), _float_arg("softmax_scale", softmax_scale))
+    op = (_torch_ops.sparse_decode_fwd_scheduled if tile_scheduler_metadata is not None and num_splits is not None
+          else _torch_ops.sparse_decode_fwd)
+    res = op(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits, extra_k_cache,
+             extra_indices_in_kvcache, extra_topk_length, _int_arg("head_dim_v", head_dim_v),
+             _float_arg("softmax_scale", softmax_scale))
     return _with_metadata(res, tile_scheduler_metadata, num_splits)
 
 

@@ -348,7 +348,7 @@ def flash_mla_with_kvcache(
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
         reuse = False
-    if use_torch:
+    if use_torch:  # (a reusing call runs the *_scheduled op: no empty metadata outputs)
         meta_in = (tsm, sched.num_splits) if reuse else (None, None)
     else:
         meta_in = (
@@ -363,7 +363,7 @@ def flash_mla_with_kvcache(
             raise _AssertValueError(
                 "is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
         if use_torch:
-            res = _torch_ops.sparse_decode_fwd(
+            res = (_torch_ops.sparse_decode_fwd_scheduled if reuse else _torch_ops.sparse_decode_fwd)(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
                 extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
         elif use_jax:
@@ -393,8 +393,8 @@ def flash_mla_with_kvcache(
         # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
         # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
         if use_torch:
-            res = _torch_ops.dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale,
-                                              causal, meta_in[0], meta_in[1])
+            res = (_torch_ops.dense_decode_fwd_scheduled if reuse else _torch_ops.dense_decode_fwd)(
+                q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, meta_in[0], meta_in[1])
         elif use_jax:
             from . import _jax
 
@@ -409,7 +409,9 @@ def flash_mla_with_kvcache(
                     _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
                     softmax_scale, causal, meta_in[0], meta_in[1],
                 )
-    if use_torch or use_jax or res[2] is None:
+    if use_torch and reuse:
+        out, lse = res
+    elif use_torch or use_jax or res[2] is None:
         out, lse, tsm, splits = res  # (JAX, CuPy: the metadata stays inside the call, tsm = splits = None)
     else:
         out, lse, tsm, splits = (_ffi.from_ffi(t, q) for t in res)

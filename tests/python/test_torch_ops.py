@@ -27,8 +27,8 @@ if not _torch_ops.available():
         raise RuntimeError(f"torch.ops.flash_mla is required but unavailable: {_torch_ops.load_error()}")
     pytest.skip(f"torch.ops.flash_mla unavailable: {_torch_ops.load_error()}", allow_module_level=True)
 
-OPS = ["dense_decode_fwd", "sparse_decode_fwd", "sparse_prefill_fwd", "dense_prefill_fwd", "dense_prefill_bwd",
-       "quantize_kv_cache", "dequantize_kv_cache"]
+OPS = ["dense_decode_fwd", "dense_decode_fwd_scheduled", "sparse_decode_fwd", "sparse_decode_fwd_scheduled",
+       "sparse_prefill_fwd", "dense_prefill_fwd", "dense_prefill_bwd", "quantize_kv_cache", "dequantize_kv_cache"]
 
 
 # ----------------------------------------------------------------------------- conversion helpers
@@ -118,7 +118,8 @@ def test_sparse_decode_values(rng, count_torch_calls, d_qk, extra):
     assert sched.tile_scheduler_metadata.dtype == torch.int32 and sched.tile_scheduler_metadata.shape[1] == 8
     tsm_before = sched.tile_scheduler_metadata.clone()
     out2, lse2 = flash_mla.flash_mla_with_kvcache(T(c.q), T(c.main.packed), None, None, 512, sched, **sparse_kwargs(c))
-    assert count_torch_calls == ["flash_mla.sparse_decode_fwd.default"] * 2
+    # (the reusing call runs the op that takes the schedule and returns (out, lse) only)
+    assert count_torch_calls == ["flash_mla.sparse_decode_fwd.default", "flash_mla.sparse_decode_fwd_scheduled.default"]
     assert torch.equal(out2.view(torch.int16), out.view(torch.int16)) and torch.equal(lse2, lse)
     assert torch.equal(sched.tile_scheduler_metadata, tsm_before)
 
@@ -204,6 +205,25 @@ def test_quant_helpers_through_torch_ops(rng, count_torch_calls, d_qk):
     np.testing.assert_array_equal(bits(N(dq_t)), bits(quant.dequantize_k_cache(packed_np, d_qk=d_qk)))
 
 
+def test_reusing_call_runs_the_scheduled_op(rng, count_torch_calls):
+    """A call that reuses a FlashMLASchedMeta runs dense_decode_fwd_scheduled (the schedule in, (out, lse) out:
+    no empty metadata outputs); same bits as the call that computed the schedule, the schedule kept."""
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    out, lse = flash_mla.flash_mla_with_kvcache(*dense_args(c, sched))
+    tsm, ns = sched.tile_scheduler_metadata, sched.num_splits
+    out2, lse2 = flash_mla.flash_mla_with_kvcache(*dense_args(c, sched))
+    assert count_torch_calls == ["flash_mla.dense_decode_fwd.default", "flash_mla.dense_decode_fwd_scheduled.default"]
+    assert torch.equal(out2.view(torch.int16), out.view(torch.int16)) and torch.equal(lse2, lse)
+    assert sched.tile_scheduler_metadata is tsm and sched.num_splits is ns
+    # The op validates the given schedule as dense_decode_fwd does (the core's ValueError, naming it).
+    args = (T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), 576 ** -0.5, c.causal)
+    with pytest.raises(ValueError, match="tile_scheduler_metadata"):
+        _torch_ops.dense_decode_fwd_scheduled(*args, tsm[:-1], ns)
+    with pytest.raises(ValueError, match="num_splits"):
+        _torch_ops.dense_decode_fwd_scheduled(*args, tsm, ns[:-1])
+
+
 def test_disabled_torch_ops_fall_back_to_tvm_ffi(rng, count_torch_calls, monkeypatch):
     c = dense_case(rng)
     ref = flash_mla.flash_mla_with_kvcache(*dense_args(c, flash_mla.get_mla_metadata()[0]))
@@ -272,6 +292,12 @@ def _op_samples(rng):
     # Metadata passed back in (the CPU reuse path): outputs are fresh copies, never aliases.
     _, _, tsm, ns = torch.ops.flash_mla.dense_decode_fwd(*samples["dense_decode_fwd"][0])
     samples["dense_decode_fwd"].append(samples["dense_decode_fwd"][0][:7] + (tsm, ns))
+    samples["dense_decode_fwd_scheduled"] = [samples["dense_decode_fwd"][0][:7] + (tsm, ns)]
+    # The *_scheduled ops: the schedule an earlier call of the same shapes and lengths computed.
+    samples["sparse_decode_fwd_scheduled"] = []
+    for args in samples["sparse_decode_fwd"]:
+        _, _, tsm, ns = torch.ops.flash_mla.sparse_decode_fwd(*args)
+        samples["sparse_decode_fwd_scheduled"].append(args[:5] + (tsm, ns) + args[7:])
     return samples
 
 

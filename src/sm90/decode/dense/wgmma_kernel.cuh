@@ -25,6 +25,7 @@
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
+#include "sm90/common/host_utils.h"
 
 namespace flashmla::sm90::dense_wgmma {
 
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
 template <typename T>
 cudaError_t launch_main(const DenseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   auto kernel = flash_fwd_splitkv_mla_kernel_wgmma<T>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);  // once per device, not per launch
   if (e != cudaSuccess) return e;
   const int m_tiles = (kp.m_rows + kBlockM - 1) / kBlockM;
   const dim3 grid(m_tiles, kp.h_kv, num_sm_parts);
