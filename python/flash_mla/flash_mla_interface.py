@@ -144,6 +144,13 @@ def _on_device(x: Any) -> bool:
         return devices is not None and any(d.platform != "cpu" for d in devices())
 
 
+def _elsewhere(x: Any) -> bool:
+    """True for a tensor not in host memory: torch tensors by ``is_cpu`` (a meta tensor has no DLPack
+    device), the others by their DLPack device."""
+    is_cpu = getattr(x, "is_cpu", None)
+    return (not is_cpu) if isinstance(is_cpu, bool) else _on_device(x)
+
+
 def _jax_use_xla(q: Any, **others: Any) -> bool:
     from . import _jax
 
@@ -347,6 +354,10 @@ def flash_mla_with_kvcache(
     if reuse and use_torch and type(tsm) is not _torch_ops._Tensor and _ffi.framework_of(tsm) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
+        reuse = False
+    if reuse and not on_device and _elsewhere(tsm):
+        # Filled by a call on another device (a GPU, torch's meta device): the config holds no device, so
+        # the call is a legal reuse, but the schedule is not in this call's memory. Recomputed here.
         reuse = False
     if use_torch:  # (a reusing call runs the *_scheduled op: no empty metadata outputs)
         meta_in = (tsm, sched.num_splits) if reuse else (None, None)

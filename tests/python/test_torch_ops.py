@@ -253,6 +253,31 @@ def test_sched_meta_changed_lengths_raise_on_cpu(rng):
         flash_mla.flash_mla_with_kvcache(*dense_args(dense_case(rng, s_q=2), sched))
 
 
+def test_sched_meta_filled_on_another_device_is_recomputed_on_cpu(rng):
+    """A FlashMLASchedMeta holds no device in its config, so a CPU call of the same shapes and lengths may reuse
+    one that a call on another device filled (here a shape pass on the ``meta`` device; on a GPU host a CUDA
+    call): the CPU call recomputes the schedule on its own device and matches the reference (it raised a device
+    error naming tile_scheduler_metadata)."""
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    args = dense_args(c, sched)
+    meta_out, _ = flash_mla.flash_mla_with_kvcache(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    assert meta_out.device.type == "meta" and sched.tile_scheduler_metadata.device.type == "meta"
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, causal=c.causal)
+    for _ in range(2):  # the recomputing call, then one that reuses the CPU schedule it stored
+        out, lse = flash_mla.flash_mla_with_kvcache(*args)
+        check_out("out", N(out), ref_out, BF16)
+        check_lse("lse", N(lse), ref_lse)
+        assert sched.tile_scheduler_metadata.is_cpu and sched.num_splits.is_cpu
+    # NumPy on the CPU likewise
+    sched = flash_mla.get_mla_metadata()[0]
+    flash_mla.flash_mla_with_kvcache(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in dense_args(c, sched)])
+    out, lse = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512, sched, None,
+                                                c.softmax_scale, c.causal)
+    check_out("out", out, ref_out, BF16)
+    check_lse("lse", lse, ref_lse)
+
+
 # ----------------------------------------------------------------------------- opcheck
 def _op_samples(rng):
     d = gen_dense_case(rng, b=2, s_q=2, h_q=16, h_kv=1, d=576, s_k=70, varlen=True, causal=True)
