@@ -186,6 +186,15 @@ def _float_arg(name: str, value: Any) -> float:
     return value
 
 
+def _default_softmax_scale(d_qk: Any) -> float:
+    """FlashMLA's default softmax scale ``d_qk ** -0.5`` (1.0 for d_qk 0, which the C++ validation rejects).
+    ``operator.index`` turns a symbolic size of torch.compile's dynamic shapes into a concrete int (Dynamo
+    specialises it, with a guard), so the scale is a constant of the graph as in eager, not a symbolic
+    float that the finiteness check of the scale cannot trace."""
+    d = operator.index(d_qk)
+    return d ** (-0.5) if d > 0 else 1.0
+
+
 def _require_tensors(**tensors: Any) -> None:
     """TypeError naming the first required argument that is None or not a tensor (no ``.shape``)."""
     for name, val in tensors.items():
@@ -275,9 +284,9 @@ def flash_mla_with_kvcache(
                 raise TypeError(f"{name}: expected a {rank}-D tensor {layout} or None, got {type(t).__name__}")
             if t is not None and len(t.shape) != rank:
                 raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
-    b, s_q, h_q, d_qk = int(q_shape[0]), int(q_shape[1]), int(q_shape[2]), int(q_shape[3])
+    b, s_q, h_q = int(q_shape[0]), int(q_shape[1]), int(q_shape[2])
     if softmax_scale is None:
-        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+        softmax_scale = _default_softmax_scale(q_shape[3])
     if type(head_dim_v) is not int:
         head_dim_v = _int_arg("head_dim_v", head_dim_v)
     if type(softmax_scale) is not float or not _isfinite(softmax_scale):
@@ -540,8 +549,7 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
             if len(t.shape) != 3:
                 raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {_shape(t)}")
     if softmax_scale is None:
-        d_qk = int(q_shape[-1])
-        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+        softmax_scale = _default_softmax_scale(q_shape[-1])
     scale = softmax_scale
     if type(scale) is not float or not _isfinite(scale):
         scale = _float_arg("softmax_scale", scale)

@@ -431,6 +431,40 @@ def test_compile_fullgraph_every_public_function(rng, backend):
     assert torch.equal(p1, p2) and torch.equal(got.view(torch.int16), ref.view(torch.int16))
 
 
+def test_compile_dynamic_shapes_default_softmax_scale(rng):
+    """torch.compile(fullgraph=True, dynamic=True): every dimension symbolic, d_qk included. The default
+    softmax_scale (d_qk ** -0.5) is a constant of the graph (d_qk specialised), not a symbolic float that
+    the finiteness check cannot trace (which failed with "torch.* op returned non-Tensor"); a decode step of
+    three layers sharing one scheduler object, sparse decode and dense prefill, each equal to eager."""
+    torch._dynamo.reset()
+    dc, sc = dense_case(rng), sparse_case(rng, 576, True)
+    skw = sparse_kwargs(sc)
+    skw.pop("softmax_scale", None)
+
+    def dense_step(q, k, bt, lens):
+        sched, _ = flash_mla.get_mla_metadata()
+        outs = [flash_mla.flash_mla_with_kvcache(q * (i + 1), k, bt, lens, 512, sched, None, None, dc.causal)
+                for i in range(3)]
+        return [t for o in outs for t in o]
+
+    def sparse_fn(q, k):
+        return flash_mla.flash_mla_with_kvcache(q, k, None, None, 512, flash_mla.get_mla_metadata()[0], **skw)
+
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+
+    def prefill_fn(q, k, v):
+        return flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+
+    pq, pk, pv = (torch.randn(n, 4, d).to(torch.bfloat16) for n, d in ((8, 192), (12, 192), (12, 128)))
+    for fn, args in ((dense_step, (T(dc.q), T(dc.k_cache), T(dc.block_table), T(dc.cache_seqlens))),
+                     (sparse_fn, (T(sc.q), T(sc.main.packed))), (prefill_fn, (pq, pk, pv))):
+        ref = fn(*args)
+        got = torch.compile(fn, fullgraph=True, backend="eager", dynamic=True)(*args)
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.float(), b.float()), fn.__name__
+
+
 # ----------------------------------------------------------------------------- errors
 def _error_of(fn):
     try:
