@@ -192,6 +192,46 @@ def test_flash_mla_cuda_module_matches_public_api(rng):
         fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), None, c.causal)
 
 
+def test_flash_mla_cuda_metadata_and_optional_arguments_errors(rng):
+    """flash_mla.cuda: the scheduler metadata handed back in and the optional tensors of sparse decode / prefill
+    that are not torch tensors raise TypeError naming the argument (as its required tensors do), not the
+    dispatcher's RuntimeError; wrong dtypes / shapes / devices of given metadata raise the core's errors."""
+    import flash_mla.cuda as fc
+
+    c = dense_case(rng)
+    args = (T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), 576 ** -0.5, c.causal)
+    _, _, tsm, ns = fc.dense_decode_fwd(*args)
+    for bad_tsm, bad_ns, name in ((tsm.numpy(), ns, "tile_scheduler_metadata"), (tsm, ns.tolist(), "num_splits"),
+                                  ([1, 2], ns, "tile_scheduler_metadata")):
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got "):
+            fc.dense_decode_fwd(*args, bad_tsm, bad_ns)
+    with pytest.raises(TypeError, match=r"^tile_scheduler_metadata: expected dtype int32, got int64"):
+        fc.dense_decode_fwd(*args, tsm.long(), ns)
+    with pytest.raises(ValueError, match=r"^num_splits: expected shape \(4,\) for this call"):
+        fc.dense_decode_fwd(*args, tsm, ns[:-1])
+    with pytest.raises(ValueError, match=r"^tile_scheduler_metadata is on meta but q is on cpu"):
+        fc.dense_decode_fwd(*args, tsm.to("meta"), ns)
+    with pytest.raises(ValueError, match=r"^tile_scheduler_metadata and num_splits must be given together"):
+        fc.dense_decode_fwd(*args, tsm, None)
+
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    names = ("topk_length", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")
+    sargs = dict(q=T(s.q), k_cache=T(s.main.packed), indices=kw["indices"], tile_scheduler_metadata=None,
+                 num_splits=None, head_dim_v=512, softmax_scale=kw["softmax_scale"], **{n: kw[n] for n in names})
+    for name in names + ("tile_scheduler_metadata",):
+        bad = dict(sargs)
+        bad[name] = np.zeros(3, np.int32)
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got ndarray"):
+            fc.sparse_decode_fwd(**bad)
+    p = prefill_case(rng)
+    for i, name in ((5, "attn_sink"), (6, "topk_length")):
+        pargs = [T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, None, None]
+        pargs[i] = np.zeros(3, np.float32)
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got ndarray"):
+            fc.sparse_prefill_fwd(*pargs)
+
+
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_quant_helpers_through_torch_ops(rng, count_torch_calls, d_qk):
     kv = np.clip(rng.standard_normal((3, 16, 1, d_qk)) * 0.3, -2, 2).astype(np.float32).astype(BF16)
