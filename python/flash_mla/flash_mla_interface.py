@@ -67,7 +67,8 @@ class FlashMLASchedMeta:
     Reuse is legal only for calls with the same ``config`` and the same values of
     ``cache_seqlens`` (dense) / ``topk_length`` and ``extra_topk_length`` (sparse).
     Changed shapes, flags or optional-length presence raise
-    :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too.
+    :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too, and a
+    schedule that a call on another device filled (a GPU, torch's meta device) is recomputed.
     On the GPU lengths are never read back (that would synchronise): torch calls reuse
     the schedule only while the length tensors are the same objects, unmodified since
     (torch version counters), within the same CUDA-graph capture; otherwise, and for
