@@ -343,7 +343,10 @@ def flash_mla_with_kvcache(
         if host_lengths and sched._lengths is not None:
             names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
             for name, old, new in zip(names, sched._lengths, lengths):
-                if old is not None and new is not None and not np.array_equal(old, new):
+                # (a length tensor of another shape or dtype is malformed, not changed: the op's validation
+                # reports it, naming what was expected)
+                if (old is not None and new is not None and old.shape == new.shape and old.dtype == new.dtype
+                        and not np.array_equal(old, new)):
                     raise SchedMetaMismatchError(
                         f"{name}: values differ from the call that computed this FlashMLASchedMeta; its split "
                         "schedule would be stale. Call get_mla_metadata() again when lengths change"

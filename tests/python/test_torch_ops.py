@@ -318,6 +318,31 @@ def test_sched_meta_filled_on_another_device_is_recomputed_on_cpu(rng):
     check_lse("lse", lse, ref_lse)
 
 
+def test_sched_meta_reuse_with_malformed_lengths_reports_the_malformation(rng):
+    """A reusing call whose length tensor has the wrong shape or dtype gets the error a fresh call gets
+    (naming cache_seqlens / topk_length and what was expected), not "values differ" from the schedule check."""
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    args = list(dense_args(c, sched))
+    flash_mla.flash_mla_with_kvcache(*args)
+    lens = args[3]
+    for bad, err, msg in ((torch.cat([lens, lens[:1] + 1]), ValueError, r"^cache_seqlens: expected shape \(3,\)"),
+                          (lens.reshape(3, 1), ValueError, r"^cache_seqlens: expected"),
+                          ((lens + 1).long(), TypeError, r"^cache_seqlens: expected dtype int32, got int64")):
+        args[3] = bad
+        with pytest.raises(err, match=msg) as info:
+            flash_mla.flash_mla_with_kvcache(*args)
+        assert not isinstance(info.value, flash_mla.SchedMetaMismatchError)
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    sched = flash_mla.get_mla_metadata()[0]
+    flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, sched, **kw)
+    kw["topk_length"] = kw["topk_length"][:1] + 1
+    with pytest.raises(ValueError, match=r"^topk_length: expected shape") as info:
+        flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, sched, **kw)
+    assert not isinstance(info.value, flash_mla.SchedMetaMismatchError)
+
+
 # ----------------------------------------------------------------------------- opcheck
 def _op_samples(rng):
     d = gen_dense_case(rng, b=2, s_q=2, h_q=16, h_kv=1, d=576, s_k=70, varlen=True, causal=True)
