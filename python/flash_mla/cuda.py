@@ -59,11 +59,22 @@ def _require_torch(**tensors: Any) -> None:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
+def _optional_torch(**tensors: Any) -> None:
+    """TypeError naming the first optional tensor argument that is neither None nor a torch.Tensor (the op's
+    dispatcher would raise a RuntimeError for it)."""
+    import torch
+
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+
+
 def dense_decode_fwd(q: Any, k_cache: Any, head_dim_v: int, cache_seqlens: Any, block_table: Any,
                      softmax_scale: float, causal: bool, tile_scheduler_metadata: Any = None,
                      num_splits: Any = None) -> List[Any]:
     """Dense MLA decode (FlashMLA's ``flash_mla.cuda.dense_decode_fwd``); see the module docstring."""
     _require_torch(q=q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table)
+    _optional_torch(tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     op = (_torch_ops.dense_decode_fwd_scheduled if tile_scheduler_metadata is not None and num_splits is not None
           else _torch_ops.dense_decode_fwd)
     res = op(q, k_cache, _int_arg("head_dim_v", head_dim_v), cache_seqlens, block_table,
@@ -77,6 +88,9 @@ def sparse_decode_fwd(q: Any, k_cache: Any, indices: Any, topk_length: Any, attn
                       softmax_scale: float) -> List[Any]:
     """Sparse FP8 MLA decode (FlashMLA's ``flash_mla.cuda.sparse_decode_fwd``); see the module docstring."""
     _require_torch(q=q, k_cache=k_cache, indices=indices)
+    _optional_torch(topk_length=topk_length, attn_sink=attn_sink, tile_scheduler_metadata=tile_scheduler_metadata,
+                    num_splits=num_splits, extra_k_cache=extra_k_cache,
+                    extra_indices_in_kvcache=extra_indices_in_kvcache, extra_topk_length=extra_topk_length)
     op = (_torch_ops.sparse_decode_fwd_scheduled if tile_scheduler_metadata is not None and num_splits is not None
           else _torch_ops.sparse_decode_fwd)
     res = op(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits, extra_k_cache,
@@ -89,6 +103,7 @@ def sparse_prefill_fwd(q: Any, kv: Any, indices: Any, sm_scale: float, d_v: int 
                        topk_length: Any = None) -> List[Any]:
     """Sparse MLA prefill (FlashMLA's ``flash_mla.cuda.sparse_prefill_fwd``); see the module docstring."""
     _require_torch(q=q, kv=kv, indices=indices)
+    _optional_torch(attn_sink=attn_sink, topk_length=topk_length)
     return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, _float_arg("sm_scale", sm_scale), _int_arg("d_v", d_v),
                                               attn_sink, topk_length))
 

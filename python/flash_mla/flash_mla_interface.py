@@ -67,7 +67,8 @@ class FlashMLASchedMeta:
     Reuse is legal only for calls with the same ``config`` and the same values of
     ``cache_seqlens`` (dense) / ``topk_length`` and ``extra_topk_length`` (sparse).
     Changed shapes, flags or optional-length presence raise
-    :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too.
+    :class:`SchedMetaMismatchError`. On the CPU changed length values raise it too, and a
+    schedule that a call on another device filled (a GPU, torch's meta device) is recomputed.
     On the GPU lengths are never read back (that would synchronise): torch calls reuse
     the schedule only while the length tensors are the same objects, unmodified since
     (torch version counters), within the same CUDA-graph capture; otherwise, and for
@@ -144,6 +145,13 @@ def _on_device(x: Any) -> bool:
         return devices is not None and any(d.platform != "cpu" for d in devices())
 
 
+def _elsewhere(x: Any) -> bool:
+    """True for a tensor not in host memory: torch tensors by ``is_cpu`` (a meta tensor has no DLPack
+    device), the others by their DLPack device."""
+    is_cpu = getattr(x, "is_cpu", None)
+    return (not is_cpu) if isinstance(is_cpu, bool) else _on_device(x)
+
+
 def _jax_use_xla(q: Any, **others: Any) -> bool:
     from . import _jax
 
@@ -177,6 +185,15 @@ def _float_arg(name: str, value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
     return value
+
+
+def _default_softmax_scale(d_qk: Any) -> float:
+    """FlashMLA's default softmax scale ``d_qk ** -0.5`` (1.0 for d_qk 0, which the C++ validation rejects).
+    ``operator.index`` turns a symbolic size of torch.compile's dynamic shapes into a concrete int (Dynamo
+    specialises it, with a guard), so the scale is a constant of the graph as in eager, not a symbolic
+    float that the finiteness check of the scale cannot trace."""
+    d = operator.index(d_qk)
+    return d ** (-0.5) if d > 0 else 1.0
 
 
 def _require_tensors(**tensors: Any) -> None:
@@ -268,9 +285,9 @@ def flash_mla_with_kvcache(
                 raise TypeError(f"{name}: expected a {rank}-D tensor {layout} or None, got {type(t).__name__}")
             if t is not None and len(t.shape) != rank:
                 raise ValueError(f"{name}: expected a {rank}-D tensor {layout}, got shape {_shape(t)}")
-    b, s_q, h_q, d_qk = int(q_shape[0]), int(q_shape[1]), int(q_shape[2]), int(q_shape[3])
+    b, s_q, h_q = int(q_shape[0]), int(q_shape[1]), int(q_shape[2])
     if softmax_scale is None:
-        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+        softmax_scale = _default_softmax_scale(q_shape[3])
     if type(head_dim_v) is not int:
         head_dim_v = _int_arg("head_dim_v", head_dim_v)
     if type(softmax_scale) is not float or not _isfinite(softmax_scale):
@@ -326,7 +343,10 @@ def flash_mla_with_kvcache(
         if host_lengths and sched._lengths is not None:
             names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
             for name, old, new in zip(names, sched._lengths, lengths):
-                if old is not None and new is not None and not np.array_equal(old, new):
+                # (a length tensor of another shape or dtype is malformed, not changed: the op's validation
+                # reports it, naming what was expected)
+                if (old is not None and new is not None and old.shape == new.shape and old.dtype == new.dtype
+                        and not np.array_equal(old, new)):
                     raise SchedMetaMismatchError(
                         f"{name}: values differ from the call that computed this FlashMLASchedMeta; its split "
                         "schedule would be stale. Call get_mla_metadata() again when lengths change"
@@ -347,6 +367,10 @@ def flash_mla_with_kvcache(
     if reuse and use_torch and type(tsm) is not _torch_ops._Tensor and _ffi.framework_of(tsm) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
+        reuse = False
+    if reuse and not on_device and _elsewhere(tsm):
+        # Filled by a call on another device (a GPU, torch's meta device): the config holds no device, so
+        # the call is a legal reuse, but the schedule is not in this call's memory. Recomputed here.
         reuse = False
     if use_torch:  # (a reusing call runs the *_scheduled op: no empty metadata outputs)
         meta_in = (tsm, sched.num_splits) if reuse else (None, None)
@@ -529,8 +553,7 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
             if len(t.shape) != 3:
                 raise ValueError(f"{name}: expected a 3-D tensor {layout}, got shape {_shape(t)}")
     if softmax_scale is None:
-        d_qk = int(q_shape[-1])
-        softmax_scale = d_qk ** (-0.5) if d_qk > 0 else 1.0  # d_qk == 0 is rejected by the C++ validation
+        softmax_scale = _default_softmax_scale(q_shape[-1])
     scale = softmax_scale
     if type(scale) is not float or not _isfinite(scale):
         scale = _float_arg("softmax_scale", scale)

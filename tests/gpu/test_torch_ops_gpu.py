@@ -107,6 +107,36 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.flash_mla.sparse_prefill_fwd.default, (pq, pkv, pidx, 0.1, 512, sink, tl))
 
 
+def test_opcheck_cuda_scheduled_ops():
+    """The *_scheduled ops (what a reusing call runs) on CUDA, with the schedule a first call computed."""
+    _, (q, k, bt, ln) = dense_inputs(b=2, lens=(100, 700))
+    args = (q, k, 512, ln, bt, 576**-0.5, False)
+    _, _, tsm, ns = torch.ops.flash_mla.dense_decode_fwd(*args)
+    torch.library.opcheck(torch.ops.flash_mla.dense_decode_fwd_scheduled.default, args + (tsm, ns))
+    c = sparse_case(b=2)
+    sq, sk, kw = c.args("cuda")
+    args = (sq, sk, kw["indices"], kw.get("topk_length"), kw.get("attn_sink"), None, None, kw.get("extra_k_cache"),
+            kw.get("extra_indices_in_kvcache"), kw.get("extra_topk_length"), 512, 0.05)
+    _, _, tsm, ns = torch.ops.flash_mla.sparse_decode_fwd(*args)
+    torch.library.opcheck(torch.ops.flash_mla.sparse_decode_fwd_scheduled.default, args[:5] + (tsm, ns) + args[7:])
+
+
+def test_sched_meta_filled_on_cuda_reused_by_a_cpu_call():
+    """A FlashMLASchedMeta filled by a CUDA call, then a CPU call of the same shapes and lengths: the CPU call
+    recomputes the schedule on the CPU (it raised a device error on tile_scheduler_metadata), values as the
+    reference; then a CUDA call again recomputes on the GPU."""
+    cpu, cu = dense_inputs(b=2, lens=(100, 700))
+    sched = flash_mla.get_mla_metadata()[0]
+    out_cu, lse_cu = dense_t.run(*cu, False, sched=sched)
+    dense_t.compare(*cpu, False, out_cu, lse_cu)
+    out, lse = dense_t.run(*cpu, False, sched=sched)
+    ref_out, ref_lse = dense_t.run(*cpu, False)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse) and sched.tile_scheduler_metadata.is_cpu
+    out_cu2, lse_cu2 = dense_t.run(*cu, False, sched=sched)
+    dense_t.compare(*cpu, False, out_cu2, lse_cu2)
+    assert sched.tile_scheduler_metadata.is_cuda
+
+
 # ----------------------------------------------------------------------------- torch.compile (inductor)
 def test_compile_inductor_fullgraph():
     torch._dynamo.reset()

@@ -192,6 +192,46 @@ def test_flash_mla_cuda_module_matches_public_api(rng):
         fc.dense_decode_fwd(T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), None, c.causal)
 
 
+def test_flash_mla_cuda_metadata_and_optional_arguments_errors(rng):
+    """flash_mla.cuda: the scheduler metadata handed back in and the optional tensors of sparse decode / prefill
+    that are not torch tensors raise TypeError naming the argument (as its required tensors do), not the
+    dispatcher's RuntimeError; wrong dtypes / shapes / devices of given metadata raise the core's errors."""
+    import flash_mla.cuda as fc
+
+    c = dense_case(rng)
+    args = (T(c.q), T(c.k_cache), 512, T(c.cache_seqlens), T(c.block_table), 576 ** -0.5, c.causal)
+    _, _, tsm, ns = fc.dense_decode_fwd(*args)
+    for bad_tsm, bad_ns, name in ((tsm.numpy(), ns, "tile_scheduler_metadata"), (tsm, ns.tolist(), "num_splits"),
+                                  ([1, 2], ns, "tile_scheduler_metadata")):
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got "):
+            fc.dense_decode_fwd(*args, bad_tsm, bad_ns)
+    with pytest.raises(TypeError, match=r"^tile_scheduler_metadata: expected dtype int32, got int64"):
+        fc.dense_decode_fwd(*args, tsm.long(), ns)
+    with pytest.raises(ValueError, match=r"^num_splits: expected shape \(4,\) for this call"):
+        fc.dense_decode_fwd(*args, tsm, ns[:-1])
+    with pytest.raises(ValueError, match=r"^tile_scheduler_metadata is on meta but q is on cpu"):
+        fc.dense_decode_fwd(*args, tsm.to("meta"), ns)
+    with pytest.raises(ValueError, match=r"^tile_scheduler_metadata and num_splits must be given together"):
+        fc.dense_decode_fwd(*args, tsm, None)
+
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    names = ("topk_length", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")
+    sargs = dict(q=T(s.q), k_cache=T(s.main.packed), indices=kw["indices"], tile_scheduler_metadata=None,
+                 num_splits=None, head_dim_v=512, softmax_scale=kw["softmax_scale"], **{n: kw[n] for n in names})
+    for name in names + ("tile_scheduler_metadata",):
+        bad = dict(sargs)
+        bad[name] = np.zeros(3, np.int32)
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got ndarray"):
+            fc.sparse_decode_fwd(**bad)
+    p = prefill_case(rng)
+    for i, name in ((5, "attn_sink"), (6, "topk_length")):
+        pargs = [T(p.q), T(p.kv), T(p.indices), p.sm_scale, 512, None, None]
+        pargs[i] = np.zeros(3, np.float32)
+        with pytest.raises(TypeError, match=rf"^{name}: expected a torch.Tensor or None, got ndarray"):
+            fc.sparse_prefill_fwd(*pargs)
+
+
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_quant_helpers_through_torch_ops(rng, count_torch_calls, d_qk):
     kv = np.clip(rng.standard_normal((3, 16, 1, d_qk)) * 0.3, -2, 2).astype(np.float32).astype(BF16)
@@ -251,6 +291,56 @@ def test_sched_meta_changed_lengths_raise_on_cpu(rng):
         flash_mla.flash_mla_with_kvcache(*dense_args(c, sched))
     with pytest.raises(AssertionError):
         flash_mla.flash_mla_with_kvcache(*dense_args(dense_case(rng, s_q=2), sched))
+
+
+def test_sched_meta_filled_on_another_device_is_recomputed_on_cpu(rng):
+    """A FlashMLASchedMeta holds no device in its config, so a CPU call of the same shapes and lengths may reuse
+    one that a call on another device filled (here a shape pass on the ``meta`` device; on a GPU host a CUDA
+    call): the CPU call recomputes the schedule on its own device and matches the reference (it raised a device
+    error naming tile_scheduler_metadata)."""
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    args = dense_args(c, sched)
+    meta_out, _ = flash_mla.flash_mla_with_kvcache(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
+    assert meta_out.device.type == "meta" and sched.tile_scheduler_metadata.device.type == "meta"
+    ref_out, ref_lse = oracle.dense_decode(c.q, c.k_cache, c.block_table, c.cache_seqlens, causal=c.causal)
+    for _ in range(2):  # the recomputing call, then one that reuses the CPU schedule it stored
+        out, lse = flash_mla.flash_mla_with_kvcache(*args)
+        check_out("out", N(out), ref_out, BF16)
+        check_lse("lse", N(lse), ref_lse)
+        assert sched.tile_scheduler_metadata.is_cpu and sched.num_splits.is_cpu
+    # NumPy on the CPU likewise
+    sched = flash_mla.get_mla_metadata()[0]
+    flash_mla.flash_mla_with_kvcache(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in dense_args(c, sched)])
+    out, lse = flash_mla.flash_mla_with_kvcache(c.q, c.k_cache, c.block_table, c.cache_seqlens, 512, sched, None,
+                                                c.softmax_scale, c.causal)
+    check_out("out", out, ref_out, BF16)
+    check_lse("lse", lse, ref_lse)
+
+
+def test_sched_meta_reuse_with_malformed_lengths_reports_the_malformation(rng):
+    """A reusing call whose length tensor has the wrong shape or dtype gets the error a fresh call gets
+    (naming cache_seqlens / topk_length and what was expected), not "values differ" from the schedule check."""
+    c = dense_case(rng)
+    sched = flash_mla.get_mla_metadata()[0]
+    args = list(dense_args(c, sched))
+    flash_mla.flash_mla_with_kvcache(*args)
+    lens = args[3]
+    for bad, err, msg in ((torch.cat([lens, lens[:1] + 1]), ValueError, r"^cache_seqlens: expected shape \(3,\)"),
+                          (lens.reshape(3, 1), ValueError, r"^cache_seqlens: expected"),
+                          ((lens + 1).long(), TypeError, r"^cache_seqlens: expected dtype int32, got int64")):
+        args[3] = bad
+        with pytest.raises(err, match=msg) as info:
+            flash_mla.flash_mla_with_kvcache(*args)
+        assert not isinstance(info.value, flash_mla.SchedMetaMismatchError)
+    s = sparse_case(rng)
+    kw = sparse_kwargs(s)
+    sched = flash_mla.get_mla_metadata()[0]
+    flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, sched, **kw)
+    kw["topk_length"] = kw["topk_length"][:1] + 1
+    with pytest.raises(ValueError, match=r"^topk_length: expected shape") as info:
+        flash_mla.flash_mla_with_kvcache(T(s.q), T(s.main.packed), None, None, 512, sched, **kw)
+    assert not isinstance(info.value, flash_mla.SchedMetaMismatchError)
 
 
 # ----------------------------------------------------------------------------- opcheck
@@ -404,6 +494,40 @@ def test_compile_fullgraph_every_public_function(rng, backend):
     ref = quant_fn(kv, p1)
     got = torch.compile(quant_fn, fullgraph=True, backend=backend)(kv, p2)
     assert torch.equal(p1, p2) and torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+def test_compile_dynamic_shapes_default_softmax_scale(rng):
+    """torch.compile(fullgraph=True, dynamic=True): every dimension symbolic, d_qk included. The default
+    softmax_scale (d_qk ** -0.5) is a constant of the graph (d_qk specialised), not a symbolic float that
+    the finiteness check cannot trace (which failed with "torch.* op returned non-Tensor"); a decode step of
+    three layers sharing one scheduler object, sparse decode and dense prefill, each equal to eager."""
+    torch._dynamo.reset()
+    dc, sc = dense_case(rng), sparse_case(rng, 576, True)
+    skw = sparse_kwargs(sc)
+    skw.pop("softmax_scale", None)
+
+    def dense_step(q, k, bt, lens):
+        sched, _ = flash_mla.get_mla_metadata()
+        outs = [flash_mla.flash_mla_with_kvcache(q * (i + 1), k, bt, lens, 512, sched, None, None, dc.causal)
+                for i in range(3)]
+        return [t for o in outs for t in o]
+
+    def sparse_fn(q, k):
+        return flash_mla.flash_mla_with_kvcache(q, k, None, None, 512, flash_mla.get_mla_metadata()[0], **skw)
+
+    cu_q, cu_k = torch.tensor([0, 3, 3, 8], dtype=torch.int32), torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+
+    def prefill_fn(q, k, v):
+        return flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True)
+
+    pq, pk, pv = (torch.randn(n, 4, d).to(torch.bfloat16) for n, d in ((8, 192), (12, 192), (12, 128)))
+    for fn, args in ((dense_step, (T(dc.q), T(dc.k_cache), T(dc.block_table), T(dc.cache_seqlens))),
+                     (sparse_fn, (T(sc.q), T(sc.main.packed))), (prefill_fn, (pq, pk, pv))):
+        ref = fn(*args)
+        got = torch.compile(fn, fullgraph=True, backend="eager", dynamic=True)(*args)
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            assert torch.equal(a.float(), b.float()), fn.__name__
 
 
 # ----------------------------------------------------------------------------- errors
