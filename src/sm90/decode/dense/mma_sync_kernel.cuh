@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/row_epilogue.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
@@ -198,43 +199,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
       mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int grow = row_global[hh];
-      if (grow >= p.m_rows) continue;
-      const bool empty = row_sum_empty(L[hh]);  // no visible key (a NaN L is not empty)
-      const float inv = empty ? 0.f : 1.f / L[hh];
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      const int sq = row_sq[hh];
-      const int h = kv_head * p.group + grow % p.group;
-      if (no_split) {
-        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
-          if (p.out_vec_ok) {
-            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
-          } else {
-            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
-            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
-          }
-        }
-        if (cw == 0 && tq == 0) {
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] =
-              empty ? INFINITY : lse2 * kLn2;
-        }
-      } else {
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
-        }
-        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_dense_decode_rows<T, NT_O, VW>(
+        p, [&](int j, int e) { return o[j][e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot, no_split,
+        cw, [&] { return cw == 0 && tq == 0; }, tq);
   }
 }
 

@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/row_epilogue.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -299,41 +300,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
       for (int hh = 0; hh < 2; ++hh) L[hh] = sRed[row_local[hh] * 2] + sRed[row_local[hh] * 2 + 1];
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int grow = row_global[hh];
-      if (grow >= p.m_rows) continue;
-      const bool empty = row_sum_empty(L[hh]);
-      const float inv = empty ? 0.f : 1.f / L[hh];
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      const int sq = row_sq[hh];
-      const int h = kv_head * p.group + grow % p.group;
-      if (no_split) {
-        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
-          if (p.out_vec_ok) {
-            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
-          } else {
-            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
-            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
-          }
-        }
-        if (wg == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-        }
-        if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_dense_decode_rows<T, 32, 256>(
+        p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot,
+        no_split, wg, wg == 0 && tq == 0, tq);
   }
 }
 
