@@ -278,37 +278,8 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = head[hh];
-      if (h >= p.h_q) continue;
-      const bool empty = row_sum_empty(L[hh]);
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      if (no_split) {
-        float inv = empty ? 0.f : 1.f / L[hh];
-        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-        __nv_bfloat16* out =
-            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
-          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
-        }
-        if (cw == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
-        }
-        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_sparse_decode_rows<NT_O, VW>(
+        p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);
   }
 }
 

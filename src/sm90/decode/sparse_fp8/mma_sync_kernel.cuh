@@ -130,6 +130,53 @@ __device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p
   }
 }
 
+/// Writes the heads head[hh] (hh = 0, 1; heads >= h_q are padding and skipped) of query position sq
+/// that this thread holds in an mma-layout accumulator: kFrags fragments of 8 columns in the column
+/// group col_group (the warp's or warpgroup's kGroupCols columns), of which the thread holds columns
+/// col_group * kGroupCols + 8j + 2tq and +1, read as o_at(j, 2hh) and o_at(j, 2hh + 1). L: the row sums
+/// (0 = no valid key: O 0, LSE +inf; NaN stays NaN); m_run: the base-2 row maxima. The threads with
+/// col_group 0 and tq 0 write the LSE (one per row). out gets O/L in bf16, scaled by the attention
+/// sink's share 1 / (1 + exp(sink - lse)) when attn_sink is given, and lse the natural-log LSE; a split
+/// partial gets O/L in fp32 at o_accum row (split_slot, sq, head) and its base-2 LSE.
+template <int kFrags, int kGroupCols, typename FragmentAt>
+__device__ __forceinline__ void store_sparse_decode_rows(const SparseDecodeKernelParams& p, FragmentAt o_at,
+                                                         const float (&L)[2], const float (&m_run)[2],
+                                                         const int (&head)[2], int sq, int req, int split_slot,
+                                                         bool no_split, int col_group, int tq) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = head[hh];
+    if (h >= p.h_q) continue;
+    const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
+    const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+    if (no_split) {
+      float inv = empty ? 0.f : 1.f / L[hh];
+      if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+      // out_vec_ok: out's last dim is contiguous with 4-byte aligned pairs.
+      __nv_bfloat16* out =
+          static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+      for (int j = 0; j < kFrags; ++j) {
+        const int col = col_group * kGroupCols + j * 8 + 2 * tq;
+        const float v0 = o_at(j, 2 * hh) * inv, v1 = o_at(j, 2 * hh + 1) * inv;
+        *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+      }
+      if (col_group == 0 && tq == 0)
+        p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+    } else {
+      const float inv = empty ? 0.f : 1.f / L[hh];
+      const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
+      float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+      for (int j = 0; j < kFrags; ++j) {
+        const int col = col_group * kGroupCols + j * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(oa + col) = make_float2(o_at(j, 2 * hh) * inv, o_at(j, 2 * hh + 1) * inv);
+      }
+      if (col_group == 0 && tq == 0) p.lse_accum[arow] = lse2;
+    }
+  }
+}
+
 template <Fmt F, int R, int NS>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel(const SparseDecodeKernelParams p) {
   using FC = FmtCfg<F>;
@@ -341,38 +388,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = head[hh];
-      if (h >= p.h_q) continue;
-      const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      if (no_split) {
-        float inv = empty ? 0.f : 1.f / L[hh];
-        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-        // out_vec_ok: out's last dim is contiguous with 4-byte aligned pairs.
-        __nv_bfloat16* out =
-            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
-          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
-        }
-        if (cw == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
-        }
-        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_sparse_decode_rows<NT_O, VW>(
+        p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);
   }
 }
 
