@@ -368,17 +368,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       if (i + NS < n_blk) load_raw(blk_lo + i + NS, st);
       cp_async_commit();
 
-      // ---- S = Q K^T for this warp's KW keys
-      float s[NT_S][4];
-      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sK_u, rg, cw, lane, K_STEPS);
-
-      // ---- scale, validity mask, row max (this warp's keys)
-      float mx[2];
-      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
-      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
-
-      // ---- O += P V for this warp's VW columns
-      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sK_u, rg, cw, lane);
+      // ---- S = Q K^T, validity mask, online softmax, O += P V for this warp's keys and value columns
+      mma_core::valid_key_block<__nv_bfloat16, NT_S, NT_O, C, KW, VW>(
+          o, m_run, l_run, sQ_u, sK_u, sValidCur, p.scale_log2, sRed, sP, sP_u, row_local, rg, cw, lane, tq, K_STEPS);
     }
 
     // ---- epilogue: total row sum across the row group's warps
