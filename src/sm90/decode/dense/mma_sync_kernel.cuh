@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
-#include "sm90/decode/dense/row_epilogue.cuh"
+#include "sm90/decode/dense/thread_rows.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/mma_core.cuh"
 #include "sm90/common/utils.cuh"
@@ -72,12 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
 
   // Rows of this thread inside the tile (fragment rows gq and gq+8 of its row group).
   int row_local[2], row_global[2], row_sq[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    row_global[hh] = m_tile * BM + row_local[hh];
-    row_sq[hh] = row_global[hh] / p.group;
-  }
+  thread_rows(rg, gq, m_tile * BM, p.group, row_local, row_global, row_sq);
 
   for (int req = begin_req; req <= end_req; ++req) {
     const int seqlen = max(p.seqlens[req], 0);
@@ -90,13 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
 
     // Per-row key limit (bottom-right causal mask); padded rows see everything.
     int limit[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      int lim = seqlen;
-      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
-      limit[hh] = lim;
-    }
-    const int min_limit = min(limit[0], limit[1]);
+    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
 
     cp_async_wait<0>();
     __syncthreads();  // the previous request is done with sQ / sK / sP / sRed

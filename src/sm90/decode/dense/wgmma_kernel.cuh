@@ -22,7 +22,7 @@
 #include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
-#include "sm90/decode/dense/row_epilogue.cuh"
+#include "sm90/decode/dense/thread_rows.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -96,12 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
 
   int row_local[2], row_global[2], row_sq[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = wq * 16 + gq + 8 * hh;
-    row_global[hh] = m_tile * kBlockM + row_local[hh];
-    row_sq[hh] = row_global[hh] / p.group;
-  }
+  thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
   const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
 
   for (int req = begin_req; req <= end_req; ++req) {
@@ -114,13 +109,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      int lim = seqlen;
-      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
-      limit[hh] = lim;
-    }
-    const int min_limit = min(limit[0], limit[1]);
+    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
 
     cp_async_wait<0>();
     __syncthreads();

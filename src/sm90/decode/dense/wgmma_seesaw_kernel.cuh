@@ -38,7 +38,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
-#include "sm90/decode/dense/row_epilogue.cuh"
+#include "sm90/decode/dense/thread_rows.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/tma.cuh"
 #include "sm90/common/utils.cuh"
@@ -308,12 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool one_box = pbs_pow2 && box_tok == kBlockN;
 
   int row_local[2], row_global[2], row_sq[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = wq * 16 + gq + 8 * hh;
-    row_global[hh] = m_tile * kBlockM + row_local[hh];
-    row_sq[hh] = row_global[hh] / p.group;
-  }
+  thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
 
   for (int req = begin_req; req <= end_req; ++req) {
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
@@ -326,13 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      int lim = seqlen;
-      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
-      limit[hh] = lim;
-    }
-    const int min_limit = min(limit[0], limit[1]);
+    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
 
     cp_async_wait<0>();
     if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory

@@ -1,6 +1,7 @@
-// src/sm90/decode/dense/row_epilogue.cuh — the register epilogue of the dense decode kernels: a
-// thread's two accumulator rows of O, divided by their row sums, to out (whole request) or to the
-// split partials o_accum / lse_accum (spec §4.3), with the row's LSE.
+// src/sm90/decode/dense/thread_rows.cuh — the two rows of a tile that each thread of the dense decode
+// kernels holds in its mma-layout fragments (rows gq and gq + 8 of its 16-row group): their indices,
+// their causal key limits, and the register epilogue that writes them, divided by their row sums, to
+// out (whole request) or to the split partials o_accum / lse_accum (spec §4.3), with the rows' LSE.
 #pragma once
 
 #include <cmath>
@@ -21,6 +22,33 @@ __device__ __forceinline__ bool lane_predicate(Predicate pred) {
   } else {
     return pred;
   }
+}
+
+/// The rows of this thread (lane / 4 = gq) in 16-row group row_group of the tile starting at row
+/// tile_row0 of the M = s_q * group rows: row_local (in the tile), row_global (in M), row_sq (query
+/// position = row_global / group).
+__device__ __forceinline__ void thread_rows(int row_group, int gq, int tile_row0, int group, int (&row_local)[2],
+                                            int (&row_global)[2], int (&row_sq)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = row_group * 16 + gq + 8 * hh;
+    row_global[hh] = tile_row0 + row_local[hh];
+    row_sq[hh] = row_global[hh] / group;
+  }
+}
+
+/// The keys each of the thread's rows may see in a request of seqlen keys (limit: keys < limit): all
+/// of them, or with p.causal the bottom-right causal mask (query position sq of s_q sees
+/// seqlen - (s_q - 1 - sq)); padded rows (sq >= s_q) see everything. Returns the smaller limit.
+__device__ __forceinline__ int causal_key_limits(const DenseDecodeKernelParams& p, const int (&row_sq)[2], int seqlen,
+                                                 int (&limit)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    int lim = seqlen;
+    if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
+    limit[hh] = lim;
+  }
+  return min(limit[0], limit[1]);
 }
 
 /// Writes the rows row_global[hh] (hh = 0, 1; rows >= m_rows are padding and skipped) that this thread
