@@ -23,6 +23,7 @@
 
 #include "sm90/decode/dense/dense_decode.h"
 #include "sm90/decode/dense/thread_rows.cuh"
+#include "sm90/decode/dense/tile_loads.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -119,40 +120,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
     // page < 0 marks a token past cache_seqlens (zero-filled, never read).
     const int t_local = tid / 4, q4 = tid % 4;
-    auto page_of = [&](int blk) -> int {
-      const int token = blk * kBlockN + t_local;
-      return token < seqlen ? bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j] : -1;
-    };
-    auto token_src = [&](int blk, int page) -> const T* {
-      const int token = blk * kBlockN + t_local;
-      return kbase + static_cast<int64_t>(page) * p.k_stride_blk +
-             static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
-    };
+    auto page_of = [&](int blk) -> int { return token_page(p, bt_row, seqlen, blk * kBlockN + t_local); };
     auto load_k_tile = [&](int blk, int stage, int page) {
-      const bool valid = page >= 0;
-      const T* src = valid ? token_src(blk, page) : kbase;
-      const uint32_t dst = sK_u + stage * kSmemK;
-      for (int c = q4; c < n_chunks; c += 4)
-        cp_async_16(dst + slab_off(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+      load_k_row(p, kbase, sK_u + stage * kSmemK, blk * kBlockN + t_local, page, t_local, q4, n_chunks,
+                 [](int r, int c) { return slab_off(r, c); });
     };
     // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
     auto prefetch_tile = [&](int blk, int page) {
-      if (q4 == 0 && page >= 0) prefetch_l2_bulk(token_src(blk, page), static_cast<uint32_t>(d_qk * 2));
+      if (q4 == 0 && page >= 0)
+        prefetch_l2_bulk(token_row(p, kbase, blk * kBlockN + t_local, page), static_cast<uint32_t>(d_qk * 2));
     };
 
     if (n_blk > 0) {
-      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
-      for (int idx = tid; idx < kBlockM * n_chunks; idx += kThreads) {
-        const int r = idx / n_chunks, c = idx % n_chunks;
-        const int grow = m_tile * kBlockM + r;
-        const bool valid = grow < p.m_rows;
-        const T* src = static_cast<const T*>(p.q);
-        if (valid) {
-          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
-          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
-        }
-        cp_async_16(sQ_u + slab_off(r, c), src, valid);
-      }
+      load_q_tile<T, kBlockM, kThreads>(p, sQ_u, req, kv_head, m_tile * kBlockM, n_chunks, tid,
+                                          [](int r, int c) { return slab_off(r, c); });
       load_k_tile(blk_lo, 0, page_of(blk_lo));
       cp_async_commit();
     }
