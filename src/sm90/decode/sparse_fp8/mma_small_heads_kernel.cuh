@@ -223,23 +223,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
 
     if (n_blk > 0) {
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // every consumer is done with sQ
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < BM * N_CHUNKS; id += small_heads::kConsumers) {
-        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
-        const int h = ht * BM + r;
-        const bool valid = h < p.h_q;
-        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
-        if (p.q_vec) {
-          cp_async_16(sQ_u + swz(r, c), src, valid);
-        } else {
-          uint16_t v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
-              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
-                         v[6] | (uint32_t(v[7]) << 16));
-        }
-      }
+      load_q_tile<BM, N_CHUNKS, small_heads::kConsumers>(p, sQ, sQ_u, req, sq, ht, tid);
       cp_async_commit();
       cp_async_wait<0>();
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // Q visible to all consumers

@@ -130,6 +130,27 @@ __device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p
   }
 }
 
+/// The Q tile of the mma.sync kernels: heads ht * BM .. ht * BM + BM - 1 of query position sq of request
+/// req, N_CHUNKS 16-byte chunks a row, into sQ (swz layout; sQ_u its shared address): by cp.async where
+/// p.q_vec, else element by element; zeros for heads >= h_q. kThreads threads share it, this one tid;
+/// the caller commits and waits for the cp.async group.
+template <int BM, int N_CHUNKS, int kThreads>
+__device__ __forceinline__ void load_q_tile(const SparseDecodeKernelParams& p, uint8_t* sQ, uint32_t sQ_u, int req,
+                                            int sq, int ht, int tid) {
+  const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
+  for (int id = tid; id < BM * N_CHUNKS; id += kThreads) {
+    const int r = id / N_CHUNKS, c = id % N_CHUNKS;
+    const int h = ht * BM + r;
+    const bool valid = h < p.h_q;
+    const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
+    if (p.q_vec) {
+      cp_async_16(sQ_u + swz(r, c), src, valid);
+    } else {
+      *reinterpret_cast<uint4*>(sQ + swz(r, c)) = load_chunk16_by_elements(src, valid);
+    }
+  }
+}
+
 /// Writes the heads head[hh] (hh = 0, 1; heads >= h_q are padding and skipped) of query position sq
 /// that this thread holds in an mma-layout accumulator: kFrags fragments of 8 columns in the column
 /// group col_group (the warp's or warpgroup's kGroupCols columns), of which the thread holds columns
@@ -300,23 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 
     if (n_blk > 0) {
       pf_idx = fetch_idx(blk_lo);
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < BM * N_CHUNKS; id += kThreads) {
-        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
-        const int h = ht * BM + r;
-        const bool valid = h < p.h_q;
-        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
-        if (p.q_vec) {
-          cp_async_16(sQ_u + swz(r, c), src, valid);
-        } else {
-          uint16_t v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
-              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
-                         v[6] | (uint32_t(v[7]) << 16));
-        }
-      }
+      load_q_tile<BM, N_CHUNKS, kThreads>(p, sQ, sQ_u, req, sq, ht, tid);
 #pragma unroll
       for (int s = 0; s < NS; ++s) {
         if (s < n_blk) load_raw(blk_lo + s, s);
