@@ -234,6 +234,16 @@ __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2]
   }
 }
 
+/// The two rows of this thread's fragments (rows gq = lane / 4 and gq + 8 of row group rg): row_local
+/// in the tile, row = row0 + row_local (the sparse kernels: the head, row0 = the head tile's first head).
+__device__ __forceinline__ void fragment_rows(int rg, int gq, int row0, int (&row_local)[2], int (&row)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    row[hh] = row0 + row_local[hh];
+  }
+}
+
 /// One key block of the kernels whose masked keys come as a validity byte per key slot (the sparse
 /// kernels): S = Q K^T for this warp's keys (qk), scale and mask by valid[key] (scale_mask_valid_rowmax),
 /// the online-softmax step with P to the P tile (softmax_p), O += P V (pv). sK_u: the block's K tile

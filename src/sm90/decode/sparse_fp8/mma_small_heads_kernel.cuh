@@ -207,11 +207,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   int kc = 0;  // blocks consumed so far
   for (int req = begin_req; req <= end_req; ++req) {

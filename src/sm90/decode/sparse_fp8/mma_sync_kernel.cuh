@@ -232,11 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (begin_req >= p.b) return;
 
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   // Gather mapping: 4 threads per token slot.
   const int g_tok = tid / 4, g_q4 = tid % 4;

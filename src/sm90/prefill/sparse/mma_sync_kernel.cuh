@@ -108,11 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
   const int gq = lane / 4, tq = lane % 4;
 
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   const int lim = row_limit(p, sq);
   const int n_blk = (lim + kBlockN - 1) / kBlockN;
