@@ -4,7 +4,8 @@
 // the keys, the base-2 online softmax with the row max exchanged among the warps of a row group, P
 // through shared memory, O += P V for the warp's share of the 512 value columns. What differs between
 // the kernels — how K gets into shared memory, which keys are masked — stays in the kernels, between
-// qk() and softmax_p().
+// qk() and softmax_p(); the sparse kernels, whose mask is a validity byte per key slot, take the whole
+// block as valid_key_block().
 //
 // Layout all four share: 256 threads = 8 warps = R row groups of 16 rows x C = 8 / R column warps;
 // warp (rg, cw) owns keys [cw * KW, cw * KW + KW) of S and value columns [cw * VW, cw * VW + VW) of O.
@@ -231,6 +232,33 @@ __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2]
     for (int c = 0; c < C; ++c) t += sRed[row_local[hh] * C + c];
     L[hh] = t;
   }
+}
+
+/// The two rows of this thread's fragments (rows gq = lane / 4 and gq + 8 of row group rg): row_local
+/// in the tile, row = row0 + row_local (the sparse kernels: the head, row0 = the head tile's first head).
+__device__ __forceinline__ void fragment_rows(int rg, int gq, int row0, int (&row_local)[2], int (&row)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_local[hh] = rg * 16 + gq + 8 * hh;
+    row[hh] = row0 + row_local[hh];
+  }
+}
+
+/// One key block of the kernels whose masked keys come as a validity byte per key slot (the sparse
+/// kernels): S = Q K^T for this warp's keys (qk), scale and mask by valid[key] (scale_mask_valid_rowmax),
+/// the online-softmax step with P to the P tile (softmax_p), O += P V (pv). sK_u: the block's K tile
+/// (V its first 512 dims); k_steps: d_qk / 16.
+template <class T, int NT_S, int NT_O, int C, int KW, int VW>
+__device__ __forceinline__ void valid_key_block(float (&o)[NT_O][4], float (&m_run)[2], float (&l_run)[2],
+                                                uint32_t sQ_u, uint32_t sK_u, const uint8_t* valid, float scale_log2,
+                                                float* sRed, uint8_t* sP, uint32_t sP_u, const int (&row_local)[2],
+                                                int rg, int cw, int lane, int tq, int k_steps) {
+  float s[NT_S][4];
+  qk<T, NT_S, KW>(s, sQ_u, sK_u, rg, cw, lane, k_steps);
+  float mx[2];
+  scale_mask_valid_rowmax<NT_S, KW>(s, scale_log2, valid, cw, tq, mx);
+  softmax_p<T, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
+  pv<T, NT_O, VW>(o, sP_u, sK_u, rg, cw, lane);
 }
 
 }  // namespace flashmla::sm90::mma_core

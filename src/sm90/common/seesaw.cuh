@@ -88,6 +88,28 @@ __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   }
 }
 
+// Fragment t (keys 8t + 2tq, +1 of both rows) of exp_pack / exp_pack_store_p: P = exp2(S - m), the
+// row sums added to rs, packed to T (bf16 or fp16) into a[t / 2].
+template <class T>
+__device__ __forceinline__ void exp_pack_fragment(float (&s)[32], const float (&m)[2], float (&rs)[2],
+                                                  uint32_t (&a)[4][4], int t) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
+    rs[e >> 1] += s[4 * t + e];
+  }
+  a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
+  a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
+}
+
+// Fragment t of `a` (keys 8t + 2tq, +1 of both rows) into the 128B-swizzled P slab sP.
+__device__ __forceinline__ void store_p_fragment(const uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2],
+                                                 int tq, int t) {
+  const int key = 8 * t + 2 * tq;
+  *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
+  *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
+}
+
 // P = exp2(S - m) for the thread's two rows (row sums added to rs), packed to T (bf16 or fp16) as
 // the P.V A-operand fragments `a`, and stored into the 128B-swizzled slab sP (64 rows x 64 keys)
 // for the other consumer warpgroup's SS P.V.
@@ -96,16 +118,8 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
                                                  uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
 #pragma unroll
   for (int t = 0; t < 8; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
-      rs[e >> 1] += s[4 * t + e];
-    }
-    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
-    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
-    const int key = 8 * t + 2 * tq;
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
+    exp_pack_fragment<T>(s, m, rs, a, t);
+    store_p_fragment(a, sP, row_local, tq, t);
   }
 }
 
@@ -118,24 +132,12 @@ __device__ __forceinline__ void exp_pack_store_p(float (&s)[32], const float (&m
 template <class T = __nv_bfloat16>
 __device__ __forceinline__ void exp_pack(float (&s)[32], const float (&m)[2], float (&rs)[2], uint32_t (&a)[4][4]) {
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s[4 * t + e] = exp2f(s[4 * t + e] - m[e >> 1]);
-      rs[e >> 1] += s[4 * t + e];
-    }
-    a[t >> 1][(t & 1) * 2 + 0] = HalfTraits<T>::pack(s[4 * t + 0], s[4 * t + 1]);
-    a[t >> 1][(t & 1) * 2 + 1] = HalfTraits<T>::pack(s[4 * t + 2], s[4 * t + 3]);
-  }
+  for (int t = 0; t < 8; ++t) exp_pack_fragment<T>(s, m, rs, a, t);
 }
 // and the fragments `a` into the 128B-swizzled slab sP as exp_pack_store_p stores them.
 __device__ __forceinline__ void store_p(const uint32_t (&a)[4][4], uint8_t* sP, const int (&row_local)[2], int tq) {
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
-    const int key = 8 * t + 2 * tq;
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[0], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 0];
-    *reinterpret_cast<uint32_t*>(sP + slab_off(row_local[1], key >> 3) + (key & 7) * 2) = a[t >> 1][(t & 1) * 2 + 1];
-  }
+  for (int t = 0; t < 8; ++t) store_p_fragment(a, sP, row_local, tq, t);
 }
 
 // The thread's two row maxima reduced over its quad (the 4 threads that share the rows).

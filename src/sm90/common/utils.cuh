@@ -25,6 +25,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// The 16-byte chunk of eight 2-byte elements at src read element by element (src only 2-byte
+// aligned: a strided q the cp.async path cannot take); zeros, without reading src, when !valid.
+__device__ __forceinline__ uint4 load_chunk16_by_elements(const void* src, bool valid) {
+  uint16_t v[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = valid ? static_cast<const uint16_t*>(src)[e] : 0;
+  return make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
+                    v[6] | (uint32_t(v[7]) << 16));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

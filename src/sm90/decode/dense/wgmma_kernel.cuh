@@ -22,6 +22,8 @@
 #include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/thread_rows.cuh"
+#include "sm90/decode/dense/tile_loads.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -95,12 +97,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
 
   int row_local[2], row_global[2], row_sq[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = wq * 16 + gq + 8 * hh;
-    row_global[hh] = m_tile * kBlockM + row_local[hh];
-    row_sq[hh] = row_global[hh] / p.group;
-  }
+  thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
   const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
 
   for (int req = begin_req; req <= end_req; ++req) {
@@ -113,13 +110,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      int lim = seqlen;
-      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
-      limit[hh] = lim;
-    }
-    const int min_limit = min(limit[0], limit[1]);
+    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
 
     cp_async_wait<0>();
     __syncthreads();
@@ -129,40 +120,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
     // page < 0 marks a token past cache_seqlens (zero-filled, never read).
     const int t_local = tid / 4, q4 = tid % 4;
-    auto page_of = [&](int blk) -> int {
-      const int token = blk * kBlockN + t_local;
-      return token < seqlen ? bt_row[static_cast<int64_t>(token / p.page_block_size) * p.bt_stride_j] : -1;
-    };
-    auto token_src = [&](int blk, int page) -> const T* {
-      const int token = blk * kBlockN + t_local;
-      return kbase + static_cast<int64_t>(page) * p.k_stride_blk +
-             static_cast<int64_t>(token % p.page_block_size) * p.k_stride_tok;
-    };
+    auto page_of = [&](int blk) -> int { return token_page(p, bt_row, seqlen, blk * kBlockN + t_local); };
     auto load_k_tile = [&](int blk, int stage, int page) {
-      const bool valid = page >= 0;
-      const T* src = valid ? token_src(blk, page) : kbase;
-      const uint32_t dst = sK_u + stage * kSmemK;
-      for (int c = q4; c < n_chunks; c += 4)
-        cp_async_16(dst + slab_off(t_local, c), valid ? static_cast<const void*>(src + c * 8) : p.k, valid);
+      load_k_row(p, kbase, sK_u + stage * kSmemK, blk * kBlockN + t_local, page, t_local, q4, n_chunks,
+                 [](int r, int c) { return slab_off(r, c); });
     };
     // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
     auto prefetch_tile = [&](int blk, int page) {
-      if (q4 == 0 && page >= 0) prefetch_l2_bulk(token_src(blk, page), static_cast<uint32_t>(d_qk * 2));
+      if (q4 == 0 && page >= 0)
+        prefetch_l2_bulk(token_row(p, kbase, blk * kBlockN + t_local, page), static_cast<uint32_t>(d_qk * 2));
     };
 
     if (n_blk > 0) {
-      const T* qb = static_cast<const T*>(p.q) + req * p.q_stride_b;
-      for (int idx = tid; idx < kBlockM * n_chunks; idx += kThreads) {
-        const int r = idx / n_chunks, c = idx % n_chunks;
-        const int grow = m_tile * kBlockM + r;
-        const bool valid = grow < p.m_rows;
-        const T* src = static_cast<const T*>(p.q);
-        if (valid) {
-          const int sq = grow / p.group, h = kv_head * p.group + grow % p.group;
-          src = qb + sq * p.q_stride_s + h * p.q_stride_h + c * 8;
-        }
-        cp_async_16(sQ_u + slab_off(r, c), src, valid);
-      }
+      load_q_tile<T, kBlockM, kThreads>(p, sQ_u, req, kv_head, m_tile * kBlockM, n_chunks, tid,
+                                          [](int r, int c) { return slab_off(r, c); });
       load_k_tile(blk_lo, 0, page_of(blk_lo));
       cp_async_commit();
     }
@@ -299,41 +270,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
       for (int hh = 0; hh < 2; ++hh) L[hh] = sRed[row_local[hh] * 2] + sRed[row_local[hh] * 2 + 1];
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int grow = row_global[hh];
-      if (grow >= p.m_rows) continue;
-      const bool empty = row_sum_empty(L[hh]);
-      const float inv = empty ? 0.f : 1.f / L[hh];
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      const int sq = row_sq[hh];
-      const int h = kv_head * p.group + grow % p.group;
-      if (no_split) {
-        T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
-          if (p.out_vec_ok) {
-            *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
-          } else {
-            out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
-            out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
-          }
-        }
-        if (wg == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = wg * 256 + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-        }
-        if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_dense_decode_rows<T, 32, 256>(
+        p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot,
+        no_split, wg, wg == 0 && tq == 0, tq);
   }
 }
 

@@ -38,6 +38,7 @@
 #include <cstdint>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/decode/dense/thread_rows.cuh"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/tma.cuh"
 #include "sm90/common/utils.cuh"
@@ -307,12 +308,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool one_box = pbs_pow2 && box_tok == kBlockN;
 
   int row_local[2], row_global[2], row_sq[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = wq * 16 + gq + 8 * hh;
-    row_global[hh] = m_tile * kBlockM + row_local[hh];
-    row_sq[hh] = row_global[hh] / p.group;
-  }
+  thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
 
   for (int req = begin_req; req <= end_req; ++req) {
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
@@ -325,13 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
     int limit[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      int lim = seqlen;
-      if (p.causal && row_sq[hh] < p.s_q) lim = seqlen - (p.s_q - 1 - row_sq[hh]);
-      limit[hh] = lim;
-    }
-    const int min_limit = min(limit[0], limit[1]);
+    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
 
     cp_async_wait<0>();
     if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory
@@ -789,41 +779,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int grow = row_global[hh];
-        if (grow >= p.m_rows) continue;
-        const bool empty = row_sum_empty(L[hh]);
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-        const int sq = row_sq[hh];
-        const int h = kv_head * p.group + grow % p.group;
-        if (no_split) {
-          T* out = static_cast<T*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            const int col = wg * 256 + j * 8 + 2 * tq;
-            const float v0 = o[4 * j + 2 * hh] * inv, v1 = o[4 * j + 2 * hh + 1] * inv;
-            if (p.out_vec_ok) {
-              *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<T>::pack(v0, v1);
-            } else {
-              out[col * p.o_stride_d] = HalfTraits<T>::from_float(v0);
-              out[(col + 1) * p.o_stride_d] = HalfTraits<T>::from_float(v1);
-            }
-          }
-          if (wg == 0 && tq == 0)
-            p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-        } else {
-          const int64_t arow = (static_cast<int64_t>(split_slot) * p.h_kv + kv_head) * p.m_rows + grow;
-          float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            const int col = wg * 256 + j * 8 + 2 * tq;
-            *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * j + 2 * hh] * inv, o[4 * j + 2 * hh + 1] * inv);
-          }
-          if (wg == 0 && tq == 0) p.lse_accum[arow] = lse2;
-        }
-      }
+      store_dense_decode_rows<T, 32, 256>(
+          p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot,
+          no_split, wg, wg == 0 && tq == 0, tq);
     }
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 6);
     FLASHMLA_TRACE_ONLY({

@@ -207,11 +207,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   int kc = 0;  // blocks consumed so far
   for (int req = begin_req; req <= end_req; ++req) {
@@ -223,23 +219,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
 
     if (n_blk > 0) {
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // every consumer is done with sQ
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < BM * N_CHUNKS; id += small_heads::kConsumers) {
-        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
-        const int h = ht * BM + r;
-        const bool valid = h < p.h_q;
-        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
-        if (p.q_vec) {
-          cp_async_16(sQ_u + swz(r, c), src, valid);
-        } else {
-          uint16_t v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
-              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
-                         v[6] | (uint32_t(v[7]) << 16));
-        }
-      }
+      load_q_tile<BM, N_CHUNKS, small_heads::kConsumers>(p, sQ, sQ_u, req, sq, ht, tid);
       cp_async_commit();
       cp_async_wait<0>();
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // Q visible to all consumers
@@ -257,17 +237,9 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       const uint32_t sKb_u = sK_u + buf * C2::kSmemK;
       const uint8_t* sValidCur = sValid + buf * kBlockN;
 
-      // ---- S = Q K^T for this warp's KW keys
-      float s[NT_S][4];
-      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sKb_u, rg, cw, lane, K_STEPS);
-
-      // ---- scale, validity mask, row max (this warp's keys)
-      float mx[2];
-      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
-      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
-
-      // ---- O += P V for this warp's VW columns
-      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sKb_u, rg, cw, lane);
+      // ---- S = Q K^T, validity mask, online softmax, O += P V for this warp's keys and value columns
+      mma_core::valid_key_block<__nv_bfloat16, NT_S, NT_O, C, KW, VW>(
+          o, m_run, l_run, sQ_u, sKb_u, sValidCur, p.scale_log2, sRed, sP, sP_u, row_local, rg, cw, lane, tq, K_STEPS);
       mbar_arrive(bar_empty + 8 * buf);  // this thread is done with K buffer `buf`
     }
 
@@ -278,37 +250,8 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = head[hh];
-      if (h >= p.h_q) continue;
-      const bool empty = row_sum_empty(L[hh]);
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      if (no_split) {
-        float inv = empty ? 0.f : 1.f / L[hh];
-        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-        __nv_bfloat16* out =
-            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
-          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
-        }
-        if (cw == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
-        }
-        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_sparse_decode_rows<NT_O, VW>(
+        p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);
   }
 }
 

@@ -130,6 +130,74 @@ __device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p
   }
 }
 
+/// The Q tile of the mma.sync kernels: heads ht * BM .. ht * BM + BM - 1 of query position sq of request
+/// req, N_CHUNKS 16-byte chunks a row, into sQ (swz layout; sQ_u its shared address): by cp.async where
+/// p.q_vec, else element by element; zeros for heads >= h_q. kThreads threads share it, this one tid;
+/// the caller commits and waits for the cp.async group.
+template <int BM, int N_CHUNKS, int kThreads>
+__device__ __forceinline__ void load_q_tile(const SparseDecodeKernelParams& p, uint8_t* sQ, uint32_t sQ_u, int req,
+                                            int sq, int ht, int tid) {
+  const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
+  for (int id = tid; id < BM * N_CHUNKS; id += kThreads) {
+    const int r = id / N_CHUNKS, c = id % N_CHUNKS;
+    const int h = ht * BM + r;
+    const bool valid = h < p.h_q;
+    const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
+    if (p.q_vec) {
+      cp_async_16(sQ_u + swz(r, c), src, valid);
+    } else {
+      *reinterpret_cast<uint4*>(sQ + swz(r, c)) = load_chunk16_by_elements(src, valid);
+    }
+  }
+}
+
+/// Writes the heads head[hh] (hh = 0, 1; heads >= h_q are padding and skipped) of query position sq
+/// that this thread holds in an mma-layout accumulator: kFrags fragments of 8 columns in the column
+/// group col_group (the warp's or warpgroup's kGroupCols columns), of which the thread holds columns
+/// col_group * kGroupCols + 8j + 2tq and +1, read as o_at(j, 2hh) and o_at(j, 2hh + 1). L: the row sums
+/// (0 = no valid key: O 0, LSE +inf; NaN stays NaN); m_run: the base-2 row maxima. The threads with
+/// col_group 0 and tq 0 write the LSE (one per row). out gets O/L in bf16, scaled by the attention
+/// sink's share 1 / (1 + exp(sink - lse)) when attn_sink is given, and lse the natural-log LSE; a split
+/// partial gets O/L in fp32 at o_accum row (split_slot, sq, head) and its base-2 LSE.
+template <int kFrags, int kGroupCols, typename FragmentAt>
+__device__ __forceinline__ void store_sparse_decode_rows(const SparseDecodeKernelParams& p, FragmentAt o_at,
+                                                         const float (&L)[2], const float (&m_run)[2],
+                                                         const int (&head)[2], int sq, int req, int split_slot,
+                                                         bool no_split, int col_group, int tq) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int h = head[hh];
+    if (h >= p.h_q) continue;
+    const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
+    const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
+    if (no_split) {
+      float inv = empty ? 0.f : 1.f / L[hh];
+      if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+      // out_vec_ok: out's last dim is contiguous with 4-byte aligned pairs.
+      __nv_bfloat16* out =
+          static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
+#pragma unroll
+      for (int j = 0; j < kFrags; ++j) {
+        const int col = col_group * kGroupCols + j * 8 + 2 * tq;
+        const float v0 = o_at(j, 2 * hh) * inv, v1 = o_at(j, 2 * hh + 1) * inv;
+        *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
+      }
+      if (col_group == 0 && tq == 0)
+        p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
+    } else {
+      const float inv = empty ? 0.f : 1.f / L[hh];
+      const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
+      float* oa = p.o_accum + arow * kDimV;
+#pragma unroll
+      for (int j = 0; j < kFrags; ++j) {
+        const int col = col_group * kGroupCols + j * 8 + 2 * tq;
+        *reinterpret_cast<float2*>(oa + col) = make_float2(o_at(j, 2 * hh) * inv, o_at(j, 2 * hh + 1) * inv);
+      }
+      if (col_group == 0 && tq == 0) p.lse_accum[arow] = lse2;
+    }
+  }
+}
+
 template <Fmt F, int R, int NS>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel(const SparseDecodeKernelParams p) {
   using FC = FmtCfg<F>;
@@ -164,11 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   if (begin_req >= p.b) return;
 
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   // Gather mapping: 4 threads per token slot.
   const int g_tok = tid / 4, g_q4 = tid % 4;
@@ -253,23 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 
     if (n_blk > 0) {
       pf_idx = fetch_idx(blk_lo);
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
-      for (int id = tid; id < BM * N_CHUNKS; id += kThreads) {
-        const int r = id / N_CHUNKS, c = id % N_CHUNKS;
-        const int h = ht * BM + r;
-        const bool valid = h < p.h_q;
-        const __nv_bfloat16* src = valid ? qb + h * p.q_stride_h + c * 8 : static_cast<const __nv_bfloat16*>(p.q);
-        if (p.q_vec) {
-          cp_async_16(sQ_u + swz(r, c), src, valid);
-        } else {
-          uint16_t v[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = valid ? reinterpret_cast<const uint16_t*>(src)[e] : 0;
-          *reinterpret_cast<uint4*>(sQ + swz(r, c)) =
-              make_uint4(v[0] | (uint32_t(v[1]) << 16), v[2] | (uint32_t(v[3]) << 16), v[4] | (uint32_t(v[5]) << 16),
-                         v[6] | (uint32_t(v[7]) << 16));
-        }
-      }
+      load_q_tile<BM, N_CHUNKS, kThreads>(p, sQ, sQ_u, req, sq, ht, tid);
 #pragma unroll
       for (int s = 0; s < NS; ++s) {
         if (s < n_blk) load_raw(blk_lo + s, s);
@@ -321,17 +369,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       if (i + NS < n_blk) load_raw(blk_lo + i + NS, st);
       cp_async_commit();
 
-      // ---- S = Q K^T for this warp's KW keys
-      float s[NT_S][4];
-      mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sK_u, rg, cw, lane, K_STEPS);
-
-      // ---- scale, validity mask, row max (this warp's keys)
-      float mx[2];
-      mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, sValidCur, cw, tq, mx);
-      mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
-
-      // ---- O += P V for this warp's VW columns
-      mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sK_u, rg, cw, lane);
+      // ---- S = Q K^T, validity mask, online softmax, O += P V for this warp's keys and value columns
+      mma_core::valid_key_block<__nv_bfloat16, NT_S, NT_O, C, KW, VW>(
+          o, m_run, l_run, sQ_u, sK_u, sValidCur, p.scale_log2, sRed, sP, sP_u, row_local, rg, cw, lane, tq, K_STEPS);
     }
 
     // ---- epilogue: total row sum across the row group's warps
@@ -341,38 +381,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = head[hh];
-      if (h >= p.h_q) continue;
-      const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      if (no_split) {
-        float inv = empty ? 0.f : 1.f / L[hh];
-        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-        // out_vec_ok: out's last dim is contiguous with 4-byte aligned pairs.
-        __nv_bfloat16* out =
-            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          const float v0 = o[j][2 * hh] * inv, v1 = o[j][2 * hh + 1] * inv;
-          *reinterpret_cast<uint32_t*>(out + col) = HalfTraits<__nv_bfloat16>::pack(v0, v1);
-        }
-        if (cw == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-          const int col = cw * VW + j * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[j][2 * hh] * inv, o[j][2 * hh + 1] * inv);
-        }
-        if (cw == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    store_sparse_decode_rows<NT_O, VW>(
+        p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);
   }
 }
 

@@ -947,37 +947,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     }
 
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int h = ht * 64 + row_local[hh];
-      if (h >= p.h_q) continue;
-      const bool empty = row_sum_empty(L[hh]);  // no valid key (a NaN L is not empty)
-      const float lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L[hh]) + m_run[hh];
-      if (no_split) {
-        float inv = empty ? 0.f : 1.f / L[hh];
-        if (p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-        __nv_bfloat16* out =
-            static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-        for (int jj = 0; jj < 32; ++jj) {
-          const int col = kWg * 256 + jj * 8 + 2 * tq;
-          *reinterpret_cast<uint32_t*>(out + col) =
-              HalfTraits<__nv_bfloat16>::pack(o[4 * jj + 2 * hh] * inv, o[4 * jj + 2 * hh + 1] * inv);
-        }
-        if (kWg == 0 && tq == 0)
-          p.lse[req * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-      } else {
-        const float inv = empty ? 0.f : 1.f / L[hh];
-        const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
-        float* oa = p.o_accum + arow * kDimV;
-#pragma unroll
-        for (int jj = 0; jj < 32; ++jj) {
-          const int col = kWg * 256 + jj * 8 + 2 * tq;
-          *reinterpret_cast<float2*>(oa + col) = make_float2(o[4 * jj + 2 * hh] * inv, o[4 * jj + 2 * hh + 1] * inv);
-        }
-        if (kWg == 0 && tq == 0) p.lse_accum[arow] = lse2;
-      }
-    }
+    const int head[2] = {ht * 64 + row_local[0], ht * 64 + row_local[1]};
+    store_sparse_decode_rows<32, 256>(
+        p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, head, sq, req, split_slot, no_split, kWg, tq);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
   }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(8, tid == 0, g);

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flashmla/ops.h"
 #include "sm90/common/seesaw.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -153,5 +154,36 @@ struct KernelParams {
   float scale;       // softmax_scale
   float scale_log2;  // softmax_scale * log2(e)
 };
+
+/// The fields of KernelParams the forward and the backward take alike from the forward's arguments p:
+/// q, k, v, lse, cu_seqlens_q / _k and their strides (out's strides into o_row / o_head; where out goes,
+/// out or out_in, is the caller's), h_q, group, causal, scale and scale_log2. Host code.
+inline KernelParams attention_kernel_params(const DensePrefillParams& p) {
+  KernelParams kp{};
+  kp.q = p.q.data;
+  kp.k = p.k.data;
+  kp.v = p.v.data;
+  kp.lse = static_cast<float*>(p.lse.data);
+  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
+  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_k.data);
+  kp.cu_q_stride = p.cu_seqlens_q.stride[0];
+  kp.cu_k_stride = p.cu_seqlens_k.stride[0];
+  kp.q_row = p.q.stride[0];
+  kp.q_head = p.q.stride[1];
+  kp.k_row = p.k.stride[0];
+  kp.k_head = p.k.stride[1];
+  kp.v_row = p.v.stride[0];
+  kp.v_head = p.v.stride[1];
+  kp.o_row = p.out.stride[0];
+  kp.o_head = p.out.stride[1];
+  kp.lse_row = p.lse.stride[0];
+  kp.lse_head = p.lse.stride[1];
+  kp.h_q = static_cast<int>(p.q.shape[1]);
+  kp.group = static_cast<int>(p.q.shape[1] / p.k.shape[1]);
+  kp.causal = p.causal ? 1 : 0;
+  kp.scale = p.softmax_scale;
+  kp.scale_log2 = p.softmax_scale * kLog2e;
+  return kp;
+}
 
 }  // namespace flashmla::sm90::dense_prefill

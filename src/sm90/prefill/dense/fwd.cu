@@ -389,7 +389,7 @@ namespace dense_prefill {
 
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
-  const int64_t h_kv = p.k.shape[1], d_v = p.v.shape[2];
+  const int64_t d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
   if (total_q == 0 || b <= 0 || p.max_seqlen_q <= 0) return Status::Ok();
   if (!((d_qk == 128 || d_qk == 192) && d_v == 128))
@@ -402,31 +402,8 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   if (p.max_seqlen_q > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) || p.k.shape[0] >= (int64_t{1} << 31))
     return fwd_value_error("sequence lengths must be < 2^31");
 
-  KernelParams kp{};
-  kp.q = p.q.data;
-  kp.k = p.k.data;
-  kp.v = p.v.data;
+  KernelParams kp = attention_kernel_params(p);
   kp.out = p.out.data;
-  kp.lse = static_cast<float*>(p.lse.data);
-  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
-  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_k.data);
-  kp.cu_q_stride = p.cu_seqlens_q.stride[0];
-  kp.cu_k_stride = p.cu_seqlens_k.stride[0];
-  kp.q_row = p.q.stride[0];
-  kp.q_head = p.q.stride[1];
-  kp.k_row = p.k.stride[0];
-  kp.k_head = p.k.stride[1];
-  kp.v_row = p.v.stride[0];
-  kp.v_head = p.v.stride[1];
-  kp.o_row = p.out.stride[0];
-  kp.o_head = p.out.stride[1];
-  kp.lse_row = p.lse.stride[0];
-  kp.lse_head = p.lse.stride[1];
-  kp.h_q = static_cast<int>(h_q);
-  kp.group = static_cast<int>(h_q / h_kv);
-  kp.causal = p.causal ? 1 : 0;
-  kp.scale = p.softmax_scale;
-  kp.scale_log2 = p.softmax_scale * kLog2e;
 
   DeviceGuard guard(p.q.device.id);
   if (guard.error() != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "cudaSetDevice", guard.error());

@@ -108,11 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
   const int gq = lane / 4, tq = lane % 4;
 
   int row_local[2], head[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_local[hh] = rg * 16 + gq + 8 * hh;
-    head[hh] = ht * BM + row_local[hh];
-  }
+  mma_core::fragment_rows(rg, gq, ht * BM, row_local, head);
 
   const int lim = row_limit(p, sq);
   const int n_blk = (lim + kBlockN - 1) / kBlockN;
@@ -170,17 +166,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
     const uint32_t sKs_u = sK_u + stage * CF::kSmemK;
     const uint8_t* vf = sValid + stage * kBlockN;
 
-    // ---- S = Q K^T for this warp's KW keys
-    float s[NT_S][4];
-    mma_core::qk<__nv_bfloat16, NT_S, KW>(s, sQ_u, sKs_u, rg, cw, lane, K_STEPS);
-
-    // ---- scale, validity mask, row max (this warp's keys)
-    float mx[2];
-    mma_core::scale_mask_valid_rowmax<NT_S, KW>(s, p.scale_log2, vf, cw, tq, mx);
-    mma_core::softmax_p<__nv_bfloat16, NT_S, NT_O, C, KW>(s, mx, m_run, l_run, o, sRed, sP, row_local, rg, cw, tq);
-
-    // ---- O += P V for this warp's VW columns
-    mma_core::pv<__nv_bfloat16, NT_O, VW>(o, sP_u, sKs_u, rg, cw, lane);
+    // ---- S = Q K^T, validity mask, online softmax, O += P V for this warp's keys and value columns
+    mma_core::valid_key_block<__nv_bfloat16, NT_S, NT_O, C, KW, VW>(
+        o, m_run, l_run, sQ_u, sKs_u, vf, p.scale_log2, sRed, sP, sP_u, row_local, rg, cw, lane, tq, K_STEPS);
   }
 
   // ---- epilogue: total row sum across the row group's warps
