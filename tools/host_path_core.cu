@@ -39,6 +39,7 @@
 
 #include "flashmla/flashmla.h"
 #include "sm90/decode/dense/dense_decode.h"
+#include "trace/trace_host.cuh"  // CHECK
 
 namespace {
 
@@ -47,14 +48,6 @@ using flashmla::Device;
 using flashmla::DeviceType;
 using flashmla::TensorRef;
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 struct Param512 {
   unsigned char bytes[512];
@@ -88,13 +81,13 @@ void time_row(const std::string& name, const std::function<bool()>& fn) {
       std::printf("%-44s failed\n", name.c_str());
       return;
     }
-  CK(cudaStreamSynchronize(g_stream));
+  CHECK(cudaStreamSynchronize(g_stream));
   std::vector<double> host, wall;
   for (int r = 0; r < g_rounds; ++r) {
     const double t0 = now_us();
     for (int i = 0; i < g_calls; ++i) fn();
     const double t1 = now_us();
-    CK(cudaStreamSynchronize(g_stream));
+    CHECK(cudaStreamSynchronize(g_stream));
     host.push_back((t1 - t0) / g_calls);
   }
   for (int r = 0; r < g_rounds; ++r) {
@@ -113,14 +106,28 @@ void time_row(const std::string& name, const std::function<bool()>& fn) {
 
 void* dmalloc(int64_t bytes) {
   void* p = nullptr;
-  CK(cudaMalloc(&p, bytes > 0 ? bytes : 16));
-  CK(cudaMemset(p, 0, bytes > 0 ? bytes : 16));
+  CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 16));
+  CHECK(cudaMemset(p, 0, bytes > 0 ? bytes : 16));
   return p;
 }
 
 TensorRef dev_ref(void* data, DType dt, std::initializer_list<int64_t> shape) {
   return flashmla::make_tensor_ref(data, dt, shape, Device{DeviceType::kCUDA, 0});
 }
+
+/// Schedule, out (b, s_q, h_q, 512) bf16, lse (b, h_q, s_q) float32 and workspace of a decode call, sized
+/// by its plan (dense and sparse decode parameters share these fields).
+template <class Params>
+void set_decode_outputs(Params& p, const flashmla::DecodePlan& plan, int64_t b, int64_t s_q, int64_t h_q) {
+  p.tile_scheduler_metadata = dev_ref(dmalloc(plan.num_sm_parts * 32), DType::kInt32, {plan.num_sm_parts, 8});
+  p.num_splits = dev_ref(dmalloc(plan.num_splits_len * 4), DType::kInt32, {plan.num_splits_len});
+  p.out = dev_ref(dmalloc(b * s_q * h_q * 512 * 2), DType::kBFloat16, {b, s_q, h_q, 512});
+  p.lse = dev_ref(dmalloc(b * h_q * s_q * 4), DType::kFloat32, {b, h_q, s_q});
+  p.workspace = dmalloc(plan.workspace_bytes);
+  p.workspace_bytes = plan.workspace_bytes;
+  p.metadata_ready = false;
+}
+
 
 bool ok(const flashmla::Status& st, const char* what) {
   if (st.ok()) return true;
@@ -139,8 +146,8 @@ void dense_rows(int64_t b, int64_t h_q, int64_t s_k) {
   for (int64_t i = 0; i < b * blocks; ++i) bt[i] = static_cast<int32_t>(i);
   void* bt_d = dmalloc(bt.size() * 4);
   void* sl_d = dmalloc(sl.size() * 4);
-  CK(cudaMemcpy(bt_d, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(sl_d, sl.data(), sl.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(bt_d, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(sl_d, sl.data(), sl.size() * 4, cudaMemcpyHostToDevice));
   p.block_table = dev_ref(bt_d, DType::kInt32, {b, blocks});
   p.cache_seqlens = dev_ref(sl_d, DType::kInt32, {b});
   p.head_dim_v = 512;
@@ -148,15 +155,9 @@ void dense_rows(int64_t b, int64_t h_q, int64_t s_k) {
   p.stream = g_stream;
   flashmla::DecodePlan plan;
   if (!ok(flashmla::dense_decode_plan(p, &plan), "dense_decode_plan")) return;
-  p.tile_scheduler_metadata = dev_ref(dmalloc(plan.num_sm_parts * 32), DType::kInt32, {plan.num_sm_parts, 8});
-  p.num_splits = dev_ref(dmalloc(plan.num_splits_len * 4), DType::kInt32, {plan.num_splits_len});
-  p.out = dev_ref(dmalloc(b * s_q * h_q * 512 * 2), DType::kBFloat16, {b, s_q, h_q, 512});
-  p.lse = dev_ref(dmalloc(b * h_q * s_q * 4), DType::kFloat32, {b, h_q, s_q});
-  p.workspace = dmalloc(plan.workspace_bytes);
-  p.workspace_bytes = plan.workspace_bytes;
-  p.metadata_ready = false;
+  set_decode_outputs(p, plan, b, s_q, h_q);
   if (!ok(flashmla::dense_decode_fwd(p), "dense_decode_fwd (schedule)")) return;
-  CK(cudaStreamSynchronize(g_stream));
+  CHECK(cudaStreamSynchronize(g_stream));
 
   time_row(tag + " plan", [&] {
     flashmla::DecodePlan pl;
@@ -207,22 +208,16 @@ void sparse_rows(int64_t b, int64_t h_q, int64_t topk) {
   std::vector<int32_t> idx(b * s_q * topk);
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = static_cast<int32_t>((i * 7919) % s_kv);
   void* idx_d = dmalloc(idx.size() * 4);
-  CK(cudaMemcpy(idx_d, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(idx_d, idx.data(), idx.size() * 4, cudaMemcpyHostToDevice));
   p.indices = dev_ref(idx_d, DType::kInt32, {b, s_q, topk});
   p.head_dim_v = 512;
   p.softmax_scale = 1.0f / 24.0f;
   p.stream = g_stream;
   flashmla::DecodePlan plan;
   if (!ok(flashmla::sparse_decode_plan(p, &plan), "sparse_decode_plan")) return;
-  p.tile_scheduler_metadata = dev_ref(dmalloc(plan.num_sm_parts * 32), DType::kInt32, {plan.num_sm_parts, 8});
-  p.num_splits = dev_ref(dmalloc(plan.num_splits_len * 4), DType::kInt32, {plan.num_splits_len});
-  p.out = dev_ref(dmalloc(b * s_q * h_q * 512 * 2), DType::kBFloat16, {b, s_q, h_q, 512});
-  p.lse = dev_ref(dmalloc(b * h_q * s_q * 4), DType::kFloat32, {b, h_q, s_q});
-  p.workspace = dmalloc(plan.workspace_bytes);
-  p.workspace_bytes = plan.workspace_bytes;
-  p.metadata_ready = false;
+  set_decode_outputs(p, plan, b, s_q, h_q);
   if (!ok(flashmla::sparse_decode_fwd(p), "sparse_decode_fwd (schedule)")) return;
-  CK(cudaStreamSynchronize(g_stream));
+  CHECK(cudaStreamSynchronize(g_stream));
   time_row(tag + " plan", [&] {
     flashmla::DecodePlan pl;
     return flashmla::sparse_decode_plan(p, &pl).ok();
@@ -238,10 +233,10 @@ void sparse_rows(int64_t b, int64_t h_q, int64_t topk) {
 int main(int argc, char** argv) {
   if (argc > 1) g_calls = std::max(1, std::atoi(argv[1]));
   if (argc > 2) g_rounds = std::max(1, std::atoi(argv[2]));
-  CK(cudaSetDevice(0));
-  CK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+  CHECK(cudaSetDevice(0));
+  CHECK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, 0));
+  CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs; calls %d, rounds %d\n", prop.name, prop.multiProcessorCount, g_calls, g_rounds);
 
   time_row("cuda-get-device", [] {

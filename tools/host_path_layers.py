@@ -50,14 +50,8 @@ import statistics
 import sys
 import time
 
-# The cases of bench/bench_call_overhead.py's side by side (copied so that this file runs on its own).
-CASES = [
-    ("dense b1 h16 s_k64", dict(kind="dense", b=1, s_q=1, h_q=16, s_k=64)),
-    ("dense b1 h128 s_k2048", dict(kind="dense", b=1, s_q=1, h_q=128, s_k=2048)),
-    ("dense b16 h16 s_k2048", dict(kind="dense", b=16, s_q=1, h_q=16, s_k=2048)),
-    ("dense b128 s_q4 h16 s_k256", dict(kind="dense", b=128, s_q=4, h_q=16, s_k=256)),
-    ("sparse-fp8 b1 h64 topk2048", dict(kind="sparse", b=1, s_q=1, h_q=64, topk=2048)),
-]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from bench_call_overhead import SIDE_BY_SIDE as CASES  # noqa: E402  (the side-by-side cases, one list)
 
 
 def timings(fn, sync, calls: int, rounds: int) -> dict:
