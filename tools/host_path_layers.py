@@ -89,6 +89,30 @@ def timings(fn, sync, calls: int, rounds: int) -> dict:
             "sync_us": statistics.median(synced), "rounds_host_us": [round(x, 2) for x in host]}
 
 
+def api_rows(rows, name, c, sync, args) -> None:
+    """The public-API rows of one case: as called, and with the garbage collector off."""
+    try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
+    gc.disable()
+    try:
+        try_row(rows, f"{name} | api-gc-off", c["api"], sync, args.calls, args.rounds)
+    finally:
+        gc.enable()
+
+
+def stubbed_layer_row(rows, name, c, sync, args, owner, attr: str, outputs: dict) -> None:
+    """The public API with `owner.attr` (the native ops it calls) replaced by a stub whose functions return
+    the fixed `outputs` (name -> result): the Python layer alone."""
+    stub = type("_Stub", (), {})()
+    for op, result in outputs.items():
+        setattr(stub, op, lambda *a, _r=result: _r)
+    real = getattr(owner, attr)
+    setattr(owner, attr, stub)
+    try:
+        try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
+    finally:
+        setattr(owner, attr, real)
+
+
 def make_case(torch, flash_mla, params: dict, g):
     """Tensors of one case and the public-API call (FlashMLASchedMeta reused); both packages' API."""
     dev = g.device
@@ -187,30 +211,15 @@ def cmd_layers(args) -> dict:
         wrapper = getattr(_torch_ops, opname)
         scheduled = getattr(ops, opname + "_scheduled", None)  # what a reusing public call runs
         a_meta, a_none = c["op_args_meta"], c["op_args_nometa"]
-        try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
+        api_rows(rows, name, c, sync, args)
         if first_api is None:
             first_api = (name, c)
-        gc.disable()
-        try:
-            try_row(rows, f"{name} | api-gc-off", c["api"], sync, args.calls, args.rounds)
-        finally:
-            gc.enable()
-        # Python alone: the OpOverloads that _torch_ops calls replaced by a stub returning fixed outputs.
+        # Python alone: the OpOverloads that _torch_ops calls replaced by a stub returning fixed outputs
+        # (the *_scheduled one is what a reusing call runs).
         fixed = overload(*a_meta)
         sync()
-        real_ops = _torch_ops._ops
-
-        class _Stub:
-            pass
-
-        stub = _Stub()
-        setattr(stub, opname, lambda *a, _r=fixed: _r)
-        setattr(stub, opname + "_scheduled", lambda *a, _r=fixed[:2]: _r)  # (what a reusing call runs)
-        _torch_ops._ops = stub
-        try:
-            try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
-        finally:
-            _torch_ops._ops = real_ops
+        stubbed_layer_row(rows, name, c, sync, args, _torch_ops, "_ops",
+                          {opname: fixed, opname + "_scheduled": fixed[:2]})
         try_row(rows, f"{name} | call-wrapper (_torch_ops.{opname})", lambda: wrapper(*a_meta), sync, args.calls,
                 args.rounds)
         if scheduled is not None:
@@ -277,29 +286,13 @@ def cmd_anchor_layers(args) -> dict:
         opname = "dense_decode_fwd" if c["kind"] == "dense" else "sparse_decode_fwd"
         direct = getattr(fcuda, opname)
         a_meta = c["op_args_meta"]
-        try_row(rows, f"{name} | api", c["api"], sync, args.calls, args.rounds)
+        api_rows(rows, name, c, sync, args)
         if first_api is None:
             first_api = (name, c)
-        gc.disable()
-        try:
-            try_row(rows, f"{name} | api-gc-off", c["api"], sync, args.calls, args.rounds)
-        finally:
-            gc.enable()
         if interface is not None and hasattr(interface, "flash_mla_cuda"):
             fixed = direct(*a_meta)
             sync()
-            real = interface.flash_mla_cuda
-
-            class _Stub:
-                pass
-
-            stub = _Stub()
-            setattr(stub, opname, lambda *a, _r=fixed: _r)
-            interface.flash_mla_cuda = stub
-            try:
-                try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
-            finally:
-                interface.flash_mla_cuda = real
+            stubbed_layer_row(rows, name, c, sync, args, interface, "flash_mla_cuda", {opname: fixed})
         try_row(rows, f"{name} | cuda-direct (flash_mla.cuda.{opname})", lambda: direct(*a_meta), sync, args.calls,
                 args.rounds)
         del c
