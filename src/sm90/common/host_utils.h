@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "flashmla/status.h"
@@ -144,6 +145,28 @@ inline cudaError_t set_max_dynamic_smem_cached(const void* func, int bytes) {
 template <class Kernel>
 cudaError_t set_max_dynamic_smem(Kernel* kernel, int bytes) {
   return set_max_dynamic_smem_cached(reinterpret_cast<const void*>(kernel), bytes);
+}
+
+/// Launches `kernel` on `stream` as a programmatic dependent of the kernel before it on the stream
+/// (cudaLaunchAttributeProgrammaticStreamSerialization): its CTAs may start once every CTA of that
+/// kernel has executed `griddepcontrol.launch_dependents` or exited, so the kernel must call
+/// wait_prerequisite_grids() (utils.cuh) before it reads anything the previous kernel writes. Used for
+/// the decode combines after their main kernels (as FlashMLA launches its combine). Stream capture turns
+/// the dependency into a programmatic graph edge (CUDA 12.3 and later).
+template <class... Params, class... Args>
+cudaError_t launch_programmatic_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                                          cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 }  // namespace flashmla::sm90

@@ -207,6 +207,18 @@ __device__ __forceinline__ bool row_sum_empty(float L) { return L == 0.f; }
 // The row max to report as max_logits: NaN for a row whose sum L is NaN (see row_sum_empty).
 __device__ __forceinline__ float row_max_or_nan(float m, float L) { return isnan(L) ? L : m; }
 
+// Programmatic dependent launch (PTX ISA `griddepcontrol`, sm_90; CUDA programming guide,
+// "Programmatic Dependent Launch and Synchronization"). The decode main kernels call
+// launch_dependent_grids() when they start: the combine that follows them on the stream, launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization (launch_programmatic_dependent, host_utils.h), may
+// then be scheduled once every CTA of the main grid has started (executed it) or exited, instead of after
+// the whole grid has drained, so its launch and prologue overlap the main kernel's tail. The combine
+// calls wait_prerequisite_grids() before it reads the main kernel's partials: that waits until the
+// prerequisite grid has completed and its memory operations are visible (a no-op for a grid launched
+// without the attribute). Neither changes what is computed, only when the combine's CTAs start.
+__device__ __forceinline__ void launch_dependent_grids() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_prerequisite_grids() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

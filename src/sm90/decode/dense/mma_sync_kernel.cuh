@@ -47,6 +47,7 @@ using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 
 template <typename T, int R>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(const DenseDecodeKernelParams p) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   using CF = Cfg<R>;
   constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
   extern __shared__ __align__(128) uint8_t smem[];

@@ -72,6 +72,7 @@ struct Mma<__half> {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmma(const DenseDecodeKernelParams p) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base_u;
   uint8_t* base = smem_align_1024(smem_raw, base_u);

@@ -248,6 +248,7 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
 template <typename T, int kD, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_fwd_splitkv_mla_kernel_seesaw(const DenseDecodeKernelParams p, const __grid_constant__ CUtensorMap tmap_k) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   constexpr int kSlabs = kD / 64;
   constexpr int kChunks = kD / 8;
   extern __shared__ __align__(1024) uint8_t smem_raw[];

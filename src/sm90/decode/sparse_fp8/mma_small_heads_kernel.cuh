@@ -49,6 +49,7 @@ struct Cfg2 {
 
 template <Fmt F, int R>
 __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_small_heads(const SparseDecodeKernelParams p) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   using FC = FmtCfg<F>;
   using CF = Cfg<R, 1>;
   using C2 = small_heads::Cfg2<R>;

@@ -200,6 +200,7 @@ __device__ __forceinline__ void store_sparse_decode_rows(const SparseDecodeKerne
 
 template <Fmt F, int R, int NS>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel(const SparseDecodeKernelParams p) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   using FC = FmtCfg<F>;
   using CF = Cfg<R, NS>;
   constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;

@@ -55,10 +55,15 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
   const int start = p.num_splits[bi];
   const int n = p.num_splits[bi + 1] - start;
   if (n <= 1 && p.out_vec_ok) return;  // strided out: the main kernel wrote partials for every request
+  wait_prerequisite_grids();  // the main kernel's partials (launched as its programmatic dependent)
 
   const int64_t split_stride = static_cast<int64_t>(p.s_q) * p.h_q;
   const int64_t base_row = (static_cast<int64_t>(start) * p.s_q + sq) * p.h_q + h;
   const float* la = p.lse_accum + base_row;
+  const float4* o = reinterpret_cast<const float4*>(p.o_accum + base_row * 512);
+  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
+  float4 first[J];
+  if (n > 0) combine_load_slices(o, f4, first);
 
   float mx;
   const float s = combine_split_sum(la, n, split_stride, lane, mx);
@@ -69,51 +74,15 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
   float factor = empty ? 0.f : 1.f;
   if (p.attn_sink != nullptr && !empty) factor = 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
 
-  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
   float4 acc[J];
+  if (empty) {
 #pragma unroll
-  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (!empty) {
-    // Splits in chunks of 32, each lane computing one split's weight (as the dense combine).
-    for (int c = 0; c < n; c += 32) {
-      const int m = min(32, n - c);
-      const float w_lane = lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) * factor : 0.f;
-      const float4* o = reinterpret_cast<const float4*>(p.o_accum + (base_row + c * split_stride) * 512);
-#pragma unroll (16 / J)
-      for (int k = 0; k < m; ++k) {
-        const float w = __shfl_sync(0xffffffffu, w_lane, k);
-#pragma unroll
-        for (int j = 0; j < J; ++j) {
-          const float4 v = o[k * split_stride * 128 + f4 + 32 * j];
-          acc[j].x += w * v.x;
-          acc[j].y += w * v.y;
-          acc[j].z += w * v.z;
-          acc[j].w += w * v.w;
-        }
-      }
-    }
+    for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  } else {
+    combine_accumulate(la, o, n, split_stride, f4, lse2, factor, lane, first, acc);
   }
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int d = (f4 + 32 * j) * 4;
-    if (p.out_vec_ok) {
-      uint2 pk;
-      pk.x = HalfTraits<__nv_bfloat16>::pack(acc[j].x, acc[j].y);
-      pk.y = HalfTraits<__nv_bfloat16>::pack(acc[j].z, acc[j].w);
-      if ((reinterpret_cast<uintptr_t>(out + d) & 7) == 0) {
-        *reinterpret_cast<uint2*>(out + d) = pk;
-      } else {
-        reinterpret_cast<uint32_t*>(out + d)[0] = pk.x;
-        reinterpret_cast<uint32_t*>(out + d)[1] = pk.y;
-      }
-    } else {
-      out[(d + 0) * p.o_stride_d] = __float2bfloat16_rn(acc[j].x);
-      out[(d + 1) * p.o_stride_d] = __float2bfloat16_rn(acc[j].y);
-      out[(d + 2) * p.o_stride_d] = __float2bfloat16_rn(acc[j].z);
-      out[(d + 3) * p.o_stride_d] = __float2bfloat16_rn(acc[j].w);
-    }
-  }
+  combine_store_row(static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h,
+                    p.o_stride_d, p.out_vec_ok, f4, acc);
 }
 
 }  // namespace sparse_combine
@@ -136,19 +105,18 @@ cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* 
   auto go = [&](auto compact_tag, const auto& params) {
     constexpr bool kC = decltype(compact_tag)::value;
     using P = std::decay_t<decltype(params)>;
-    if (j == 1) sparse_combine::flash_fwd_mla_combine_kernel<1, kC, P><<<grid, 256, 0, stream>>>(params);
-    else if (j == 2) sparse_combine::flash_fwd_mla_combine_kernel<2, kC, P><<<grid, 256, 0, stream>>>(params);
-    else sparse_combine::flash_fwd_mla_combine_kernel<4, kC, P><<<grid, 256, 0, stream>>>(params);
+    auto kernel = j == 1   ? sparse_combine::flash_fwd_mla_combine_kernel<1, kC, P>
+                  : j == 2 ? sparse_combine::flash_fwd_mla_combine_kernel<2, kC, P>
+                           : sparse_combine::flash_fwd_mla_combine_kernel<4, kC, P>;
+    return launch_programmatic_dependent(kernel, grid, dim3(256), 0, stream, params);
   };
   if (compact) {
     sparse_combine::CompactParams pc;
     static_cast<SparseCombineParams&>(pc) = cp;
     pc.tile_scheduler_metadata = metadata;
-    go(std::true_type{}, pc);
-  } else {
-    go(std::false_type{}, cp);
+    return go(std::true_type{}, pc);
   }
-  return cudaGetLastError();
+  return go(std::false_type{}, cp);
 }
 
 namespace {

@@ -433,6 +433,7 @@ enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
 
 template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
+  launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
