@@ -261,6 +261,7 @@ SparseScope kernel_scope(const Scope& s, int s_q) {
   k.cache = s.d_cache;
   k.block_stride = s.stride;
   k.page_block_size = s.pbs;
+  k.pbs_magic = flashmla::core::page_div_magic(static_cast<uint32_t>(s.pbs));
   k.num_tokens = static_cast<int>(s.n_blocks * s.pbs);
   k.indices = s.d_idx;
   k.idx_stride_b = static_cast<int64_t>(s_q) * s.topk;
