@@ -201,9 +201,10 @@ def main(argv=None) -> str:
     anchor = run_worker("anchor", args.anchor, ROWS, ["pad64"], cfg)
     doc = build_doc(ours + anchor, cases, cfg, model1, gpu, ceilings, args.anchor)
     for row in doc["rows"]:
-        print(f"b {row['b']:4d} s_q {row['s_q']} h_q {row['h_q']:3d}: ours native "
-              f"{row['ours_native_us'] or float('nan'):8.1f} us, ours pad64 {row['ours_pad64_us'] or float('nan'):8.1f} us, "
-              f"FlashMLA pad64 {row['anchor_pad64_us'] or float('nan'):8.1f} us, ratio {row.get('ratio', float('nan')):.3f}, "
+        us = {key: row[key] or float("nan") for key in ("ours_native_us", "ours_pad64_us", "anchor_pad64_us")}
+        print(f"b {row['b']:4d} s_q {row['s_q']} h_q {row['h_q']:3d}: ours native {us['ours_native_us']:8.1f} us, "
+              f"ours pad64 {us['ours_pad64_us']:8.1f} us, FlashMLA pad64 {us['anchor_pad64_us']:8.1f} us, "
+              f"ratio {row.get('ratio', float('nan')):.3f}, "
               f"native/padded {row['native_vs_own_padded'] or float('nan'):.3f} ({row['kernel']})")
     os.makedirs(args.out, exist_ok=True)
     kind = "sparse-decode-tp-model1" if model1 else "sparse-decode-tp"
