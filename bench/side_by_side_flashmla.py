@@ -32,6 +32,12 @@ def ceilings() -> dict:
     return common.measure_ceilings()
 
 
+def ours() -> dict:
+    """Which flash_mla ran beside the anchor: this repository, at the git revision given in FLASHMLA_GIT_REV
+    (empty when not given: the GPU machine's copy of the tree has no .git)."""
+    return {"package": "flash_mla (this repository)", "git": os.environ.get("FLASHMLA_GIT_REV", "")}
+
+
 def plot(doc: dict, path: str) -> None:
     import matplotlib  # noqa: PLC0415
 
@@ -69,7 +75,7 @@ def main() -> None:
         with open(path) as f:
             doc = json.load(f)
         doc["ceilings"] = ceil
-        doc["ours"] = {"package": "flash_mla (this repository)", "git": os.environ.get("FLASHMLA_GIT_REV", "")}
+        doc["ours"] = ours()
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)
         plot(doc, path[:-5] + ".png")

@@ -19,11 +19,16 @@ Rows: the five of issue 24 (b, s_q, h_q) = (128, 1, 16), (128, 2, 16), (128, 2, 
 (8, 1, 16); `--sweep` adds ours native against ours padded for h_q 1, 8, 16, 24, 32, 48 at b 4, 8, 16,
 32, 64, 128 and s_q 1, 2: the "never slower than our own padded kernel" check, across the query-token
 count at which the library moves small head counts onto the 64-row wgmma kernel. `--d-qk 512` runs
-the same rows in the MODEL1 format (topk 512, ours only: no FlashMLA column).
+the same rows and sweep in the MODEL1 format (d_qk 512, s_kv 16384, topk 512, page block 64), FlashMLA
+too (its sm90 kernels take MODEL1 at 64 and 128 heads).
+
+The document also records the ceilings of the same run (`ceilings`: bf16 matmul TFLOP/s and device copy
+GB/s, measured before the workers start) and which package ran (`ours`), written by the helpers of
+`side_by_side_flashmla.py` (the ceilings: `common.measure_ceilings`), as its documents carry them.
 
 Usage (GPU machine, repository root, ours installed, anchor built by `bash .anchor/build.sh`):
   python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep] [--d-qk 512]
-Writes OUT_DIR/<date>-sparse-decode-tp-vs-flashmla.json (MODEL1: <date>-sparse-decode-tp-model1.json).
+Writes OUT_DIR/<date>-sparse-decode-tp-vs-flashmla.json (MODEL1: <date>-sparse-decode-tp-model1-vs-flashmla.json).
 """
 
 from __future__ import annotations
@@ -108,32 +113,46 @@ def run_worker(label: str, pythonpath: str | None, cases: list, modes: list, cfg
     return [json.loads(line[3:]) for line in p.stdout.splitlines() if line.startswith("TP ")]
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", nargs="?", help="output folder")
     ap.add_argument("--anchor", default="/tmp/anchor/flashmla", help="FlashMLA built by the anchor kit")
     ap.add_argument("--sweep", action="store_true", help="also ours native vs ours padded over h_q 1..48, b 4..128")
-    ap.add_argument("--d-qk", type=int, default=576, choices=[576, 512], help="576: V3.2 format, 512: MODEL1 (ours only)")
+    ap.add_argument("--d-qk", type=int, default=576, choices=[576, 512], help="576: V3.2 format, 512: MODEL1")
     ap.add_argument("--worker", nargs=2, metavar=("LABEL", "JSON"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        spec = json.loads(args.worker[1])
-        worker(args.worker[0], [tuple(c) for c in spec["cases"]], spec["modes"], spec["cfg"])
-        return
-    if not args.out:
+    args = ap.parse_args(argv)
+    if not args.worker and not args.out:
         ap.error("OUT_DIR is required")
-    model1 = args.d_qk == 512
-    cfg = CFG_MODEL1 if model1 else CFG
-    if not model1 and not os.path.isdir(os.path.join(args.anchor, "flash_mla")):
-        sys.exit(f"no FlashMLA anchor at {args.anchor} (build it with: bash .anchor/build.sh)")
-    import torch
+    return args
 
-    sweep = [(b, s_q, h) for s_q in (1, 2) for b in SWEEP_B for h in SWEEP_H] if args.sweep else []
-    ours = run_worker("ours", None, ROWS + [c for c in sweep if c not in ROWS], ["native", "pad64"], cfg)
-    anchor = [] if model1 else run_worker("anchor", args.anchor, ROWS, ["pad64"], cfg)
-    get = {(r["label"], r["b"], r["s_q"], r["h_q"], r["mode"]): r for r in ours + anchor}
+
+def gpu_and_ceilings() -> tuple:
+    """The GPU's name and the ceilings of this run (bf16 matmul TFLOP/s, device copy GB/s), measured by
+    side_by_side_flashmla's helper (common.measure_ceilings) before the workers start, as that tool does."""
+    import torch  # noqa: PLC0415 (GPU only)
+
+    sys.path.insert(0, HERE)
+    import side_by_side_flashmla  # noqa: PLC0415
+
+    return torch.cuda.get_device_name(0), side_by_side_flashmla.ceilings()
+
+
+def cases_of(sweep: bool) -> list:
+    """ROWS, then (with sweep) the sweep's (b, s_q, h_q) that are not rows."""
+    extra = [(b, s_q, h) for s_q in (1, 2) for b in SWEEP_B for h in SWEEP_H] if sweep else []
+    return ROWS + [c for c in extra if c not in ROWS]
+
+
+def build_doc(records: list, cases: list, cfg: dict, model1: bool, gpu: str, ceilings: dict,
+              anchor_path: str) -> dict:
+    """The result document from the workers' records ('TP' lines): one row per case, the ratios, the
+    targets, and the ceilings and provenance of the run (the fields side_by_side_flashmla writes)."""
+    sys.path.insert(0, HERE)
+    import side_by_side_flashmla  # noqa: PLC0415
+
+    get = {(r["label"], r["b"], r["s_q"], r["h_q"], r["mode"]): r for r in records}
     rows = []
-    for b, s_q, h_q in ROWS + [c for c in sweep if c not in ROWS]:
+    for b, s_q, h_q in cases:
         on, op = get[("ours", b, s_q, h_q, "native")], get[("ours", b, s_q, h_q, "pad64")]
         ap_ = get.get(("anchor", b, s_q, h_q, "pad64"))
         row = dict(b=b, s_q=s_q, h_q=h_q, ours_native_us=on.get("us"), ours_pad64_us=op.get("us"),
@@ -146,32 +165,54 @@ def main() -> None:
             if r is not None and "error" in r:
                 row.setdefault("errors", []).append(f"{r['label']} {r['mode']}: {r['error']}")
         rows.append(row)
-        print(f"b {b:4d} s_q {s_q} h_q {h_q:3d}: ours native {row['ours_native_us'] or float('nan'):8.1f} us, "
-              f"ours pad64 {row['ours_pad64_us'] or float('nan'):8.1f} us, FlashMLA pad64 "
-              f"{row['anchor_pad64_us'] or float('nan'):8.1f} us, ratio {row.get('ratio', float('nan')):.3f}, "
-              f"native/padded {row['native_vs_own_padded'] or float('nan'):.3f} ({row['kernel']})")
     r = [x["ratio"] for x in rows if "ratio" in x]
-    date = datetime.date.today().isoformat()
-    doc = dict(family="sparse-decode-tp", date=date, gpu=torch.cuda.get_device_name(0),
-               anchor=dict(name="FlashMLA", commit="9241ae3", measured_in_same_run=True, path=args.anchor,
-                           input="q zero-padded to 64 heads"),
-               timing="main kernel + combine per call, L2 flushed before each call, kineto (common.kernel_times_us)",
-               config=dict(cfg, format="MODEL1" if model1 else "V3.2", sink=True), geomean_ratio=math.exp(sum(map(math.log, r)) / len(r))
-               if r else None, min_ratio=min(r) if r else None,
-               targets=dict(ratio_ge_1_every_row=bool(r) and min(r) >= 1.0,
-                            native_never_slower_than_own_padded=all(
-                                x["native_vs_own_padded"] is not None and x["native_vs_own_padded"] >= 1.0
-                                for x in rows),
-                            # the same kernel on both sides differs by timing noise only
-                            native_within_1pct_of_own_padded=all(
-                                x["native_vs_own_padded"] is not None and x["native_vs_own_padded"] >= 0.99
-                                for x in rows)),
-               rows=rows)
+    return dict(family="sparse-decode-tp", date=datetime.date.today().isoformat(), gpu=gpu,
+                anchor=dict(name="FlashMLA", commit="9241ae3", measured_in_same_run=True, path=anchor_path,
+                            input="q zero-padded to 64 heads"),
+                timing="main kernel + combine per call, L2 flushed before each call, kineto (common.kernel_times_us)",
+                config=dict(cfg, format="MODEL1" if model1 else "V3.2", sink=True),
+                geomean_ratio=math.exp(sum(map(math.log, r)) / len(r)) if r else None,
+                min_ratio=min(r) if r else None,
+                targets=dict(ratio_ge_1_every_row=bool(r) and min(r) >= 1.0,
+                             native_never_slower_than_own_padded=all(
+                                 x["native_vs_own_padded"] is not None and x["native_vs_own_padded"] >= 1.0
+                                 for x in rows),
+                             # the same kernel on both sides differs by timing noise only
+                             native_within_1pct_of_own_padded=all(
+                                 x["native_vs_own_padded"] is not None and x["native_vs_own_padded"] >= 0.99
+                                 for x in rows)),
+                rows=rows, ceilings=ceilings, ours=side_by_side_flashmla.ours())
+
+
+def main(argv=None) -> str:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker[1])
+        worker(args.worker[0], [tuple(c) for c in spec["cases"]], spec["modes"], spec["cfg"])
+        return ""
+    model1 = args.d_qk == 512
+    cfg = CFG_MODEL1 if model1 else CFG
+    if not os.path.isdir(os.path.join(args.anchor, "flash_mla")):
+        sys.exit(f"no FlashMLA anchor at {args.anchor} (build it with: bash .anchor/build.sh)")
+    gpu, ceilings = gpu_and_ceilings()
+    print(f"{gpu}: ceilings {ceilings}", flush=True)
+    cases = cases_of(args.sweep)
+    ours = run_worker("ours", None, cases, ["native", "pad64"], cfg)
+    anchor = run_worker("anchor", args.anchor, ROWS, ["pad64"], cfg)
+    doc = build_doc(ours + anchor, cases, cfg, model1, gpu, ceilings, args.anchor)
+    for row in doc["rows"]:
+        us = {key: row[key] or float("nan") for key in ("ours_native_us", "ours_pad64_us", "anchor_pad64_us")}
+        print(f"b {row['b']:4d} s_q {row['s_q']} h_q {row['h_q']:3d}: ours native {us['ours_native_us']:8.1f} us, "
+              f"ours pad64 {us['ours_pad64_us']:8.1f} us, FlashMLA pad64 {us['anchor_pad64_us']:8.1f} us, "
+              f"ratio {row.get('ratio', float('nan')):.3f}, "
+              f"native/padded {row['native_vs_own_padded'] or float('nan'):.3f} ({row['kernel']})")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{date}-sparse-decode-tp-" + ("model1.json" if model1 else "vs-flashmla.json"))
+    kind = "sparse-decode-tp-model1" if model1 else "sparse-decode-tp"
+    path = os.path.join(args.out, f"{doc['date']}-{kind}-vs-flashmla.json")
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}; geomean ratio {doc['geomean_ratio']}, min {doc['min_ratio']}")
+    return path
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@
 2. Short, ragged and empty cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests
    (s_q = 0 and s_k = 0), causal rows without a visible key (out 0, lse -inf, zero gradients),
    bf16 and fp16, GQA, both head-dim pairs, packed variants, is_varlen=False, NaN propagation.
+3. NaN / inf in keys of the causal diagonal block that the first rows do not see (k, v or both; s_q 7 / 63 /
+   129 / 200, s_k = s_q .. s_q + 70): out, lse, dq, dk, dv as the reference, and the other rows bit-identical
+   to a run with finite values there.
 
 Outputs are poisoned the only way the op's own allocations can be: a NaN-filled block is freed
 into torch's caching allocator right before each call, so the op's outputs come out of it;
@@ -35,18 +38,34 @@ from torch_reference import check_close  # noqa: E402  (spec §5.1 comparator)
 
 OUT_TOL = dict(abs_tol=1e-3, rel_tol=8.01 / 128, cos_tol=7e-6)
 LSE_TOL = dict(abs_tol=1e-6, rel_tol=2.01 / 65536, cos_tol=1e-7)
-REF_SCORES = 1 << 28
+REF_SCORES = 1 << 28  # float32 score elements per reference chunk (1 GiB)
 # Device of the answers under test; "cpu" only dry-runs this file's logic on the reference backend.
-DEV = os.environ.get("FLASHMLA_DENSE_PREFILL_TEST_DEVICE", "cuda")  # float32 score elements per reference chunk (1 GiB)
+DEV = os.environ.get("FLASHMLA_DENSE_PREFILL_TEST_DEVICE", "cuda")
 
 
 # ----------------------------------------------------------------------------- reference
+def row_segments(k, v, s_q, s_k, causal):
+    """[(r0, r1, keys)]: the request's query rows cut where a key holding a NaN or inf (in k or v, any head)
+    becomes visible (bottom-right causal), with the indices of the keys rows r0..r1 read: every finite key and
+    the non-finite keys visible to all of these rows. The non-finite keys a row does not see thus never enter
+    the reference's arithmetic (the masked scores are -inf, their P exactly 0, and 0 * NaN would be NaN), as
+    the operator never reads them (spec §2.5). One segment of all keys when every key is finite."""
+    bad = ~(torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1))
+    everything = torch.arange(s_k, device=k.device)
+    if not causal or not bool(bad.any()):
+        return [(0, s_q, everything)]
+    first_row = everything + (s_q - s_k)  # first query row that sees each key
+    cuts = sorted({0, s_q} | {r for r in first_row[bad].tolist() if 0 < r < s_q})
+    return [(r0, r1, everything[~bad | (first_row <= r0)]) for r0, r1 in zip(cuts, cuts[1:])]
+
+
 def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
     """float32 reference, request by request and in chunks of query heads (bounded memory):
     (out float32, lse float32, dq, dk, dv in q's dtype, dv_p in q's dtype); gradients by autograd of
     the explicit softmax attention (bottom-right causal mask; GQA by repeat_interleave), as FlashMLA's
     sdpa. dv_p is dV = P^T dO with P rounded to q's dtype first, as the kernels (and FlashAttention's
-    backward) feed P to the tensor cores: the precision the backward's dv is specified to."""
+    backward) feed P to the tensor cores: the precision the backward's dv is specified to. A NaN / inf in
+    a key reaches the rows that see it only (row_segments)."""
     total_q, h_q, _ = q.shape
     h_k = k.shape[1]
     g = h_q // h_k
@@ -62,34 +81,41 @@ def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
         s_q, s_k = q1 - q0, k1 - k0
         if s_q == 0 or s_k == 0:
             continue
-        bias = torch.zeros(s_q, s_k, device=q.device)
-        has_keys = torch.ones(s_q, dtype=torch.bool, device=q.device)
-        if causal:
-            keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(diagonal=s_k - s_q)
-            has_keys = keep.any(-1)
-            # Rows without a visible key: unmasked here (a finite softmax) and zeroed below.
-            bias.masked_fill_(~keep & has_keys[:, None], -math.inf)
-        heads = max(1, min(h_q, REF_SCORES // (s_q * s_k)))
-        for h0 in range(0, h_q, heads):
-            h1 = min(h_q, h0 + heads)
-            kh = torch.arange(h0, h1, device=q.device) // g
-            qc = q[q0:q1, h0:h1].float().transpose(0, 1).contiguous().requires_grad_()
-            kc = k[k0:k1].float().transpose(0, 1)[kh].contiguous().requires_grad_()
-            vc = v[k0:k1].float().transpose(0, 1)[kh].contiguous().requires_grad_()
-            x = qc @ kc.transpose(-1, -2) * scale + bias
-            l = torch.where(has_keys, x.logsumexp(-1), -math.inf)
-            p = torch.softmax(x, -1) * has_keys[:, None]  # rows without keys: out 0, no gradient
-            o = p @ vc
-            o.backward(dout[q0:q1, h0:h1].float().transpose(0, 1))
-            out[q0:q1, h0:h1] = o.detach().transpose(0, 1)
-            lse[q0:q1, h0:h1] = l.detach().transpose(0, 1)
-            dq[q0:q1, h0:h1] = qc.grad.transpose(0, 1)
-            dk[k0:k1].index_add_(1, kh, kc.grad.transpose(0, 1))
-            dv[k0:k1].index_add_(1, kh, vc.grad.transpose(0, 1))
-            p_q = p.detach().to(q.dtype).float()
-            dv_p[k0:k1].index_add_(1, kh, (p_q.transpose(-1, -2) @ dout[q0:q1, h0:h1].float().transpose(0, 1))
-                                   .transpose(0, 1))
-            del x, p, o, p_q
+        for r0, r1, keys in row_segments(k[k0:k1], v[k0:k1], s_q, s_k, causal):
+            n_q, n_k = r1 - r0, keys.numel()
+            if n_k == 0:  # every key non-finite and unseen: out 0, lse -inf, no gradient
+                continue
+            keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+            has_keys = torch.ones(n_q, dtype=torch.bool, device=q.device)
+            if causal:
+                rows = torch.arange(r0, r1, device=q.device)
+                keep = keys[None, :] <= rows[:, None] + (s_k - s_q)
+                has_keys = rows + (s_k - s_q) >= 0
+            heads = max(1, min(h_q, REF_SCORES // (n_q * n_k)))
+            for h0 in range(0, h_q, heads):
+                h1 = min(h_q, h0 + heads)
+                kh = torch.arange(h0, h1, device=q.device) // g
+                qc = q[q0 + r0:q0 + r1, h0:h1].float().transpose(0, 1).contiguous().requires_grad_()
+                kc = k[k0:k1][keys].float().transpose(0, 1)[kh].contiguous().requires_grad_()
+                vc = v[k0:k1][keys].float().transpose(0, 1)[kh].contiguous().requires_grad_()
+                # Masked by selection, not by adding -inf, so that a row's NaN or inf (a visible non-finite key)
+                # reaches neither the masked P nor, through the backward, the masked keys. Rows without a
+                # visible key are unmasked here (a finite softmax) and zeroed in p.
+                x = torch.where(keep | ~has_keys[:, None], qc @ kc.transpose(-1, -2) * scale, -math.inf)
+                l = torch.where(has_keys, x.logsumexp(-1), -math.inf)
+                p = torch.where(keep & has_keys[:, None], torch.softmax(x, -1), 0.0)
+                o = p @ vc
+                do = dout[q0 + r0:q0 + r1, h0:h1].float().transpose(0, 1)
+                o.backward(do)
+                out[q0 + r0:q0 + r1, h0:h1] = o.detach().transpose(0, 1)
+                lse[q0 + r0:q0 + r1, h0:h1] = l.detach().transpose(0, 1)
+                dq[q0 + r0:q0 + r1, h0:h1] = qc.grad.transpose(0, 1)
+                p_q = p.detach().to(q.dtype).float()
+                for acc, grad in ((dk, kc.grad), (dv, vc.grad), (dv_p, p_q.transpose(-1, -2) @ do)):
+                    full = torch.zeros(h1 - h0, s_k, grad.shape[-1], device=q.device)
+                    full[:, keys] = grad
+                    acc[k0:k1].index_add_(1, kh, full.transpose(0, 1))
+                del x, p, o, p_q
     return out, lse, dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dv_p.to(q.dtype)
 
 
@@ -272,6 +298,90 @@ def test_nan_propagation_and_unread_keys():
     out3, lse3 = flash_mla.flash_attn_varlen_func(q3, k3, v3, cumulative([50, 50]), cumulative([150, 10]), 50, 150)
     assert not torch.isnan(out3[:50]).any() and not torch.isnan(lse3[:50]).any()
     assert torch.isnan(lse3[50:]).all() and torch.isnan(out3[50:]).any(-1).all()
+
+
+# ----------------------------------------------------------------------------- NaN / inf in masked keys
+def diagonal_keys(s_q, s_k):
+    """Keys of a causal request (bottom-right) in its diagonal block that the first rows do not see: the key
+    first seen by row ceil(2 s_q / 3) and the last key (seen by the last row only)."""
+    off = s_k - s_q
+    return sorted({off + max(1, -(-2 * s_q // 3)), s_k - 1} & set(range(max(off + 1, 0), s_k)))
+
+
+def nonfinite_checked(name, ans, ref, nan_only):
+    """(ans, ref) for check_close once their non-finite positions are checked. A NaN in the inputs gives NaN
+    (nan_only: returned as they are; check_close compares the NaN and +-inf positions exactly). An inf gives
+    NaN or +-inf depending on the order of the operations (inf - inf in a softmax, 0 * inf in a rescaling),
+    so with infs the non-finite positions must agree and are zeroed in both."""
+    if nan_only:
+        return ans, ref
+    bad_a, bad_r = ~torch.isfinite(ans), ~torch.isfinite(ref.to(ans.device))
+    if not torch.equal(bad_a, bad_r):
+        first = (bad_a != bad_r).nonzero()[0].tolist()
+        raise AssertionError(f"{name}: non-finite positions differ: {int(bad_a.sum())} in answer, {int(bad_r.sum())} "
+                             f"in reference; first at {first}: ans={ans[tuple(first)].item()} "
+                             f"ref={ref[tuple(first)].item()}")
+    return ans.masked_fill(bad_a, 0), ref.to(ans.device).masked_fill(bad_r, 0)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 37, 70])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("where", ["k", "v", "kv"])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+def test_masked_keys_holding_nan_or_inf(offset, poison, where, dims, heads):
+    """Causal (bottom-right), s_k = s_q + offset for s_q 7 / 63 / 129 / 200: keys of the diagonal block that
+    the first rows do not see hold NaN or inf in k and / or v (diagonal_keys; one request has it in the key
+    right of the first row's last, one has s_q > s_k, one is clean). out, lse, dq, dk, dv equal the reference,
+    which reads no key a row does not see (reference: row_segments), non-finite where it is; and the rows that
+    see no poisoned key get the same bits as with finite values in those keys (dv everywhere, and lse, when
+    only v is poisoned: neither reads v)."""
+    torch.manual_seed(zlib.crc32(repr((offset, poison, where, dims, heads)).encode()))
+    reqs = [(s_q, s_q + offset, diagonal_keys(s_q, s_q + offset)) for s_q in (7, 63, 129, 200)]
+    reqs += [(129, 129 + offset, [offset + 1]), (40, 25, diagonal_keys(40, 25)), (63, 63 + offset, [])]
+    (h, h_k), (d, d_v) = heads, dims
+    cu_q, cu_k = cumulative([r[0] for r in reqs]), cumulative([r[1] for r in reqs])
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    max_q, max_k = max(r[0] for r in reqs), max(r[1] for r in reqs)
+    q = (torch.randn(total_q, h, d, device=DEV) * 0.1).bfloat16()
+    k_fin = (torch.randn(total_k, h_k, d, device=DEV) * 0.1).bfloat16()
+    v_fin = (torch.randn(total_k, h_k, d_v, device=DEV) * 0.1).bfloat16()
+    dout = (torch.randn(total_q, h, d_v, device=DEV) * 0.1).bfloat16()
+    k, v = k_fin.clone(), v_fin.clone()
+    clean = torch.ones(total_q, dtype=torch.bool, device=DEV)  # rows that see no poisoned key
+    val = float(poison)
+    for (s_q, s_k, keys), q0, k0 in zip(reqs, cu_q.tolist(), cu_k.tolist()):
+        for j in keys:
+            if "k" in where:
+                k[k0 + j, :, 3] = val
+            if "v" in where:
+                v[k0 + j, :, 5] = -val
+        if keys:
+            clean[q0 + max(min(keys) - (s_k - s_q), 0):q0 + s_q] = False
+    assert 0 < int(clean.sum()) < total_q
+    scale = (d + 100) ** -0.5
+
+    def run(k, v):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max_q, max_k, scale, True)
+        return out, lse, run_bwd(out, dout, q1, k1, v1)
+
+    out, lse, (dq, dk, dv) = run(k, v)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, True, dout)
+    nan_only = poison == "nan"
+    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
+    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
+    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
+             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
+    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
+
+    out_f, lse_f, (dq_f, dk_f, dv_f) = run(k_fin, v_fin)
+    for name, a, b in (("out", out, out_f), ("lse", lse, lse_f), ("dq", dq, dq_f)):
+        finite = torch.isfinite(a[clean]) | (torch.isneginf(a[clean]) if name == "lse" else False)  # no keys: -inf
+        assert bool(finite.all()), f"{name}: a row that sees no poisoned key is not finite"
+        assert torch.equal(a[clean], b[clean]), f"{name}: a row that sees no poisoned key depends on one"
+    if where == "v":
+        assert torch.equal(lse, lse_f) and torch.equal(dv, dv_f) and bool(torch.isfinite(dv).all())
 
 
 def test_other_frameworks_agree_with_torch():

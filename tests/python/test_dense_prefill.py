@@ -3,9 +3,11 @@ reference backend: forward and backward against a float64 NumPy oracle on fresh 
 NumPy (plain forward + ``flash_attn_varlen_backward``), torch (autograd.Function, torch.ops with
 register_autograd, fake kernels, torch.compile) and JAX (custom_vjp, jax.jit); the packed variants,
 GQA, empty requests, lengths 1 / 7 / 63 / 129, s_q != s_k, causal (bottom-right), is_varlen=False,
-NaN propagation and the errors (each naming the argument)."""
+NaN propagation, NaN / inf in the keys a causal row does not see, and the errors (each naming the argument)."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -18,6 +20,52 @@ DTYPES = {"bf16": BF16, "fp16": FP16}
 
 
 # ----------------------------------------------------------------------------- oracle (float64)
+def row_segments(k, v, s_q, s_k, causal):
+    """[(r0, r1, keys)]: the request's query rows cut where a key holding a NaN or inf (in k or v, any head)
+    becomes visible (bottom-right causal), with the indices of the keys rows r0..r1 read: every finite key and
+    the non-finite keys visible to all of these rows. A non-finite key a row does not see thus never enters
+    the oracle's arithmetic (its P is 0, and 0 * NaN would be NaN), as the operator never reads it (spec §2.5).
+    One segment of all keys when every key is finite."""
+    bad = ~(np.isfinite(k.reshape(s_k, -1)).all(1) & np.isfinite(v.reshape(s_k, -1)).all(1))
+    keys = np.arange(s_k)
+    if not causal or not bad.any():
+        return [(0, s_q, keys)]
+    first_row = keys + (s_q - s_k)  # first query row that sees each key
+    cuts = sorted({0, s_q} | {int(r) for r in first_row[bad] if 0 < r < s_q})
+    return [(r0, r1, keys[~bad | (first_row <= r0)]) for r0, r1 in zip(cuts, cuts[1:])]
+
+
+def _segments(q, k, v, cu_q, cu_k, causal):
+    """Per request and row segment (row_segments): (q0 + r0, q0 + r1, k0 + keys, mask (n_q, n_keys) of the keys
+    each row sees)."""
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        s_q, s_k = q1 - q0, k1 - k0
+        if s_q == 0 or s_k == 0:
+            continue
+        for r0, r1, keys in row_segments(k[k0:k1], v[k0:k1], s_q, s_k, causal):
+            if keys.size == 0:
+                continue
+            mask = np.ones((r1 - r0, keys.size), bool)
+            if causal:
+                mask = keys[None, :] <= np.arange(r0, r1)[:, None] + s_k - s_q
+            yield q0 + r0, q0 + r1, k0 + keys, mask
+
+
+def _probabilities(x, mask):
+    """Softmax over the keys each row sees (mask); 0 elsewhere and on rows that see none. Selected, never
+    multiplied, so a row's NaN / inf stays in that row's visible entries."""
+    x = np.where(mask[None], x, -np.inf)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = np.max(x, axis=-1, keepdims=True)
+        m = np.where(np.isneginf(m), 0.0, m)  # rows without keys; a +inf or NaN max makes the row NaN
+        p = np.where(mask[None], np.exp(x - m), 0.0)
+        s = p.sum(-1, keepdims=True)
+        lse = (np.log(s) + m)[..., 0]  # (h, n_q); -inf for rows without keys
+        p = np.where(mask[None] & (s != 0), p / np.where(s == 0, 1, s), 0.0)
+    return p, lse
+
+
 def ref_forward(q, k, v, cu_q, cu_k, scale, causal):
     """out (total_q, h_q, d_v), lse (total_q, h_q) in float64; empty rows: out 0, lse -inf."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
@@ -26,62 +74,40 @@ def ref_forward(q, k, v, cu_q, cu_k, scale, causal):
     g = h_q // h_kv
     out = np.zeros((total_q, h_q, d_v))
     lse = np.full((total_q, h_q), -np.inf)
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        s_q, s_k = q1 - q0, k1 - k0
-        if s_q == 0 or s_k == 0:
-            continue
-        kk = np.repeat(k[k0:k1], g, axis=1)  # (s_k, h_q, d)
-        vv = np.repeat(v[k0:k1], g, axis=1)
-        x = np.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
-        if causal:
-            mask = np.arange(s_k)[None, :] <= np.arange(s_q)[:, None] + s_k - s_q
-            x = np.where(mask[None], x, -np.inf)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            m = np.max(x, axis=-1, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0.0)
-            p = np.exp(x - m)
-            s = p.sum(-1, keepdims=True)
-            l = (np.log(s) + m)[..., 0]  # (h, s_q); -inf for rows without keys
-            o = np.einsum("hqk,khd->qhd", np.where(s == 0, 0.0, p / np.where(s == 0, 1, s)), vv)
-        out[q0:q1] = o
-        lse[q0:q1] = l.T
+    for r0, r1, keys, mask in _segments(q, k, v, cu_q, cu_k, causal):
+        kk = np.repeat(k[keys], g, axis=1)  # (n_keys, h_q, d)
+        vv = np.repeat(v[keys], g, axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            p, l = _probabilities(np.einsum("qhd,khd->hqk", q[r0:r1], kk) * scale, mask)
+            out[r0:r1] = np.einsum("hqk,khd->qhd", p, vv)
+        lse[r0:r1] = l.T
     return out, lse
 
 
-def ref_backward(q, k, v, cu_q, cu_k, scale, causal, dout):
-    """Exact float64 gradients (dq, dk, dv) of sum(out * dout)."""
+def ref_backward(q, k, v, cu_q, cu_k, scale, causal, dout, out=None):
+    """Exact float64 gradients (dq, dk, dv) of sum(out * dout). With `out` (the operator's own output, in q's
+    dtype): D = dout . out from it, as the backward's input, instead of the exact output; this removes the
+    rounding of out from the comparison (up to ~1e-2 relative on dk of a causal request's first keys)."""
     q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
+    given = None if out is None else np.asarray(out).astype(np.float64)
     h_q, h_kv = q.shape[1], k.shape[1]
     g = h_q // h_kv
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    for i in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        s_q, s_k = q1 - q0, k1 - k0
-        if s_q == 0 or s_k == 0:
-            continue
-        kk = np.repeat(k[k0:k1], g, axis=1)
-        vv = np.repeat(v[k0:k1], g, axis=1)
-        x = np.einsum("qhd,khd->hqk", q[q0:q1], kk) * scale
-        mask = np.ones((s_q, s_k), bool)
-        if causal:
-            mask = np.arange(s_k)[None, :] <= np.arange(s_q)[:, None] + s_k - s_q
-        x = np.where(mask[None], x, -np.inf)
-        m = np.max(x, axis=-1, keepdims=True)
-        m = np.where(np.isfinite(m), m, 0.0)
-        p = np.where(mask[None], np.exp(x - m), 0.0)
-        s = p.sum(-1, keepdims=True)
-        p = np.where(s == 0, 0.0, p / np.where(s == 0, 1, s))  # (h, q, k)
-        do = dout[q0:q1]
-        o = np.einsum("hqk,khd->qhd", p, vv)
-        dvv = np.einsum("hqk,qhd->khd", p, do)
-        dp = np.einsum("qhd,khd->hqk", do, vv)
-        delta = np.einsum("qhd,qhd->hq", do, o)[..., None]
-        ds = p * (dp - delta) * scale
-        dq[q0:q1] = np.einsum("hqk,khd->qhd", ds, kk)
-        dkk = np.einsum("hqk,qhd->khd", ds, q[q0:q1])
-        dk[k0:k1] = dkk.reshape(s_k, h_kv, g, -1).sum(2)
-        dv[k0:k1] = dvv.reshape(s_k, h_kv, g, -1).sum(2)
+    for r0, r1, keys, mask in _segments(q, k, v, cu_q, cu_k, causal):
+        kk = np.repeat(k[keys], g, axis=1)
+        vv = np.repeat(v[keys], g, axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            p, _ = _probabilities(np.einsum("qhd,khd->hqk", q[r0:r1], kk) * scale, mask)  # (h, q, k)
+            do = dout[r0:r1]
+            o = np.einsum("hqk,khd->qhd", p, vv)
+            dvv = np.einsum("hqk,qhd->khd", p, do)
+            dp = np.einsum("qhd,khd->hqk", do, vv)
+            delta = np.einsum("qhd,qhd->hq", do, o if given is None else given[r0:r1])[..., None]
+            ds = np.where(mask[None], p * (dp - delta) * scale, 0.0)
+            dq[r0:r1] = np.einsum("hqk,khd->qhd", ds, kk)
+            dkk = np.einsum("hqk,qhd->khd", ds, q[r0:r1])
+            dk[keys] += dkk.reshape(keys.size, h_kv, g, -1).sum(2)
+            dv[keys] += dvv.reshape(keys.size, h_kv, g, -1).sum(2)
     return dq, dk, dv
 
 
@@ -107,8 +133,8 @@ class Case:
     def ref(self):
         return ref_forward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.scale, self.causal)
 
-    def ref_grads(self):
-        return ref_backward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.scale, self.causal, self.dout)
+    def ref_grads(self, out=None):
+        return ref_backward(self.q, self.k, self.v, self.cu_q, self.cu_k, self.scale, self.causal, self.dout, out)
 
 
 # Tolerances against float64. out / lse as the other operators' reference tests; gradients also
@@ -183,6 +209,85 @@ def test_nan_reaches_only_the_rows_that_see_it(rng):
     np.testing.assert_array_equal(np.isnan(np.asarray(lse)), expect)
     np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(-1), expect)
     check_fwd(out, lse, case)  # the oracle has the same NaN positions
+
+
+def _diagonal_keys(s_q, s_k):
+    """Keys of a causal request (bottom-right) in its diagonal block that the first rows do not see: the key
+    first seen by row ceil(2 s_q / 3) and the last key (seen by the last row only)."""
+    off = s_k - s_q
+    return sorted({off + max(1, -(-2 * s_q // 3)), s_k - 1} & set(range(max(off + 1, 0), s_k)))
+
+
+def _nonfinite_checked(name, ans, ref, nan_only):
+    """(ans, ref) with their non-finite positions zeroed, once those are checked to agree: NaN for NaN and
+    +-inf for +-inf exactly (nan_only: a NaN in the inputs gives NaN); with an inf in the inputs only
+    finite / non-finite (inf - inf in a softmax gives NaN or inf depending on the order of the operations)."""
+    a, r = np.asarray(ans).copy(), np.asarray(ref, np.float64).copy()
+    a64 = a.astype(np.float64)
+    if nan_only:
+        for label, fa, fr in (("NaN", np.isnan(a64), np.isnan(r)), ("inf", np.isinf(a64), np.isinf(r))):
+            np.testing.assert_array_equal(fa, fr, err_msg=f"{name}: {label} positions differ")
+    bad = ~np.isfinite(r)
+    np.testing.assert_array_equal(~np.isfinite(a64), bad, err_msg=f"{name}: non-finite positions differ")
+    a[bad] = 0
+    r[bad] = 0
+    return a, r
+
+
+@pytest.mark.parametrize("offset", [0, 1, 70])
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("where", ["k", "v", "kv"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 1)])
+def test_masked_keys_holding_nan_or_inf(rng, offset, poison, where, heads):
+    """Causal (bottom-right), s_k = s_q + offset for s_q 7 / 63 / 129 / 200: keys of the diagonal block that
+    the first rows do not see hold NaN or inf in k and / or v (one request has it in the key right of the
+    first row's last, one has s_q > s_k, one is clean). out, lse, dq, dk, dv equal the float64 oracle (which
+    reads no key a row does not see: row_segments), non-finite where it is; the rows that see no poisoned key
+    get the same bits as with finite values in those keys (and dv and lse everywhere when only v is
+    poisoned: neither reads v). As tests/gpu/test_dense_prefill_gpu.py on the Hopper kernels."""
+    reqs = [(s_q, s_q + offset, _diagonal_keys(s_q, s_q + offset)) for s_q in (7, 63, 129, 200)]
+    reqs += [(129, 129 + offset, [offset + 1]), (40, 25, _diagonal_keys(40, 25)), (63, 63 + offset, [])]
+    case = Case(rng, [r[0] for r in reqs], [r[1] for r in reqs], *heads, 192, 128, BF16, True)
+    case_finite = copy.copy(case)
+    case.k, case.v = case.k.copy(), case.v.copy()  # poisoned below; case_finite keeps the finite values
+    clean = np.ones(case.q.shape[0], bool)  # rows that see no poisoned key
+    val = float(poison)
+    for (s_q, s_k, keys), q0, k0 in zip(reqs, case.cu_q, case.cu_k):
+        for j in keys:
+            if "k" in where:
+                case.k[k0 + j, :, 3] = val
+            if "v" in where:
+                case.v[k0 + j, :, 5] = -val
+        if keys:
+            clean[q0 + max(min(keys) - (s_k - s_q), 0):q0 + s_q] = False
+    assert 0 < clean.sum() < clean.size
+
+    def run(c):
+        out, lse = flash_mla.flash_attn_varlen_func(*c.args(), softmax_scale=c.scale, causal=True)
+        grads = flash_mla.flash_attn_varlen_backward(c.dout, c.q, c.k, c.v, out, lse, c.cu_q, c.cu_k, c.max_q,
+                                                     c.max_k, softmax_scale=c.scale, causal=True)
+        return [np.asarray(x) for x in (out, lse, *grads)]
+
+    got = run(case)
+    nan_only = poison == "nan"
+    ref_out, ref_lse = case.ref()
+    check_allclose("out", *_nonfinite_checked("out", got[0], ref_out, nan_only), dtype=BF16, **OUT_TOL[BF16])
+    check_allclose("lse", *_nonfinite_checked("lse", got[1], ref_lse, nan_only), dtype=np.float32, **LSE_TOL)
+    for name, a, r in zip(("dq", "dk", "dv"), got[2:], case.ref_grads(out=got[0])):
+        check_grad(name, *_nonfinite_checked(name, a, r, nan_only), BF16)
+
+    bits = lambda x: x.view(np.uint16 if x.dtype == BF16 else np.uint32)  # noqa: E731
+    fin = run(case_finite)
+    for name, a, b in zip(("out", "lse", "dq"), got, fin):
+        a64 = a[clean].astype(np.float64)
+        finite = np.isfinite(a64) | ((a64 == -np.inf) if name == "lse" else False)  # lse -inf: a row without keys
+        assert np.all(finite), f"{name}: a row that sees no poisoned key is not finite"
+        np.testing.assert_array_equal(bits(a[clean]), bits(b[clean]),
+                                      err_msg=f"{name}: a row that sees no poisoned key depends on one")
+    if where == "v":
+        np.testing.assert_array_equal(bits(got[1]), bits(fin[1]), err_msg="lse reads v")
+        np.testing.assert_array_equal(bits(got[4]), bits(fin[4]), err_msg="dv reads v")
+        assert np.all(np.isfinite(got[4].astype(np.float32)))
 
 
 def test_is_varlen_false(rng):
