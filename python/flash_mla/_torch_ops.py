@@ -23,7 +23,17 @@ RuntimeError (the stable ABI cannot choose Python exception classes); :func:`cal
 them as ValueError / TypeError / NotImplementedError with the plain message, so both ways in
 raise the same exceptions.
 
-Set ``FLASHMLA_DISABLE_TORCH_OPS=1`` to send torch tensors through TVM-FFI instead.
+Eager decode calls on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every
+tensor is a plain ``torch.Tensor`` on CUDA, nothing traces (torch.compile) and no dispatch,
+torch-function or functorch mode is active, ``flash_mla_with_kvcache`` calls the TVM-FFI function
+of the same C++ core directly (:func:`eager_dense_decode_fwd`, :func:`eager_sparse_decode_fwd`), as
+FlashMLA calls its pybind11 extension: about 10 us less host time per call than torch's dispatcher
+and the stable ABI's boxing (docs/host-path.md). Everything else keeps ``torch.ops.flash_mla``.
+
+Environment, read once when the op library loads (never per call):
+``FLASHMLA_DISABLE_TORCH_OPS=1`` sends torch tensors through TVM-FFI always (no op library);
+``FLASHMLA_EAGER_TORCH_OPS=1`` keeps eager CUDA decode calls on ``torch.ops.flash_mla`` too (an
+``flash_mla::`` op in every profiler trace, the outputs allocated by the op).
 """
 
 from __future__ import annotations
@@ -47,6 +57,25 @@ _ops: Any = None
 _cuda_current_device: Any = None
 _cuda_capturing: Any = None
 _NoneType = type(None)
+
+# route(): what a public decode call on torch tensors runs. OPS: torch.ops.flash_mla (torch.compile, FakeTensor,
+# dispatch and torch-function modes, functorch transforms, tensor subclasses, CPU and meta tensors); EAGER: the
+# TVM-FFI function of the same C++ core, called directly (plain CUDA tensors, nothing intercepting the call).
+OPS, EAGER = 1, 2
+# Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
+# present, FLASHMLA_EAGER_TORCH_OPS unset), torch's checks for what could intercept a call (bound once), and the
+# TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
+_eager_route = False
+_is_compiling: Any = None
+_dispatch_stack_len: Any = None
+_function_mode_enabled: Any = None
+_function_stack_len: Any = None
+_function_stack_at: Any = None
+_device_context: Any = None
+_functorch_interpreter: Any = None
+_ffi_dense_decode: Any = None
+_ffi_sparse_decode: Any = None
+_ffi_item: Any = None
 _ERROR_CLASSES = {
     "ValueError": ValueError,
     "TypeError": TypeError,
@@ -108,6 +137,51 @@ def _bind(torch: Any) -> None:
     # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
     _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+    _bind_eager(torch)
+
+
+def _bind_eager(torch: Any) -> None:
+    """Set up the EAGER route (module docstring) once, or leave it off: without CUDA kernels in this build
+    (both routes would raise the same NotImplementedError), where this torch lacks one of the C-level
+    checks below, or when FLASHMLA_EAGER_TORCH_OPS is set."""
+    global _eager_route, _is_compiling, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
+    global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
+    global _ffi_item
+    _eager_route = False
+    if os.environ.get("FLASHMLA_EAGER_TORCH_OPS", "") not in ("", "0"):
+        _state["eager"] = "off: FLASHMLA_EAGER_TORCH_OPS is set"
+        return
+    try:
+        from tvm_ffi import _ffi_api
+
+        from . import _ffi
+        from torch.utils._device import DeviceContext
+
+        _is_compiling = torch.compiler.is_compiling
+        _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # TorchDispatchModes, infra modes included
+        _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+        _function_stack_len = torch._C._len_torch_function_stack
+        _function_stack_at = torch._C._get_function_stack_at
+        _functorch_interpreter = torch._C._functorch.peek_interpreter_stack  # vmap / grad / functionalize
+        _device_context = DeviceContext
+        _ffi_dense_decode = _ffi.lib.dense_decode_fwd
+        _ffi_sparse_decode = _ffi.lib.sparse_decode_fwd
+        _ffi_item = _ffi_api.ArrayGetItem
+        has_cuda = _ffi.has_cuda_backend()
+    except Exception as e:  # noqa: BLE001 - an older / different torch or tvm_ffi: torch.ops for everything
+        _state["eager"] = f"off: {type(e).__name__}: {e}"
+        return
+    if not has_cuda:
+        _state["eager"] = "off: this build has no CUDA kernels"
+        return
+    _eager_route = True
+    _state["eager"] = "on"
+
+
+def eager_route_state() -> str:
+    """Whether eager CUDA decode calls take the TVM-FFI route in this process ("on") or why not ("off: ...")."""
+    load()
+    return _state.get("eager", "off: " + str(_state["error"]))
 
 
 def available() -> bool:
@@ -151,6 +225,34 @@ def handles(*tensors: Any) -> bool:
         if t is not None and not isinstance(t, tensor):
             return False
     return load()
+
+
+def route(*tensors: Any) -> int:
+    """How a public decode call runs for its tensor arguments (q first; None for absent ones): 0 when they
+    are not all torch tensors (TVM-FFI or XLA), else :data:`OPS` or :data:`EAGER` (module docstring).
+
+    EAGER needs, in this order (the cheap and common answers first): every tensor of exact type
+    ``torch.Tensor`` (a subclass -- FakeTensor, FunctionalTensor, DTensor, a user's -- may intercept the
+    op), q on CUDA, not traced by torch.compile, no TorchDispatchMode (infra modes such as FakeTensorMode
+    and ProxyTorchDispatchMode included), no TorchFunctionMode other than the DeviceContext of
+    ``torch.set_default_device`` / ``with torch.device(...)`` (which changes factory functions only), no
+    functorch transform (vmap, grad, functionalize), and every tensor on CUDA (a CPU or meta tensor
+    among them gets the op's device error). Each check is one C-level torch query.
+    """
+    if not handles(*tensors):
+        return 0
+    if not _eager_route or not tensors[0].is_cuda or _is_compiling() or _dispatch_stack_len() \
+            or _functorch_interpreter() is not None:
+        return OPS
+    if _function_mode_enabled():
+        for i in range(_function_stack_len()):
+            if type(_function_stack_at(i)) is not _device_context:
+                return OPS
+    tensor = _Tensor
+    for t in tensors:
+        if t is not None and (type(t) is not tensor or not t.is_cuda):
+            return OPS
+    return EAGER
 
 
 def call(op: Any, *args: Any) -> Any:
@@ -218,27 +320,28 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
         import torch
     if torch.compiler.is_compiling():
         return None
+    return eager_schedule_key(q, lengths)
+
+
+def eager_schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
+    """:func:`schedule_key` of a call known not to be traced by torch.compile (the EAGER route checked it)."""
     dev = q.get_device()
-    capture = 0
-    if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
-        t = lengths[0]
-        if t.is_inference():
-            return None
-        key = [dev, capture, t, t._version]
-    else:
-        key = [dev, capture]
-        for t in lengths:
-            if t is None:
-                key += (None, 0)
-            elif t.is_inference():
-                return None
-            else:
-                key += (t, t._version)
-    if dev >= 0 and (dev != (_cuda_current_device or torch.cuda.current_device)()
-                     or (_cuda_capturing or torch.cuda.is_current_stream_capturing)()):
+    key: Any
+    try:  # (an inference tensor has no version counter: reading _version raises)
+        if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
+            t = lengths[0]
+            key = [dev, 0, t, t._version]
+        else:
+            key = [dev, 0]
+            for t in lengths:
+                key += (None, 0) if t is None else (t, t._version)
+    except RuntimeError:
+        return None
+    if dev >= 0 and (dev != (_cuda_current_device or _torch.cuda.current_device)()
+                     or (_cuda_capturing or _torch.cuda.is_current_stream_capturing)()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
-        key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(dev).cuda_stream))
+        key[1] = int(_ffi.lib.stream_capture_id(_torch.cuda.current_stream(dev).cuda_stream))
     return tuple(key)
 
 
