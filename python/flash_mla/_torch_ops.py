@@ -141,21 +141,18 @@ def _bind(torch: Any) -> None:
 
 
 def _bind_eager(torch: Any) -> None:
-    """Set up the EAGER route (module docstring) once, or leave it off: without CUDA kernels in this build
-    (both routes would raise the same NotImplementedError), where this torch lacks one of the C-level
-    checks below, or when FLASHMLA_EAGER_TORCH_OPS is set."""
+    """Bind what the EAGER route (module docstring) needs, once; the route stays off without CUDA kernels in
+    this build (both routes would raise the same NotImplementedError), where this torch or tvm_ffi lacks one
+    of the functions below, or when FLASHMLA_EAGER_TORCH_OPS is set."""
     global _eager_route, _is_compiling, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
     global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
     global _ffi_item
     _eager_route = False
-    if os.environ.get("FLASHMLA_EAGER_TORCH_OPS", "") not in ("", "0"):
-        _state["eager"] = "off: FLASHMLA_EAGER_TORCH_OPS is set"
-        return
     try:
+        from torch.utils._device import DeviceContext
         from tvm_ffi import _ffi_api
 
         from . import _ffi
-        from torch.utils._device import DeviceContext
 
         _is_compiling = torch.compiler.is_compiling
         _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # TorchDispatchModes, infra modes included
@@ -166,16 +163,18 @@ def _bind_eager(torch: Any) -> None:
         _device_context = DeviceContext
         _ffi_dense_decode = _ffi.lib.dense_decode_fwd
         _ffi_sparse_decode = _ffi.lib.sparse_decode_fwd
-        _ffi_item = _ffi_api.ArrayGetItem
+        _ffi_item = _ffi_api.ArrayGetItem  # (one element, no len() and no Python __getitem__ frames)
         has_cuda = _ffi.has_cuda_backend()
     except Exception as e:  # noqa: BLE001 - an older / different torch or tvm_ffi: torch.ops for everything
         _state["eager"] = f"off: {type(e).__name__}: {e}"
         return
-    if not has_cuda:
+    if os.environ.get("FLASHMLA_EAGER_TORCH_OPS", "") not in ("", "0"):
+        _state["eager"] = "off: FLASHMLA_EAGER_TORCH_OPS is set"
+    elif not has_cuda:
         _state["eager"] = "off: this build has no CUDA kernels"
-        return
-    _eager_route = True
-    _state["eager"] = "on"
+    else:
+        _eager_route = True
+        _state["eager"] = "on"
 
 
 def eager_route_state() -> str:
@@ -201,8 +200,9 @@ def handles(*tensors: Any) -> bool:
     ... keep the TVM-FFI path. (torch is never imported here: a torch.Tensor implies it is.)
     """
     # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
-    # sys.modules can fail ("dictionary changed size during iteration"). A torch tensor's type
-    # lives in a torch module, which is cheap to test without importing torch for other frameworks.
+    # sys.modules can fail ("dictionary changed size during iteration"). Before the op library is
+    # loaded, a tensor whose type lives in a torch module loads it (cheap to test without importing
+    # torch for other frameworks); once loaded, any torch.Tensor counts, a user's subclass included.
     if _Tensor is not None:  # the common case in one C-level pass: plain torch.Tensor and None only
         kinds = set(map(type, tensors))
         kinds.discard(_NoneType)
@@ -213,12 +213,12 @@ def handles(*tensors: Any) -> bool:
             break
     else:
         return False
-    mod = type(first).__module__
-    if mod != "torch" and not mod.startswith("torch."):
-        return False
     tensor = _Tensor
-    if tensor is None:  # the op library is not loaded (yet): torch is imported, since `first` is a torch object
-        import torch
+    if tensor is None:  # the op library is not loaded (yet)
+        mod = type(first).__module__
+        if mod != "torch" and not mod.startswith("torch."):
+            return False
+        import torch  # (imported already: `first` is a torch object)
 
         tensor = torch.Tensor
     for t in tensors:
@@ -231,28 +231,61 @@ def route(*tensors: Any) -> int:
     """How a public decode call runs for its tensor arguments (q first; None for absent ones): 0 when they
     are not all torch tensors (TVM-FFI or XLA), else :data:`OPS` or :data:`EAGER` (module docstring).
 
-    EAGER needs, in this order (the cheap and common answers first): every tensor of exact type
-    ``torch.Tensor`` (a subclass -- FakeTensor, FunctionalTensor, DTensor, a user's -- may intercept the
-    op), q on CUDA, not traced by torch.compile, no TorchDispatchMode (infra modes such as FakeTensorMode
-    and ProxyTorchDispatchMode included), no TorchFunctionMode other than the DeviceContext of
-    ``torch.set_default_device`` / ``with torch.device(...)`` (which changes factory functions only), no
-    functorch transform (vmap, grad, functionalize), and every tensor on CUDA (a CPU or meta tensor
-    among them gets the op's device error). Each check is one C-level torch query.
+    EAGER needs, in this order: torch tensors (:func:`handles`), the route on in this process, q on CUDA,
+    nothing that may intercept the op (:func:`intercepted`), and every tensor of exact type ``torch.Tensor``
+    (a subclass -- FakeTensor, FunctionalTensor, DTensor, a user's -- may intercept it) on CUDA (a CPU or
+    meta tensor among them gets the op's device error).
     """
     if not handles(*tensors):
         return 0
-    if not _eager_route or not tensors[0].is_cuda or _is_compiling() or _dispatch_stack_len() \
-            or _functorch_interpreter() is not None:
+    if not _eager_route or not tensors[0].is_cuda or intercepted():
         return OPS
-    if _function_mode_enabled():
-        for i in range(_function_stack_len()):
-            if type(_function_stack_at(i)) is not _device_context:
-                return OPS
     tensor = _Tensor
     for t in tensors:
         if t is not None and (type(t) is not tensor or not t.is_cuda):
             return OPS
     return EAGER
+
+
+def intercepted() -> bool:
+    """True when something may intercept a torch op called here: torch.compile tracing, a TorchDispatchMode
+    (FakeTensorMode, ProxyTorchDispatchMode and other infra modes included), a TorchFunctionMode other than
+    the DeviceContext of ``torch.set_default_device`` / ``with torch.device(...)`` (it changes the device of
+    factory functions only), or a functorch transform (vmap, grad, functionalize). C-level queries of torch's
+    thread-local state, bound once; under torch.compile the first one is a constant of the trace."""
+    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None:
+        return True
+    if _function_mode_enabled():
+        for i in range(_function_stack_len()):
+            if type(_function_stack_at(i)) is not _device_context:
+                return True
+    return False
+
+
+def eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                           num_splits):
+    """The EAGER route of a dense decode: the TVM-FFI function on the torch tensors themselves (TVM-FFI takes
+    them through torch's DLPack exchange API, launches on torch's current stream of q's device and allocates
+    the outputs and the workspace through torch's allocator, i.e. its caching allocator on that stream).
+    Returns ``(out, lse)`` when given a schedule, else ``(out, lse, tile_scheduler_metadata, num_splits)``,
+    torch tensors; errors as the op's (the same core raises them; TVM-FFI maps the classes)."""
+    res = _ffi_dense_decode(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                            num_splits)
+    item = _ffi_item
+    if tsm is None:
+        return item(res, 0), item(res, 1), item(res, 2), item(res, 3)
+    return item(res, 0), item(res, 1)
+
+
+def eager_sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                            extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+    """The EAGER route of a sparse decode; as :func:`eager_dense_decode_fwd`."""
+    res = _ffi_sparse_decode(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                             extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+    item = _ffi_item
+    if tsm is None:
+        return item(res, 0), item(res, 1), item(res, 2), item(res, 3)
+    return item(res, 0), item(res, 1)
 
 
 def call(op: Any, *args: Any) -> Any:

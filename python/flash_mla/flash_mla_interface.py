@@ -396,11 +396,9 @@ def flash_mla_with_kvcache(
             raise _AssertValueError(
                 "is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
         if eager:  # the TVM-FFI function on the torch tensors (outputs from torch's allocator, current stream)
-            arr = _torch_ops._ffi_sparse_decode(
+            res = _torch_ops.eager_sparse_decode_fwd(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
                 extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
-            item = _torch_ops._ffi_item
-            res = (item(arr, 0), item(arr, 1)) if reuse else (item(arr, 0), item(arr, 1), item(arr, 2), item(arr, 3))
         elif use_torch:
             res = (_torch_ops.sparse_decode_fwd_scheduled if reuse else _torch_ops.sparse_decode_fwd)(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
@@ -432,10 +430,8 @@ def flash_mla_with_kvcache(
         # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
         # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
         if eager:  # (as the sparse call above)
-            arr = _torch_ops._ffi_dense_decode(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale,
-                                               causal, meta_in[0], meta_in[1])
-            item = _torch_ops._ffi_item
-            res = (item(arr, 0), item(arr, 1)) if reuse else (item(arr, 0), item(arr, 1), item(arr, 2), item(arr, 3))
+            res = _torch_ops.eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale,
+                                                    causal, meta_in[0], meta_in[1])
         elif use_torch:
             res = (_torch_ops.dense_decode_fwd_scheduled if reuse else _torch_ops.dense_decode_fwd)(
                 q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, meta_in[0], meta_in[1])
