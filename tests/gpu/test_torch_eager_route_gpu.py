@@ -84,11 +84,7 @@ def test_eager_calls_skip_the_op_and_match_it(count_torch_calls):
     assert same_bits(sout, sout_op) and same_bits(slse, slse_op)
     dense_t.compare(*cpu, False, out, lse)
     sparse_t.compare(sout, slse, *sparse_t.reference(c))
-    assert out.device == q_device(cu) and type(out) is torch.Tensor and not out.requires_grad
-
-
-def q_device(cu):
-    return cu[0].device
+    assert out.device == cu[0].device and type(out) is torch.Tensor and not out.requires_grad
 
 
 def test_profiler_sees_no_flash_mla_op_in_eager_calls():
