@@ -62,6 +62,10 @@ _NoneType = type(None)
 # dispatch and torch-function modes, functorch transforms, tensor subclasses, CPU and meta tensors); EAGER: the
 # TVM-FFI function of the same C++ core, called directly (plain CUDA tensors, nothing intercepting the call).
 OPS, EAGER = 1, 2
+# handles() of arguments that are all exactly torch.Tensor (or None); the two type sets that mean it (set in _bind).
+PLAIN = 2
+_plain_kinds: Any = None
+_plain_kind: Any = None
 # Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
 # present, FLASHMLA_EAGER_TORCH_OPS unset), torch's checks for what could intercept a call (bound once), and the
 # TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
@@ -132,8 +136,10 @@ class _Ops:
 
 def _bind(torch: Any) -> None:
     global _torch, _Tensor, _ops, _cuda_current_device, _cuda_capturing
+    global _plain_kinds, _plain_kind
     _ops = _Ops(torch)
     _torch, _Tensor = torch, torch.Tensor
+    _plain_kinds, _plain_kind = {torch.Tensor, _NoneType}, {torch.Tensor}
     # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
     _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -193,21 +199,22 @@ def load_error() -> Optional[str]:
     return _state["error"]
 
 
-def handles(*tensors: Any) -> bool:
-    """True if every non-None argument is a torch.Tensor and the op library is loaded.
+def handles(*tensors: Any) -> Any:
+    """True if every non-None argument is a torch.Tensor and the op library is loaded: :data:`PLAIN` (a true
+    value) when each is exactly ``torch.Tensor`` (no subclass), True when some are subclasses, else False.
 
-    Only then does a public function take the torch.ops path; mixed frameworks, NumPy, JAX,
-    ... keep the TVM-FFI path. (torch is never imported here: a torch.Tensor implies it is.)
+    Only then does a public function take the torch.ops path (or, for a decode, :func:`route`'s EAGER
+    one); mixed frameworks, NumPy, JAX, ... keep the TVM-FFI path. (torch is never imported here: a
+    torch.Tensor implies it is.)
     """
     # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
     # sys.modules can fail ("dictionary changed size during iteration"). Before the op library is
     # loaded, a tensor whose type lives in a torch module loads it (cheap to test without importing
     # torch for other frameworks); once loaded, any torch.Tensor counts, a user's subclass included.
-    if _Tensor is not None:  # the common case in one C-level pass: plain torch.Tensor and None only
+    if _Tensor is not None:  # (the op library is loaded) the common case in one C-level pass: plain tensors, None
         kinds = set(map(type, tensors))
-        kinds.discard(_NoneType)
-        if len(kinds) == 1 and _Tensor in kinds:
-            return load()
+        if kinds == _plain_kinds or kinds == _plain_kind:
+            return PLAIN
     for first in tensors:
         if first is not None:
             break
@@ -231,19 +238,17 @@ def route(*tensors: Any) -> int:
     """How a public decode call runs for its tensor arguments (q first; None for absent ones): 0 when they
     are not all torch tensors (TVM-FFI or XLA), else :data:`OPS` or :data:`EAGER` (module docstring).
 
-    EAGER needs, in this order: torch tensors (:func:`handles`), the route on in this process, q on CUDA,
-    nothing that may intercept the op (:func:`intercepted`), and every tensor of exact type ``torch.Tensor``
-    (a subclass -- FakeTensor, FunctionalTensor, DTensor, a user's -- may intercept it) on CUDA (a CPU or
-    meta tensor among them gets the op's device error).
+    EAGER needs every tensor of exact type ``torch.Tensor`` (:func:`handles`; a subclass -- FakeTensor,
+    FunctionalTensor, DTensor, a user's -- may intercept the op), the route on in this process, q on CUDA and
+    nothing that may intercept the op (:func:`intercepted`). The other tensors' devices are the core's to check:
+    a CPU tensor among them fails its same-device check, a meta one the DLPack export; either way the eager
+    function then answers as the op does (:func:`eager_dense_decode_fwd`).
     """
-    if not handles(*tensors):
+    kind = handles(*tensors)
+    if not kind:
         return 0
-    if not _eager_route or not tensors[0].is_cuda or intercepted():
+    if kind is not PLAIN or not _eager_route or not tensors[0].is_cuda or intercepted():
         return OPS
-    tensor = _Tensor
-    for t in tensors:
-        if t is not None and (type(t) is not tensor or not t.is_cuda):
-            return OPS
     return EAGER
 
 
@@ -268,9 +273,15 @@ def eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, s
     them through torch's DLPack exchange API, launches on torch's current stream of q's device and allocates
     the outputs and the workspace through torch's allocator, i.e. its caching allocator on that stream).
     Returns ``(out, lse)`` when given a schedule, else ``(out, lse, tile_scheduler_metadata, num_splits)``,
-    torch tensors; errors as the op's (the same core raises them; TVM-FFI maps the classes)."""
-    res = _ffi_dense_decode(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
-                            num_splits)
+    torch tensors. On any error the op runs instead and answers: its error (class and message; the core's
+    validation raised it before any launch) or, where only TVM-FFI's DLPack export failed (a meta tensor among
+    CUDA ones), its result."""
+    try:
+        res = _ffi_dense_decode(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                                num_splits)
+    except Exception:
+        return (dense_decode_fwd if tsm is None else dense_decode_fwd_scheduled)(
+            q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm, num_splits)
     item = _ffi_item
     if tsm is None:
         return item(res, 0), item(res, 1), item(res, 2), item(res, 3)
@@ -280,8 +291,13 @@ def eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, s
 def eager_sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
                             extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
     """The EAGER route of a sparse decode; as :func:`eager_dense_decode_fwd`."""
-    res = _ffi_sparse_decode(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
-                             extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+    try:
+        res = _ffi_sparse_decode(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                                 extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+    except Exception:
+        return (sparse_decode_fwd if tsm is None else sparse_decode_fwd_scheduled)(
+            q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache, extra_indices_in_kvcache,
+            extra_topk_length, head_dim_v, softmax_scale)
     item = _ffi_item
     if tsm is None:
         return item(res, 0), item(res, 1), item(res, 2), item(res, 3)

@@ -132,6 +132,14 @@ def test_torch_compile_intercepts():
     assert torch.equal(compiled(x), x + 1)
 
 
+def test_handles_tells_plain_tensors(rng):
+    c = dense_case(rng)
+    q, k = T(c.q), T(c.k_cache)
+    assert _torch_ops.handles(q, k, None) is _torch_ops.PLAIN and _torch_ops.handles(q, k) is _torch_ops.PLAIN
+    assert _torch_ops.handles(q.as_subclass(MyTensor), k, None) is True
+    assert _torch_ops.handles(np.asarray(c.q), k) is False and _torch_ops.handles(None, None) is False
+
+
 def test_route_of_cpu_meta_and_subclass_tensors(rng):
     c = dense_case(rng)
     q, k, bt, sl = T(c.q), T(c.k_cache), T(c.block_table), T(c.cache_seqlens)
@@ -230,8 +238,11 @@ def test_eager_dense_errors_same_as_the_op(rng, arg, dtype):
         pytest.skip("the argument's own dtype")
     args[arg] = torch.zeros(args[arg].shape, dtype=dtype)
     op_err = _error_of(lambda: _torch_ops.dense_decode_fwd(*args, None, None))
-    ffi_err = _error_of(lambda: _torch_ops.eager_dense_decode_fwd(*args, None, None))
-    assert op_err[0] is not None and ffi_err == op_err
+    # the TVM-FFI function itself raises what the op raises (so the eager function's fallback to the op, which
+    # guarantees it, is taken only on the error path)
+    direct_err = _error_of(lambda: _torch_ops._ffi_dense_decode(*args, None, None))
+    eager_err = _error_of(lambda: _torch_ops.eager_dense_decode_fwd(*args, None, None))
+    assert op_err[0] is not None and direct_err == op_err and eager_err == op_err
 
 
 @pytest.mark.parametrize("bad", ["q_rank", "q_head_dim", "k_rank", "block_table_rows", "lens_len", "head_dim_v",
@@ -259,5 +270,24 @@ def test_eager_dense_shape_errors_same_as_the_op(rng, bad):
         meta = (tsm[:-1], ns)
     op_err = _error_of(lambda: (_torch_ops.dense_decode_fwd_scheduled if meta[0] is not None
                                 else _torch_ops.dense_decode_fwd)(*args, *meta))
-    ffi_err = _error_of(lambda: _torch_ops.eager_dense_decode_fwd(*args, *meta))
-    assert op_err[0] in (ValueError, TypeError) and ffi_err == op_err
+    direct_err = _error_of(lambda: _torch_ops._ffi_dense_decode(*args, *meta))
+    eager_err = _error_of(lambda: _torch_ops.eager_dense_decode_fwd(*args, *meta))
+    assert op_err[0] in (ValueError, TypeError) and direct_err == op_err and eager_err == op_err
+
+
+def test_eager_function_answers_as_the_op_where_dlpack_fails(rng, count_torch_calls):
+    """A meta tensor among the others: TVM-FFI's DLPack export fails (not the op's error); the eager function
+    then runs the op, whose fake kernel raises the core's device error."""
+    c = dense_case(rng)
+    args = list(dense_op_args(c))
+    args[4] = args[4].to("meta")
+    direct_err = _error_of(lambda: _torch_ops._ffi_dense_decode(*args, None, None))
+    op_err = _error_of(lambda: _torch_ops.dense_decode_fwd(*args, None, None))
+    assert op_err[0] is ValueError and "block_table is on meta" in op_err[1] and direct_err != op_err
+    count_torch_calls.clear()
+    assert _error_of(lambda: _torch_ops.eager_dense_decode_fwd(*args, None, None)) == op_err
+    assert count_torch_calls == ["flash_mla.dense_decode_fwd.default"]
+    count_torch_calls.clear()
+    good = dense_op_args(c)
+    _torch_ops.eager_dense_decode_fwd(*good, None, None)
+    assert count_torch_calls == []  # (no fallback when the TVM-FFI call succeeds)
