@@ -56,16 +56,13 @@ _ops: Any = None
 # CUDA call), or the public functions where a torch build lacks the former.
 _cuda_current_device: Any = None
 _cuda_capturing: Any = None
-_NoneType = type(None)
 
 # route(): what a public decode call on torch tensors runs. OPS: torch.ops.flash_mla (torch.compile, FakeTensor,
 # dispatch and torch-function modes, functorch transforms, tensor subclasses, CPU and meta tensors); EAGER: the
 # TVM-FFI function of the same C++ core, called directly (plain CUDA tensors, nothing intercepting the call).
 OPS, EAGER = 1, 2
-# handles() of arguments that are all exactly torch.Tensor (or None); the two type sets that mean it (set in _bind).
+# handles() of arguments that are all exactly torch.Tensor (or None).
 PLAIN = 2
-_plain_kinds: Any = None
-_plain_kind: Any = None
 # Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
 # present, FLASHMLA_EAGER_TORCH_OPS unset), torch's checks for what could intercept a call (bound once), and the
 # TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
@@ -136,10 +133,8 @@ class _Ops:
 
 def _bind(torch: Any) -> None:
     global _torch, _Tensor, _ops, _cuda_current_device, _cuda_capturing
-    global _plain_kinds, _plain_kind
     _ops = _Ops(torch)
     _torch, _Tensor = torch, torch.Tensor
-    _plain_kinds, _plain_kind = {torch.Tensor, _NoneType}, {torch.Tensor}
     # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
     _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -211,16 +206,21 @@ def handles(*tensors: Any) -> Any:
     # sys.modules can fail ("dictionary changed size during iteration"). Before the op library is
     # loaded, a tensor whose type lives in a torch module loads it (cheap to test without importing
     # torch for other frameworks); once loaded, any torch.Tensor counts, a user's subclass included.
-    if _Tensor is not None:  # (the op library is loaded) the common case in one C-level pass: plain tensors, None
-        kinds = set(map(type, tensors))
-        if kinds == _plain_kinds or kinds == _plain_kind:
-            return PLAIN
+    tensor = _Tensor
+    if tensor is not None:  # (the op library is loaded) the common case first: plain tensors and None
+        seen = False
+        for t in tensors:
+            if t is not None:
+                if type(t) is not tensor:
+                    break
+                seen = True
+        else:
+            return PLAIN if seen else False
     for first in tensors:
         if first is not None:
             break
     else:
         return False
-    tensor = _Tensor
     if tensor is None:  # the op library is not loaded (yet)
         mod = type(first).__module__
         if mod != "torch" and not mod.startswith("torch."):
@@ -247,7 +247,11 @@ def route(*tensors: Any) -> int:
     kind = handles(*tensors)
     if not kind:
         return 0
-    if kind is not PLAIN or not _eager_route or not tensors[0].is_cuda or intercepted():
+    if kind is not PLAIN or not _eager_route or not tensors[0].is_cuda:
+        return OPS
+    # (intercepted(), its common answer inline: one Python call less per decode call)
+    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None or (
+            _function_mode_enabled() and intercepted()):
         return OPS
     return EAGER
 
