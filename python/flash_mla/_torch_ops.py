@@ -383,9 +383,9 @@ def eager_schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     try:  # (an inference tensor has no version counter: reading _version raises)
         if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
             t = lengths[0]
-            key = [dev, 0, t, t._version]
+            key = (dev, 0, t, t._version)
         else:
-            key = [dev, 0]
+            key = (dev, 0)
             for t in lengths:
                 key += (None, 0) if t is None else (t, t._version)
     except RuntimeError:
@@ -394,8 +394,8 @@ def eager_schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
                      or (_cuda_capturing or _torch.cuda.is_current_stream_capturing)()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
-        key[1] = int(_ffi.lib.stream_capture_id(_torch.cuda.current_stream(dev).cuda_stream))
-    return tuple(key)
+        key = (dev, int(_ffi.lib.stream_capture_id(_torch.cuda.current_stream(dev).cuda_stream))) + key[2:]
+    return key
 
 
 def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
