@@ -32,7 +32,7 @@ and the stable ABI's boxing (docs/host-path.md). Everything else keeps ``torch.o
 
 Environment, read once when the op library loads (never per call):
 ``FLASHMLA_DISABLE_TORCH_OPS=1`` sends torch tensors through TVM-FFI always (no op library);
-``FLASHMLA_EAGER_TORCH_OPS=1`` keeps eager CUDA decode calls on ``torch.ops.flash_mla`` too (an
+``FLASHMLA_EAGER_TORCH_OPS=1`` keeps eager CUDA decode calls on ``torch.ops.flash_mla`` too (a
 ``flash_mla::`` op in every profiler trace, the outputs allocated by the op).
 """
 
