@@ -6,7 +6,11 @@ the launch queue and the GPU never throttles the host). Reported per path, media
 7 rounds after warm-up:
 
 * ``torch.ops``      — ``torch.ops.flash_mla.dense_decode_fwd`` called directly (stable-ABI op);
-* ``api-torch``      — ``flash_mla.flash_mla_with_kvcache`` with torch tensors (Python wrapper + torch op);
+* ``api-torch``      — ``flash_mla.flash_mla_with_kvcache`` with torch tensors (Python wrapper; eager on CUDA:
+  the TVM-FFI function, docs/host-path.md);
+* ``api-torch-ops``  — the same with the eager route off (``FLASHMLA_EAGER_TORCH_OPS=1``): Python wrapper + torch op;
+* ``eager-function`` — ``flash_mla._torch_ops.eager_dense_decode_fwd`` with the schedule given (what a reusing
+  eager call runs below the Python layer: the TVM-FFI call and the two outputs converted to torch tensors);
 * ``api-torch-tvm-ffi`` — the same call with torch tensors sent through TVM-FFI instead of torch.ops
   (what ``FLASHMLA_DISABLE_TORCH_OPS=1`` selects; the schedule is then recomputed by every call);
 * ``tvm-ffi-torch``  — the TVM-FFI function ``dense_decode_fwd`` with torch tensors;
@@ -224,7 +228,20 @@ def main(argv=None) -> int:
     ops = getattr(torch.ops, "flash_mla", None)
     if ops is not None and hasattr(ops, "dense_decode_fwd"):
         add("torch.ops", lambda: ops.dense_decode_fwd(q, k, 512, sl, bt, scale, False, None, None))
-    add("api-torch", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched, None, scale))
+    add("api-torch", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched, None, scale),
+        note=f"eager route: {_torch_ops.eager_route_state()}")
+    eager_on = _torch_ops._eager_route
+    _torch_ops._eager_route = False  # (what FLASHMLA_EAGER_TORCH_OPS=1 sets at load)
+    try:
+        sched_ops = flash_mla.get_mla_metadata()[0]
+        add("api-torch-ops", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched_ops, None, scale),
+            note="public API, torch tensors through torch.ops (the eager route off)")
+    finally:
+        _torch_ops._eager_route = eager_on
+    tsm, splits = sched.tile_scheduler_metadata, sched.num_splits
+    if tsm is not None and _torch_ops._ffi_dense_decode is not None:
+        add("eager-function", lambda: _torch_ops.eager_dense_decode_fwd(q, k, 512, sl, bt, scale, False, tsm, splits),
+            note="TVM-FFI call + outputs as torch tensors, schedule given")
     real_handles = _torch_ops.handles
     _torch_ops.handles = lambda *a: False  # torch tensors through TVM-FFI (FLASHMLA_DISABLE_TORCH_OPS=1)
     try:

@@ -11,6 +11,9 @@ once beforehand:
 * TVM-FFI route (NumPy here): ``flash_mla._ffi.lib`` by a proxy whose op functions return TVM-FFI
   tensors made once.
 
+The eager route of CUDA decode calls (TVM-FFI instead of torch.ops, docs/host-path.md) is emulated on CPU
+tensors (group ``torch eager-emulated``, :class:`EagerEmulation`): the route forced, the TVM-FFI function stubbed.
+
 Two devices for torch: ``cpu`` tensors take the CPU branch (lengths copied to the host and compared
 when a FlashMLASchedMeta is reused), ``meta`` tensors the accelerator branch (the schedule key from
 the length tensors' identity and version; a CUDA tensor would also query torch.cuda for the current
@@ -129,6 +132,62 @@ def torch_cases(torch, flash_mla, device: str, stub: bool, anchor_cuda=None):
     return cases
 
 
+class EagerEmulation:
+    """Context in which flash_mla_with_kvcache on CPU torch tensors takes the eager route of CUDA tensors
+    (docs/host-path.md) with the TVM-FFI function stubbed: ``_torch_ops.route`` answers EAGER wherever the real
+    one answers torch (its cost included, less the interception checks that only CUDA calls reach, ~0.3 us
+    here), and the TVM-FFI decode functions return the array of one real call made with the schedule given
+    (so the two elements a reusing call takes are still converted to torch tensors). What the Python layer of
+    an eager CUDA call costs, on a machine without a GPU."""
+
+    def __init__(self, torch, flash_mla):
+        from flash_mla import _torch_ops
+
+        self.ops = _torch_ops
+        self.saved = None
+        self.torch, self.flash_mla = torch, flash_mla
+
+    def cases(self):
+        torch, flash_mla, ops = self.torch, self.flash_mla, self.ops
+        bf16, i32 = torch.bfloat16, torch.int32
+        b, s_q, h_q, d = 1, 1, 16, 576
+        q = torch.zeros(b, s_q, h_q, d, dtype=bf16)
+        k = torch.zeros(2, 64, 1, d, dtype=bf16)
+        bt = torch.tensor([[0, 1]], dtype=i32)
+        sl = torch.tensor([100], dtype=i32)
+        h_s, topk = 64, 64
+        qs = torch.zeros(b, s_q, h_s, d, dtype=bf16)
+        ks = torch.zeros(2, 64, 1, 656, dtype=torch.uint8)
+        idx = torch.zeros(b, s_q, topk, dtype=i32)
+        scale = d ** -0.5
+        # (the TVM-FFI functions, not the ops: torch_cases() stubs those)
+        first = ops._ffi_dense_decode(q, k, 512, sl, bt, scale, False, None, None)
+        tsm, ns = ops._ffi_item(first, 2), ops._ffi_item(first, 3)
+        self.dense_arr = ops._ffi_dense_decode(q, k, 512, sl, bt, scale, False, tsm, ns)
+        first = ops._ffi_sparse_decode(qs, ks, idx, None, None, None, None, None, None, None, 512, scale)
+        tsm, ns = ops._ffi_item(first, 2), ops._ffi_item(first, 3)
+        self.sparse_arr = ops._ffi_sparse_decode(qs, ks, idx, None, None, tsm, ns, None, None, None, 512, scale)
+        sd, ss = flash_mla.get_mla_metadata()[0], flash_mla.get_mla_metadata()[0]
+        fwk = flash_mla.flash_mla_with_kvcache
+        return [
+            ("flash_mla_with_kvcache dense", lambda: fwk(q, k, bt, sl, 512, sd, None, None)),
+            ("flash_mla_with_kvcache sparse fp8",
+             lambda: fwk(qs, ks, None, None, 512, ss, None, None, False, True, indices=idx)),
+        ]
+
+    def __enter__(self):
+        ops = self.ops
+        self.saved = (ops.route, ops._ffi_dense_decode, ops._ffi_sparse_decode)
+        real_route, eager = ops.route, ops.EAGER
+        ops.route = lambda *t: eager if real_route(*t) else 0
+        ops._ffi_dense_decode = lambda *a: self.dense_arr
+        ops._ffi_sparse_decode = lambda *a: self.sparse_arr
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.route, self.ops._ffi_dense_decode, self.ops._ffi_sparse_decode = self.saved
+
+
 def numpy_cases(np, flash_mla, stub: bool):
     """The dense decode through TVM-FFI with NumPy arrays (the route of CuPy, Paddle and NumPy)."""
     import ml_dtypes
@@ -193,6 +252,11 @@ def main(argv=None) -> int:
         groups.append(("torch meta", torch_cases(torch, flash_mla, "meta", True)))
         groups.append(("numpy tvm-ffi", numpy_cases(np, flash_mla, True)))
     results = run_groups(groups, args)
+    if not args.real:
+        emulation = EagerEmulation(torch, flash_mla)
+        eager_cases = emulation.cases()  # (made before the stubs go in: one real call each)
+        with emulation:
+            results += run_groups([("torch eager-emulated", eager_cases)], args)
     doc = {"python": sys.version.split()[0], "torch": torch.__version__, "stub": not args.real,
            "calls": args.calls, "rounds": args.rounds, "results": results}
     if args.anchor_path and not args.real:
@@ -206,13 +270,18 @@ def main(argv=None) -> int:
         best = lambda rows: {r["entry"]: min(x["us_per_call_min"] for x in rows if x["entry"] == r["entry"])  # noqa: E731
                              for r in rows}
         ours, theirs = best(ours_meta), best([r for a in anchor for r in a["results"]])
+        eager = best([r for r in results if r["route"] == "torch eager-emulated"])
         doc["side_by_side"] = {"anchor_module": anchor[0]["module"], "route": "torch meta",
                                "entries": [{"entry": e, "ours_us": ours[e], "flashmla_us": theirs[e],
-                                            "ratio": ours[e] / theirs[e]} for e in theirs if e in ours]}
-        print("\nPython layer side by side (torch meta, stubbed op; min us per call, two runs each):")
+                                            "ratio": ours[e] / theirs[e],
+                                            **({"ours_eager_emulated_us": eager[e]} if e in eager else {})}
+                                           for e in theirs if e in ours]}
+        print("\nPython layer side by side (torch meta, stubbed op; min us per call, two runs each; 'eager': ours on"
+              " the emulated eager route, one run):")
         for r in doc["side_by_side"]["entries"]:
             print(f"  {r['entry']:40s} ours {r['ours_us']:7.2f}  FlashMLA {r['flashmla_us']:7.2f}  "
-                  f"ratio {r['ratio']:.2f}")
+                  f"ratio {r['ratio']:.2f}"
+                  + (f"  eager {r['ours_eager_emulated_us']:7.2f}" if "ours_eager_emulated_us" in r else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

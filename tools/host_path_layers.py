@@ -7,8 +7,12 @@ Subcommands (each prints a table and, with --json, writes it):
                     each way in with the schedule reused as the public API reuses it:
                       api            flash_mla.flash_mla_with_kvcache (public API, FlashMLASchedMeta reused)
                       api-gc-off     the same with Python's garbage collector off
-                      python-layer   the public API with the native op replaced by a stub returning outputs
-                                     made once (Python alone, on real CUDA tensors: torch.cuda queries included)
+                      python-layer   the public API with the native call replaced by a stub returning outputs
+                                     made once (Python alone, on real CUDA tensors: torch.cuda queries included;
+                                     on the eager route the TVM-FFI function is stubbed, its array's elements
+                                     still converted to torch tensors)
+                      eager function _torch_ops.eager_<op> with the schedule given (TVM-FFI call + conversions:
+                                     what a reusing eager call runs below the Python layer), and route()
                       call-wrapper   flash_mla._torch_ops.<op> and <op>_scheduled (error mapping + OpOverload +
                                      dispatcher + op)
                       opoverload     torch.ops.flash_mla.<op>_scheduled.default(...) (what a reusing call runs:
@@ -148,6 +152,13 @@ def make_case(torch, flash_mla, params: dict, g):
     return c
 
 
+def route_args(c) -> tuple:
+    """The tensors flash_mla_with_kvcache hands _torch_ops.route for this case (q first)."""
+    if c["kind"] == "dense":
+        return (c["q"], c["k"], c["bt"], c["sl"]) + (None,) * 6
+    return (c["q"], c["k"], None, None, c["idx"]) + (None,) * 5
+
+
 # Where to write the results after every row (--json), so that a run cut short keeps what it measured.
 _SAVE: dict = {"path": None, "res": None}
 
@@ -214,12 +225,33 @@ def cmd_layers(args) -> dict:
         api_rows(rows, name, c, sync, args)
         if first_api is None:
             first_api = (name, c)
-        # Python alone: the OpOverloads that _torch_ops calls replaced by a stub returning fixed outputs
-        # (the *_scheduled one is what a reusing call runs).
-        fixed = overload(*a_meta)
-        sync()
-        stubbed_layer_row(rows, name, c, sync, args, _torch_ops, "_ops",
-                          {opname: fixed, opname + "_scheduled": fixed[:2]})
+        # Python alone: the native call replaced by a stub returning fixed outputs. On the eager route (plain CUDA
+        # tensors) that is the TVM-FFI function (returning the array of a real call; its elements are still
+        # converted to torch tensors), on the torch.ops route the OpOverloads that _torch_ops calls (the
+        # *_scheduled one is what a reusing call runs).
+        route = _torch_ops.route(*route_args(c))
+        print(f"{name}: route {'EAGER (TVM-FFI)' if route == _torch_ops.EAGER else 'torch.ops'} "
+              f"({_torch_ops.eager_route_state()})", flush=True)
+        if route == _torch_ops.EAGER:
+            ffi_attr = "_ffi_dense_decode" if c["kind"] == "dense" else "_ffi_sparse_decode"
+            fixed_arr = getattr(_ffi.lib, opname)(*a_meta)
+            sync()
+            real_ffi = getattr(_torch_ops, ffi_attr)
+            setattr(_torch_ops, ffi_attr, lambda *a: fixed_arr)
+            try:
+                try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
+            finally:
+                setattr(_torch_ops, ffi_attr, real_ffi)
+            eager_fn = getattr(_torch_ops, "eager_" + opname)
+            try_row(rows, f"{name} | eager function (_torch_ops.eager_{opname}, schedule given)",
+                    lambda: eager_fn(*a_meta), sync, args.calls, args.rounds)
+            try_row(rows, f"{name} | route() + intercepted()", lambda: _torch_ops.route(*route_args(c)), sync,
+                    args.calls, args.rounds)
+        else:
+            fixed = overload(*a_meta)
+            sync()
+            stubbed_layer_row(rows, name, c, sync, args, _torch_ops, "_ops",
+                              {opname: fixed, opname + "_scheduled": fixed[:2]})
         try_row(rows, f"{name} | call-wrapper (_torch_ops.{opname})", lambda: wrapper(*a_meta), sync, args.calls,
                 args.rounds)
         if scheduled is not None:

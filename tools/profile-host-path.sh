@@ -14,7 +14,8 @@
 #   perf-ours.txt              perf report of the same loop, when perf is installed
 #   summary.txt                the lines above that matter, one file
 # Usage: bash tools/profile-host-path.sh    (env: OUT, ANCHOR_DIR=/tmp/anchor/flashmla, PYSPY_WHEEL=<py-spy wheel>;
-#        the wheel is also looked for in .anchor/tools/, .whl/ and /tmp)
+#        the wheel is also looked for in .anchor/tools/, .whl/ and /tmp; PROFILE_BUDGET_S (default 112);
+#        PROFILE_SKIP_CORE=1 leaves out the C++-core-alone step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -52,7 +53,9 @@ PKG=$(python3 -c "import flash_mla, os; print(os.path.dirname(flash_mla.__file__
 CORE_LIB=""
 for f in "$PKG/lib/libflashmla_core.a" build/device/libflashmla_core.a; do [ -f "$f" ] && { CORE_LIB=$f; break; }; done
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-if [ -n "$CORE_LIB" ] && [ -x "$NVCC" ]; then
+if [ "${PROFILE_SKIP_CORE:-0}" != 0 ]; then
+  echo "=== host_path_core: SKIPPED (PROFILE_SKIP_CORE)"
+elif [ -n "$CORE_LIB" ] && [ -x "$NVCC" ]; then
   step "build tools/host_path_core.cu against $CORE_LIB" 45 \
     "$NVCC" -O2 -std=c++20 -gencode arch=compute_90a,code=sm_90a -I"$PKG/include" -Iinclude -Isrc tools/host_path_core.cu "$CORE_LIB" \
     -lpthread -ldl -o /tmp/host_path_core > "$OUT/core-build.log" 2>&1 || tail -20 "$OUT/core-build.log"

@@ -60,7 +60,11 @@ std::string torch_dtype_name(ScalarType t) {
     case ScalarType::Short: return "int16";
     case ScalarType::ComplexFloat: return "complex64";
     case ScalarType::ComplexDouble: return "complex128";
+    case ScalarType::ComplexHalf: return "complex32";
     case ScalarType::Float8_e5m2: return "float8_e5m2";
+    case ScalarType::Float8_e4m3fnuz: return "float8_e4m3fnuz";
+    case ScalarType::Float8_e5m2fnuz: return "float8_e5m2fnuz";
+    case ScalarType::Float8_e8m0fnu: return "float8_e8m0fnu";
     case ScalarType::UInt16: return "uint16";
     case ScalarType::UInt32: return "uint32";
     case ScalarType::UInt64: return "uint64";

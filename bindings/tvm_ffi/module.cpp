@@ -71,9 +71,15 @@ DType to_dtype(DLDataType t, const char* name) {
     if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
   }
+  // Named as torch / ml_dtypes spell them (the torch op library's to_dtype names the same dtypes the same way,
+  // so both ways in of a torch call raise the same message).
   static const char* kCodeNames[] = {"int", "uint", "float", "opaque_handle", "bfloat", "complex", "bool"};
+  static const char* kFloat8Names[] = {"float8_e3m4",   "float8_e4m3",     "float8_e4m3b11fnuz", "float8_e4m3fn",
+                                       "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",    "float8_e8m0fnu"};
   std::string given = t.code < 7 ? std::string(kCodeNames[t.code]) + std::to_string(t.bits)
-                                 : "DLPack type code " + std::to_string(int(t.code)) + "/" + std::to_string(t.bits);
+                      : t.code >= kDLFloat8_e3m4 && t.code <= kDLFloat8_e8m0fnu && t.bits == 8
+                          ? std::string(kFloat8Names[t.code - kDLFloat8_e3m4])
+                          : "DLPack type code " + std::to_string(int(t.code)) + "/" + std::to_string(t.bits);
   if (t.code == kDLBfloat && t.bits == 16) given = "bfloat16";
   if (t.code == kDLBool) given = "bool";  // as torch and NumPy spell it (the torch op library says the same)
   if (t.lanes != 1) given += "x" + std::to_string(t.lanes);

@@ -23,7 +23,17 @@ RuntimeError (the stable ABI cannot choose Python exception classes); :func:`cal
 them as ValueError / TypeError / NotImplementedError with the plain message, so both ways in
 raise the same exceptions.
 
-Set ``FLASHMLA_DISABLE_TORCH_OPS=1`` to send torch tensors through TVM-FFI instead.
+Eager decode calls on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every
+tensor is a plain ``torch.Tensor`` on CUDA, nothing traces (torch.compile) and no dispatch,
+torch-function or functorch mode is active, ``flash_mla_with_kvcache`` calls the TVM-FFI function
+of the same C++ core directly (:func:`eager_dense_decode_fwd`, :func:`eager_sparse_decode_fwd`), as
+FlashMLA calls its pybind11 extension: about 10 us less host time per call than torch's dispatcher
+and the stable ABI's boxing (docs/host-path.md). Everything else keeps ``torch.ops.flash_mla``.
+
+Environment, read once when the op library loads (never per call):
+``FLASHMLA_DISABLE_TORCH_OPS=1`` sends torch tensors through TVM-FFI always (no op library);
+``FLASHMLA_EAGER_TORCH_OPS=1`` keeps eager CUDA decode calls on ``torch.ops.flash_mla`` too (a
+``flash_mla::`` op in every profiler trace, the outputs allocated by the op).
 """
 
 from __future__ import annotations
@@ -46,7 +56,27 @@ _ops: Any = None
 # CUDA call), or the public functions where a torch build lacks the former.
 _cuda_current_device: Any = None
 _cuda_capturing: Any = None
-_NoneType = type(None)
+
+# route(): what a public decode call on torch tensors runs. OPS: torch.ops.flash_mla (torch.compile, FakeTensor,
+# dispatch and torch-function modes, functorch transforms, tensor subclasses, CPU and meta tensors); EAGER: the
+# TVM-FFI function of the same C++ core, called directly (plain CUDA tensors, nothing intercepting the call).
+OPS, EAGER = 1, 2
+# handles() of arguments that are all exactly torch.Tensor (or None).
+PLAIN = 2
+# Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
+# present, FLASHMLA_EAGER_TORCH_OPS unset), torch's checks for what could intercept a call (bound once), and the
+# TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
+_eager_route = False
+_is_compiling: Any = None
+_dispatch_stack_len: Any = None
+_function_mode_enabled: Any = None
+_function_stack_len: Any = None
+_function_stack_at: Any = None
+_device_context: Any = None
+_functorch_interpreter: Any = None
+_ffi_dense_decode: Any = None
+_ffi_sparse_decode: Any = None
+_ffi_item: Any = None
 _ERROR_CLASSES = {
     "ValueError": ValueError,
     "TypeError": TypeError,
@@ -108,6 +138,50 @@ def _bind(torch: Any) -> None:
     # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
     _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
+    _bind_eager(torch)
+
+
+def _bind_eager(torch: Any) -> None:
+    """Bind what the EAGER route (module docstring) needs, once; the route stays off without CUDA kernels in
+    this build (both routes would raise the same NotImplementedError), where this torch or tvm_ffi lacks one
+    of the functions below, or when FLASHMLA_EAGER_TORCH_OPS is set."""
+    global _eager_route, _is_compiling, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
+    global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
+    global _ffi_item
+    _eager_route = False
+    try:
+        from torch.utils._device import DeviceContext
+        from tvm_ffi import _ffi_api
+
+        from . import _ffi
+
+        _is_compiling = torch.compiler.is_compiling
+        _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # TorchDispatchModes, infra modes included
+        _function_mode_enabled = torch._C._is_torch_function_mode_enabled
+        _function_stack_len = torch._C._len_torch_function_stack
+        _function_stack_at = torch._C._get_function_stack_at
+        _functorch_interpreter = torch._C._functorch.peek_interpreter_stack  # vmap / grad / functionalize
+        _device_context = DeviceContext
+        _ffi_dense_decode = _ffi.lib.dense_decode_fwd
+        _ffi_sparse_decode = _ffi.lib.sparse_decode_fwd
+        _ffi_item = _ffi_api.ArrayGetItem  # (one element, no len() and no Python __getitem__ frames)
+        has_cuda = _ffi.has_cuda_backend()
+    except Exception as e:  # noqa: BLE001 - an older / different torch or tvm_ffi: torch.ops for everything
+        _state["eager"] = f"off: {type(e).__name__}: {e}"
+        return
+    if os.environ.get("FLASHMLA_EAGER_TORCH_OPS", "") not in ("", "0"):
+        _state["eager"] = "off: FLASHMLA_EAGER_TORCH_OPS is set"
+    elif not has_cuda:
+        _state["eager"] = "off: this build has no CUDA kernels"
+    else:
+        _eager_route = True
+        _state["eager"] = "on"
+
+
+def eager_route_state() -> str:
+    """Whether eager CUDA decode calls take the TVM-FFI route in this process ("on") or why not ("off: ...")."""
+    load()
+    return _state.get("eager", "off: " + str(_state["error"]))
 
 
 def available() -> bool:
@@ -120,37 +194,118 @@ def load_error() -> Optional[str]:
     return _state["error"]
 
 
-def handles(*tensors: Any) -> bool:
-    """True if every non-None argument is a torch.Tensor and the op library is loaded.
+def handles(*tensors: Any) -> Any:
+    """True if every non-None argument is a torch.Tensor and the op library is loaded: :data:`PLAIN` (a true
+    value) when each is exactly ``torch.Tensor`` (no subclass), True when some are subclasses, else False.
 
-    Only then does a public function take the torch.ops path; mixed frameworks, NumPy, JAX,
-    ... keep the TVM-FFI path. (torch is never imported here: a torch.Tensor implies it is.)
+    Only then does a public function take the torch.ops path (or, for a decode, :func:`route`'s EAGER
+    one); mixed frameworks, NumPy, JAX, ... keep the TVM-FFI path. (torch is never imported here: a
+    torch.Tensor implies it is.)
     """
     # No sys.modules lookup here: this runs inside torch.compile, and Dynamo tracing a read of
-    # sys.modules can fail ("dictionary changed size during iteration"). A torch tensor's type
-    # lives in a torch module, which is cheap to test without importing torch for other frameworks.
-    if _Tensor is not None:  # the common case in one C-level pass: plain torch.Tensor and None only
-        kinds = set(map(type, tensors))
-        kinds.discard(_NoneType)
-        if len(kinds) == 1 and _Tensor in kinds:
-            return load()
+    # sys.modules can fail ("dictionary changed size during iteration"). Before the op library is
+    # loaded, a tensor whose type lives in a torch module loads it (cheap to test without importing
+    # torch for other frameworks); once loaded, any torch.Tensor counts, a user's subclass included.
+    tensor = _Tensor
+    if tensor is not None:  # (the op library is loaded) the common case first: plain tensors and None
+        seen = False
+        for t in tensors:
+            if t is not None:
+                if type(t) is not tensor:
+                    break
+                seen = True
+        else:
+            return PLAIN if seen else False
     for first in tensors:
         if first is not None:
             break
     else:
         return False
-    mod = type(first).__module__
-    if mod != "torch" and not mod.startswith("torch."):
-        return False
-    tensor = _Tensor
-    if tensor is None:  # the op library is not loaded (yet): torch is imported, since `first` is a torch object
-        import torch
+    if tensor is None:  # the op library is not loaded (yet)
+        mod = type(first).__module__
+        if mod != "torch" and not mod.startswith("torch."):
+            return False
+        import torch  # (imported already: `first` is a torch object)
 
         tensor = torch.Tensor
     for t in tensors:
         if t is not None and not isinstance(t, tensor):
             return False
     return load()
+
+
+def route(*tensors: Any) -> int:
+    """How a public decode call runs for its tensor arguments (q first; None for absent ones): 0 when they
+    are not all torch tensors (TVM-FFI or XLA), else :data:`OPS` or :data:`EAGER` (module docstring).
+
+    EAGER needs every tensor of exact type ``torch.Tensor`` (:func:`handles`; a subclass -- FakeTensor,
+    FunctionalTensor, DTensor, a user's -- may intercept the op), the route on in this process, q on CUDA and
+    nothing that may intercept the op (:func:`intercepted`). The other tensors' devices are the core's to check:
+    a CPU tensor among them fails its same-device check, a meta one the DLPack export; either way the eager
+    function then answers as the op does (:func:`eager_dense_decode_fwd`).
+    """
+    kind = handles(*tensors)
+    if not kind:
+        return 0
+    if kind is not PLAIN or not _eager_route or not tensors[0].is_cuda:
+        return OPS
+    # (intercepted(), its common answer inline: one Python call less per decode call)
+    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None or (
+            _function_mode_enabled() and intercepted()):
+        return OPS
+    return EAGER
+
+
+def intercepted() -> bool:
+    """True when something may intercept a torch op called here: torch.compile tracing, a TorchDispatchMode
+    (FakeTensorMode, ProxyTorchDispatchMode and other infra modes included), a TorchFunctionMode other than
+    the DeviceContext of ``torch.set_default_device`` / ``with torch.device(...)`` (it changes the device of
+    factory functions only), or a functorch transform (vmap, grad, functionalize). C-level queries of torch's
+    thread-local state, bound once; under torch.compile the first one is a constant of the trace."""
+    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None:
+        return True
+    if _function_mode_enabled():
+        for i in range(_function_stack_len()):
+            if type(_function_stack_at(i)) is not _device_context:
+                return True
+    return False
+
+
+def eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                           num_splits):
+    """The EAGER route of a dense decode: the TVM-FFI function on the torch tensors themselves (TVM-FFI takes
+    them through torch's DLPack exchange API, launches on torch's current stream of q's device and allocates
+    the outputs and the workspace through torch's allocator, i.e. its caching allocator on that stream).
+    Returns ``(out, lse)`` when given a schedule, else ``(out, lse, tile_scheduler_metadata, num_splits)``,
+    torch tensors. On any error the op runs instead and answers: its error (class and message; the core's
+    validation raised it before any launch) or, where only TVM-FFI's DLPack export failed (a meta tensor among
+    CUDA ones), its result."""
+    try:
+        res = _ffi_dense_decode(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                                num_splits)
+    except Exception:
+        return (dense_decode_fwd if tsm is None else dense_decode_fwd_scheduled)(
+            q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm, num_splits)
+    item = _ffi_item
+    if tsm is None:
+        return item(res, 0), item(res, 1), item(res, 2), item(res, 3)
+    return item(res, 0), item(res, 1)
+
+
+def eager_sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                            extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale):
+    """The EAGER route of a sparse decode; as :func:`eager_dense_decode_fwd`."""
+    try:
+        res = _ffi_sparse_decode(q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache,
+                                 extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+    except Exception:
+        return (sparse_decode_fwd if tsm is None else sparse_decode_fwd_scheduled)(
+            q, k_cache, indices, topk_length, attn_sink, tsm, num_splits, extra_k_cache, extra_indices_in_kvcache,
+            extra_topk_length, head_dim_v, softmax_scale)
+    item = _ffi_item
+    if tsm is None:
+        return item(res, 0), item(res, 1), item(res, 2), item(res, 3)
+    return item(res, 0), item(res, 1)
 
 
 def call(op: Any, *args: Any) -> Any:
@@ -218,28 +373,29 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
         import torch
     if torch.compiler.is_compiling():
         return None
+    return eager_schedule_key(q, lengths)
+
+
+def eager_schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
+    """:func:`schedule_key` of a call known not to be traced by torch.compile (the EAGER route checked it)."""
     dev = q.get_device()
-    capture = 0
-    if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
-        t = lengths[0]
-        if t.is_inference():
-            return None
-        key = [dev, capture, t, t._version]
-    else:
-        key = [dev, capture]
-        for t in lengths:
-            if t is None:
-                key += (None, 0)
-            elif t.is_inference():
-                return None
-            else:
-                key += (t, t._version)
-    if dev >= 0 and (dev != (_cuda_current_device or torch.cuda.current_device)()
-                     or (_cuda_capturing or torch.cuda.is_current_stream_capturing)()):
+    key: Any
+    try:  # (an inference tensor has no version counter: reading _version raises)
+        if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
+            t = lengths[0]
+            key = (dev, 0, t, t._version)
+        else:
+            key = (dev, 0)
+            for t in lengths:
+                key += (None, 0) if t is None else (t, t._version)
+    except RuntimeError:
+        return None
+    if dev >= 0 and (dev != (_cuda_current_device or _torch.cuda.current_device)()
+                     or (_cuda_capturing or _torch.cuda.is_current_stream_capturing)()):
         from . import _ffi  # (the fast check above only sees the current device's stream)
 
-        key[1] = int(_ffi.lib.stream_capture_id(torch.cuda.current_stream(dev).cuda_stream))
-    return tuple(key)
+        key = (dev, int(_ffi.lib.stream_capture_id(_torch.cuda.current_stream(dev).cuda_stream))) + key[2:]
+    return key
 
 
 def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:

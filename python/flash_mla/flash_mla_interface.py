@@ -31,6 +31,8 @@ import numpy as np
 from . import _cupy, _ffi
 from . import _torch_ops
 
+_EAGER = _torch_ops.EAGER
+
 __all__ = [
     "FlashMLASchedMeta",
     "SchedMetaMismatchError",
@@ -299,17 +301,19 @@ def flash_mla_with_kvcache(
     config_key = (  # FlashMLASchedMeta.Config's fields; a plain tuple compares ~10x faster than the dataclass
         b, s_q, h_q, int(k_shape[1]), int(k_shape[2]), causal, bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
     )
-    # torch tensors take the torch.ops path (flash_mla/_torch_ops.py), JAX arrays XLA custom calls
-    # (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
-    use_torch = _torch_ops.handles(q, k_cache, block_table, cache_seqlens, indices, attn_sink, extra_k_cache,
+    # torch tensors take the torch.ops path or, eager on CUDA, the TVM-FFI function directly (_torch_ops.route),
+    # JAX arrays XLA custom calls (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
+    torch_route = _torch_ops.route(q, k_cache, block_table, cache_seqlens, indices, attn_sink, extra_k_cache,
                                    extra_indices_in_kvcache, topk_length, extra_topk_length)
+    use_torch = torch_route != 0
+    eager = torch_route == _EAGER
     use_jax = not use_torch and _ffi.framework_of(q) == "jax" and _jax_use_xla(
         q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens, indices=indices,
         attn_sink=attn_sink, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
         topk_length=topk_length, extra_topk_length=extra_topk_length)
     # Host copies of the length tensors (CPU tensors only; None for device tensors and on the XLA path,
     # which recomputes the schedule every call). `host_lengths`: whether any was copied.
-    if use_jax:
+    if use_jax or eager:
         lengths = (None,) if topk is None else (None, None)
         host_lengths = False
     else:
@@ -356,11 +360,16 @@ def flash_mla_with_kvcache(
     # the same versions, in the same CUDA-graph capture (see _torch_ops.schedule_key); every other
     # GPU call recomputes it on its stream (a one-CTA kernel, capturable). So a reused
     # FlashMLASchedMeta is never stale there, even after the lengths changed (regression 6).
-    on_device = (not q.is_cpu) if use_torch else _on_device(q)
     gpu_key = None
-    if use_torch and on_device:
-        gpu_key = _torch_ops.schedule_key(
+    if eager:
+        on_device = True
+        gpu_key = _torch_ops.eager_schedule_key(
             q, (cache_seqlens,) if topk is None else (topk_length, extra_topk_length))
+    else:
+        on_device = (not q.is_cpu) if use_torch else _on_device(q)
+        if use_torch and on_device:
+            gpu_key = _torch_ops.schedule_key(
+                q, (cache_seqlens,) if topk is None else (topk_length, extra_topk_length))
     tsm = sched.tile_scheduler_metadata
     reuse = not use_jax and sched.have_initialized and tsm is not None and (
         _torch_ops.same_schedule_key(sched._gpu_key, gpu_key) if on_device else True)
@@ -386,7 +395,11 @@ def flash_mla_with_kvcache(
         if not is_fp8_kvcache:
             raise _AssertValueError(
                 "is_fp8_kvcache: sparse decoding (indices given) needs an FP8 cache: pass is_fp8_kvcache=True")
-        if use_torch:
+        if eager:  # the TVM-FFI function on the torch tensors (outputs from torch's allocator, current stream)
+            res = _torch_ops.eager_sparse_decode_fwd(
+                q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
+                extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
+        elif use_torch:
             res = (_torch_ops.sparse_decode_fwd_scheduled if reuse else _torch_ops.sparse_decode_fwd)(
                 q, k_cache, indices, topk_length, attn_sink, meta_in[0], meta_in[1], extra_k_cache,
                 extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
@@ -416,7 +429,10 @@ def flash_mla_with_kvcache(
             raise _AssertValueError("block_table and cache_seqlens: required for dense decoding, got None")
         # is_fp8_kvcache is not used by dense decoding (FlashMLA's wrapper does not pass it on either, spec
         # §1.3 step 4): a BF16/FP16 cache runs as usual, an FP8 cache fails k_cache's dtype check (q's dtype).
-        if use_torch:
+        if eager:  # (as the sparse call above)
+            res = _torch_ops.eager_dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale,
+                                                    causal, meta_in[0], meta_in[1])
+        elif use_torch:
             res = (_torch_ops.dense_decode_fwd_scheduled if reuse else _torch_ops.dense_decode_fwd)(
                 q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, meta_in[0], meta_in[1])
         elif use_jax:
