@@ -6,9 +6,10 @@ the launch queue and the GPU never throttles the host). Reported per path, media
 7 rounds after warm-up:
 
 * ``torch.ops``      — ``torch.ops.flash_mla.dense_decode_fwd`` called directly (stable-ABI op);
-* ``api-torch``      — ``flash_mla.flash_mla_with_kvcache`` with torch tensors (Python wrapper; eager on CUDA:
-  the TVM-FFI function, docs/host-path.md);
-* ``api-torch-ops``  — the same with the eager route off (``FLASHMLA_EAGER_TORCH_OPS=1``): Python wrapper + torch op;
+* ``api-torch``      — ``flash_mla.flash_mla_with_kvcache`` with torch tensors (Python wrapper + torch op, the
+  default);
+* ``api-torch-eager`` — the same through the opt-in eager TVM-FFI route (``FLASHMLA_EAGER_TVM_FFI=1``,
+  docs/host-path.md);
 * ``eager-function`` — ``flash_mla._torch_ops.eager_dense_decode_fwd`` with the schedule given (what a reusing
   eager call runs below the Python layer: the TVM-FFI call and the two outputs converted to torch tensors);
 * ``api-torch-tvm-ffi`` — the same call with torch tensors sent through TVM-FFI instead of torch.ops
@@ -229,15 +230,16 @@ def main(argv=None) -> int:
     if ops is not None and hasattr(ops, "dense_decode_fwd"):
         add("torch.ops", lambda: ops.dense_decode_fwd(q, k, 512, sl, bt, scale, False, None, None))
     add("api-torch", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched, None, scale),
-        note=f"eager route: {_torch_ops.eager_route_state()}")
-    eager_on = _torch_ops._eager_route
-    _torch_ops._eager_route = False  # (what FLASHMLA_EAGER_TORCH_OPS=1 sets at load)
-    try:
-        sched_ops = flash_mla.get_mla_metadata()[0]
-        add("api-torch-ops", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched_ops, None, scale),
-            note="public API, torch tensors through torch.ops (the eager route off)")
-    finally:
-        _torch_ops._eager_route = eager_on
+        note=f"public API, torch tensors (eager route: {_torch_ops.eager_route_state()})")
+    route_was = _torch_ops._eager_route
+    if _torch_ops._ffi_dense_decode is not None and flash_mla.has_cuda_backend():
+        _torch_ops._eager_route = True  # (what FLASHMLA_EAGER_TVM_FFI=1 sets at load)
+        try:
+            sched_eager = flash_mla.get_mla_metadata()[0]
+            add("api-torch-eager", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched_eager, None, scale),
+                note="public API, torch tensors through the eager TVM-FFI route (opt-in)")
+        finally:
+            _torch_ops._eager_route = route_was
     tsm, splits = sched.tile_scheduler_metadata, sched.num_splits
     if tsm is not None and _torch_ops._ffi_dense_decode is not None:
         add("eager-function", lambda: _torch_ops.eager_dense_decode_fwd(q, k, 512, sl, bt, scale, False, tsm, splits),

@@ -23,17 +23,19 @@ RuntimeError (the stable ABI cannot choose Python exception classes); :func:`cal
 them as ValueError / TypeError / NotImplementedError with the plain message, so both ways in
 raise the same exceptions.
 
-Eager decode calls on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every
+Eager TVM-FFI route (opt-in): with ``FLASHMLA_EAGER_TVM_FFI=1`` in the environment when the op library
+loads, eager decode calls on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every
 tensor is a plain ``torch.Tensor`` on CUDA, nothing traces (torch.compile) and no dispatch,
 torch-function or functorch mode is active, ``flash_mla_with_kvcache`` calls the TVM-FFI function
 of the same C++ core directly (:func:`eager_dense_decode_fwd`, :func:`eager_sparse_decode_fwd`), as
-FlashMLA calls its pybind11 extension: about 10 us less host time per call than torch's dispatcher
-and the stable ABI's boxing (docs/host-path.md). Everything else keeps ``torch.ops.flash_mla``.
+FlashMLA calls its pybind11 extension. It is off by default because its outputs come back through
+DLPack: torch's ``Tensor.record_stream`` is a no-op on them (a program that hands them to another
+stream could see their memory reused early) and eager calls leave no ``flash_mla::`` op in profiler
+traces; measured on the H200 host it saved 1.8 us of a 41 us public-API call (docs/host-path.md).
 
 Environment, read once when the op library loads (never per call):
 ``FLASHMLA_DISABLE_TORCH_OPS=1`` sends torch tensors through TVM-FFI always (no op library);
-``FLASHMLA_EAGER_TORCH_OPS=1`` keeps eager CUDA decode calls on ``torch.ops.flash_mla`` too (a
-``flash_mla::`` op in every profiler trace, the outputs allocated by the op).
+``FLASHMLA_EAGER_TVM_FFI=1`` turns the eager TVM-FFI route above on.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ OPS, EAGER = 1, 2
 # handles() of arguments that are all exactly torch.Tensor (or None).
 PLAIN = 2
 # Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
-# present, FLASHMLA_EAGER_TORCH_OPS unset), torch's checks for what could intercept a call (bound once), and the
+# present, FLASHMLA_EAGER_TVM_FFI=1), torch's checks for what could intercept a call (bound once), and the
 # TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
 _eager_route = False
 _is_compiling: Any = None
@@ -144,7 +146,7 @@ def _bind(torch: Any) -> None:
 def _bind_eager(torch: Any) -> None:
     """Bind what the EAGER route (module docstring) needs, once; the route stays off without CUDA kernels in
     this build (both routes would raise the same NotImplementedError), where this torch or tvm_ffi lacks one
-    of the functions below, or when FLASHMLA_EAGER_TORCH_OPS is set."""
+    of the functions below, or unless FLASHMLA_EAGER_TVM_FFI=1 asks for it."""
     global _eager_route, _is_compiling, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
     global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
     global _ffi_item
@@ -169,10 +171,10 @@ def _bind_eager(torch: Any) -> None:
     except Exception as e:  # noqa: BLE001 - an older / different torch or tvm_ffi: torch.ops for everything
         _state["eager"] = f"off: {type(e).__name__}: {e}"
         return
-    if os.environ.get("FLASHMLA_EAGER_TORCH_OPS", "") not in ("", "0"):
-        _state["eager"] = "off: FLASHMLA_EAGER_TORCH_OPS is set"
-    elif not has_cuda:
+    if not has_cuda:
         _state["eager"] = "off: this build has no CUDA kernels"
+    elif os.environ.get("FLASHMLA_EAGER_TVM_FFI", "") in ("", "0"):
+        _state["eager"] = "off: opt-in (FLASHMLA_EAGER_TVM_FFI=1 when the op library loads)"
     else:
         _eager_route = True
         _state["eager"] = "on"

@@ -172,14 +172,30 @@ def test_subclass_takes_the_op(rng, count_torch_calls):
     assert count_torch_calls == ["flash_mla.dense_decode_fwd.default"]
 
 
-def test_switch_is_read_once_at_load():
-    """FLASHMLA_EAGER_TORCH_OPS=1 turns the route off when the op library loads; setting it later changes nothing."""
+def _route_states(env_at_import):
     code = ("import os, torch, flash_mla; from flash_mla import _torch_ops; a = _torch_ops.eager_route_state(); "
-            "os.environ['FLASHMLA_EAGER_TORCH_OPS'] = '0'; print(a); print(_torch_ops.eager_route_state())")
-    env = dict(os.environ, FLASHMLA_EAGER_TORCH_OPS="1")
+            "os.environ['FLASHMLA_EAGER_TVM_FFI'] = '0' if os.environ.get('FLASHMLA_EAGER_TVM_FFI') == '1' else '1'; "
+            "print(a); print(_torch_ops.eager_route_state()); print(flash_mla.has_cuda_backend())")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHMLA_EAGER_TVM_FFI"}
+    if env_at_import is not None:
+        env["FLASHMLA_EAGER_TVM_FFI"] = env_at_import
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[:2] == ["off: FLASHMLA_EAGER_TORCH_OPS is set"] * 2
+    return res.stdout.split("\n")[:3]
+
+
+@pytest.mark.parametrize("env_at_import", [None, "0", "1"])
+def test_switch_is_opt_in_and_read_once_at_load(env_at_import):
+    """The route is off unless FLASHMLA_EAGER_TVM_FFI=1 when the op library loads (and the build has CUDA
+    kernels); changing the variable later changes nothing."""
+    at_load, after_change, has_cuda = _route_states(env_at_import)
+    assert at_load == after_change
+    if has_cuda != "True":
+        assert at_load == "off: this build has no CUDA kernels"
+    elif env_at_import == "1":
+        assert at_load == "on"
+    else:
+        assert at_load == "off: opt-in (FLASHMLA_EAGER_TVM_FFI=1 when the op library loads)"
 
 
 # ----------------------------------------------------------------------------- the eager functions on torch tensors
