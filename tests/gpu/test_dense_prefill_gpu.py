@@ -324,6 +324,12 @@ def nonfinite_checked(name, ans, ref, nan_only):
     return ans.masked_fill(bad_a, 0), ref.to(ans.device).masked_fill(bad_r, 0)
 
 
+# Known defect of the sm90 kernels (H200, 2026-12-03: all 96 cases fail; docs/dense-prefill.md): a non-finite
+# value in k or v of a key that some rows of a tile do not see still reaches those rows through the tile's MMA
+# (0 * NaN = NaN: P . V in the forward, dS . K into dq in the backward), where the reference stays finite.
+# Strict: the day the kernels stop leaking, this marker must go.
+@pytest.mark.xfail(DEV == "cuda", strict=True,
+                   reason="sm90 kernels: non-finite masked keys leak into the rows of their tile (0 * NaN in the MMA)")
 @pytest.mark.parametrize("offset", [0, 1, 37, 70])
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 @pytest.mark.parametrize("where", ["k", "v", "kv"])
