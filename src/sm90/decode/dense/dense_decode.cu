@@ -50,6 +50,19 @@ Dims dims_of(const DenseDecodeParams& p) {
   return d;
 }
 
+// The shape fields that the main kernel's and the combine's parameters share (DenseDecodeKernelParams,
+// DenseCombineParams): batch, query length and heads, KV heads, query heads per KV head, and the
+// query rows per KV head (s_q * group).
+template <class Params>
+void set_decode_dims(Params& kp, const Dims& d) {
+  kp.b = static_cast<int>(d.b);
+  kp.s_q = static_cast<int>(d.s_q);
+  kp.h_q = static_cast<int>(d.h_q);
+  kp.h_kv = static_cast<int>(d.h_kv);
+  kp.group = static_cast<int>(d.group);
+  kp.m_rows = static_cast<int>(d.m_rows);
+}
+
 constexpr int64_t kAlign = 256;
 int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
@@ -207,12 +220,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
     kp.seqlens = static_cast<const int32_t*>(p.cache_seqlens.data);
     set_decode_outputs(kp, p.out, p.lse, o_accum, lse_accum, num_splits);
     kp.tile_scheduler_metadata = metadata;
-    kp.b = static_cast<int>(d.b);
-    kp.s_q = static_cast<int>(d.s_q);
-    kp.h_q = static_cast<int>(d.h_q);
-    kp.h_kv = static_cast<int>(d.h_kv);
-    kp.group = static_cast<int>(d.group);
-    kp.m_rows = static_cast<int>(d.m_rows);
+    set_decode_dims(kp, d);
     kp.d_qk = static_cast<int>(d.d_qk);
     kp.page_block_size = static_cast<int>(d.pbs);
     kp.causal = (p.causal && d.s_q > 1) ? 1 : 0;
@@ -251,12 +259,7 @@ Status dense_decode_launch(const DenseDecodeParams& p, int64_t num_sm_parts, int
   if (stages & kStageCombine) {
     DenseCombineParams cp{};
     set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
-    cp.b = static_cast<int>(d.b);
-    cp.s_q = static_cast<int>(d.s_q);
-    cp.h_q = static_cast<int>(d.h_q);
-    cp.h_kv = static_cast<int>(d.h_kv);
-    cp.group = static_cast<int>(d.group);
-    cp.m_rows = static_cast<int>(d.m_rows);
+    set_decode_dims(cp, d);
     cp.out_vec_ok = vec ? 1 : 0;
     const cudaError_t e = launch_dense_combine(cp, is_fp16, stream);
     if (e != cudaSuccess) return cuda_error("flash_fwd_mla_combine_kernel launch", e);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "flashmla/ops.h"
+#include "sm90/common/combine_buffers.h"
 
 namespace flashmla::sm90 {
 
@@ -61,14 +62,7 @@ enum DenseTuning : int { kTuneL2Prefetch = 1, kTuneNoTma = 2, kTuneStagedEpilogu
 constexpr int64_t kStagedEpilogueMaxTokens = 1024;
 
 /// Parameters of the combine kernel (`flash_fwd_mla_combine_kernel`).
-struct DenseCombineParams {
-  void* out;
-  int64_t o_stride_b, o_stride_s, o_stride_h, o_stride_d;
-  float* lse;
-  int64_t lse_stride_b, lse_stride_h, lse_stride_s;
-  const float* o_accum;
-  const float* lse_accum;
-  const int32_t* num_splits;
+struct DenseCombineParams : CombineBuffers {
   int b, s_q, h_q, h_kv, group, m_rows;
   int out_vec_ok;
 };

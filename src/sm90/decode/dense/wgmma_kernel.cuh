@@ -49,24 +49,18 @@ __device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
+// The kernel's two wgmma shapes for element type T (__nv_bfloat16 or __half): S (64x32, K 16) and
+// O += P V (64x256, K 16), fp32 accumulation.
 template <typename T>
-struct Mma;
-template <>
-struct Mma<__nv_bfloat16> {
+struct Mma {
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   __device__ __forceinline__ static void s(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-    gmma::mma_m64n32k16_bf16<0>(d, a, b, scale_d);
+    if constexpr (kBf16) gmma::mma_m64n32k16_bf16<0>(d, a, b, scale_d);
+    else gmma::mma_m64n32k16_f16<0>(d, a, b, scale_d);
   }
   __device__ __forceinline__ static void pv(float (&d)[128], uint64_t a, uint64_t b) {
-    gmma::mma_m64n256k16_bf16<1>(d, a, b, 1);
-  }
-};
-template <>
-struct Mma<__half> {
-  __device__ __forceinline__ static void s(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-    gmma::mma_m64n32k16_f16<0>(d, a, b, scale_d);
-  }
-  __device__ __forceinline__ static void pv(float (&d)[128], uint64_t a, uint64_t b) {
-    gmma::mma_m64n256k16_f16<1>(d, a, b, 1);
+    if constexpr (kBf16) gmma::mma_m64n256k16_bf16<1>(d, a, b, 1);
+    else gmma::mma_m64n256k16_f16<1>(d, a, b, 1);
   }
 };
 

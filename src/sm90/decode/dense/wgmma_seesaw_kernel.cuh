@@ -36,6 +36,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
 #include "sm90/decode/dense/thread_rows.cuh"
@@ -127,36 +128,26 @@ __device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * kSlabBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
+// The kernel's wgmma shapes for element type T (__nv_bfloat16 or __half), fp32 accumulation, with
+// compile-time descriptor offsets: S (64x64, K 16, both operands from shared memory), O += P V
+// (64x256, K 16) with P from registers (pv_rs) or from shared memory (pv_ss).
 template <typename T>
-struct Mma;
-template <>
-struct Mma<__nv_bfloat16> {
+struct Mma {
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   template <int kOff, int kScaleD>
   __device__ __forceinline__ static void s(float (&d)[32], uint64_t a, uint64_t b) {
-    gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, kScaleD>(d, a, b);
+    if constexpr (kBf16) gmma::mma_m64n64k16_off_bf16<0, kOff, kOff, kScaleD>(d, a, b);
+    else gmma::mma_m64n64k16_off_f16<0, kOff, kOff, kScaleD>(d, a, b);
   }
   template <int kOffB>
   __device__ __forceinline__ static void pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
-    gmma::mma_m64n256k16_rs_bf16<1, kOffB>(d, a, b);
+    if constexpr (kBf16) gmma::mma_m64n256k16_rs_bf16<1, kOffB>(d, a, b);
+    else gmma::mma_m64n256k16_rs_f16<1, kOffB>(d, a, b);
   }
   template <int kOffA, int kOffB>
   __device__ __forceinline__ static void pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
-    gmma::mma_m64n256k16_off_bf16<1, kOffA, kOffB>(d, a, b);
-  }
-};
-template <>
-struct Mma<__half> {
-  template <int kOff, int kScaleD>
-  __device__ __forceinline__ static void s(float (&d)[32], uint64_t a, uint64_t b) {
-    gmma::mma_m64n64k16_off_f16<0, kOff, kOff, kScaleD>(d, a, b);
-  }
-  template <int kOffB>
-  __device__ __forceinline__ static void pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
-    gmma::mma_m64n256k16_rs_f16<1, kOffB>(d, a, b);
-  }
-  template <int kOffA, int kOffB>
-  __device__ __forceinline__ static void pv_ss(float (&d)[128], uint64_t a, uint64_t b) {
-    gmma::mma_m64n256k16_off_f16<1, kOffA, kOffB>(d, a, b);
+    if constexpr (kBf16) gmma::mma_m64n256k16_off_bf16<1, kOffA, kOffB>(d, a, b);
+    else gmma::mma_m64n256k16_off_f16<1, kOffA, kOffB>(d, a, b);
   }
 };
 

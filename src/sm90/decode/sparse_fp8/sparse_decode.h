@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "flashmla/ops.h"
+#include "sm90/common/combine_buffers.h"
 
 namespace flashmla::sm90 {
 
@@ -58,14 +59,7 @@ struct SparseDecodeKernelParams {
   SparseDecodeMainKernel main_kernel;  // chosen by shape in sparse_decode.cu (sparse_decode_main_kernel)
 };
 
-struct SparseCombineParams {
-  void* out;
-  int64_t o_stride_b, o_stride_s, o_stride_h, o_stride_d;
-  float* lse;
-  int64_t lse_stride_b, lse_stride_h, lse_stride_s;
-  const float* o_accum;
-  const float* lse_accum;
-  const int32_t* num_splits;
+struct SparseCombineParams : CombineBuffers {
   const float* attn_sink;
   int b, s_q, h_q;
   int out_vec_ok;  // 0: also combine requests with a single split (the main kernel wrote only partials)
