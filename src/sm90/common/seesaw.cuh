@@ -76,6 +76,20 @@ __device__ __forceinline__ float lazy_max(float m_run, float block_max) {
   return block_max > m_run + kRescaleSlack ? block_max : m_run;
 }
 
+// O *= per-row factors over one thread's accumulator fragment: elements 4i, 4i+1 are its first
+// row, 4i+2, 4i+3 its second (the wgmma / mma.sync C layout), so one loop serves every O width.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&o)[N], const float (&sc)[2]) {
+  static_assert(N % 4 == 0, "an accumulator fragment holds whole groups of 4 (2 rows x 2 columns)");
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    o[4 * i + 0] *= sc[0];
+    o[4 * i + 1] *= sc[0];
+    o[4 * i + 2] *= sc[1];
+    o[4 * i + 3] *= sc[1];
+  }
+}
+
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
 #pragma unroll

@@ -25,6 +25,7 @@
 #include "sm90/decode/dense/thread_rows.cuh"
 #include "sm90/decode/dense/tile_loads.cuh"
 #include "sm90/common/decode_schedule.cuh"
+#include "sm90/common/seesaw.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
 #include "sm90/common/host_utils.h"
@@ -224,13 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
       }
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * alpha[hh] + rs[hh];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
+      seesaw::scale_rows(o, alpha);
       gmma::fence_proxy_async();  // P stores -> visible to wgmma
       __syncthreads();            // both warpgroups' halves of P are in smem
 

@@ -482,15 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         seesaw::exp_pack<T>(s, m0u, rs, a);  // P0 (the P0 V0_L A operand)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] = l_run[hh] * sc0[hh] + rs[hh];
-        if (__any_sync(0xffffffffu, sc0[0] != 1.f || sc0[1] != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) {
-            o[4 * i + 0] *= sc0[0];
-            o[4 * i + 1] *= sc0[0];
-            o[4 * i + 2] *= sc0[1];
-            o[4 * i + 3] *= sc0[1];
-          }
-        }
+        seesaw::scale_o(o, sc0);
         if (valid0 < kBlockN) zero_v_rows(sK, valid0, t_wg, kBarWG0);
         gmma::reg_fence(o);
         gmma::fence();

@@ -81,16 +81,6 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
   }
 }
 
-__device__ __forceinline__ void scale_rows(float (&o)[64], const float (&sc)[2]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    o[4 * i + 0] *= sc[0];
-    o[4 * i + 1] *= sc[0];
-    o[4 * i + 2] *= sc[1];
-    o[4 * i + 3] *= sc[1];
-  }
-}
-
 /// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
 /// kOverlap = true (FlashAttention-3's intra-warpgroup pipelining, our own code): S_n = Q K_n^T is issued
 /// together with O += P_{n-1} V_{n-1}, and the softmax of block n runs while that P V is on the tensor
@@ -247,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive(k_empty(stage));
       float sc[2];
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
-      scale_rows(o, sc);
+      seesaw::scale_rows(o, sc);
       uint32_t a[8][4];
       pack_a<T, 128>(s, a);
       mbar_wait(v_full(stage), (n >> 1) & 1);
@@ -300,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::wait<0>();
       gmma::reg_fence(o);
       mbar_arrive(v_empty(pstage));
-      scale_rows(o, sc);
+      seesaw::scale_rows(o, sc);
       pack_a<T, 128>(s, a);
     }
     const int last = (n_blocks - 1) & 1;
