@@ -91,15 +91,7 @@ __device__ __forceinline__ void scale_rows(float (&o)[N], const float (&sc)[2]) 
 }
 
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
-  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      o[4 * i + 0] *= sc[0];
-      o[4 * i + 1] *= sc[0];
-      o[4 * i + 2] *= sc[1];
-      o[4 * i + 3] *= sc[1];
-    }
-  }
+  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) scale_rows(o, sc);
 }
 
 // Fragment t (keys 8t + 2tq, +1 of both rows) of exp_pack / exp_pack_store_p: P = exp2(S - m), the

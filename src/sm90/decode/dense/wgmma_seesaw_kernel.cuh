@@ -521,15 +521,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
-        if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) {
-            o[4 * i + 0] *= sc1[0];
-            o[4 * i + 1] *= sc1[0];
-            o[4 * i + 2] *= sc1[1];
-            o[4 * i + 3] *= sc1[1];
-          }
-        }
+        seesaw::scale_o(o, sc1);
         named_barrier_sync(kBarP1, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(0, 8, t_wg == 0);
         if (has1) {
@@ -597,15 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMLA_DENSE_TRACE_STEP(1, 4, t_wg == 0);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
-        if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
-#pragma unroll
-          for (int i = 0; i < 32; ++i) {
-            o[4 * i + 0] *= c[0];
-            o[4 * i + 1] *= c[0];
-            o[4 * i + 2] *= c[1];
-            o[4 * i + 3] *= c[1];
-          }
-        }
+        seesaw::scale_o(o, c);
         // P1 V1_R (P1 from registers) is issued right after P1's stores to shared memory; only then are
         // the stores fenced for the async proxy and P1 announced (kBarP1): the fence (MEMBAR), not the
         // stores, is what held the issue back. P1's announcement comes later by the four wgmma issues,
