@@ -94,6 +94,29 @@ __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) scale_rows(o, sc);
 }
 
+// Warpgroup 1's row max after the second key block: m1 = lazy_max(m0, mx) against warpgroup 0's m0
+// (sM0), sc1 = exp2(m0 - m1) published with m1 for warpgroup 0 (sM1, sS1), c = sc0 * sc1 the factor of
+// warpgroup 1's own O and l (one step the dense decode and sparse prefill seesaw kernels share).
+// m1u is m1 with -inf read as 0, so an all-masked row's exp2 gives 0, not NaN.
+__device__ __forceinline__ void second_block_row_max(const float* sM0, const float* sS0, float* sM1, float* sS1,
+                                                     const int (&row_local)[2], int tq, const float (&mx)[2],
+                                                     float (&m_run)[2], float (&m1u)[2], float (&c)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float m0 = sM0[row_local[hh]];
+    const float sc0 = sS0[row_local[hh]];
+    const float m1 = lazy_max(m0, mx[hh]);
+    m1u[hh] = m1 == -INFINITY ? 0.f : m1;
+    const float sc1 = exp2f(m0 - m1u[hh]);
+    if (tq == 0) {
+      sM1[row_local[hh]] = m1;
+      sS1[row_local[hh]] = sc1;
+    }
+    c[hh] = sc0 * sc1;
+    m_run[hh] = m1;
+  }
+}
+
 // Fragment t (keys 8t + 2tq, +1 of both rows) of exp_pack / exp_pack_store_p: P = exp2(S - m), the
 // row sums added to rs, packed to T (bf16 or fp16) into a[t / 2].
 template <class T>

@@ -571,20 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         named_barrier_sync(kBarScale0, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(1, 3, t_wg == 0);
         float m1u[2], c[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const float m0 = sM0[row_local[hh]];
-          const float sc0 = sS0[row_local[hh]];
-          const float m1 = seesaw::lazy_max(m0, mx[hh]);
-          m1u[hh] = m1 == -INFINITY ? 0.f : m1;
-          const float sc1 = exp2f(m0 - m1u[hh]);
-          if (tq == 0) {
-            sM1[row_local[hh]] = m1;
-            sS1[row_local[hh]] = sc1;
-          }
-          c[hh] = sc0 * sc1;
-          m_run[hh] = m1;
-        }
+        seesaw::second_block_row_max(sM0, sS0, sM1, sS1, row_local, tq, mx, m_run, m1u, c);
         bar_arrive(kBarScale1, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(1, 4, t_wg == 0);
 #pragma unroll

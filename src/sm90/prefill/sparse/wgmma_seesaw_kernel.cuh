@@ -611,20 +611,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       FLASHMLA_TRACE_EVENT(1, j, 4, t_wg == 0);
       float m1u[2], c[2];
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const float m0 = sM0[row_local[hh]];
-        const float sc0 = sS0[row_local[hh]];
-        m_true[hh] = fmaxf(m_true[hh], mx[hh]);
-        const float m1 = lazy_max(m0, mx[hh]);
-        m1u[hh] = m1 == -INFINITY ? 0.f : m1;
-        const float sc1 = exp2f(m0 - m1u[hh]);
-        if (tq == 0) {
-          sM1[row_local[hh]] = m1;
-          sS1[row_local[hh]] = sc1;
-        }
-        c[hh] = sc0 * sc1;
-        m_run[hh] = m1;
-      }
+      for (int hh = 0; hh < 2; ++hh) m_true[hh] = fmaxf(m_true[hh], mx[hh]);
+      second_block_row_max(sM0, sS0, sM1, sS1, row_local, tq, mx, m_run, m1u, c);
       bar_arrive(kBarScale1, kThreads);
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) l_run[hh] *= c[hh];
