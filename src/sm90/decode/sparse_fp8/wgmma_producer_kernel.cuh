@@ -820,6 +820,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    // Both warpgroups end a block alike: wait for this warpgroup's P.V wgmma (O final for the block),
+    // then hand its part kWg of buffer x back to the producers; trace events `event`, `event + 1`.
+    auto wait_pv_release = [&](int x, int event) {
+      gmma::wait<0>();
+      gmma::reg_fence(o);
+      FLASHMLA_SPARSE_DECODE_TRACE_BLK(kWg, g, event, tid == kWg * 128);
+      release(x, kWg);
+      FLASHMLA_SPARSE_DECODE_TRACE_BLK(kWg, g, event + 1, tid == kWg * 128);
+    };
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
 
@@ -888,11 +897,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         // (FlashMLA's order; with the two changes above x1.013 kernel geomean).
         bar_arrive(kBarP0 + x, kConsumers);  // P stored and fenced above
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 7, tid == 0);
-        gmma::wait<0>();
-        gmma::reg_fence(o);
-        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 8, tid == 0);
-        release(x, 0);  // slabs 0-3 of the buffer are free
-        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 9, tid == 0);
+        wait_pv_release(x, 8);  // slabs 0-3 of the buffer are free
       }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
@@ -916,11 +921,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                     gmma::make_desc_sw128(sKx_u + 4 * kSlabBytes, kSlabBytes, 1024));
         gmma::commit();
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 4, tid == 128);
-        gmma::wait<0>();
-        gmma::reg_fence(o);
-        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 5, tid == 128);
-        release(x, 1);  // slabs 4-8 of the buffer are free
-        FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 6, tid == 128);
+        wait_pv_release(x, 5);  // slabs 4-8 of the buffer are free
       }
     }
 
