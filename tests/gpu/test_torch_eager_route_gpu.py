@@ -22,17 +22,7 @@ from mla_test_utils import count_torch_calls  # noqa: E402,F401  (fixture)
 
 import test_dense_decode_gpu as dense_t  # noqa: E402
 import test_sparse_decode_gpu as sparse_t  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-
-class PassThroughDispatch(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+from test_torch_eager_route import PassThroughDispatch  # noqa: E402  (records and runs the ops it sees)
 
 
 class MyTensor(torch.Tensor):

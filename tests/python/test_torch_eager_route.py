@@ -29,17 +29,8 @@ if not _torch_ops.available():
     pytest.skip(f"torch.ops.flash_mla unavailable: {_torch_ops.load_error()}", allow_module_level=True)
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
+from test_torch_ops import T  # noqa: E402  (NumPy -> torch, the torch.ops tests' helper)
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
-
-def T(x):
-    """NumPy -> torch (CPU); bf16 through an int16 view."""
-    if x is None:
-        return None
-    x = np.asarray(x)
-    if x.dtype == BF16:
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(x)
 
 
 class PassThroughDispatch(TorchDispatchMode):
