@@ -259,13 +259,24 @@ def route(*tensors: Any) -> int:
     return EAGER
 
 
+def eager_possible(q: Any) -> bool:
+    """True when a decode call with this q may take the EAGER route: the route on in this process and q on CUDA."""
+    return _eager_route and q.is_cuda
+
+
 def intercepted() -> bool:
     """True when something may intercept a torch op called here: torch.compile tracing, a TorchDispatchMode
     (FakeTensorMode, ProxyTorchDispatchMode and other infra modes included), a TorchFunctionMode other than
     the DeviceContext of ``torch.set_default_device`` / ``with torch.device(...)`` (it changes the device of
     factory functions only), or a functorch transform (vmap, grad, functionalize). C-level queries of torch's
     thread-local state, bound once; under torch.compile the first one is a constant of the trace."""
-    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None:
+    return _is_compiling() or mode_active()
+
+
+def mode_active() -> bool:
+    """:func:`intercepted` less its torch.compile check (for callers that made it already): a dispatch mode, a
+    torch-function mode other than a DeviceContext, or a functorch transform is active."""
+    if _dispatch_stack_len() or _functorch_interpreter() is not None:
         return True
     if _function_mode_enabled():
         for i in range(_function_stack_len()):

@@ -294,7 +294,7 @@ def flash_mla_with_kvcache(
                     # (a CUDA device: the current one and no capture; -1: torch's meta device, never the CPU)
                     and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev if dev >= 0
                          else not q.is_cpu)
-                    and not (eager and _torch_ops.intercepted())):
+                    and not (eager and _torch_ops.mode_active())):  # (the eager route: nothing may intercept)
                 if type(head_dim_v) is not int:  # (the full path's checks of the two scalars, in its order)
                     head_dim_v = _int_arg("head_dim_v", head_dim_v)
                 if softmax_scale is None:
@@ -521,8 +521,11 @@ def flash_mla_with_kvcache(
         sched.tile_scheduler_metadata = tsm
         sched.num_splits = splits
         sched._gpu_key = gpu_key
+    # (a torch.ops call is recorded only where the eager route is out of the question: one that took the op
+    # because a mode or a subclass intercepted it must not send the next plain call to the op)
     sched._reuse = (_reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager)
-                    if use_torch and gpu_key is not None and extra_k_cache is None else None)
+                    if use_torch and gpu_key is not None and extra_k_cache is None
+                    and (eager or not _torch_ops.eager_possible(q)) else None)
     return out, lse
 
 

@@ -245,3 +245,38 @@ def test_compile_never_takes_the_fast_path():
     assert out.shape == (2, 1, 16, 512) and len(graphs) == 1
     assert "flash_mla.dense_decode_fwd.default" in graphs[0] and "_scheduled" not in graphs[0]
     torch._dynamo.reset()
+
+
+def test_eager_record_defers_to_the_full_path_under_a_mode(monkeypatch):
+    """A record of the eager TVM-FFI route (CUDA only; forced here on meta tensors, the TVM-FFI function failing so
+    that the eager function answers through the op) is taken only while nothing may intercept the op: under a
+    dispatch mode the call takes the full path, whose route gives the mode the op."""
+    real_route = _torch_ops.route
+    routed = []
+
+    def route(*t):  # the EAGER answer of a CUDA call wherever nothing intercepts
+        routed.append(1)
+        r = real_route(*t)
+        return _torch_ops.EAGER if r and not _torch_ops.intercepted() else r
+
+    def ffi_fails(*a):
+        raise RuntimeError("no DLPack export of meta tensors")
+
+    monkeypatch.setattr(_torch_ops, "route", route)
+    monkeypatch.setattr(_torch_ops, "eager_possible", lambda q: True)
+    monkeypatch.setattr(_torch_ops, "_ffi_dense_decode", ffi_fails)
+    q, k, bt, sl = dense()
+    sched = flash_mla.get_mla_metadata()[0]
+    run_dense(q, k, bt, sl, sched)
+    assert sched._reuse is not None and sched._reuse[9] is True  # (the eager flag)
+    out, lse = run_dense(q, k, bt, sl, sched)
+    assert len(routed) == 1 and out.shape == (2, 1, 16, 512)
+    mode = SeenOps()
+    with mode:
+        run_dense(q, k, bt, sl, sched)
+    assert len(routed) == 2 and mode.seen == ["dense_decode_fwd_scheduled"]
+    assert sched._reuse is None  # (the op taken because of the mode: not recorded, the next call routes again)
+    run_dense(q, k, bt, sl, sched)
+    assert len(routed) == 3 and sched._reuse[9] is True
+    run_dense(q, k, bt, sl, sched)
+    assert len(routed) == 3
