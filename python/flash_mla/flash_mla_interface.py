@@ -266,8 +266,8 @@ def flash_mla_with_kvcache(
         rec = tile_scheduler_metadata._reuse
         if rec is not None and num_splits is None and not _torch_ops._is_compiling():
             # Fast path: a torch call that repeats the last call made with this FlashMLASchedMeta -- the layers
-            # of one decoding step. `rec` (`_reuse_record`, made by the full path below after a call that left a
-            # schedule to reuse) holds what that call established; each check here stands for one of the full
+            # of one decoding step. `rec` (`_reuse_record`, made by the full path below after a call that reused
+            # the schedule) holds what that call established; each check here stands for one of the full
             # path (argument types, shapes and flags, hence the config; the scheduler object's fields; the
             # length tensors, their versions and the device, hence the schedule key; no capture), so a call that
             # passes them runs the op that the full path would run, with the same arguments, and raises the same
@@ -521,17 +521,20 @@ def flash_mla_with_kvcache(
         sched.tile_scheduler_metadata = tsm
         sched.num_splits = splits
         sched._gpu_key = gpu_key
-    # (a torch.ops call is recorded only where the eager route is out of the question: one that took the op
-    # because a mode or a subclass intercepted it must not send the next plain call to the op)
+    # Recorded for the fast path: a torch call that reused the schedule (so a second call repeating the first
+    # records, and calls that never reuse -- new length tensors each time -- pay nothing for it). A torch.ops
+    # call only where the eager route is out of the question: one that took the op because a mode or a subclass
+    # intercepted it must not send the next plain call to the op.
     sched._reuse = (_reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager)
-                    if use_torch and gpu_key is not None and extra_k_cache is None
+                    if reuse and use_torch and gpu_key is not None and extra_k_cache is None
                     and (eager or not _torch_ops.eager_possible(q)) else None)
     return out, lse
 
 
 def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager):
-    """What the fast path of :func:`flash_mla_with_kvcache` needs to repeat a torch call that left ``sched`` with
-    a schedule to reuse (its schedule key ``sched._gpu_key`` outside a CUDA-graph capture), or None.
+    """What the fast path of :func:`flash_mla_with_kvcache` needs to repeat a torch call that reused the schedule
+    of ``sched`` (its schedule key ``sched._gpu_key``, outside a CUDA-graph capture, on the current device), or
+    None.
 
     ``(torch.Tensor, (q.shape, k_cache.shape, indices.shape or None), (causal, is_fp8_kvcache), (length tensor,
     its version) of the key, q's device index, tile_scheduler_metadata, num_splits, the default softmax scale,
@@ -541,6 +544,8 @@ def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eage
     tensor = _torch_ops._Tensor
     if key is None or key[1] != 0 or type(tsm) is not tensor or (indices is not None and key[4] is not None):
         return None  # (in a capture, a schedule from another framework, extra_topk_length given: the full path)
+    if key[0] >= 0 and key[0] != _torch_ops._cuda_current_device():
+        return None  # (q on another device than the current one: the fast path checks the current one only)
     if indices is None:
         run = _torch_ops.eager_dense_decode_fwd if eager else _torch_ops._ops.dense_decode_fwd_scheduled
     else:

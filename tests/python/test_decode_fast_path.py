@@ -85,17 +85,27 @@ def run_sparse(q, k, idx, tl, sched, **kw):
                                             topk_length=tl, **kw)
 
 
+def warm(run, *args):
+    """A FlashMLASchedMeta after a call that computed its schedule and one that reused it (the second records)."""
+    sched = flash_mla.get_mla_metadata()[0]
+    run(*args, sched)
+    assert sched._reuse is None  # (a computing call records nothing)
+    run(*args, sched)
+    assert sched._reuse is not None
+    return sched
+
+
 def test_repeated_dense_call_takes_the_fast_path(full_path_calls):
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
+    sched = warm(run_dense, q, k, bt, sl)
     first = run_dense(q, k, bt, sl, sched)
-    assert sched._reuse is not None and len(full_path_calls) == 1
+    assert len(full_path_calls) == 2
     tsm = sched.tile_scheduler_metadata
     mode = SeenOps()
     with mode:  # (a dispatch mode sees the op of a fast call too)
         for _ in range(3):  # the layers of one decoding step: new q each, same lengths
             out, lse = run_dense(torch.zeros_like(q), k, bt, sl, sched)
-    assert len(full_path_calls) == 1 and mode.seen == ["dense_decode_fwd_scheduled"] * 3
+    assert len(full_path_calls) == 2 and mode.seen == ["dense_decode_fwd_scheduled"] * 3
     assert type((out, lse)) is type(first) and out.shape == first[0].shape and lse.shape == first[1].shape
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert sched.tile_scheduler_metadata is tsm
@@ -104,8 +114,7 @@ def test_repeated_dense_call_takes_the_fast_path(full_path_calls):
 def test_repeated_sparse_call_takes_the_fast_path(full_path_calls):
     for tl_given in (False, True):
         q, k, idx, tl = sparse(topk_length=tl_given)
-        sched = flash_mla.get_mla_metadata()[0]
-        run_sparse(q, k, idx, tl, sched)
+        sched = warm(run_sparse, q, k, idx, tl)
         n = len(full_path_calls)
         mode = SeenOps()
         with mode:
@@ -118,8 +127,7 @@ def test_repeated_sparse_call_takes_the_fast_path(full_path_calls):
 def test_changes_take_the_full_path(full_path_calls):
     """Each change the full path would see takes it: with its result (a recomputed schedule) or its error."""
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
+    sched = warm(run_dense, q, k, bt, sl)
 
     def full(fn):
         n = len(full_path_calls)
@@ -132,13 +140,14 @@ def test_changes_take_the_full_path(full_path_calls):
     sl.add_(1)  # a write through torch: new version, the schedule is recomputed (then reused again)
     assert full(lambda: run_dense(q, k, bt, sl, sched)) == ["dense_decode_fwd"]
     assert full(lambda: run_dense(q, k, bt, sl.clone(), sched)) == ["dense_decode_fwd"]  # another length tensor
+    assert sched._reuse is None
     sl2 = sched._gpu_key[2]
     assert full(lambda: run_dense(q, dense(blocks=8)[1], bt, sl2, sched)) == ["dense_decode_fwd_scheduled"]
     assert full(lambda: run_dense(q, k, bt, sl2, sched)) == ["dense_decode_fwd_scheduled"]  # (k's shape again)
     assert full(lambda: run_dense(q.as_subclass(MyTensor), k, bt, sl2, sched)) == ["dense_decode_fwd_scheduled"]
     sched.tile_scheduler_metadata = sched.tile_scheduler_metadata.clone()  # the scheduler object's fields
     assert full(lambda: run_dense(q, k, bt, sl2, sched)) == ["dense_decode_fwd_scheduled"]
-    assert run_dense(q, k, bt, sl2, sched) and len(full_path_calls) == 7  # (recorded again: fast)
+    assert run_dense(q, k, bt, sl2, sched) and len(full_path_calls) == 8  # (recorded again: fast)
     # the full path's errors
     with pytest.raises(SchedMetaMismatchError, match="config.b"):
         full(lambda: run_dense(*dense(b=3), sched))
@@ -156,8 +165,7 @@ def test_changes_take_the_full_path(full_path_calls):
 
 def test_fast_path_argument_errors_are_the_full_paths():
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
+    sched = warm(run_dense, q, k, bt, sl)
     fresh = lambda: flash_mla.get_mla_metadata()[0]  # noqa: E731  (a first call: the full path)
     for kw, exc, match in ((dict(softmax_scale=float("nan")), ValueError, "softmax_scale: must be finite"),
                            (dict(softmax_scale="0.1"), TypeError, "softmax_scale: expected a float"),
@@ -185,8 +193,7 @@ def test_fast_path_maps_the_op_library_errors():
     """The op library's "[flash_mla:<Class>]" RuntimeErrors come out as that class on the fast path, as `call`
     maps them on the full path; other RuntimeErrors pass unchanged."""
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
+    sched = warm(run_dense, q, k, bt, sl)
 
     def raising(msg):
         def run(*a):
@@ -211,19 +218,19 @@ def test_cpu_calls_never_record():
     sl.fill_(64)
     sched = flash_mla.get_mla_metadata()[0]
     run_dense(q, k, bt, sl, sched)
+    run_dense(q, k, bt, sl, sched)
     assert sched._reuse is None  # (the CPU branch compares the lengths' values on every call)
 
 
 def test_meta_record_is_not_taken_by_cpu_tensors(full_path_calls):
     """q.get_device() is -1 on the CPU as on the meta device: a CPU call never takes a meta call's record."""
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
+    sched = warm(run_dense, q, k, bt, sl)
     qc, kc, btc, _ = dense(device=torch.device("cpu"))
     slc = torch.full((2,), 64, dtype=torch.int32)
     sched._reuse = sched._reuse[:3] + ((slc, slc._version),) + sched._reuse[4:]  # even with the same lengths
     out, _ = run_dense(qc, kc, btc, slc, sched)
-    assert len(full_path_calls) == 2 and out.device.type == "cpu"
+    assert len(full_path_calls) == 3 and out.device.type == "cpu"
 
 
 def test_compile_never_takes_the_fast_path():
@@ -231,9 +238,7 @@ def test_compile_never_takes_the_fast_path():
     schedule (the full path under torch.compile never reuses), in one graph."""
     torch._dynamo.reset()
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
-    assert sched._reuse is not None
+    sched = warm(run_dense, q, k, bt, sl)
     graphs = []
 
     def backend(gm, example_inputs):
@@ -266,17 +271,16 @@ def test_eager_record_defers_to_the_full_path_under_a_mode(monkeypatch):
     monkeypatch.setattr(_torch_ops, "eager_possible", lambda q: True)
     monkeypatch.setattr(_torch_ops, "_ffi_dense_decode", ffi_fails)
     q, k, bt, sl = dense()
-    sched = flash_mla.get_mla_metadata()[0]
-    run_dense(q, k, bt, sl, sched)
-    assert sched._reuse is not None and sched._reuse[9] is True  # (the eager flag)
+    sched = warm(run_dense, q, k, bt, sl)
+    assert sched._reuse[9] is True  # (the eager flag)
     out, lse = run_dense(q, k, bt, sl, sched)
-    assert len(routed) == 1 and out.shape == (2, 1, 16, 512)
+    assert len(routed) == 2 and out.shape == (2, 1, 16, 512)
     mode = SeenOps()
     with mode:
         run_dense(q, k, bt, sl, sched)
-    assert len(routed) == 2 and mode.seen == ["dense_decode_fwd_scheduled"]
+    assert len(routed) == 3 and mode.seen == ["dense_decode_fwd_scheduled"]
     assert sched._reuse is None  # (the op taken because of the mode: not recorded, the next call routes again)
     run_dense(q, k, bt, sl, sched)
-    assert len(routed) == 3 and sched._reuse[9] is True
+    assert len(routed) == 4 and sched._reuse[9] is True
     run_dense(q, k, bt, sl, sched)
-    assert len(routed) == 3
+    assert len(routed) == 4
