@@ -106,7 +106,8 @@ class FlashMLASchedMeta:
     _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False, init=False)
     _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
     _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
-    # What the fast path of flash_mla_with_kvcache needs to repeat the last torch call on a device (_reuse_record).
+    # What the fast path of flash_mla_with_kvcache needs to repeat the last torch call that reused the schedule on
+    # a device (_reuse_record), or None.
     _reuse: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
 
 
