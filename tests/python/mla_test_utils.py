@@ -113,7 +113,8 @@ def assert_same(a_list, b_list) -> None:
 
 @pytest.fixture
 def count_torch_calls(monkeypatch):
-    """Records the calls that go through torch.ops.flash_mla (via flash_mla._torch_ops.call).
+    """Records the calls that go through torch.ops.flash_mla (via flash_mla._torch_ops.call; the fast path of
+    flash_mla_with_kvcache, device tensors only, calls the reusing op directly and is not counted).
     Import it into a test module to use it there."""
     from flash_mla import _torch_ops
 
