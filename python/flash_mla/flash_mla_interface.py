@@ -581,13 +581,27 @@ def flash_mla_sparse_fwd(
     booleans included); ``ValueError`` for a NaN / infinite ``sm_scale``, wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
     last dimension.
     """
-    if not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
+    tensor = _torch_ops._Tensor  # (None until the op library is loaded)
+    plain = (type(q) is tensor and type(kv) is tensor and type(indices) is tensor
+             and (attn_sink is None or type(attn_sink) is tensor) and (topk_length is None or type(topk_length) is tensor))
+    if not plain and not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
         _require_tensors(q=q, kv=kv, indices=indices)  # raises, naming the argument
     if type(sm_scale) is not float or not _isfinite(sm_scale):
         sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
     if type(d_v) is not int:
         d_v = _int_arg("d_v", d_v)
-    if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
+    if plain and not _torch_ops._is_compiling():
+        # Plain torch tensors, eager (what _torch_ops.handles answers PLAIN for): the op's C function at once (the
+        # one OpOverload.__call__ calls; the op checks everything else), its errors mapped as _torch_ops.call does.
+        try:
+            return list(_torch_ops._ops.sparse_prefill_fwd._op(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                                topk_length))
+        except RuntimeError as e:
+            mapped = _torch_ops.mapped_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+    if plain or _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
         return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
     if _ffi.framework_of(q) == "jax" and _jax_use_xla(q, kv=kv, indices=indices, attn_sink=attn_sink,
                                                        topk_length=topk_length):  # XLA custom call (works under jax.jit): _jax.py
