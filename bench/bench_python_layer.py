@@ -133,12 +133,12 @@ def torch_cases(torch, flash_mla, device: str, stub: bool, anchor_cuda=None):
 
 
 class EagerEmulation:
-    """Context in which flash_mla_with_kvcache on CPU torch tensors takes the eager route of CUDA tensors
+    """Context in which flash_mla_with_kvcache on meta torch tensors takes the eager route of CUDA tensors
     (docs/host-path.md) with the TVM-FFI function stubbed: ``_torch_ops.route`` answers EAGER wherever the real
     one answers torch (its cost included, less the interception checks that only CUDA calls reach, ~0.3 us
-    here), and the TVM-FFI decode functions return the array of one real call made with the schedule given
-    (so the two elements a reusing call takes are still converted to torch tensors). What the Python layer of
-    an eager CUDA call costs, on a machine without a GPU."""
+    here), and the TVM-FFI decode functions return the array of one real call on CPU tensors made with the
+    schedule given (so the two elements a reusing call takes are still converted to torch tensors). What the
+    Python layer of an eager CUDA call costs, on a machine without a GPU."""
 
     def __init__(self, torch, flash_mla):
         from flash_mla import _torch_ops
@@ -169,6 +169,9 @@ class EagerEmulation:
         self.sparse_arr = ops._ffi_sparse_decode(qs, ks, idx, None, None, tsm, ns, None, None, None, 512, scale)
         sd, ss = flash_mla.get_mla_metadata()[0], flash_mla.get_mla_metadata()[0]
         fwk = flash_mla.flash_mla_with_kvcache
+        # The calls on meta tensors (the CPU branch copies the lengths to the host, which a CUDA call never does;
+        # meta tensors take the device branch, schedule key and fast path included, as CUDA ones do).
+        q, k, bt, sl, qs, ks, idx = (t.to("meta") for t in (q, k, bt, sl, qs, ks, idx))
         return [
             ("flash_mla_with_kvcache dense", lambda: fwk(q, k, bt, sl, 512, sd, None, None)),
             ("flash_mla_with_kvcache sparse fp8",

@@ -7,6 +7,8 @@ Subcommands (each prints a table and, with --json, writes it):
                     each way in with the schedule reused as the public API reuses it:
                       api            flash_mla.flash_mla_with_kvcache (public API, FlashMLASchedMeta reused)
                       api-gc-off     the same with Python's garbage collector off
+                      api-full-path  the same without the fast path (no record made: what a call that does not
+                                     repeat the previous one with its FlashMLASchedMeta costs, less the record)
                       python-layer   the public API with the native call replaced by a stub returning outputs
                                      made once (Python alone, on real CUDA tensors: torch.cuda queries included;
                                      on the eager route the TVM-FFI function is stubbed, its array's elements
@@ -111,10 +113,19 @@ def stubbed_layer_row(rows, name, c, sync, args, owner, attr: str, outputs: dict
         setattr(stub, op, lambda *a, _r=result: _r)
     real = getattr(owner, attr)
     setattr(owner, attr, stub)
+    forget_reuse(c)  # (our fast path holds the op it calls: made again from the stub, and again after)
     try:
         try_row(rows, f"{name} | python-layer (op stubbed)", c["api"], sync, args.calls, args.rounds)
     finally:
         setattr(owner, attr, real)
+        forget_reuse(c)
+
+
+def forget_reuse(c) -> None:
+    """Drop what our FlashMLASchedMeta holds for the fast path of a repeated call (``_reuse``: the op it calls
+    among others), so that the next call takes the full path and records again (FlashMLA's has none)."""
+    if hasattr(c["sched"], "_reuse"):
+        c["sched"]._reuse = None
 
 
 def make_case(torch, flash_mla, params: dict, g):
@@ -223,6 +234,15 @@ def cmd_layers(args) -> dict:
         scheduled = getattr(ops, opname + "_scheduled", None)  # what a reusing public call runs
         a_meta, a_none = c["op_args_meta"], c["op_args_nometa"]
         api_rows(rows, name, c, sync, args)
+        if hasattr(c["sched"], "_reuse"):  # the same call without the fast path (no record made)
+            interface = sys.modules["flash_mla.flash_mla_interface"]
+            real_record = interface._reuse_record
+            interface._reuse_record = lambda *a: None
+            forget_reuse(c)
+            try:
+                try_row(rows, f"{name} | api-full-path", c["api"], sync, args.calls, args.rounds)
+            finally:
+                interface._reuse_record = real_record
         if first_api is None:
             first_api = (name, c)
         # Python alone: the native call replaced by a stub returning fixed outputs. On the eager route (plain CUDA

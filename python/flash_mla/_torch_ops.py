@@ -135,8 +135,10 @@ class _Ops:
 
 def _bind(torch: Any) -> None:
     global _torch, _Tensor, _ops, _cuda_current_device, _cuda_capturing
+    global _is_compiling
     _ops = _Ops(torch)
     _torch, _Tensor = torch, torch.Tensor
+    _is_compiling = torch.compiler.is_compiling
     # (torch.cuda.current_device() is _lazy_init() + this; a CUDA tensor in hand means CUDA is initialised)
     _cuda_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
     _cuda_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
@@ -147,7 +149,7 @@ def _bind_eager(torch: Any) -> None:
     """Bind what the EAGER route (module docstring) needs, once; the route stays off without CUDA kernels in
     this build (both routes would raise the same NotImplementedError), where this torch or tvm_ffi lacks one
     of the functions below, or unless FLASHMLA_EAGER_TVM_FFI=1 asks for it."""
-    global _eager_route, _is_compiling, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
+    global _eager_route, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
     global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
     global _ffi_item
     _eager_route = False
@@ -157,7 +159,6 @@ def _bind_eager(torch: Any) -> None:
 
         from . import _ffi
 
-        _is_compiling = torch.compiler.is_compiling
         _dispatch_stack_len = torch._C._len_torch_dispatch_stack  # TorchDispatchModes, infra modes included
         _function_mode_enabled = torch._C._is_torch_function_mode_enabled
         _function_stack_len = torch._C._len_torch_function_stack
@@ -258,13 +259,24 @@ def route(*tensors: Any) -> int:
     return EAGER
 
 
+def eager_possible(q: Any) -> bool:
+    """True when a decode call with this q may take the EAGER route: the route on in this process and q on CUDA."""
+    return _eager_route and q.is_cuda
+
+
 def intercepted() -> bool:
     """True when something may intercept a torch op called here: torch.compile tracing, a TorchDispatchMode
     (FakeTensorMode, ProxyTorchDispatchMode and other infra modes included), a TorchFunctionMode other than
     the DeviceContext of ``torch.set_default_device`` / ``with torch.device(...)`` (it changes the device of
     factory functions only), or a functorch transform (vmap, grad, functionalize). C-level queries of torch's
     thread-local state, bound once; under torch.compile the first one is a constant of the trace."""
-    if _is_compiling() or _dispatch_stack_len() or _functorch_interpreter() is not None:
+    return _is_compiling() or mode_active()
+
+
+def mode_active() -> bool:
+    """:func:`intercepted` less its torch.compile check (for callers that made it already): a dispatch mode, a
+    torch-function mode other than a DeviceContext, or a functorch transform is active."""
+    if _dispatch_stack_len() or _functorch_interpreter() is not None:
         return True
     if _function_mode_enabled():
         for i in range(_function_stack_len()):
@@ -320,18 +332,27 @@ def call(op: Any, *args: Any) -> Any:
     try:
         return op(*args)
     except RuntimeError as e:
-        msg = str(e)
-        m = _PREFIX.search(msg)
-        if m is None:
+        mapped = mapped_error(e)
+        if mapped is None:
             raise
-        cls = _ERROR_CLASSES.get(m.group(1), RuntimeError)
-        text = msg[m.end():]
-        # torch may append a C++ backtrace / "Exception raised from" trailer; keep the message line(s).
-        for marker in ("\nException raised from", "\nFrame "):
-            cut = text.find(marker)
-            if cut >= 0:
-                text = text[:cut]
-        raise cls(text.rstrip()) from None
+        raise mapped from None
+
+
+def mapped_error(e: RuntimeError) -> Optional[Exception]:
+    """The exception that a ``[flash_mla:<Class>] message`` RuntimeError of the op library stands for (that class,
+    the plain message), or None for any other RuntimeError."""
+    msg = str(e)
+    m = _PREFIX.search(msg)
+    if m is None:
+        return None
+    cls = _ERROR_CLASSES.get(m.group(1), RuntimeError)
+    text = msg[m.end():]
+    # torch may append a C++ backtrace / "Exception raised from" trailer; keep the message line(s).
+    for marker in ("\nException raised from", "\nFrame "):
+        cut = text.find(marker)
+        if cut >= 0:
+            text = text[:cut]
+    return cls(text.rstrip())
 
 
 def host_copy(x: Any):

@@ -106,6 +106,9 @@ class FlashMLASchedMeta:
     _presence: Optional[Tuple[bool, bool]] = dataclasses.field(default=None, repr=False, init=False)
     _gpu_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
     _config_key: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
+    # What the fast path of flash_mla_with_kvcache needs to repeat the last torch call that reused the schedule on
+    # a device (_reuse_record), or None.
+    _reuse: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
@@ -260,7 +263,57 @@ def flash_mla_with_kvcache(
     with other shapes, flags or lengths. The checks FlashMLA makes with ``assert`` raise exceptions
     that are also ``AssertionError`` (module docstring).
     """
-    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+    if type(tile_scheduler_metadata) is FlashMLASchedMeta:
+        rec = tile_scheduler_metadata._reuse
+        if rec is not None and num_splits is None and not _torch_ops._is_compiling():
+            # Fast path: a torch call that repeats the last call made with this FlashMLASchedMeta -- the layers
+            # of one decoding step. `rec` (`_reuse_record`, made by the full path below after a call that reused
+            # the schedule) holds what that call established; each check here stands for one of the full
+            # path (argument types, shapes and flags, hence the config; the scheduler object's fields; the
+            # length tensors, their versions and the device, hence the schedule key; no capture), so a call that
+            # passes them runs the op that the full path would run, with the same arguments, and raises the same
+            # errors. Anything else (and torch.compile, checked above) takes the full path.
+            tensor, shapes, flags, lengths, dev, tsm, splits, default_scale, run, eager = rec
+            if indices is None:  # dense decode: no sparse-only argument, block_table and cache_seqlens tensors
+                hit = (type(q) is tensor and type(k_cache) is tensor and type(block_table) is tensor
+                       and cache_seqlens is lengths[0] and cache_seqlens._version == lengths[1]
+                       and attn_sink is None and extra_k_cache is None and extra_indices_in_kvcache is None
+                       and topk_length is None and extra_topk_length is None
+                       and (q.shape, k_cache.shape, None) == shapes)
+            else:  # sparse decode without the extra cache
+                hit = (type(q) is tensor and type(k_cache) is tensor and type(indices) is tensor
+                       and topk_length is lengths[0] and (topk_length is None or topk_length._version == lengths[1])
+                       and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None
+                       and (attn_sink is None or type(attn_sink) is tensor)
+                       and (block_table is None or type(block_table) is tensor)
+                       and (cache_seqlens is None or type(cache_seqlens) is tensor)
+                       and (q.shape, k_cache.shape, indices.shape) == shapes)
+            if (hit and causal is flags[0] and is_fp8_kvcache is flags[1]
+                    and tile_scheduler_metadata.tile_scheduler_metadata is tsm
+                    and tile_scheduler_metadata.num_splits is splits and tile_scheduler_metadata.have_initialized
+                    and q.get_device() == dev
+                    # (a CUDA device: the current one and no capture; -1: torch's meta device, never the CPU)
+                    and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev if dev >= 0
+                         else not q.is_cpu)
+                    and not (eager and _torch_ops.mode_active())):  # (the eager route: nothing may intercept)
+                if type(head_dim_v) is not int:  # (the full path's checks of the two scalars, in its order)
+                    head_dim_v = _int_arg("head_dim_v", head_dim_v)
+                if softmax_scale is None:
+                    softmax_scale = default_scale
+                elif type(softmax_scale) is not float or not _isfinite(softmax_scale):
+                    softmax_scale = _float_arg("softmax_scale", softmax_scale)
+                try:
+                    if indices is None:
+                        return run(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal, tsm,
+                                   splits)
+                    return run(q, k_cache, indices, topk_length, attn_sink, tsm, splits, None, None, None,
+                               head_dim_v, softmax_scale)
+                except RuntimeError as e:  # the op library's "[flash_mla:<Class>]" errors as that class
+                    mapped = _torch_ops.mapped_error(e)
+                    if mapped is None:
+                        raise
+                    raise mapped from None
+    elif not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         raise _AssertTypeError(
             "tile_scheduler_metadata: expected the FlashMLASchedMeta returned by get_mla_metadata(), "
             f"got {type(tile_scheduler_metadata).__name__}"
@@ -469,7 +522,38 @@ def flash_mla_with_kvcache(
         sched.tile_scheduler_metadata = tsm
         sched.num_splits = splits
         sched._gpu_key = gpu_key
+    # Recorded for the fast path: a torch call that reused the schedule (so a second call repeating the first
+    # records, and calls that never reuse -- new length tensors each time -- pay nothing for it). A torch.ops
+    # call only where the eager route is out of the question: one that took the op because a mode or a subclass
+    # intercepted it must not send the next plain call to the op.
+    sched._reuse = (_reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager)
+                    if reuse and use_torch and gpu_key is not None and extra_k_cache is None
+                    and (eager or not _torch_ops.eager_possible(q)) else None)
     return out, lse
+
+
+def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager):
+    """What the fast path of :func:`flash_mla_with_kvcache` needs to repeat a torch call that reused the schedule
+    of ``sched`` (its schedule key ``sched._gpu_key``, outside a CUDA-graph capture, on the current device), or
+    None.
+
+    ``(torch.Tensor, (q.shape, k_cache.shape, indices.shape or None), (causal, is_fp8_kvcache), (length tensor,
+    its version) of the key, q's device index, tile_scheduler_metadata, num_splits, the default softmax scale,
+    the function that runs a reusing call, whether that is the eager TVM-FFI route)``. The reusing call's op is
+    called without OpOverload's Python frame (``OpOverload.__call__`` is ``self._op(*args)``)."""
+    key, tsm = sched._gpu_key, sched.tile_scheduler_metadata
+    tensor = _torch_ops._Tensor
+    if key is None or key[1] != 0 or type(tsm) is not tensor or (indices is not None and key[4] is not None):
+        return None  # (in a capture, a schedule from another framework, extra_topk_length given: the full path)
+    if key[0] >= 0 and key[0] != _torch_ops._cuda_current_device():
+        return None  # (q on another device than the current one: the fast path checks the current one only)
+    if indices is None:
+        run = _torch_ops.eager_dense_decode_fwd if eager else _torch_ops._ops.dense_decode_fwd_scheduled
+    else:
+        run = _torch_ops.eager_sparse_decode_fwd if eager else _torch_ops._ops.sparse_decode_fwd_scheduled
+    return (tensor, (q_shape, k_shape, None if indices is None else indices.shape), (causal, is_fp8_kvcache),
+            key[2:4], key[0], tsm, sched.num_splits, _default_softmax_scale(q_shape[3]), getattr(run, "_op", run),
+            eager)
 
 
 def flash_mla_sparse_fwd(
@@ -497,13 +581,27 @@ def flash_mla_sparse_fwd(
     booleans included); ``ValueError`` for a NaN / infinite ``sm_scale``, wrong shapes, ``d_v`` other than 512, tensors on different devices or a non-contiguous
     last dimension.
     """
-    if not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
+    tensor = _torch_ops._Tensor  # (None until the op library is loaded)
+    plain = (type(q) is tensor and type(kv) is tensor and type(indices) is tensor
+             and (attn_sink is None or type(attn_sink) is tensor) and (topk_length is None or type(topk_length) is tensor))
+    if not plain and not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
         _require_tensors(q=q, kv=kv, indices=indices)  # raises, naming the argument
     if type(sm_scale) is not float or not _isfinite(sm_scale):
         sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
     if type(d_v) is not int:
         d_v = _int_arg("d_v", d_v)
-    if _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
+    if plain and not _torch_ops._is_compiling():
+        # Plain torch tensors, eager (what _torch_ops.handles answers PLAIN for): the op's C function at once (the
+        # one OpOverload.__call__ calls; the op checks everything else), its errors mapped as _torch_ops.call does.
+        try:
+            return list(_torch_ops._ops.sparse_prefill_fwd._op(q, kv, indices, sm_scale, d_v, attn_sink,
+                                                                topk_length))
+        except RuntimeError as e:
+            mapped = _torch_ops.mapped_error(e)
+            if mapped is None:
+                raise
+            raise mapped from None
+    if plain or _torch_ops.handles(q, kv, indices, attn_sink, topk_length):
         return list(_torch_ops.sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length))
     if _ffi.framework_of(q) == "jax" and _jax_use_xla(q, kv=kv, indices=indices, attn_sink=attn_sink,
                                                        topk_length=topk_length):  # XLA custom call (works under jax.jit): _jax.py

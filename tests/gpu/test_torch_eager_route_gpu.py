@@ -109,6 +109,30 @@ def test_profiler_sees_no_flash_mla_op_in_eager_calls():
     assert any("flash_mla::dense_decode_fwd" in e.name for e in prof.events())
 
 
+def test_repeated_eager_calls_take_the_fast_path(count_torch_calls, monkeypatch):
+    """flash_mla_with_kvcache's fast path on the eager route: the calls repeating one that reused the schedule call
+    the eager function straight away (no route(), no op), same bits; under a dispatch mode the full path gives the
+    mode the op."""
+    cpu, cu = dense_inputs()
+    sched = flash_mla.get_mla_metadata()[0]
+    out1, lse1 = dense_t.run(*cu, False, sched)
+    dense_t.run(*cu, False, sched)  # reuses: recorded
+    assert sched._reuse is not None and sched._reuse[9] is True  # (the eager route's record)
+    routed = []
+    real = _torch_ops.route
+    monkeypatch.setattr(_torch_ops, "route", lambda *t: routed.append(1) or real(*t))
+    for _ in range(3):
+        out, lse = dense_t.run(*cu, False, sched)
+        assert same_bits(out, out1) and same_bits(lse, lse1)
+    assert routed == [] and decode_calls(count_torch_calls) == []
+    dense_t.compare(*cpu, False, out, lse)
+    mode = PassThroughDispatch()
+    with mode:
+        out_op, _ = dense_t.run(*cu, False, sched)
+    assert routed == [1] and "flash_mla.dense_decode_fwd_scheduled.default" in mode.seen
+    assert same_bits(out_op, out1)
+
+
 def test_subclass_takes_the_op(count_torch_calls):
     cpu, (q, k, bt, ln) = dense_inputs()
     out, lse = dense_t.run(q.as_subclass(MyTensor), k, bt, ln, False)

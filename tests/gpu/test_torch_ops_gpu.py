@@ -76,6 +76,67 @@ def test_public_functions_use_torch_ops_on_cuda(count_torch_calls):
             "flash_mla.sparse_prefill_fwd.default"} <= set(count_torch_calls)
 
 
+def _count_full_path(monkeypatch):
+    """Counts the public decode calls that take the full path of flash_mla_with_kvcache (each asks route())."""
+    calls = []
+    real = _torch_ops.route
+    monkeypatch.setattr(_torch_ops, "route", lambda *t: calls.append(1) or real(*t))
+    return calls
+
+
+def test_repeated_calls_take_the_fast_path_on_cuda(monkeypatch):
+    """flash_mla_with_kvcache's fast path (docs/host-path.md) on CUDA: once a call has reused the schedule of a
+    FlashMLASchedMeta, the calls repeating it run the reusing op straight away -- the same bits, the schedule
+    kept; a CUDA-graph capture, a length write and another current device take the full path."""
+    cpu, (q, k, bt, ln) = dense_inputs()
+    sched = flash_mla.get_mla_metadata()[0]
+    out1, lse1 = dense_t.run(q, k, bt, ln, False, sched)  # computes the schedule
+    dense_t.run(q, k, bt, ln, False, sched)  # reuses it: recorded
+    tsm = sched.tile_scheduler_metadata
+    assert sched._reuse is not None
+    full = _count_full_path(monkeypatch)
+    for _ in range(3):
+        out, lse = dense_t.run(q, k, bt, ln, False, sched)
+        assert torch.equal(out.view(torch.int16), out1.view(torch.int16)) and torch.equal(lse, lse1)
+    assert full == [] and sched.tile_scheduler_metadata is tsm
+    dense_t.compare(*cpu, False, out, lse)
+    # inside a capture: the full path, which recomputes the schedule inside it
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g, lse_g = dense_t.run(q, k, bt, ln, False, sched)
+    assert full == [1] and sched.tile_scheduler_metadata is not tsm
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_g.view(torch.int16), out1.view(torch.int16)) and torch.equal(lse_g, lse1)
+    dense_t.run(q, k, bt, ln, False, sched)  # recomputed outside the capture
+    dense_t.run(q, k, bt, ln, False, sched)  # reused: recorded
+    assert len(full) == 3
+    new = torch.tensor([1, 0, 2000, 77], dtype=torch.int32)  # within each request's pages
+    ln.copy_(new)  # a write through torch: the full path recomputes
+    out, lse = dense_t.run(q, k, bt, ln, False, sched)
+    assert len(full) == 4
+    dense_t.compare(cpu[0], cpu[1], cpu[2], new, False, out, lse)
+    if torch.cuda.device_count() > 1:  # q on the current device only: another current device takes the full path
+        dense_t.run(q, k, bt, ln, False, sched)
+        with torch.cuda.device(1):
+            out, lse = dense_t.run(q, k, bt, ln, False, sched)
+        assert len(full) == 6
+        dense_t.compare(cpu[0], cpu[1], cpu[2], new, False, out, lse)
+    # sparse decode (no extra cache): the same
+    c = sparse_t.Case(11, b=4, s_q=2, h_q=64, d_qk=576, main=(600, 256, 64), topk_len=True,
+                      poison_beyond_length=False)
+    sq, sk, kw = c.args("cuda")
+    sched = flash_mla.get_mla_metadata()[0]
+    sparse_t.run_sparse(sq, sk, kw, sched)
+    sout1, slse1 = sparse_t.run_sparse(sq, sk, kw, sched)
+    n = len(full)
+    sout, slse = sparse_t.run_sparse(sq, sk, kw, sched)
+    assert len(full) == n and sched._reuse is not None
+    assert torch.equal(sout.view(torch.int16), sout1.view(torch.int16)) and torch.equal(slse, slse1)
+    sparse_t.compare(sout, slse, *sparse_t.reference(c))
+
+
 def test_flash_mla_cuda_module_on_cuda():
     """flash_mla.cuda (spec §1.1) on CUDA tensors: same values as the public functions (values of
     both checked against the CPU reference above), metadata returned and accepted back; a CUDA q

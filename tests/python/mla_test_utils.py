@@ -113,18 +113,31 @@ def assert_same(a_list, b_list) -> None:
 
 @pytest.fixture
 def count_torch_calls(monkeypatch):
-    """Records the calls that go through torch.ops.flash_mla (via flash_mla._torch_ops.call).
-    Import it into a test module to use it there."""
+    """Records the calls of the public functions that reach torch.ops.flash_mla: each OpOverload's C function
+    (``_op``, which ``OpOverload.__call__`` calls and the fast paths call directly) wrapped by a spy recording the
+    overload's name, once per outer call (a tensor subclass's ``__torch_function__`` calls the op again from
+    inside). Import it into a test module to use it there."""
     from flash_mla import _torch_ops
 
     calls = []
-    real = _torch_ops.call
+    if not _torch_ops.available():
+        return calls
+    ops = _torch_ops._ops
+    depth = [0]
+    for name in vars(ops):
+        overload = getattr(ops, name)
+        real, label = overload._op, str(overload)
 
-    def spy(op, *args):
-        calls.append(str(op))
-        return real(op, *args)
+        def spy(*args, _real=real, _label=label, **kwargs):
+            if depth[0] == 0:
+                calls.append(_label)
+            depth[0] += 1
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
-    monkeypatch.setattr(_torch_ops, "call", spy)
+        monkeypatch.setattr(overload, "_op", spy)
     return calls
 
 
