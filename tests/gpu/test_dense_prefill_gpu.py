@@ -17,7 +17,8 @@
    bf16 and fp16, GQA, both head-dim pairs, packed variants, is_varlen=False, NaN propagation.
 3. NaN / inf in keys of the causal diagonal block that the first rows do not see (k, v or both; s_q 7 / 63 /
    129 / 200, s_k = s_q .. s_q + 70): out, lse, dq, dk, dv as the reference, and the other rows bit-identical
-   to a run with finite values there.
+   to a run with finite values there. Likewise NaN / inf in every key of the next request (the rows past a
+   request's end that its last key block reads).
 
 Outputs are poisoned the only way the op's own allocations can be: a NaN-filled block is freed
 into torch's caching allocator right before each call, so the op's outputs come out of it;
@@ -324,12 +325,6 @@ def nonfinite_checked(name, ans, ref, nan_only):
     return ans.masked_fill(bad_a, 0), ref.to(ans.device).masked_fill(bad_r, 0)
 
 
-# Known defect of the sm90 kernels (H200, 2026-12-03: all 96 cases fail; docs/dense-prefill.md): a non-finite
-# value in k or v of a key that some rows of a tile do not see still reaches those rows through the tile's MMA
-# (0 * NaN = NaN: P . V in the forward, dS . K into dq in the backward), where the reference stays finite.
-# Strict: the day the kernels stop leaking, this marker must go.
-@pytest.mark.xfail(DEV == "cuda", strict=True,
-                   reason="sm90 kernels: non-finite masked keys leak into the rows of their tile (0 * NaN in the MMA)")
 @pytest.mark.parametrize("offset", [0, 1, 37, 70])
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 @pytest.mark.parametrize("where", ["k", "v", "kv"])
@@ -388,6 +383,58 @@ def test_masked_keys_holding_nan_or_inf(offset, poison, where, dims, heads):
         assert torch.equal(a[clean], b[clean]), f"{name}: a row that sees no poisoned key depends on one"
     if where == "v":
         assert torch.equal(lse, lse_f) and torch.equal(dv, dv_f) and bool(torch.isfinite(dv).all())
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+def test_next_request_keys_holding_nan_or_inf(poison, causal, dims):
+    """Varlen: a request's last key block runs past its end into the next request's keys (the TMA forward loads
+    those rows; the cp.async producers zero-fill them), and its last query block past its end (zero-filled).
+    Every k and v row of requests 1 and 3 holds NaN (or +inf in k, -inf in v): their outputs are non-finite as
+    the reference's, and requests 0 and 2 (s_k 9 and 200: blocks of 64 and 128 keys end inside the next
+    request) get out, lse, dq, dk and dv finite and bit-identical to a run with finite values there."""
+    torch.manual_seed(zlib.crc32(repr(("next", poison, causal, dims)).encode()))
+    lens_q, lens_k = [7, 50, 129, 30], [9, 60, 200, 40]
+    (d, d_v), h, h_k = dims, 8, 2
+    cu_q, cu_k = cumulative(lens_q), cumulative(lens_k)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = (torch.randn(total_q, h, d, device=DEV) * 0.1).bfloat16()
+    k_fin = (torch.randn(total_k, h_k, d, device=DEV) * 0.1).bfloat16()
+    v_fin = (torch.randn(total_k, h_k, d_v, device=DEV) * 0.1).bfloat16()
+    dout = (torch.randn(total_q, h, d_v, device=DEV) * 0.1).bfloat16()
+    k, v = k_fin.clone(), v_fin.clone()
+    val = float(poison)
+    clean_q = torch.zeros(total_q, dtype=torch.bool, device=DEV)
+    clean_k = torch.zeros(total_k, dtype=torch.bool, device=DEV)
+    for i in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if i % 2:
+            k[ks], v[ks] = val, -val
+        else:
+            clean_q[qs], clean_k[ks] = True, True
+    scale = (d + 100) ** -0.5
+
+    def run(k, v):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal)
+        return out, lse, run_bwd(out, dout, q1, k1, v1)
+
+    out, lse, (dq, dk, dv) = run(k, v)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, causal, dout)
+    nan_only = poison == "nan"
+    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
+    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
+    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
+             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
+    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
+
+    out_f, lse_f, (dq_f, dk_f, dv_f) = run(k_fin, v_fin)
+    for name, a, b, rows in (("out", out, out_f, clean_q), ("lse", lse, lse_f, clean_q), ("dq", dq, dq_f, clean_q),
+                             ("dk", dk, dk_f, clean_k), ("dv", dv, dv_f, clean_k)):
+        finite = torch.isfinite(a[rows]) | (torch.isneginf(a[rows]) if name == "lse" else False)
+        assert bool(finite.all()), f"{name}: a request next to one with non-finite keys is not finite"
+        assert torch.equal(a[rows], b[rows]), f"{name}: a request depends on the next request's keys"
 
 
 def test_other_frameworks_agree_with_torch():
