@@ -222,7 +222,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
       gmma::reg_fence(dq);
     } else {
       mma_b_finite<T, kDqBN, kD, 4>(dq, a, sK, sScratch + wg * Smem::kScratch, ks, 4 + wg, tid & 127);
-      add_nonfinite_products<T, kDqBN, kD, 4>(dq, a, smem_ptr(sK), ks, n0, row, off, sb.s_k, lane);
+      auto visible = [&](int c, int e) { return n0 + c < sb.s_k && n0 + c <= row[e] + off; };
+      add_nonfinite_products<T, kDqBN, kD, 4>(dq, a, smem_ptr(sK), ks, visible, lane);
     }
     mbar_arrive(empty_bar(stage));
   }
@@ -362,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     // holds an inf, and lse2 = +inf does not make that P^T 0).
     const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q;
     uint32_t ap[4][4], as[4][4];
+    bool nonfinite = false;
     {
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
@@ -377,23 +379,52 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         for (int e = 0; e < 4; ++e) {
           const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
           float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
-          if (need_mask) pr = (!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q ? pr : 0.f;
+          if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
+            // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
+            // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
+            if constexpr (!kFusedDq)
+              nonfinite |= m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
+            pr = 0.f;
+          }
           st[4 * i + e] = pr;
         }
       }
       pack_a<T, 64>(st, ap);
     }
+    // kTwoKernel, causal: where a query row that some key of this warpgroup does not see holds inf / NaN in q
+    // or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
+    // unused in this schedule) and the keys that see that row add its products afterwards.
+    uint32_t ks = 0;
+    if constexpr (!kFusedDq) {
+      if (p.causal && need_mask && bar_red_or(4 + wg, 128, nonfinite)) ks = 0xFu;
+    }
+    const uint32_t scratch = sDS + wg * (16 * kD * 2);
+    auto visible = [&](int c, int e) { return krow[e] <= m0 + c + off && m0 + c < sb.s_q; };
     {
       float dpt[32];  // dP^T
       gmma::reg_fence(dv);
-      gmma::fence();
+      if (ks == 0) {
+        gmma::fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
 #pragma unroll
-      for (int kk = 0; kk < kBwdDV / 16; ++kk)
-        Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk), kk > 0 ? 1 : 0);
-      gmma::commit();
-      gmma::wait<0>();
+        for (int kk = 0; kk < kBwdDV / 16; ++kk)
+          Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
+                                          kk > 0 ? 1 : 0);
+        gmma::commit();
+        gmma::wait<0>();
+      } else {  // dV first (dP^T not yet live: registers), then dP^T
+        mma_b_finite<T, kKvBM, kBwdDV, 4>(dv, ap, sDO, scratch, ks, 4 + wg, tid & 127);
+        add_nonfinite_products<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
+        gmma::reg_fence(dv);
+        gmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < kBwdDV / 16; ++kk)
+          Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
+                                          kk > 0 ? 1 : 0);
+        gmma::commit();
+        gmma::wait<0>();
+      }
       gmma::reg_fence(dv);
       gmma::reg_fence(dpt);
       // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Masked
@@ -436,10 +467,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       named_barrier_sync(1, 256);  // both halves of dS^T written
     }
     gmma::reg_fence(dk);
-    gmma::fence();
+    if (ks != 0) {  // kTwoKernel only
+      mma_b_finite<T, kKvBM, kD, 4>(dk, as, sQ, scratch, ks, 4 + wg, tid & 127);
+      add_nonfinite_products<T, kKvBM, kD, 4>(dk, as, smem_ptr(sQ), ks, visible, lane);
+      gmma::reg_fence(dk);
+    } else {
+      gmma::fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
-    gmma::commit();
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
+      gmma::commit();
+    }
     if constexpr (kFusedDq) {
       // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
       float dqp[32];

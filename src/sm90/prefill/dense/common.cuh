@@ -229,21 +229,21 @@ __device__ __forceinline__ void mma_b_finite(float (&acc)[kN / 2], const uint32_
 }
 
 /// After mma_b_finite: acc += a b for the inf / NaN elements b of the k-steps in `ksteps` (read from the tile,
-/// which still holds them, generic pointer) and this thread's rows row[0], row[1] that see their key (key
-/// key0 + c of tile row c is visible to row r iff key < s_k and key <= r + off). a is the fragment the MMA
-/// used (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
+/// which still holds them, generic pointer) and this thread's accumulator rows e = 0, 1 for which
+/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked). a is the fragment the MMA used
+/// (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
 /// acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Rare path: loops at run time.
-template <class T, int kRows, int kN, int kKSteps>
+template <class T, int kRows, int kN, int kKSteps, class Visible>
 __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
-                                                       const uint8_t* tile, uint32_t ksteps, int key0,
-                                                       const int (&row)[2], int off, int s_k, int lane) {
+                                                       const uint8_t* tile, uint32_t ksteps, Visible visible,
+                                                       int lane) {
   const int tq = lane & 3;
 #pragma unroll 1
   for (; ksteps != 0; ksteps &= ksteps - 1) {
     const int kk = __ffs(ksteps) - 1;
 #pragma unroll 1
     for (int t = 0; t < 16; ++t) {
-      const int c = 16 * kk + t, key = key0 + c;
+      const int c = 16 * kk + t;
       const bool upper = t >= 8;
       uint32_t w0 = 0, w1 = 0;
 #pragma unroll
@@ -260,7 +260,7 @@ __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], con
       unpack2<T>(w0, lo0, hi0);
       unpack2<T>(w1, lo1, hi1);
       const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
-      const bool vis0 = key < s_k && key <= row[0] + off, vis1 = key < s_k && key <= row[1] + off;
+      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
 #pragma unroll
       for (int i = 0; i < kN / 8; ++i) {
         float b0, b1;

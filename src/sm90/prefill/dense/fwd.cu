@@ -261,7 +261,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mma_b_finite<T, kFwdBN, kDV, 8>(o, a, sV(stage), scratch, ks, 4 + wg, tid & 127);
   };
   auto pv_nonfinite = [&](const uint32_t (&a)[8][4], int stage, int nv, uint32_t ks) {
-    add_nonfinite_products<T, kFwdBN, kDV, 8>(o, a, smem_ptr(sV(stage)), ks, nv * kFwdBN, row, off, sb.s_k, lane);
+    const int n0 = nv * kFwdBN;
+    auto visible = [&](int c, int e) { return n0 + c < sb.s_k && n0 + c <= row[e] + off; };
+    add_nonfinite_products<T, kFwdBN, kDV, 8>(o, a, smem_ptr(sV(stage)), ks, visible, lane);
   };
 
   mbar_wait(q_bar, 0);
