@@ -109,6 +109,175 @@ __device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
   }
 }
 
+// ---- Keys that some rows of a tile do not see, holding inf or NaN (docs/dense-prefill.md, "Masking, empty rows,
+// NaN"). Masking sets P (or dS) of such a (row, key) to 0, but the tile's MMA still multiplies that 0 by the key's
+// row of the B operand (V in O += P V, K in dQ += dS K), and 0 * inf = 0 * NaN = NaN. Where a tile may hold such a
+// key, the kernels check it; where one is found, the MMA reads the 16-key k-steps that hold it from a copy with
+// the non-finite elements replaced by 0 (mma_b_finite), and the rows that do see the key then add their
+// products with those elements (add_nonfinite_products). Rows that do not see it get the bits of the same
+// input with finite values there; rows that see it get inf / NaN as the reference does.
+
+/// True when a bf16 / fp16 element of the pair w is inf or NaN (exponent all ones).
+template <class T>
+__device__ __forceinline__ bool pair_has_nonfinite(uint32_t w) {
+  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  return (w & e) == e || ((w >> 16) & e) == e;
+}
+/// The pair w with its inf / NaN elements replaced by +0.
+template <class T>
+__device__ __forceinline__ uint32_t pair_zero_nonfinite(uint32_t w) {
+  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  uint32_t keep = 0xFFFFFFFFu;
+  if ((w & e) == e) keep &= 0xFFFF0000u;
+  if (((w >> 16) & e) == e) keep &= 0x0000FFFFu;
+  return w & keep;
+}
+__device__ __forceinline__ bool float_is_nonfinite(float x) {
+  return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
+}
+/// Generic pointer of a shared::cta address.
+__device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
+  return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
+}
+/// bar.red.or over the num_threads threads of named barrier id: true where pred is true in any of them.
+__device__ __forceinline__ bool bar_red_or(int id, int num_threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(num_threads)
+      : "memory");
+  return r != 0;
+}
+
+/// Threads st = 0 .. nt - 1: sets bit r of mask (words of 32 rows, shared memory) for each row r in [lo, hi)
+/// of a kRows x kDim tile that holds an inf or NaN.
+template <class T, int kRows, int kDim>
+__device__ __forceinline__ void mark_nonfinite_rows(const uint8_t* tile, int lo, int hi, uint32_t* mask, int st,
+                                                    int nt) {
+  constexpr int kChunks = kDim / 8;
+#pragma unroll 1
+  for (int idx = st; idx < (hi - lo) * kChunks; idx += nt) {
+    const int r = lo + idx / kChunks, ch = idx % kChunks;
+    const uint4 x = *reinterpret_cast<const uint4*>(tile + tile_off<kRows>(r, ch));
+    if (pair_has_nonfinite<T>(x.x) || pair_has_nonfinite<T>(x.y) || pair_has_nonfinite<T>(x.z) ||
+        pair_has_nonfinite<T>(x.w))
+      atomicOr(mask + (r >> 5), 1u << (r & 31));
+  }
+}
+
+/// The 16-row k-steps (bit kk = rows 16 kk .. 16 kk + 15) of a 128-row tile that hold a row in [lo, hi) whose
+/// bit is set in the 4 words of m.
+__device__ __forceinline__ uint32_t ksteps_of_rows(const uint4& m, int lo, int hi) {
+  const uint32_t w[4] = {m.x, m.y, m.z, m.w};
+  uint32_t ks = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int a = min(max(lo - 32 * i, 0), 32), b = min(max(hi - 32 * i, 0), 32);
+    const uint32_t below_b = b >= 32 ? 0xFFFFFFFFu : (1u << b) - 1u;
+    const uint32_t below_a = a >= 32 ? 0xFFFFFFFFu : (1u << a) - 1u;
+    const uint32_t x = w[i] & below_b & ~below_a;
+    ks |= ((x & 0xFFFFu) != 0 ? 1u : 0u) << (2 * i);
+    ks |= ((x >> 16) != 0 ? 1u : 0u) << (2 * i + 1);
+  }
+  return ks;
+}
+/// The 16-row k-steps of a tile that hold a row in [lo, hi) (lo < hi).
+__device__ __forceinline__ uint32_t ksteps_in(int lo, int hi) {
+  const uint32_t upto = (hi + 15) / 16, from = lo / 16;
+  return ((upto >= 32 ? 0xFFFFFFFFu : (1u << upto) - 1u)) & ~((1u << from) - 1u);
+}
+
+/// One warpgroup (t = 0..127): acc += A B, B the kRows x kN MN-major tile at `tile` (rows = the K dimension),
+/// A the register fragments a (k-step kk = rows 16 kk .. 16 kk + 15 of B), one k-step at a time in order. The
+/// k-steps in `ksteps` read a copy of their 16 rows in `scratch` (16 x kN, this warpgroup's own) with inf /
+/// NaN replaced by 0. The accumulation order is the batched issue's, so acc gets the bits it would get from
+/// B with 0 in those places. Uses named barrier bar_id (this warpgroup's 128 threads). Returns with the
+/// wgmma complete.
+template <class T, int kRows, int kN, int kKSteps>
+__device__ __forceinline__ void mma_b_finite(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t tile,
+                                             uint32_t scratch, uint32_t ksteps, int bar_id, int t) {
+  constexpr int kChunks = kN / 8;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    uint64_t desc = desc_mn<kRows>(tile, kk);
+    if ((ksteps >> kk) & 1u) {
+      named_barrier_sync(bar_id, 128);  // the warpgroup's previous wgmma on the scratch has completed
+      const uint8_t* src = smem_ptr(tile);
+      uint8_t* dst = smem_ptr(scratch);
+#pragma unroll 1
+      for (int idx = t; idx < 16 * kChunks; idx += 128) {
+        const int r = idx / kChunks, ch = idx % kChunks;
+        uint4 x = *reinterpret_cast<const uint4*>(src + tile_off<kRows>(16 * kk + r, ch));
+        x.x = pair_zero_nonfinite<T>(x.x);
+        x.y = pair_zero_nonfinite<T>(x.y);
+        x.z = pair_zero_nonfinite<T>(x.z);
+        x.w = pair_zero_nonfinite<T>(x.w);
+        *reinterpret_cast<uint4*>(dst + tile_off<16>(r, ch)) = x;  // same swizzle phase: 16 kk % 8 == 0
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(bar_id, 128);
+      desc = desc_mn<16>(scratch, 0);
+    }
+    gmma::reg_fence(acc);
+    gmma::fence();
+    Wgmma<T, kN>::template rs<1>(acc, a[kk], desc);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(acc);
+  }
+}
+
+/// After mma_b_finite: acc += a b for the inf / NaN elements b of the k-steps in `ksteps` (read from the tile,
+/// which still holds them, generic pointer) and this thread's accumulator rows e = 0, 1 for which
+/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked). a is the fragment the MMA used
+/// (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
+/// acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Rare path: loops at run time.
+template <class T, int kRows, int kN, int kKSteps, class Visible>
+__device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
+                                                       const uint8_t* tile, uint32_t ksteps, Visible visible,
+                                                       int lane) {
+  const int tq = lane & 3;
+#pragma unroll 1
+  for (; ksteps != 0; ksteps &= ksteps - 1) {
+    const int kk = __ffs(ksteps) - 1;
+#pragma unroll 1
+    for (int t = 0; t < 16; ++t) {
+      const int c = 16 * kk + t;
+      const bool upper = t >= 8;
+      uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+      for (int k2 = 0; k2 < kKSteps; ++k2) {
+        if (k2 == kk) {
+          w0 = upper ? a[k2][2] : a[k2][0];
+          w1 = upper ? a[k2][3] : a[k2][1];
+        }
+      }
+      const int src = (lane & ~3) | ((t & 7) >> 1);
+      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
+      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
+      float lo0, hi0, lo1, hi1;
+      unpack2<T>(w0, lo0, hi0);
+      unpack2<T>(w1, lo1, hi1);
+      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
+      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        float b0, b1;
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(tile + tile_off<kRows>(c, i) + 4 * tq), b0, b1);
+        if (float_is_nonfinite(b0)) {
+          if (vis0) acc[4 * i] += p0 * b0;
+          if (vis1) acc[4 * i + 2] += p1 * b0;
+        }
+        if (float_is_nonfinite(b1)) {
+          if (vis0) acc[4 * i + 1] += p0 * b1;
+          if (vis1) acc[4 * i + 3] += p1 * b1;
+        }
+      }
+    }
+  }
+}
+
 /// One request's bounds: rows [q0, q0 + s_q) of q / out, [k0, k0 + s_k) of k / v.
 struct SeqBounds {
   int q0, s_q, k0, s_k;
