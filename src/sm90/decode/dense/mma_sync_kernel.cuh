@@ -116,11 +116,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
       cp_async_commit();
     }
 
-    float o[NT_O][4];
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};
-    float l_run[2] = {0.f, 0.f};
+    float o[NT_O][4], m_run[2], l_run[2];
+    mma_core::reset_rows(o, m_run, l_run);
     int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
     int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
 
@@ -162,13 +159,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
       mma_core::pv<T, NT_O, VW>(o, sP_u, sKs, rg, cw, lane);
     }
 
-    // ---- epilogue: total row sum across the row group's warps
-    mma_core::quad_sum(l_run);
-    float L[2] = {0.f, 0.f};
-    if (n_blk > 0) {
-      // sRed was last read before the second barrier of the last tile: safe to overwrite.
-      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
-    }
+    // ---- epilogue: total row sum across the row group's warps (sRed was last read before the second
+    // barrier of the last tile: safe to overwrite)
+    float L[2];
+    mma_core::row_sums<C>(l_run, L, n_blk, sRed, row_local, rg, cw, tq);
 
     store_dense_decode_rows<T, NT_O, VW>(
         p, [&](int j, int e) { return o[j][e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot, no_split,
