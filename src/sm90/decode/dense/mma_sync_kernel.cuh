@@ -62,10 +62,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;  // mma fragment coordinates
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
-  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
-  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  const PartSchedule ps = part_schedule(p.tile_scheduler_metadata, part);
+  if (ps.begin_req >= p.b) return;
 
   const int d_qk = p.d_qk;
   const int n_chunks = d_qk / 8;  // 16-byte chunks per row: 72 or 64
@@ -76,14 +74,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   int row_local[2], row_global[2], row_sq[2];
   thread_rows(rg, gq, m_tile * BM, p.group, row_local, row_global, row_sq);
 
-  for (int req = begin_req; req <= end_req; ++req) {
+  for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     const int seqlen = max(p.seqlens[req], 0);
-    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
-    const int blk_lo = req == begin_req ? begin_blk : 0;
-    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
-    const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
-    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
+    const auto [blk_lo, n_blk, no_split, split_slot] = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
 
     // Per-row key limit (bottom-right causal mask); padded rows see everything.
     int limit[2];

@@ -82,10 +82,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const int wg = warp / 4, wq = warp % 4;  // warpgroup, warp inside it (rows 16*wq ..)
   const int gq = lane / 4, tq = lane % 4;
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
-  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
-  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  const PartSchedule ps = part_schedule(p.tile_scheduler_metadata, part);
+  if (ps.begin_req >= p.b) return;
 
   const int d_qk = p.d_qk;
   const int n_chunks = d_qk / 8;  // 72 or 64
@@ -96,14 +94,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
   const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
 
-  for (int req = begin_req; req <= end_req; ++req) {
+  for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     const int seqlen = max(p.seqlens[req], 0);
-    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
-    const int blk_lo = req == begin_req ? begin_blk : 0;
-    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
-    const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
-    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
+    const auto [blk_lo, n_blk, no_split, split_slot] = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
 
     int limit[2];
     const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
