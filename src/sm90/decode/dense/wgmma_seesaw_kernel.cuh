@@ -442,18 +442,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         float mx[2] = {-INFINITY, -INFINITY};
         scale_mask_rowmax(s, p.scale_log2, need_mask, tok0, tq, limit, mx);
         float m0u[2], sc0[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
+        seesaw::first_block_row_max(sM0, sS0, row_local, tq, mx, m_run, m0u, sc0, [&](int hh) {
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-          const float m0 = seesaw::lazy_max(m_run[hh], mx[hh]);
-          m0u[hh] = m0 == -INFINITY ? 0.f : m0;
-          sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
-          if (tq == 0) {
-            sM0[row_local[hh]] = m0;
-            sS0[row_local[hh]] = sc0[hh];
-          }
-        }
+        });
         bar_arrive(kBarScale0, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(0, 3, t_wg == 0);
 
