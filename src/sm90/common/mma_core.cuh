@@ -219,16 +219,7 @@ __device__ __forceinline__ void reset_rows(float (&o)[NT_O][4], float (&m_run)[2
   l_run[1] = 0.f;
 }
 
-/// Epilogue, first step: this thread's row sums l summed over its quad (the 4 threads of a row).
-__device__ __forceinline__ void quad_sum(float (&l)[2]) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
-  }
-}
-
-/// Epilogue, second step: L = the quad sums l added over the row group's C warps, through
+/// Epilogue, after quad_sum (utils.cuh): L = the quad sums l added over the row group's C warps, through
 /// sRed[row * C + cw] and named barrier 1 + rg (the caller makes sure no warp still reads sRed).
 template <int C>
 __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2], float* sRed,

@@ -237,11 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     }
 
     // ---- epilogue
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-    }
+    quad_sum(l_run);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
       __syncthreads();  // every warp is past its last read of sRed

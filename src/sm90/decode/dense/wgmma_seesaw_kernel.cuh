@@ -614,11 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- epilogue: L = WG0's part + WG1's part
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 4);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-    }
+    quad_sum(l_run);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
 #pragma unroll
