@@ -85,43 +85,32 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
     cp_async_wait<0>();
     __syncthreads();  // the previous request is done with sQ / sK / sP / sRed
 
-    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
-    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
-    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
-    const int t_local = tid / 4, q4 = tid % 4;
-    auto page_of = [&](int blk) -> int { return token_page(p, bt_row, seqlen, blk * kBlockN + t_local); };
-    auto load_k_tile = [&](int blk, int stage, int page) {
-      load_k_row(p, kbase, sK_u + stage * CF::kSmemK, blk * kBlockN + t_local, page, t_local, q4, n_chunks,
-                 [](int r, int c) { return swz(r, c); });
-    };
-    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
-    auto prefetch_tile = [&](int blk, int page) {
-      if (q4 == 0 && page >= 0)
-        prefetch_l2_bulk(token_row(p, kbase, blk * kBlockN + t_local, page), static_cast<uint32_t>(d_qk * 2));
-    };
+    // K tiles: the pages of the next two are read ahead (pg1, pg2); the one two steps ahead is
+    // prefetched to L2 (kTuneL2Prefetch).
+    const auto kt = k_tiles<kBlockN, CF::kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk,
+                                                 sK_u, [](int r, int c) { return swz(r, c); });
 
     if (n_blk > 0) {
       // Q tile.
       load_q_tile<T, BM, kThreads>(p, sQ_u, req, kv_head, m_tile * BM, n_chunks, tid,
                                      [](int r, int c) { return swz(r, c); });
-      load_k_tile(blk_lo, 0, page_of(blk_lo));
+      kt.load(blk_lo, 0, kt.page(blk_lo));
       cp_async_commit();
     }
 
     float o[NT_O][4], m_run[2], l_run[2];
     mma_core::reset_rows(o, m_run, l_run);
-    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
-    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
+    int pg1 = n_blk > 1 ? kt.page(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? kt.page(blk_lo + 2) : -1;
 
     for (int i = 0; i < n_blk; ++i) {
       cp_async_wait<0>();
       __syncthreads();  // tile i visible to all; everyone is done with tile i-1
-      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
+      if (i + 1 < n_blk) kt.load(blk_lo + i + 1, (i + 1) & 1, pg1);
       cp_async_commit();
-      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) kt.prefetch(blk_lo + i + 2, pg2);
       pg1 = pg2;
-      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
+      pg2 = i + 3 < n_blk ? kt.page(blk_lo + i + 3) : -1;
 
       const uint32_t sKs = sK_u + (i & 1) * CF::kSmemK;
       const int tok0 = (blk_lo + i) * kBlockN;
