@@ -75,12 +75,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   thread_rows(rg, gq, m_tile * BM, p.group, row_local, row_global, row_sq);
 
   for (int req = ps.begin_req; req <= ps.end_req; ++req) {
-    const int seqlen = max(p.seqlens[req], 0);
-    const auto [blk_lo, n_blk, no_split, split_slot] = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
-
-    // Per-row key limit (bottom-right causal mask); padded rows see everything.
-    int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+    int limit[2];  // per-row key limit (bottom-right causal mask); padded rows see everything
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     __syncthreads();  // the previous request is done with sQ / sK / sP / sRed

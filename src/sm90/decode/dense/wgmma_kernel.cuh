@@ -95,11 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
 
   for (int req = ps.begin_req; req <= ps.end_req; ++req) {
-    const int seqlen = max(p.seqlens[req], 0);
-    const auto [blk_lo, n_blk, no_split, split_slot] = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
-
     int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     __syncthreads();

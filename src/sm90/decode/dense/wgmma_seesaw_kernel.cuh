@@ -302,11 +302,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
-    const int seqlen = max(p.seqlens[req], 0);
-    const auto [blk_lo, n_blk, no_split, split_slot] = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
-
     int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory
