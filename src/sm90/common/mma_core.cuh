@@ -240,7 +240,8 @@ __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2]
 /// The epilogue's row sums: l (this thread's l_run) summed over its quad (quad_sum) and, when the rows
 /// saw n_blk > 0 key blocks, over the row group's C warps (row_group_sum) into L; else L = 0 and sRed
 /// is not touched. kSyncFirst: a __syncthreads() before sRed is written (sparse prefill, whose caller
-/// does not otherwise order the warps' last reads of sRed before it).
+/// does not otherwise order the warps' last reads of sRed before it). (It takes n_blk, not the caller's
+/// n_blk > 0: a compare made before the quad shuffles changed the decode kernels' register allocation.)
 template <int C, bool kSyncFirst = false>
 __device__ __forceinline__ void row_sums(float (&l)[2], float (&L)[2], int n_blk, float* sRed,
                                          const int (&row_local)[2], int rg, int cw, int tq) {

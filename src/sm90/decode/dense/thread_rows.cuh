@@ -56,7 +56,8 @@ __device__ __forceinline__ int causal_key_limits(const DenseDecodeKernelParams& 
 /// Request req of part ps as this thread's rows (query positions row_sq) see it: its keys seqlen
 /// (cache_seqlens[req], a negative length read as 0), the part's share of its blocks of kBlockN keys
 /// (part_request: blk_lo, n_blk, no_split, split_slot) and the rows' key limits (causal_key_limits:
-/// into limit, min_limit the smaller; limit stays the caller's array).
+/// into limit, min_limit the smaller). limit stays the caller's array: held in the returned struct, the
+/// masks that read it compiled differently.
 struct DenseRequest {
   int seqlen, blk_lo, n_blk;
   bool no_split;

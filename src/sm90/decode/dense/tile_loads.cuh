@@ -61,7 +61,8 @@ __device__ __forceinline__ void load_k_row(const DenseDecodeKernelParams& p, con
 /// The paged K tiles of one request in a kernel that double-buffers them through cp.async: this thread
 /// loads token slot t_local (tid / 4) of each tile of kBlockN tokens, its 16-byte chunks q4 (tid % 4),
 /// q4 + 4, ... < n_chunks (d_qk / 8), into stage `stage` at sK_u + stage * kStageBytes (chunk offsets
-/// chunk_off: the kernel's K layout). bt_row: the request's block_table row; seqlen: its tokens.
+/// chunk_off: the kernel's K layout). bt_row: the request's block_table row; seqlen: its tokens. d_qk
+/// is held, not re-read from p: re-reading it changed the kernels' machine code.
 template <typename T, int kBlockN, int kStageBytes, typename ChunkOffset>
 struct KTiles {
   const DenseDecodeKernelParams& p;
