@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -229,29 +230,23 @@ def main(argv=None) -> int:
     ops = getattr(torch.ops, "flash_mla", None)
     if ops is not None and hasattr(ops, "dense_decode_fwd"):
         add("torch.ops", lambda: ops.dense_decode_fwd(q, k, 512, sl, bt, scale, False, None, None))
-    add("api-torch", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched, None, scale),
-        note=f"public API, torch tensors (eager route: {_torch_ops.eager_route_state()})")
-    route_was = _torch_ops._eager_route
+
+    def add_api(name, note, schedule=None):
+        # the public API on torch tensors, through whichever route is set now, with its own schedule object
+        s = flash_mla.get_mla_metadata()[0] if schedule is None else schedule
+        add(name, lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, s, None, scale), note=note)
+
+    add_api("api-torch", f"public API, torch tensors (eager route: {_torch_ops.eager_route_state()})", sched)
     if _torch_ops._ffi_dense_decode is not None and flash_mla.has_cuda_backend():
-        _torch_ops._eager_route = True  # (what FLASHMLA_EAGER_TVM_FFI=1 sets at load)
-        try:
-            sched_eager = flash_mla.get_mla_metadata()[0]
-            add("api-torch-eager", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched_eager, None, scale),
-                note="public API, torch tensors through the eager TVM-FFI route (opt-in)")
-        finally:
-            _torch_ops._eager_route = route_was
+        with mock.patch.object(_torch_ops, "_eager_route", True):  # (what FLASHMLA_EAGER_TVM_FFI=1 sets at load)
+            add_api("api-torch-eager", "public API, torch tensors through the eager TVM-FFI route (opt-in)")
     tsm, splits = sched.tile_scheduler_metadata, sched.num_splits
     if tsm is not None and _torch_ops._ffi_dense_decode is not None:
         add("eager-function", lambda: _torch_ops.eager_dense_decode_fwd(q, k, 512, sl, bt, scale, False, tsm, splits),
             note="TVM-FFI call + outputs as torch tensors, schedule given")
-    real_handles = _torch_ops.handles
-    _torch_ops.handles = lambda *a: False  # torch tensors through TVM-FFI (FLASHMLA_DISABLE_TORCH_OPS=1)
-    try:
-        sched_ffi = flash_mla.get_mla_metadata()[0]
-        add("api-torch-tvm-ffi", lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, sched_ffi, None, scale),
-            note="public API, torch tensors through TVM-FFI (schedule recomputed every call)")
-    finally:
-        _torch_ops.handles = real_handles
+    # torch tensors through TVM-FFI (what FLASHMLA_DISABLE_TORCH_OPS=1 does)
+    with mock.patch.object(_torch_ops, "handles", lambda *a: False):
+        add_api("api-torch-tvm-ffi", "public API, torch tensors through TVM-FFI (schedule recomputed every call)")
     add("tvm-ffi-torch", lambda: _ffi.lib.dense_decode_fwd(q, k, 512, sl, bt, scale, False, None, None))
 
     try:

@@ -207,16 +207,19 @@ __device__ __forceinline__ void pv(float (&o)[NT_O][4], uint32_t sP_u, uint32_t 
   }
 }
 
-/// Epilogue, first step: this thread's row sums l summed over its quad (the 4 threads of a row).
-__device__ __forceinline__ void quad_sum(float (&l)[2]) {
+/// A new set of rows (a request, a query position): O = 0, the running row max m_run = -inf (no key
+/// seen yet) and the row sums l_run = 0.
+template <int NT_O>
+__device__ __forceinline__ void reset_rows(float (&o)[NT_O][4], float (&m_run)[2], float (&l_run)[2]) {
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 1);
-    l[hh] += __shfl_xor_sync(0xffffffffu, l[hh], 2);
-  }
+  for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  m_run[0] = -INFINITY;
+  m_run[1] = -INFINITY;
+  l_run[0] = 0.f;
+  l_run[1] = 0.f;
 }
 
-/// Epilogue, second step: L = the quad sums l added over the row group's C warps, through
+/// Epilogue, after quad_sum (utils.cuh): L = the quad sums l added over the row group's C warps, through
 /// sRed[row * C + cw] and named barrier 1 + rg (the caller makes sure no warp still reads sRed).
 template <int C>
 __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2], float* sRed,
@@ -231,6 +234,23 @@ __device__ __forceinline__ void row_group_sum(const float (&l)[2], float (&L)[2]
 #pragma unroll
     for (int c = 0; c < C; ++c) t += sRed[row_local[hh] * C + c];
     L[hh] = t;
+  }
+}
+
+/// The epilogue's row sums: l (this thread's l_run) summed over its quad (quad_sum) and, when the rows
+/// saw n_blk > 0 key blocks, over the row group's C warps (row_group_sum) into L; else L = 0 and sRed
+/// is not touched. kSyncFirst: a __syncthreads() before sRed is written (sparse prefill, whose caller
+/// does not otherwise order the warps' last reads of sRed before it). (It takes n_blk, not the caller's
+/// n_blk > 0: a compare made before the quad shuffles changed the decode kernels' register allocation.)
+template <int C, bool kSyncFirst = false>
+__device__ __forceinline__ void row_sums(float (&l)[2], float (&L)[2], int n_blk, float* sRed,
+                                         const int (&row_local)[2], int rg, int cw, int tq) {
+  quad_sum(l);
+  L[0] = 0.f;
+  L[1] = 0.f;
+  if (n_blk > 0) {
+    if constexpr (kSyncFirst) __syncthreads();
+    row_group_sum<C>(l, L, sRed, row_local, rg, cw, tq);
   }
 }
 

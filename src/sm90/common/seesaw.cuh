@@ -1,9 +1,11 @@
 // src/sm90/common/seesaw.cuh — pieces shared by the sm90 "seesaw" kernels (spec §7.1): two
 // consumer warpgroups on one 64-row tile, S = Q K^T with a fully unrolled m64n64k16 wgmma chain
 // over 128B-swizzled 64-dim slabs, O by columns with m64n256k16 (P from registers or smem),
-// named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh). Used by the sparse prefill
-// seesaw kernel (prefill/sparse/wgmma_seesaw_kernel.cuh) and the sparse FP8 decode wgmma producer kernel
-// (decode/sparse_fp8/wgmma_producer_kernel.cuh); the dense decode seesaw kernel uses exp_pack_store_p.
+// named-barrier / setmaxnreg wrappers (the mbarrier ones are in utils.cuh), the lazy running max and
+// the two warpgroups' row-max steps. Used by the seesaw kernels of dense decode
+// (decode/dense/wgmma_seesaw_kernel.cuh) and sparse prefill (prefill/sparse/wgmma_seesaw_kernel.cuh) and
+// by the sparse FP8 decode wgmma producer kernel (decode/sparse_fp8/wgmma_producer_kernel.cuh); the dense
+// decode wgmma kernel and the dense prefill kernels take the rescale, row-max and barrier pieces.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -92,6 +94,28 @@ __device__ __forceinline__ void scale_rows(float (&o)[N], const float (&sc)[2]) 
 
 __device__ __forceinline__ void scale_o(float (&o)[128], const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) scale_rows(o, sc);
+}
+
+// Warpgroup 0's row max after the first key block, per row: the caller's step row_step(hh) on the
+// block's row max mx[hh] (dense decode reduces it over the quad; sparse prefill, whose mx comes
+// reduced, folds it into its true row max), m0 = lazy_max(m_run, mx), m0u (m0 with -inf read as 0),
+// sc0 = exp2(m_run - m0u) the factor of warpgroup 0's O and l, and m0, sc0 published for warpgroup 1
+// (sM0, sS0; one step the dense decode and sparse prefill seesaw kernels share). m_run is not moved.
+template <class RowStep>
+__device__ __forceinline__ void first_block_row_max(float* sM0, float* sS0, const int (&row_local)[2], int tq,
+                                                    float (&mx)[2], const float (&m_run)[2], float (&m0u)[2],
+                                                    float (&sc0)[2], RowStep row_step) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_step(hh);
+    const float m0 = lazy_max(m_run[hh], mx[hh]);
+    m0u[hh] = m0 == -INFINITY ? 0.f : m0;
+    sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
+    if (tq == 0) {
+      sM0[row_local[hh]] = m0;
+      sS0[row_local[hh]] = sc0[hh];
+    }
+  }
 }
 
 // Warpgroup 1's row max after the second key block: m1 = lazy_max(m0, mx) against warpgroup 0's m0

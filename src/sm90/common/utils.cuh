@@ -232,4 +232,14 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The thread's values of its two fragment rows (mma.sync / wgmma accumulator layout: the 4 threads of
+// a quad share a row) summed over the quad: a softmax row's sum l in the epilogues.
+__device__ __forceinline__ void quad_sum(float (&v)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    v[hh] += __shfl_xor_sync(0xffffffffu, v[hh], 1);
+    v[hh] += __shfl_xor_sync(0xffffffffu, v[hh], 2);
+  }
+}
+
 }  // namespace flashmla::sm90

@@ -62,10 +62,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   const int rg = warp / C, cw = warp % C;
   const int gq = lane / 4, tq = lane % 4;  // mma fragment coordinates
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
-  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
-  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  const PartSchedule ps = part_schedule(p.tile_scheduler_metadata, part);
+  if (ps.begin_req >= p.b) return;
 
   const int d_qk = p.d_qk;
   const int n_chunks = d_qk / 8;  // 16-byte chunks per row: 72 or 64
@@ -76,62 +74,39 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   int row_local[2], row_global[2], row_sq[2];
   thread_rows(rg, gq, m_tile * BM, p.group, row_local, row_global, row_sq);
 
-  for (int req = begin_req; req <= end_req; ++req) {
-    const int seqlen = max(p.seqlens[req], 0);
-    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
-    const int blk_lo = req == begin_req ? begin_blk : 0;
-    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
-    const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
-    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
-
-    // Per-row key limit (bottom-right causal mask); padded rows see everything.
-    int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+  for (int req = ps.begin_req; req <= ps.end_req; ++req) {
+    int limit[2];  // per-row key limit (bottom-right causal mask); padded rows see everything
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     __syncthreads();  // the previous request is done with sQ / sK / sP / sRed
 
-    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
-    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
-    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
-    const int t_local = tid / 4, q4 = tid % 4;
-    auto page_of = [&](int blk) -> int { return token_page(p, bt_row, seqlen, blk * kBlockN + t_local); };
-    auto load_k_tile = [&](int blk, int stage, int page) {
-      load_k_row(p, kbase, sK_u + stage * CF::kSmemK, blk * kBlockN + t_local, page, t_local, q4, n_chunks,
-                 [](int r, int c) { return swz(r, c); });
-    };
-    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
-    auto prefetch_tile = [&](int blk, int page) {
-      if (q4 == 0 && page >= 0)
-        prefetch_l2_bulk(token_row(p, kbase, blk * kBlockN + t_local, page), static_cast<uint32_t>(d_qk * 2));
-    };
+    // K tiles: the pages of the next two are read ahead (pg1, pg2); the one two steps ahead is
+    // prefetched to L2 (kTuneL2Prefetch).
+    const auto kt = k_tiles<kBlockN, CF::kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk,
+                                                 sK_u, [](int r, int c) { return swz(r, c); });
 
     if (n_blk > 0) {
       // Q tile.
       load_q_tile<T, BM, kThreads>(p, sQ_u, req, kv_head, m_tile * BM, n_chunks, tid,
                                      [](int r, int c) { return swz(r, c); });
-      load_k_tile(blk_lo, 0, page_of(blk_lo));
+      kt.load(blk_lo, 0, kt.page(blk_lo));
       cp_async_commit();
     }
 
-    float o[NT_O][4];
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};
-    float l_run[2] = {0.f, 0.f};
-    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
-    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
+    float o[NT_O][4], m_run[2], l_run[2];
+    mma_core::reset_rows(o, m_run, l_run);
+    int pg1 = n_blk > 1 ? kt.page(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? kt.page(blk_lo + 2) : -1;
 
     for (int i = 0; i < n_blk; ++i) {
       cp_async_wait<0>();
       __syncthreads();  // tile i visible to all; everyone is done with tile i-1
-      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
+      if (i + 1 < n_blk) kt.load(blk_lo + i + 1, (i + 1) & 1, pg1);
       cp_async_commit();
-      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) kt.prefetch(blk_lo + i + 2, pg2);
       pg1 = pg2;
-      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
+      pg2 = i + 3 < n_blk ? kt.page(blk_lo + i + 3) : -1;
 
       const uint32_t sKs = sK_u + (i & 1) * CF::kSmemK;
       const int tok0 = (blk_lo + i) * kBlockN;
@@ -162,13 +137,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
       mma_core::pv<T, NT_O, VW>(o, sP_u, sKs, rg, cw, lane);
     }
 
-    // ---- epilogue: total row sum across the row group's warps
-    mma_core::quad_sum(l_run);
-    float L[2] = {0.f, 0.f};
-    if (n_blk > 0) {
-      // sRed was last read before the second barrier of the last tile: safe to overwrite.
-      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
-    }
+    // ---- epilogue: total row sum across the row group's warps (sRed was last read before the second
+    // barrier of the last tile: safe to overwrite)
+    float L[2];
+    mma_core::row_sums<C>(l_run, L, n_blk, sRed, row_local, rg, cw, tq);
 
     store_dense_decode_rows<T, NT_O, VW>(
         p, [&](int j, int e) { return o[j][e]; }, L, m_run, row_global, row_sq, req, kv_head, split_slot, no_split,

@@ -1,7 +1,8 @@
 // src/sm90/decode/dense/thread_rows.cuh — the two rows of a tile that each thread of the dense decode
 // kernels holds in its mma-layout fragments (rows gq and gq + 8 of its 16-row group): their indices,
-// their causal key limits, and the register epilogue that writes them, divided by their row sums, to
-// out (whole request) or to the split partials o_accum / lse_accum (spec §4.3), with the rows' LSE.
+// their causal key limits (with the part's share of a request: dense_request), and the register
+// epilogue that writes them, divided by their row sums, to out (whole request) or to the split
+// partials o_accum / lse_accum (spec §4.3), with the rows' LSE.
 #pragma once
 
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
+#include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
@@ -49,6 +51,25 @@ __device__ __forceinline__ int causal_key_limits(const DenseDecodeKernelParams& 
     limit[hh] = lim;
   }
   return min(limit[0], limit[1]);
+}
+
+/// Request req of part ps as this thread's rows (query positions row_sq) see it: its keys seqlen
+/// (cache_seqlens[req], a negative length read as 0), the part's share of its blocks of kBlockN keys
+/// (part_request: blk_lo, n_blk, no_split, split_slot) and the rows' key limits (causal_key_limits:
+/// into limit, min_limit the smaller). limit stays the caller's array: held in the returned struct, the
+/// masks that read it compiled differently.
+struct DenseRequest {
+  int seqlen, blk_lo, n_blk;
+  bool no_split;
+  int split_slot, min_limit;
+};
+template <int kBlockN>
+__device__ __forceinline__ DenseRequest dense_request(const DenseDecodeKernelParams& p, const PartSchedule& ps, int req,
+                                                      const int (&row_sq)[2], int (&limit)[2]) {
+  const int seqlen = max(p.seqlens[req], 0);
+  const PartRequest share = part_request<kBlockN>(ps, p.num_splits, req, seqlen);
+  const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+  return {seqlen, share.blk_lo, share.n_blk, share.no_split, share.split_slot, min_limit};
 }
 
 /// Writes the rows row_global[hh] (hh = 0, 1; rows >= m_rows are padding and skipped) that this thread

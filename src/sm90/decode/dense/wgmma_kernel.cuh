@@ -82,10 +82,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const int wg = warp / 4, wq = warp % 4;  // warpgroup, warp inside it (rows 16*wq ..)
   const int gq = lane / 4, tq = lane % 4;
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
-  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
-  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  const PartSchedule ps = part_schedule(p.tile_scheduler_metadata, part);
+  if (ps.begin_req >= p.b) return;
 
   const int d_qk = p.d_qk;
   const int n_chunks = d_qk / 8;  // 72 or 64
@@ -96,41 +94,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
   const int pair_bar = 1 + wq;  // warps wq and wq+4 own the same 16 rows
 
-  for (int req = begin_req; req <= end_req; ++req) {
-    const int seqlen = max(p.seqlens[req], 0);
-    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
-    const int blk_lo = req == begin_req ? begin_blk : 0;
-    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
-    const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
-    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
-
+  for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     __syncthreads();
 
-    const int32_t* bt_row = p.block_table + req * p.bt_stride_b;
-    // K tile loads: thread -> (token slot tid/4, chunks tid%4 + 4j). The page ids of the
-    // next two tiles are read ahead (pg1, pg2) so no load waits on block_table;
-    // page < 0 marks a token past cache_seqlens (zero-filled, never read).
-    const int t_local = tid / 4, q4 = tid % 4;
-    auto page_of = [&](int blk) -> int { return token_page(p, bt_row, seqlen, blk * kBlockN + t_local); };
-    auto load_k_tile = [&](int blk, int stage, int page) {
-      load_k_row(p, kbase, sK_u + stage * kSmemK, blk * kBlockN + t_local, page, t_local, q4, n_chunks,
-                 [](int r, int c) { return slab_off(r, c); });
-    };
-    // L2 prefetch of one whole token row (d_qk * 2 bytes) of a tile two steps ahead.
-    auto prefetch_tile = [&](int blk, int page) {
-      if (q4 == 0 && page >= 0)
-        prefetch_l2_bulk(token_row(p, kbase, blk * kBlockN + t_local, page), static_cast<uint32_t>(d_qk * 2));
-    };
+    // K tiles: the pages of the next two are read ahead (pg1, pg2); the one two steps ahead is
+    // prefetched to L2 (kTuneL2Prefetch).
+    const auto kt = k_tiles<kBlockN, kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk,
+                                             sK_u, [](int r, int c) { return slab_off(r, c); });
 
     if (n_blk > 0) {
       load_q_tile<T, kBlockM, kThreads>(p, sQ_u, req, kv_head, m_tile * kBlockM, n_chunks, tid,
                                           [](int r, int c) { return slab_off(r, c); });
-      load_k_tile(blk_lo, 0, page_of(blk_lo));
+      kt.load(blk_lo, 0, kt.page(blk_lo));
       cp_async_commit();
     }
 
@@ -139,8 +118,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     for (int j = 0; j < 128; ++j) o[j] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_run[2] = {0.f, 0.f};
-    int pg1 = n_blk > 1 ? page_of(blk_lo + 1) : -1;
-    int pg2 = n_blk > 2 ? page_of(blk_lo + 2) : -1;
+    int pg1 = n_blk > 1 ? kt.page(blk_lo + 1) : -1;
+    int pg2 = n_blk > 2 ? kt.page(blk_lo + 2) : -1;
 
     for (int i = 0; i < n_blk; ++i) {
       cp_async_wait<0>();
@@ -169,11 +148,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
       gmma::commit();
       // While the tensor cores run S: start the next tile's loads (its stage was
       // last read by the PV of tile i-1, finished before the barrier above).
-      if (i + 1 < n_blk) load_k_tile(blk_lo + i + 1, (i + 1) & 1, pg1);
+      if (i + 1 < n_blk) kt.load(blk_lo + i + 1, (i + 1) & 1, pg1);
       cp_async_commit();
-      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) prefetch_tile(blk_lo + i + 2, pg2);
+      if ((p.flags & kTuneL2Prefetch) && i + 2 < n_blk) kt.prefetch(blk_lo + i + 2, pg2);
       pg1 = pg2;
-      pg2 = i + 3 < n_blk ? page_of(blk_lo + i + 3) : -1;
+      pg2 = i + 3 < n_blk ? kt.page(blk_lo + i + 3) : -1;
       gmma::wait<0>();
       gmma::reg_fence(s);
 
@@ -244,11 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
     }
 
     // ---- epilogue
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-    }
+    quad_sum(l_run);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
       __syncthreads();  // every warp is past its last read of sRed

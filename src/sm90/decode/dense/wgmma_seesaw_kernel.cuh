@@ -276,13 +276,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   FLASHMLA_DENSE_TRACE_CTA(0, 1);
   uint32_t phase = 0;  // parity of the next phase of this warpgroup's own stage (WG0: stage 0, WG1: stage 1)
 
-  const int32_t* meta = p.tile_scheduler_metadata + part * 8;
-  const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
-  const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) {
+  const PartSchedule ps = part_schedule(p.tile_scheduler_metadata, part);
+  if (ps.begin_req >= p.b) {
     FLASHMLA_DENSE_TRACE_CTA(0, 2);
     FLASHMLA_DENSE_TRACE_CTA(0, 3);
-    FLASHMLA_DENSE_TRACE_VAL(0, 1, begin_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 1, ps.begin_req);
     return;
   }
   FLASHMLA_DENSE_TRACE_CTA(0, 2);
@@ -302,18 +300,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int row_local[2], row_global[2], row_sq[2];
   thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
 
-  for (int req = begin_req; req <= end_req; ++req) {
+  for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
-    const int seqlen = max(p.seqlens[req], 0);
-    const int n_blk_req = (seqlen + kBlockN - 1) / kBlockN;
-    const int blk_lo = req == begin_req ? begin_blk : 0;
-    const int blk_hi = part_end_block(req, n_blk_req, end_req, end_blk);
-    const int n_blk = max(blk_hi - blk_lo, 0);
-    bool no_split = part_holds_whole_request(req, begin_req, end_req, first_splitted, last_splitted);
-    const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
-
     int limit[2];
-    const int min_limit = causal_key_limits(p, row_sq, seqlen, limit);
+    const auto [seqlen, blk_lo, n_blk, no_split, split_slot, min_limit] = dense_request<kBlockN>(p, ps, req, row_sq, limit);
 
     cp_async_wait<0>();
     if constexpr (kStaged) tma::bulk_wait_read();  // the previous request's O rows have left shared memory
@@ -449,18 +439,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         float mx[2] = {-INFINITY, -INFINITY};
         scale_mask_rowmax(s, p.scale_log2, need_mask, tok0, tq, limit, mx);
         float m0u[2], sc0[2];
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
+        seesaw::first_block_row_max(sM0, sS0, row_local, tq, mx, m_run, m0u, sc0, [&](int hh) {
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
           mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-          const float m0 = seesaw::lazy_max(m_run[hh], mx[hh]);
-          m0u[hh] = m0 == -INFINITY ? 0.f : m0;
-          sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
-          if (tq == 0) {
-            sM0[row_local[hh]] = m0;
-            sS0[row_local[hh]] = sc0[hh];
-          }
-        }
+        });
         bar_arrive(kBarScale0, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(0, 3, t_wg == 0);
 
@@ -629,11 +611,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- epilogue: L = WG0's part + WG1's part
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 4);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 1);
-      l_run[hh] += __shfl_xor_sync(0xffffffffu, l_run[hh], 2);
-    }
+    quad_sum(l_run);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
 #pragma unroll
@@ -753,12 +731,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (kStaged) tma::bulk_wait_read();  // shared memory stays allocated until the bulk copies have read it
   FLASHMLA_DENSE_TRACE_CTA(0, 3);
   FLASHMLA_TRACE_ONLY({
-    FLASHMLA_DENSE_TRACE_VAL(0, 1, begin_req);
-    FLASHMLA_DENSE_TRACE_VAL(0, 2, end_req);
-    FLASHMLA_DENSE_TRACE_VAL(0, 3, begin_blk);
-    FLASHMLA_DENSE_TRACE_VAL(0, 4, end_blk);
+    FLASHMLA_DENSE_TRACE_VAL(0, 1, ps.begin_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 2, ps.end_req);
+    FLASHMLA_DENSE_TRACE_VAL(0, 3, ps.begin_blk);
+    FLASHMLA_DENSE_TRACE_VAL(0, 4, ps.end_blk);
     FLASHMLA_DENSE_TRACE_VAL(0, 5, dtrace_req);
-    FLASHMLA_DENSE_TRACE_VAL(0, 6, (first_splitted ? 1 : 0) | (last_splitted ? 2 : 0));
+    FLASHMLA_DENSE_TRACE_VAL(0, 6, (ps.first_splitted ? 1 : 0) | (ps.last_splitted ? 2 : 0));
   })
 }
 

@@ -100,11 +100,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
     r.blk_lo = req == begin_req ? begin_blk : 0;
     r.blk_hi = min(req == end_req ? end_blk : r.n_total, r.n_total);
     r.n_blk = max(r.blk_hi - r.blk_lo, 0);
-    r.lim_main = p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
-    r.lim_extra = 0;
-    if (p.has_extra)
-      r.lim_extra =
-          p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+    request_slot_limits(p, req, r.lim_main, r.lim_extra);
     return r;
   };
 
@@ -226,11 +222,8 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
       named_barrier_sync(small_heads::kBarConsumers, small_heads::kConsumers);  // Q visible to all consumers
     }
 
-    float o[NT_O][4];
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};
-    float l_run[2] = {0.f, 0.f};
+    float o[NT_O][4], m_run[2], l_run[2];
+    mma_core::reset_rows(o, m_run, l_run);
 
     for (int i = 0; i < n_blk; ++i, ++kc) {
       const int buf = kc & 1;
@@ -245,11 +238,8 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
     }
 
     // ---- epilogue (as the mma.sync kernel): total row sum across the row group's warps
-    mma_core::quad_sum(l_run);
-    float L[2] = {0.f, 0.f};
-    if (n_blk > 0) {
-      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
-    }
+    float L[2];
+    mma_core::row_sums<C>(l_run, L, n_blk, sRed, row_local, rg, cw, tq);
 
     store_sparse_decode_rows<NT_O, VW>(
         p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);

@@ -130,6 +130,17 @@ __device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p
   }
 }
 
+/// Request req's valid slot bounds (slots >= a bound are never read): lim_main for the main index set
+/// (topk_length[req] clamped to [0, topk], or topk without topk_length), lim_extra for the extra one (0
+/// without one).
+__device__ __forceinline__ void request_slot_limits(const SparseDecodeKernelParams& p, int req, int& lim_main,
+                                                    int& lim_extra) {
+  lim_main = p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
+  lim_extra = 0;
+  if (p.has_extra)
+    lim_extra = p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+}
+
 /// The Q tile of the mma.sync kernels: heads ht * BM .. ht * BM + BM - 1 of query position sq of request
 /// req, N_CHUNKS 16-byte chunks a row, into sQ (swz layout; sQ_u its shared address): by cp.async where
 /// p.q_vec, else element by element; zeros for heads >= h_q. kThreads threads share it, this one tid;
@@ -250,12 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     if (!p.out_vec_ok) no_split = false;  // strided out: every request goes through the combine kernel
     const int split_slot = part_split_slot(p.num_splits, req, begin_req, begin_split);
 
-    // Valid slot bounds of this request (slots >= bound are never read).
-    const int lim_main =
-        p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
-    int lim_extra = 0;
-    if (p.has_extra)
-      lim_extra = p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+    int lim_main, lim_extra;
+    request_slot_limits(p, req, lim_main, lim_extra);
 
     cp_async_wait<0>();
     __syncthreads();  // the previous request is done with every buffer
@@ -326,11 +333,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     }
 
-    float o[NT_O][4];
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY};
-    float l_run[2] = {0.f, 0.f};
+    float o[NT_O][4], m_run[2], l_run[2];
+    mma_core::reset_rows(o, m_run, l_run);
 
     for (int i = 0; i < n_blk; ++i) {
       const int st = i % NS;
@@ -376,11 +380,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
 
     // ---- epilogue: total row sum across the row group's warps
-    mma_core::quad_sum(l_run);
-    float L[2] = {0.f, 0.f};
-    if (n_blk > 0) {
-      mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
-    }
+    float L[2];
+    mma_core::row_sums<C>(l_run, L, n_blk, sRed, row_local, rg, cw, tq);
 
     store_sparse_decode_rows<NT_O, VW>(
         p, [&](int j, int e) { return o[j][e]; }, L, m_run, head, sq, req, split_slot, no_split, cw, tq);

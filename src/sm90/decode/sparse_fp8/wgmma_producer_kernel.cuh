@@ -498,11 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     r.blk_lo = req == begin_req ? begin_blk : 0;
     const int blk_hi = min(req == end_req ? end_blk : n_total, n_total);
     r.n_blk = max(blk_hi - r.blk_lo, 0);
-    r.lim_main = p.main.topk_length != nullptr ? min(max(p.main.topk_length[req], 0), p.main.topk) : p.main.topk;
-    r.lim_extra = 0;
-    if (p.has_extra)
-      r.lim_extra =
-          p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
+    request_slot_limits(p, req, r.lim_main, r.lim_extra);
     return r;
   };
 

@@ -150,11 +150,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
     cp_async_commit();
   }
 
-  float o[NT_O][4];
-#pragma unroll
-  for (int j = 0; j < NT_O; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+  float o[NT_O][4], m_run[2], l_run[2];
+  mma_core::reset_rows(o, m_run, l_run);
 
   for (int i = 0; i < n_blk; ++i) {
     const int stage = i & 1;
@@ -171,13 +168,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_attn_fwd_mma_kernel(const 
         o, m_run, l_run, sQ_u, sKs_u, vf, p.scale_log2, sRed, sP, sP_u, row_local, rg, cw, lane, tq, K_STEPS);
   }
 
-  // ---- epilogue: total row sum across the row group's warps
-  mma_core::quad_sum(l_run);
-  float L[2] = {0.f, 0.f};
-  if (n_blk > 0) {
-    __syncthreads();  // every warp is past its last read of sRed
-    mma_core::row_group_sum<C>(l_run, L, sRed, row_local, rg, cw, tq);
-  }
+  // ---- epilogue: total row sum across the row group's warps, after a CTA barrier (every warp is past
+  // its last read of sRed)
+  float L[2];
+  mma_core::row_sums<C, true>(l_run, L, n_blk, sRed, row_local, rg, cw, tq);
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

@@ -463,17 +463,8 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       if (*reinterpret_cast<const uint32_t*>(sInval) == 0) scale_rowmax(s, p.scale_log2, mx);
       else mask_rowmax(s, sValid, p.scale_log2, tq, mx);
       float m0u[2], sc0[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        m_true[hh] = fmaxf(m_true[hh], mx[hh]);
-        const float m0 = lazy_max(m_run[hh], mx[hh]);
-        m0u[hh] = m0 == -INFINITY ? 0.f : m0;
-        sc0[hh] = exp2f(m_run[hh] - m0u[hh]);
-        if (tq == 0) {
-          sM0[row_local[hh]] = m0;
-          sS0[row_local[hh]] = sc0[hh];
-        }
-      }
+      first_block_row_max(sM0, sS0, row_local, tq, mx, m_run, m0u, sc0,
+                          [&](int hh) { m_true[hh] = fmaxf(m_true[hh], mx[hh]); });
       // Ahead of P0's exps in the PTX (ptxas hoists their MUFU.EX2 above it). Keeping them behind it by
       // rereading m0 from sM0 measured x0.998; arriving only after P0 V0_L lost too.
       bar_arrive(kBarScale0, kThreads);
