@@ -292,9 +292,11 @@ def flash_mla_with_kvcache(
                     and tile_scheduler_metadata.tile_scheduler_metadata is tsm
                     and tile_scheduler_metadata.num_splits is splits and tile_scheduler_metadata.have_initialized
                     and q.get_device() == dev
-                    # (a CUDA device: the current one and no capture; -1: torch's meta device, never the CPU)
-                    and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev if dev >= 0
-                         else not q.is_cpu)
+                    # (a CUDA device: the current one, no capture and the route the record was made on -- a CUDA
+                    # record is eager exactly when the eager route was on, set_eager_route may have switched it
+                    # since; -1: torch's meta device, never the CPU)
+                    and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev
+                         and eager is _torch_ops._eager_route if dev >= 0 else not q.is_cpu)
                     and not (eager and _torch_ops.mode_active())):  # (the eager route: nothing may intercept)
                 if type(head_dim_v) is not int:  # (the full path's checks of the two scalars, in its order)
                     head_dim_v = _int_arg("head_dim_v", head_dim_v)
