@@ -501,7 +501,7 @@ def _check_same_device(q_name: str, q: Any, **tensors: Any) -> None:
 
     A call with one tensor on the ``meta`` device and the rest on the CPU (or CUDA) is routed by
     torch's dispatcher to these fake kernels, which would otherwise return uninitialised outputs
-    (regressions.md item 10): raise the core's ValueError instead. Under torch.compile every fake
+    (a silent wrong answer for a mixed-device call): raise the core's ValueError instead. Under torch.compile every fake
     tensor shares q's device and this passes.
     """
     for name, t in tensors.items():

@@ -414,7 +414,8 @@ def flash_mla_with_kvcache(
     # never read back: torch calls reuse it only while the length tensors are the same objects at
     # the same versions, in the same CUDA-graph capture (see _torch_ops.schedule_key); every other
     # GPU call recomputes it on its stream (a one-CTA kernel, capturable). So a reused
-    # FlashMLASchedMeta is never stale there, even after the lengths changed (regression 6).
+    # FlashMLASchedMeta is never stale there, even after the lengths changed (CUDA-graph replays with new
+    # lengths included: tests/gpu/test_torch_ops_gpu.py).
     gpu_key = None
     if eager:
         on_device = True
