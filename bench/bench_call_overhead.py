@@ -8,8 +8,8 @@ the launch queue and the GPU never throttles the host). Reported per path, media
 * ``torch.ops``      — ``torch.ops.flash_mla.dense_decode_fwd`` called directly (stable-ABI op);
 * ``api-torch``      — ``flash_mla.flash_mla_with_kvcache`` with torch tensors (Python wrapper + torch op, the
   default);
-* ``api-torch-eager`` — the same through the opt-in eager TVM-FFI route (``FLASHMLA_EAGER_TVM_FFI=1``,
-  docs/host-path.md);
+* ``api-torch-eager`` — the same through the eager TVM-FFI route (off by default; switched on for this row
+  by ``flash_mla._torch_ops.set_eager_route(True)``, docs/host-path.md);
 * ``eager-function`` — ``flash_mla._torch_ops.eager_dense_decode_fwd`` with the schedule given (what a reusing
   eager call runs below the Python layer: the TVM-FFI call and the two outputs converted to torch tensors);
 * ``api-torch-tvm-ffi`` — the same call with torch tensors sent through TVM-FFI instead of torch.ops
@@ -26,13 +26,14 @@ process (``--worker``; FlashMLA's directory first on PYTHONPATH for the anchor),
 FlashMLASchedMeta reused by every call (the layers of one decoding step). Per case and package: host
 us per call (as above) and wall us per call (the N calls and the final synchronisation, i.e. what an
 eager loop achieves when the GPU is slower than the host), each the minimum over the processes of the
-median over rounds; ``ratio_host`` = ours / FlashMLA (issue 25's target: <= 0.8).
+median over rounds; ``ratio_host`` = ours / FlashMLA (issue 25's target: <= 0.8). ``--eager-route`` runs our
+side with the eager TVM-FFI route switched on (``set_eager_route(True)``); each result records the route.
 
 Writes bench/results/<date>-call-overhead.json (use --out) with the GPU name and the
 ceilings measured in the same run.
 
 Usage: python bench/bench_call_overhead.py [--out DIR] [--calls 200] [--rounds 7]
-           [--anchor-path /tmp/anchor/flashmla] [--repeats 2]
+           [--anchor-path /tmp/anchor/flashmla] [--repeats 2] [--eager-route]
 """
 
 from __future__ import annotations
@@ -81,19 +82,27 @@ SIDE_BY_SIDE = [
 ]
 
 
-def side_by_side_worker(calls: int, rounds: int, device: str = "cuda") -> int:
+def side_by_side_worker(calls: int, rounds: int, device: str = "cuda", eager_route: bool = False) -> int:
     """One package's side-by-side loop (whichever ``flash_mla`` this process imports); prints one
-    ``RESULT <json>`` line. (``device="cpu"`` is a dry run of the plumbing on the reference backend.)"""
+    ``RESULT <json>`` line. ``eager_route``: ours with the eager TVM-FFI route switched on. (``device="cpu"`` is a
+    dry run of the plumbing on the reference backend.)"""
     import torch
 
     import flash_mla
+
+    route = None
+    if eager_route:
+        from flash_mla import _torch_ops
+
+        _torch_ops.set_eager_route(True)
+        route = _torch_ops.eager_route_state()
 
     dev = torch.device(device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator(device=dev).manual_seed(0)
     d, pbs = 576, 64
     res = {"module": os.path.abspath(flash_mla.__file__), "version": getattr(flash_mla, "__version__", "?"),
-           "cases": {}}
+           "eager_route": route, "cases": {}}
     for name, p in SIDE_BY_SIDE:
         b, s_q, h_q = p["b"], p["s_q"], p["h_q"]
         q = torch.randn(b, s_q, h_q, d, device=dev, generator=g).to(torch.bfloat16)
@@ -125,26 +134,28 @@ def side_by_side_worker(calls: int, rounds: int, device: str = "cuda") -> int:
     return 0
 
 
-def run_worker(label: str, pythonpath, calls: int, rounds: int, device: str = "cuda") -> dict:
+def run_worker(label: str, pythonpath, calls: int, rounds: int, device: str = "cuda",
+               eager_route: bool = False) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     # From outside the source tree, so that `import flash_mla` finds the installed package (or the anchor).
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls), "--rounds",
-                        str(rounds), "--device", device], env=env, cwd=os.path.dirname(os.path.abspath(__file__)),
-                       capture_output=True, text=True)
+                        str(rounds), "--device", device] + (["--eager-route"] if eager_route else []), env=env,
+                       cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
         raise RuntimeError(f"{label} worker failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def side_by_side(anchor_path: str, calls: int, rounds: int, repeats: int, device: str = "cuda") -> list:
+def side_by_side(anchor_path: str, calls: int, rounds: int, repeats: int, device: str = "cuda",
+                 eager_route: bool = False) -> list:
     """Both packages' workers, alternating `repeats` times; one case dict per side-by-side case."""
     anchor_path = os.path.abspath(anchor_path)
     runs = {"ours": [], "anchor": []}
     for _ in range(repeats):
-        runs["ours"].append(run_worker("ours", None, calls, rounds, device))
+        runs["ours"].append(run_worker("ours", None, calls, rounds, device, eager_route))
         runs["anchor"].append(run_worker("anchor", anchor_path, calls, rounds, device))
     if not runs["anchor"][0]["module"].startswith(anchor_path + os.sep):
         raise RuntimeError(f"the anchor worker imported {runs['anchor'][0]['module']}, not FlashMLA from {anchor_path}")
@@ -153,7 +164,7 @@ def side_by_side(anchor_path: str, calls: int, rounds: int, repeats: int, device
     cases = []
     for name, params in SIDE_BY_SIDE:
         row = {"name": f"side-by-side {name}", "params": params, "ours_module": runs["ours"][0]["module"],
-               "anchor_module": runs["anchor"][0]["module"]}
+               "anchor_module": runs["anchor"][0]["module"], "ours_eager_route": runs["ours"][0].get("eager_route")}
         for pkg in ("ours", "anchor"):
             got = [r["cases"][name] for r in runs[pkg]]
             errors = [x["error"] for x in got if "error" in x]
@@ -184,11 +195,13 @@ def main(argv=None) -> int:
     ap.add_argument("--anchor-path", help="directory from which `import flash_mla` loads FlashMLA (its built "
                     "source tree, e.g. /tmp/anchor/flashmla): adds the side-by-side cases")
     ap.add_argument("--repeats", type=int, default=2, help="side by side: processes per package, alternating")
+    ap.add_argument("--eager-route", action="store_true", help="side by side: our package with the eager TVM-FFI "
+                    "route switched on (flash_mla._torch_ops.set_eager_route; off by default)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one package's side-by-side loop
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the worker's ("cpu": dry run)
     args = ap.parse_args(argv)
     if args.worker:
-        return side_by_side_worker(args.calls, args.rounds, args.device)
+        return side_by_side_worker(args.calls, args.rounds, args.device, args.eager_route)
 
     import torch
 
@@ -237,9 +250,15 @@ def main(argv=None) -> int:
         add(name, lambda: flash_mla.flash_mla_with_kvcache(q, k, bt, sl, 512, s, None, scale), note=note)
 
     add_api("api-torch", f"public API, torch tensors (eager route: {_torch_ops.eager_route_state()})", sched)
-    if _torch_ops._ffi_dense_decode is not None and flash_mla.has_cuda_backend():
-        with mock.patch.object(_torch_ops, "_eager_route", True):  # (what FLASHMLA_EAGER_TVM_FFI=1 sets at load)
-            add_api("api-torch-eager", "public API, torch tensors through the eager TVM-FFI route (opt-in)")
+    try:
+        _torch_ops.set_eager_route(True)
+    except RuntimeError as e:  # (no CUDA kernels in this build, or a torch / tvm_ffi without what it needs)
+        print(f"{'api-torch-eager':22s} skipped: {e}")
+    else:
+        try:
+            add_api("api-torch-eager", "public API, torch tensors through the eager TVM-FFI route (off by default)")
+        finally:
+            _torch_ops.set_eager_route(False)
     tsm, splits = sched.tile_scheduler_metadata, sched.num_splits
     if tsm is not None and _torch_ops._ffi_dense_decode is not None:
         add("eager-function", lambda: _torch_ops.eager_dense_decode_fwd(q, k, 512, sl, bt, scale, False, tsm, splits),
@@ -287,7 +306,7 @@ def main(argv=None) -> int:
         print(f"jax GPU path skipped: {type(e).__name__}: {e}")
 
     if args.anchor_path:
-        cases += side_by_side(args.anchor_path, args.calls, args.rounds, args.repeats)
+        cases += side_by_side(args.anchor_path, args.calls, args.rounds, args.repeats, eager_route=args.eager_route)
 
     path = write_results("call-overhead", gpu, ceilings, cases, args.out)
     print("wrote", path)

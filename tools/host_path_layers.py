@@ -38,9 +38,12 @@ Subcommands (each prints a table and, with --json, writes it):
                     (--native) or perf attached to the loop only (after imports and warm-up).
 ``pyspy-summary``   top frames of a ``py-spy record -f raw`` file: by self samples and by inclusive samples.
 
-Usage: python tools/host_path_layers.py layers [--json PATH] [--calls 200] [--rounds 7]
+``--eager-route`` (layers, loop): this package with the eager TVM-FFI route of torch decode calls switched on
+(``flash_mla._torch_ops.set_eager_route(True)``; off by default), so that its rows measure that route.
+
+Usage: python tools/host_path_layers.py layers [--json PATH] [--calls 200] [--rounds 7] [--eager-route]
        PYTHONPATH=/tmp/anchor/flashmla python tools/host_path_layers.py anchor-layers [--json PATH]
-       python tools/host_path_layers.py loop [--case "dense b1 h16 s_k64"] [--seconds 6]
+       python tools/host_path_layers.py loop [--case "dense b1 h16 s_k64"] [--seconds 6] [--eager-route]
                                              [--pyspy /tmp/pyspy/bin/py-spy --raw OUT.raw | --perf-data OUT.data]
        python tools/host_path_layers.py pyspy-summary RAW [--top 40]
 """
@@ -217,10 +220,13 @@ def cmd_layers(args) -> dict:
     from flash_mla import _ffi, _torch_ops
 
     assert _torch_ops.available(), _torch_ops.load_error()
+    if args.eager_route:
+        _torch_ops.set_eager_route(True)
     sync = sync_of(torch, args.device)
     g = torch.Generator(device=args.device).manual_seed(0)
     rows: list = []
-    res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device), "rows": rows}
+    res = {"package": os.path.abspath(flash_mla.__file__), **gpu_info(torch, args.device),
+           "eager_route": _torch_ops.eager_route_state(), "rows": rows}
     _SAVE["res"] = res
     print(f"flash_mla from {res['package']} on {res['gpu']}, torch {res['torch']}", flush=True)
     ops = torch.ops.flash_mla
@@ -387,6 +393,10 @@ def cmd_loop(args) -> dict:
 
     import flash_mla
 
+    if args.eager_route:
+        from flash_mla import _torch_ops
+
+        _torch_ops.set_eager_route(True)
     params = dict(CASES)[args.case]
     c = make_case(torch, flash_mla, params, torch.Generator(device=args.device).manual_seed(0))
     sync = sync_of(torch, args.device)
@@ -481,6 +491,8 @@ def main(argv=None) -> int:
         s.add_argument("--json")
         s.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # "cpu": a dry run of the plumbing
         s.add_argument("--cases", type=int, default=len(CASES), help="the first N cases only")
+    sub.choices["layers"].add_argument("--eager-route", action="store_true",
+                                       help="switch the eager TVM-FFI route on (set_eager_route) before measuring")
     s = sub.add_parser("loop")
     s.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     s.add_argument("--pyspy", help="py-spy executable: record this process's loop (--native) into --raw")
@@ -489,6 +501,7 @@ def main(argv=None) -> int:
     s.add_argument("--perf-data", help="perf record -g this process's loop into this file")
     s.add_argument("--case", default=CASES[0][0])
     s.add_argument("--seconds", type=float, default=6.0)
+    s.add_argument("--eager-route", action="store_true", help="ours: switch the eager TVM-FFI route on first")
     s.add_argument("--json")
     s = sub.add_parser("pyspy-summary")
     s.add_argument("raw")

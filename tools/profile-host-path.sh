@@ -15,7 +15,8 @@
 #   summary.txt                the lines above that matter, one file
 # Usage: bash tools/profile-host-path.sh    (env: OUT, ANCHOR_DIR=/tmp/anchor/flashmla, PYSPY_WHEEL=<py-spy wheel>;
 #        the wheel is also looked for in .anchor/tools/, .whl/ and /tmp; PROFILE_BUDGET_S (default 112);
-#        PROFILE_SKIP_CORE=1 leaves out the C++-core-alone step)
+#        PROFILE_SKIP_CORE=1 leaves out the C++-core-alone step; PROFILE_EAGER_ROUTE=1 measures our package with the
+#        eager TVM-FFI route of torch decode calls switched on: host_path_layers.py --eager-route)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -25,6 +26,7 @@ export PYTHONUNBUFFERED=1
 ANCHOR_DIR=${ANCHOR_DIR:-/tmp/anchor/flashmla}
 DEVICE=${PROFILE_DEVICE:-cuda}  # (cpu: a dry run of the loops on the reference backend, on a machine without a GPU)
 BUDGET=${PROFILE_BUDGET_S:-112}
+EAGER=(); [ "${PROFILE_EAGER_ROUTE:-0}" != 0 ] && EAGER=(--eager-route)  # (ours only: FlashMLA has no such route)
 T0=$SECONDS
 left() { echo $((BUDGET - (SECONDS - T0))); }
 # step NAME LIMIT_S CMD...: runs CMD with a time limit of min(LIMIT_S, what is left - 2); logs its status.
@@ -69,7 +71,8 @@ else
 fi
 
 # ---- the Python / torch layers, ours and FlashMLA's
-step "layers (ours)" 40 python3 tools/host_path_layers.py layers --device "$DEVICE" --json "$OUT/layers-ours.json" \
+step "layers (ours)" 40 python3 tools/host_path_layers.py layers --device "$DEVICE" ${EAGER[@]+"${EAGER[@]}"} \
+  --json "$OUT/layers-ours.json" \
   > "$OUT/layers-ours.txt" 2>&1; cat "$OUT/layers-ours.txt"
 HAVE_ANCHOR=0
 if ls "$ANCHOR_DIR"/flash_mla/cuda*.so >/dev/null 2>&1; then
@@ -98,12 +101,13 @@ if [ -z "$PYSPY" ]; then
     echo "=== py-spy: no py-spy and no wheel (PYSPY_WHEEL, .anchor/tools/, .whl/ or /tmp/py_spy-*.whl): skipped"
   fi
 fi
-pyspy_run() {  # pyspy_run LABEL [PYTHONPATH prefix]
+pyspy_run() {  # pyspy_run LABEL [PYTHONPATH prefix (FlashMLA's)]
   local label=$1 pp=${2:-}
+  local opt=(); [ -z "$pp" ] && opt=(${EAGER[@]+"${EAGER[@]}"})
   # py-spy attaches to the loop process after its imports and warm-up (host_path_layers.py loop --pyspy),
   # so that only the calls are sampled; SIGINT at the limit still writes what was sampled.
   PYTHONPATH=${pp:+$pp:}${PYTHONPATH:-} step "py-spy record --native ($label)" 25 \
-    python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" --pyspy "$PYSPY" \
+    python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" ${opt[@]+"${opt[@]}"} --pyspy "$PYSPY" \
     --raw "$OUT/pyspy-$label.raw" > "$OUT/pyspy-$label.log" 2>&1
   local rc=$?
   if [ ! -s "$OUT/pyspy-$label.raw" ]; then
@@ -121,7 +125,7 @@ fi
 
 # ---- perf (when installed and time is left)
 if command -v perf >/dev/null 2>&1 && [ "$(left)" -gt 25 ]; then
-  step "perf record (ours)" 20 python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" \
+  step "perf record (ours)" 20 python3 tools/host_path_layers.py loop --seconds 4 --device "$DEVICE" ${EAGER[@]+"${EAGER[@]}"} \
     --perf-data /tmp/perf-ours.data > "$OUT/perf-record.log" 2>&1 &&
     { echo "## self"; timeout 10 perf report -i /tmp/perf-ours.data --stdio --no-children -g none --sort dso,sym \
         --percent-limit 0.3 2>/dev/null | grep -v '^$' | cut -c1-220 | head -120

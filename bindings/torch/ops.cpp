@@ -176,7 +176,8 @@ Tensor alloc(flashmla::Device dev, std::initializer_list<int64_t> shape_il, DTyp
   return Tensor(h);
 }
 
-/// Sets the current device to q's for CUDA tensors (regression 9), no-op on the CPU.
+/// Sets the current device to q's for CUDA tensors (the kernels launch on the tensors' device even when
+/// another one is current), no-op on the CPU.
 struct MaybeDeviceGuard {
   std::optional<torch::stable::accelerator::DeviceGuard> guard;
   explicit MaybeDeviceGuard(const TensorRef& q) {

@@ -55,9 +55,9 @@
 // are multiples of 16 bytes (kValue otherwise); sparse decode and prefill accept any alignment
 // (unaligned tensors take slower kernels); `workspace` must be 16-byte aligned.
 //
-// Semantics follow FlashMLA at commit 9241ae3. "spec §N" below cites the project's written
-// description of FlashMLA's behaviour (shared/spec/flashmla-behaviour.md in the development
-// tree; not installed); what a caller needs is stated in these comments.
+// Semantics follow FlashMLA (github.com/deepseek-ai/FlashMLA) at commit 9241ae3. "spec §N" below
+// names the section of FlashMLA's behaviour that a statement reproduces; docs/README.md lists the
+// sections and the FlashMLA files they come from. What a caller needs is stated in these comments.
 #pragma once
 
 #include <cstdint>

@@ -23,19 +23,19 @@ RuntimeError (the stable ABI cannot choose Python exception classes); :func:`cal
 them as ValueError / TypeError / NotImplementedError with the plain message, so both ways in
 raise the same exceptions.
 
-Eager TVM-FFI route (opt-in): with ``FLASHMLA_EAGER_TVM_FFI=1`` in the environment when the op library
-loads, eager decode calls on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every
-tensor is a plain ``torch.Tensor`` on CUDA, nothing traces (torch.compile) and no dispatch,
-torch-function or functorch mode is active, ``flash_mla_with_kvcache`` calls the TVM-FFI function
-of the same C++ core directly (:func:`eager_dense_decode_fwd`, :func:`eager_sparse_decode_fwd`), as
-FlashMLA calls its pybind11 extension. It is off by default because its outputs come back through
-DLPack: torch's ``Tensor.record_stream`` is a no-op on them (a program that hands them to another
-stream could see their memory reused early) and eager calls leave no ``flash_mla::`` op in profiler
-traces; measured on the H200 host it saved 1.8 us of a 41 us public-API call (docs/host-path.md).
+Eager TVM-FFI route (internal, off by default): once :func:`set_eager_route` switched it on, eager decode calls
+on CUDA (:func:`route` answers :data:`EAGER`) skip the op library: when every tensor is a plain ``torch.Tensor``
+on CUDA, nothing traces (torch.compile) and no dispatch, torch-function or functorch mode is active,
+``flash_mla_with_kvcache`` calls the TVM-FFI function of the same C++ core directly
+(:func:`eager_dense_decode_fwd`, :func:`eager_sparse_decode_fwd`), as FlashMLA calls its pybind11 extension.
+It is off by default because its outputs come back through DLPack: torch's ``Tensor.record_stream`` is a no-op
+on them (a program that hands them to another stream could see their memory reused early) and eager calls
+leave no ``flash_mla::`` op in profiler traces; measured on the H200 host it saved 1.8 us of a 41 us
+public-API call (docs/host-path.md). The host-overhead benchmarks switch it on to compare the two routes.
 
-Environment, read once when the op library loads (never per call):
-``FLASHMLA_DISABLE_TORCH_OPS=1`` sends torch tensors through TVM-FFI always (no op library);
-``FLASHMLA_EAGER_TVM_FFI=1`` turns the eager TVM-FFI route above on.
+Environment, read once when the op library loads (never per call): ``FLASHMLA_DISABLE_TORCH_OPS=1`` sends
+torch tensors through TVM-FFI always (no op library); ``FLASHMLA_TORCH_LIB`` names the op library to load
+instead of the package's own.
 """
 
 from __future__ import annotations
@@ -65,10 +65,12 @@ _cuda_capturing: Any = None
 OPS, EAGER = 1, 2
 # handles() of arguments that are all exactly torch.Tensor (or None).
 PLAIN = 2
-# Set by _bind(): whether the EAGER route exists in this process (a CUDA build, torch's C-level mode queries
-# present, FLASHMLA_EAGER_TVM_FFI=1), torch's checks for what could intercept a call (bound once), and the
-# TVM-FFI decode functions with tvm_ffi's element getter of the array they return.
+# _eager_route: whether the EAGER route is on (set_eager_route; off by default). Set by _bind(): whether it can
+# be on in this process (_eager_available: a CUDA build, torch's C-level mode queries present), torch's checks
+# for what could intercept a call (bound once), and the TVM-FFI decode functions with tvm_ffi's element getter
+# of the array they return.
 _eager_route = False
+_eager_available = False
 _is_compiling: Any = None
 _dispatch_stack_len: Any = None
 _function_mode_enabled: Any = None
@@ -146,13 +148,13 @@ def _bind(torch: Any) -> None:
 
 
 def _bind_eager(torch: Any) -> None:
-    """Bind what the EAGER route (module docstring) needs, once; the route stays off without CUDA kernels in
-    this build (both routes would raise the same NotImplementedError), where this torch or tvm_ffi lacks one
-    of the functions below, or unless FLASHMLA_EAGER_TVM_FFI=1 asks for it."""
-    global _eager_route, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
+    """Bind what the EAGER route (module docstring) needs, once. The route cannot be switched on without CUDA
+    kernels in this build (both routes would raise the same NotImplementedError), or where this torch or
+    tvm_ffi lacks one of the functions below; it stays off until :func:`set_eager_route` switches it on."""
+    global _eager_route, _eager_available, _dispatch_stack_len, _function_mode_enabled, _function_stack_len
     global _function_stack_at, _device_context, _functorch_interpreter, _ffi_dense_decode, _ffi_sparse_decode
     global _ffi_item
-    _eager_route = False
+    _eager_route = _eager_available = False
     try:
         from torch.utils._device import DeviceContext
         from tvm_ffi import _ffi_api
@@ -174,17 +176,39 @@ def _bind_eager(torch: Any) -> None:
         return
     if not has_cuda:
         _state["eager"] = "off: this build has no CUDA kernels"
-    elif os.environ.get("FLASHMLA_EAGER_TVM_FFI", "") in ("", "0"):
-        _state["eager"] = "off: opt-in (FLASHMLA_EAGER_TVM_FFI=1 when the op library loads)"
     else:
-        _eager_route = True
-        _state["eager"] = "on"
+        _eager_available = True
+        _state["eager"] = _EAGER_OFF
+
+
+_EAGER_OFF = "off: not switched on (set_eager_route(True))"
 
 
 def eager_route_state() -> str:
     """Whether eager CUDA decode calls take the TVM-FFI route in this process ("on") or why not ("off: ...")."""
     load()
     return _state.get("eager", "off: " + str(_state["error"]))
+
+
+def set_eager_route(enabled: bool) -> None:
+    """Switch the EAGER route of torch decode calls (module docstring) on or off for this process; off by default.
+
+    An internal switch for the host-overhead benchmarks and their tests (bench/bench_call_overhead.py,
+    tools/host_path_layers.py ``--eager-route``), not part of the public API. It takes effect from the next call,
+    including calls that reuse a ``FlashMLASchedMeta`` (their fast path re-routes). ``enabled`` must be a bool
+    (else TypeError). Switching it on raises RuntimeError, with the reason (:func:`eager_route_state`), where the
+    route cannot exist: no op library, no CUDA kernels in this build, or a torch / tvm_ffi without the functions
+    it needs. Switching it off always succeeds.
+    """
+    global _eager_route
+    if type(enabled) is not bool:
+        raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+    load()
+    if enabled and not _eager_available:
+        raise RuntimeError(f"the eager TVM-FFI route is unavailable in this process ({eager_route_state()})")
+    _eager_route = enabled
+    if _eager_available:
+        _state["eager"] = "on" if enabled else _EAGER_OFF
 
 
 def available() -> bool:
@@ -260,7 +284,7 @@ def route(*tensors: Any) -> int:
 
 
 def eager_possible(q: Any) -> bool:
-    """True when a decode call with this q may take the EAGER route: the route on in this process and q on CUDA."""
+    """True when a decode call with this q may take the EAGER route: the route on (set_eager_route) and q on CUDA."""
     return _eager_route and q.is_cuda
 
 
@@ -477,7 +501,7 @@ def _check_same_device(q_name: str, q: Any, **tensors: Any) -> None:
 
     A call with one tensor on the ``meta`` device and the rest on the CPU (or CUDA) is routed by
     torch's dispatcher to these fake kernels, which would otherwise return uninitialised outputs
-    (regressions.md item 10): raise the core's ValueError instead. Under torch.compile every fake
+    (a silent wrong answer for a mixed-device call): raise the core's ValueError instead. Under torch.compile every fake
     tensor shares q's device and this passes.
     """
     for name, t in tensors.items():

@@ -292,9 +292,11 @@ def flash_mla_with_kvcache(
                     and tile_scheduler_metadata.tile_scheduler_metadata is tsm
                     and tile_scheduler_metadata.num_splits is splits and tile_scheduler_metadata.have_initialized
                     and q.get_device() == dev
-                    # (a CUDA device: the current one and no capture; -1: torch's meta device, never the CPU)
-                    and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev if dev >= 0
-                         else not q.is_cpu)
+                    # (a CUDA device: the current one, no capture and the route the record was made on -- a CUDA
+                    # record is eager exactly when the eager route was on, set_eager_route may have switched it
+                    # since; -1: torch's meta device, never the CPU)
+                    and (not _torch_ops._cuda_capturing() and _torch_ops._cuda_current_device() == dev
+                         and eager is _torch_ops._eager_route if dev >= 0 else not q.is_cpu)
                     and not (eager and _torch_ops.mode_active())):  # (the eager route: nothing may intercept)
                 if type(head_dim_v) is not int:  # (the full path's checks of the two scalars, in its order)
                     head_dim_v = _int_arg("head_dim_v", head_dim_v)
@@ -412,7 +414,8 @@ def flash_mla_with_kvcache(
     # never read back: torch calls reuse it only while the length tensors are the same objects at
     # the same versions, in the same CUDA-graph capture (see _torch_ops.schedule_key); every other
     # GPU call recomputes it on its stream (a one-CTA kernel, capturable). So a reused
-    # FlashMLASchedMeta is never stale there, even after the lengths changed (regression 6).
+    # FlashMLASchedMeta is never stale there, even after the lengths changed (CUDA-graph replays with new
+    # lengths included: tests/gpu/test_torch_ops_gpu.py).
     gpu_key = None
     if eager:
         on_device = True

@@ -4,8 +4,8 @@ route taken (no flash_mla op reaches torch: neither the op wrapper nor the profi
 the torch.ops route (forced by a pass-through TorchDispatchMode, which must see the op), subclasses and
 torch.compile on the op, the schedule kept and recomputed as on the op's route, the outputs from torch's
 caching allocator (counted by torch.cuda.memory_allocated, freed with the tensors), the same errors as the op.
-The route is opt-in (FLASHMLA_EAGER_TVM_FFI=1 at import); a fixture turns it on here. Skipped without an sm90
-GPU (conftest.py).
+The route is off by default (flash_mla._torch_ops.set_eager_route switches it); a fixture turns it on here.
+Skipped without an sm90 GPU (conftest.py).
 """
 
 import os
@@ -31,14 +31,14 @@ class MyTensor(torch.Tensor):
 
 @pytest.fixture(autouse=True)
 def eager_route_on():
-    """What FLASHMLA_EAGER_TVM_FFI=1 sets when the op library loads (the functions are bound either way)."""
-    _torch_ops.load()
-    if _torch_ops._ffi_dense_decode is None or not flash_mla.has_cuda_backend():
-        pytest.skip(f"eager route unavailable: {_torch_ops.eager_route_state()}")
-    was = _torch_ops._eager_route
-    _torch_ops._eager_route = True
+    """set_eager_route(True) for each test, switched off again after it."""
+    try:
+        _torch_ops.set_eager_route(True)
+    except RuntimeError as e:  # (a build without CUDA kernels, a torch / tvm_ffi without what the route needs)
+        pytest.skip(str(e))
+    assert _torch_ops.eager_route_state() == "on"
     yield
-    _torch_ops._eager_route = was
+    _torch_ops.set_eager_route(False)
 
 
 def decode_calls(counted):
@@ -131,6 +131,28 @@ def test_repeated_eager_calls_take_the_fast_path(count_torch_calls, monkeypatch)
         out_op, _ = dense_t.run(*cu, False, sched)
     assert routed == [1] and "flash_mla.dense_decode_fwd_scheduled.default" in mode.seen
     assert same_bits(out_op, out1)
+
+
+def test_switching_the_route_reroutes_recorded_calls(count_torch_calls):
+    """A FlashMLASchedMeta's fast-path record follows set_eager_route: switched off, the next repeating call takes
+    the op (*_scheduled, the schedule kept), and the record made then is the op's; switched on again, the eager
+    function again. Same bits throughout."""
+    _, cu = dense_inputs()
+    sched = flash_mla.get_mla_metadata()[0]
+    out1, lse1 = dense_t.run(*cu, False, sched)
+    dense_t.run(*cu, False, sched)
+    assert sched._reuse[9] is True and decode_calls(count_torch_calls) == []
+    _torch_ops.set_eager_route(False)
+    for _ in range(3):
+        out, lse = dense_t.run(*cu, False, sched)
+        assert same_bits(out, out1) and same_bits(lse, lse1)
+    assert decode_calls(count_torch_calls) == ["flash_mla.dense_decode_fwd_scheduled.default"] * 3
+    assert sched._reuse[9] is False
+    _torch_ops.set_eager_route(True)
+    for _ in range(2):
+        out, lse = dense_t.run(*cu, False, sched)
+        assert same_bits(out, out1) and same_bits(lse, lse1)
+    assert len(decode_calls(count_torch_calls)) == 3 and sched._reuse[9] is True
 
 
 def test_subclass_takes_the_op(count_torch_calls):

@@ -62,7 +62,7 @@ def prefill_check(res, cpu_args, sm_scale=0.1):
 # ----------------------------------------------------------------------------- routing + values
 def test_public_functions_use_torch_ops_on_cuda(count_torch_calls):
     """By default every public call on CUDA torch tensors runs torch.ops.flash_mla (the eager TVM-FFI route is
-    opt-in: tests/gpu/test_torch_eager_route_gpu.py)."""
+    off unless set_eager_route switches it on: tests/gpu/test_torch_eager_route_gpu.py)."""
     cpu, cu = dense_inputs()
     out, lse = dense_t.run(*cu, False)
     dense_t.compare(*cpu, False, out, lse)

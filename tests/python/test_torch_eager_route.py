@@ -163,30 +163,61 @@ def test_subclass_takes_the_op(rng, count_torch_calls):
     assert count_torch_calls == ["flash_mla.dense_decode_fwd.default"]
 
 
-def _route_states(env_at_import):
-    code = ("import os, torch, flash_mla; from flash_mla import _torch_ops; a = _torch_ops.eager_route_state(); "
-            "os.environ['FLASHMLA_EAGER_TVM_FFI'] = '0' if os.environ.get('FLASHMLA_EAGER_TVM_FFI') == '1' else '1'; "
-            "print(a); print(_torch_ops.eager_route_state()); print(flash_mla.has_cuda_backend())")
-    env = {k: v for k, v in os.environ.items() if k != "FLASHMLA_EAGER_TVM_FFI"}
-    if env_at_import is not None:
-        env["FLASHMLA_EAGER_TVM_FFI"] = env_at_import
+@pytest.fixture
+def restore_eager_route():
+    was_on, was_available, was_state = _torch_ops._eager_route, _torch_ops._eager_available, _torch_ops._state["eager"]
+    yield
+    _torch_ops._eager_route, _torch_ops._eager_available = was_on, was_available
+    _torch_ops._state["eager"] = was_state
+
+
+def test_route_is_off_by_default_and_ignores_the_environment():
+    """Off in a fresh process, whatever the environment says (no variable switches it; set_eager_route does)."""
+    code = ("import torch, flash_mla; from flash_mla import _torch_ops; print(_torch_ops.eager_route_state()); "
+            "print(_torch_ops._eager_route); print(flash_mla.has_cuda_backend())")
+    env = dict(os.environ, FLASHMLA_EAGER_TVM_FFI="1")  # (no environment variable switches the route)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
-    return res.stdout.split("\n")[:3]
+    state, on, has_cuda = res.stdout.split("\n")[:3]
+    assert on == "False"
+    assert state == ("off: not switched on (set_eager_route(True))" if has_cuda == "True"
+                     else "off: this build has no CUDA kernels")
 
 
-@pytest.mark.parametrize("env_at_import", [None, "0", "1"])
-def test_switch_is_opt_in_and_read_once_at_load(env_at_import):
-    """The route is off unless FLASHMLA_EAGER_TVM_FFI=1 when the op library loads (and the build has CUDA
-    kernels); changing the variable later changes nothing."""
-    at_load, after_change, has_cuda = _route_states(env_at_import)
-    assert at_load == after_change
-    if has_cuda != "True":
-        assert at_load == "off: this build has no CUDA kernels"
-    elif env_at_import == "1":
-        assert at_load == "on"
-    else:
-        assert at_load == "off: opt-in (FLASHMLA_EAGER_TVM_FFI=1 when the op library loads)"
+def test_set_eager_route_switches_the_route(restore_eager_route):
+    """set_eager_route(True) turns the route on where it can exist (forced here: _eager_available), False turns it
+    off; the state reports it. CPU tensors keep the op either way (the route needs q on CUDA)."""
+    _torch_ops._eager_available = True
+    _torch_ops.set_eager_route(True)
+    assert _torch_ops._eager_route is True and _torch_ops.eager_route_state() == "on"
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    assert _torch_ops.route(q, q, None, None) == _torch_ops.OPS and not _torch_ops.eager_possible(q)
+    _torch_ops.set_eager_route(False)
+    assert _torch_ops._eager_route is False
+    assert _torch_ops.eager_route_state() == "off: not switched on (set_eager_route(True))"
+    _torch_ops.set_eager_route(False)  # (idempotent)
+    assert _torch_ops._eager_route is False
+
+
+def test_set_eager_route_refuses_where_the_route_cannot_exist(restore_eager_route):
+    _torch_ops._eager_route = _torch_ops._eager_available = False
+    _torch_ops._state["eager"] = "off: this build has no CUDA kernels"
+    with pytest.raises(RuntimeError, match=r"eager TVM-FFI route is unavailable in this process "
+                                           r"\(off: this build has no CUDA kernels\)"):
+        _torch_ops.set_eager_route(True)
+    assert _torch_ops._eager_route is False
+    _torch_ops.set_eager_route(False)  # switching off always succeeds
+    assert _torch_ops.eager_route_state() == "off: this build has no CUDA kernels"
+    if not flash_mla.has_cuda_backend():  # the real state of a CPU build, unforced
+        with pytest.raises(RuntimeError, match="no CUDA kernels"):
+            _torch_ops.set_eager_route(True)
+
+
+@pytest.mark.parametrize("bad", [1, 0, "1", None, np.bool_(True)])
+def test_set_eager_route_needs_a_bool(bad, restore_eager_route):
+    with pytest.raises(TypeError, match=f"enabled: expected a bool, got {type(bad).__name__}"):
+        _torch_ops.set_eager_route(bad)
+    assert _torch_ops._eager_route is False
 
 
 # ----------------------------------------------------------------------------- the eager functions on torch tensors
