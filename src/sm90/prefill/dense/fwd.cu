@@ -37,10 +37,8 @@ struct FwdSmem {
   static constexpr int kK = kFwdBN * kD * 2;
   static constexpr int kV = kFwdBN * kDV * 2;
   static constexpr int kStage = kK + kV;
-  static constexpr int kScratch = 16 * kDV * 2;  // per consumer warpgroup: 16 V rows without inf / NaN
-  static constexpr int kBars = 12 * 8;  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full, v_checked[2], pad
-  static constexpr int kMasks = 2 * 16;  // per stage: 128 bits, V rows with inf / NaN among the masked keys
-  static constexpr int kBytes = 1024 + kQ + 2 * kStage + 2 * kScratch + kBars + kMasks;
+  static constexpr int kBars = 9 * 8;  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full
+  static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -110,15 +108,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sQ = base;
   auto sK = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage; };
   auto sV = [&](int stage) { return base + Smem::kQ + stage * Smem::kStage + Smem::kK; };
-  const uint32_t sScratch = base + Smem::kQ + 2 * Smem::kStage;  // + wg * kScratch
-  const uint32_t bar = sScratch + 2 * Smem::kScratch;
+  const uint32_t bar = base + Smem::kQ + 2 * Smem::kStage;
   auto k_full = [&](int s) { return bar + 8 * s; };
   auto k_empty = [&](int s) { return bar + 16 + 8 * s; };
   auto v_full = [&](int s) { return bar + 32 + 8 * s; };
   auto v_empty = [&](int s) { return bar + 48 + 8 * s; };
   const uint32_t q_bar = bar + 64;
-  auto v_checked = [&](int s) { return bar + 72 + 8 * s; };
-  uint32_t* const nonfinite_rows = reinterpret_cast<uint32_t*>(smem_ptr(bar + Smem::kBars));  // [stage][4]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -130,11 +125,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   n_end = max(n_end, 0);
   const int n_blocks = (n_end + kFwdBN - 1) / kFwdBN;
   const int hk = h / p.group;
-  // Causal: keys from masked_lo on are not seen by some row of this CTA (row m0 sees keys <= m0 + off). The
-  // tiles from check_first on (at most the last two: n_end <= m0 + 128 + off) get their V rows in
-  // [masked_lo, s_k) checked for inf / NaN by the producer (a tile's masked keys may be multiplied by P = 0).
-  const int masked_lo = max(m0 + off + 1, 0);
-  const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kFwdBN : n_blocks;
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -143,10 +133,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(k_empty(s), 256);
       mbar_init(v_full(s), kTma ? 1 : 128);
       mbar_init(v_empty(s), 256);
-      mbar_init(v_checked(s), 96);
     }
     mbar_init(q_bar, 128);
-    for (int i = 0; i < 8; ++i) nonfinite_rows[i] = 0u;
     fence_barrier_init();
   }
   __syncthreads();
@@ -185,18 +173,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
         load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
         mbar_arrive_cp_async(v_full(stage));
-      }
-    }
-    // Warps 1-3 mark the V rows of the masked keys that hold inf / NaN, per checked tile (each stage holds at
-    // most one of them, so v_checked completes once per stage: parity 0). The TMA warp keeps issuing meanwhile.
-    if (pt >= 32) {
-      for (int n = check_first; n < n_blocks; ++n) {
-        const int stage = n & 1;
-        mbar_wait(v_full(stage), (n >> 1) & 1);
-        mark_nonfinite_rows<T, kFwdBN, kDV>(smem_ptr(sV(stage)), max(masked_lo - n * kFwdBN, 0),
-                                            min(sb.s_k - n * kFwdBN, kFwdBN), nonfinite_rows + 4 * stage, pt - 32,
-                                            96);
-        mbar_arrive(v_checked(stage));
       }
     }
     cp_async_wait<0>();
@@ -245,26 +221,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
   };
-  // The k-steps of key block nv (in stage) that hold a key some row of this warpgroup does not see and whose V
-  // row has an inf / NaN (the producer's marks): their P V goes through mma_b_finite / add_nonfinite_products.
-  // 0 (no wait) for blocks without such keys.
-  auto nonfinite_ksteps = [&](int stage, int nv) -> uint32_t {
-    if (nv < check_first) return 0u;
-    const int n0 = nv * kFwdBN;
-    const int lo = max(m0 + wg * 64 + off + 1 - n0, 0), hi = min(sb.s_k - n0, kFwdBN);
-    if (lo >= hi) return 0u;
-    mbar_wait(v_checked(stage), 0);
-    return ksteps_of_rows(*reinterpret_cast<const uint4*>(nonfinite_rows + 4 * stage), lo, hi);
-  };
-  const uint32_t scratch = sScratch + wg * Smem::kScratch;
-  auto pv_finite = [&](const uint32_t (&a)[8][4], int stage, uint32_t ks) {
-    mma_b_finite<T, kFwdBN, kDV, 8>(o, a, sV(stage), scratch, ks, 4 + wg, tid & 127);
-  };
-  auto pv_nonfinite = [&](const uint32_t (&a)[8][4], int stage, int nv, uint32_t ks) {
-    const int n0 = nv * kFwdBN;
-    auto visible = [&](int c, int e) { return n0 + c < sb.s_k && n0 + c <= row[e] + off; };
-    add_nonfinite_products<T, kFwdBN, kDV, 8>(o, a, smem_ptr(sV(stage)), ks, visible, lane);
-  };
 
   mbar_wait(q_bar, 0);
   if constexpr (!kOverlap) {
@@ -285,19 +241,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t a[8][4];
       pack_a<T, 128>(s, a);
       mbar_wait(v_full(stage), (n >> 1) & 1);
-      const uint32_t ks = nonfinite_ksteps(stage, n);
       gmma::fence_proxy_async();
       gmma::reg_fence(o);
-      if (ks == 0) {
-        gmma::fence();
-        issue_pv(a, stage);
-        gmma::commit();
-        gmma::wait<0>();
-        gmma::reg_fence(o);
-      } else {
-        pv_finite(a, stage, ks);
-        pv_nonfinite(a, stage, n, ks);
-      }
+      gmma::fence();
+      issue_pv(a, stage);
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(o);
       mbar_arrive(v_empty(stage));
     }
   } else if (n_blocks > 0) {
@@ -322,34 +272,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_wait(k_full(stage), (n >> 1) & 1);
       mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
       zero_v_tail(pstage, n - 1);
-      const uint32_t ks = nonfinite_ksteps(pstage, n - 1);
       gmma::fence_proxy_async();
-      // Where ks != 0, P_{n-1} V_{n-1} is done here, outside the turn, and the batched issue below multiplies
-      // P_{n-1} by zeros (the scratch, cleared): a wgmma issued conditionally inside the batch would make ptxas
-      // serialize every wgmma of the kernel (C7520).
-      // The descriptors differ in their low word only (start address, leading byte offset).
-      const uint64_t pv_desc0 = desc_mn<kFwdBN>(sV(pstage), 0);
-      uint32_t pv_lo = static_cast<uint32_t>(pv_desc0);
-      uint32_t pv_step = static_cast<uint32_t>(desc_mn<kFwdBN>(0, 1) - desc_mn<kFwdBN>(0, 0));
-      if (ks != 0) {
-        pv_finite(a, pstage, ks);
-        named_barrier_sync(4 + wg, 128);  // every warp's last wgmma on the scratch has completed
-        uint8_t* z = smem_ptr(scratch);
-        for (int i = tid & 127; i < Smem::kScratch / 16; i += 128)
-          *reinterpret_cast<uint4*>(z + 16 * i) = make_uint4(0u, 0u, 0u, 0u);
-        gmma::fence_proxy_async();
-        named_barrier_sync(4 + wg, 128);
-        pv_lo = static_cast<uint32_t>(desc_mn<16>(scratch, 0));
-        pv_step = 0;
-      }
       if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
       gmma::reg_fence(o);
       gmma::fence();
       issue_s(s, stage);
       gmma::commit();
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        Wgmma<T, 128>::template rs<1>(o, a[kk], (pv_desc0 & 0xFFFFFFFF00000000ull) | (pv_lo + kk * pv_step));
+      issue_pv(a, pstage);
       gmma::commit();
       if constexpr (kPingpong) {
         if (!(wg == 1 && n == n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
@@ -360,7 +289,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       gmma::wait<0>();
       gmma::reg_fence(o);
-      if (ks != 0) pv_nonfinite(a, pstage, n - 1, ks);
       mbar_arrive(v_empty(pstage));
       seesaw::scale_rows(o, sc);
       pack_a<T, 128>(s, a);
@@ -368,19 +296,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int last = (n_blocks - 1) & 1;
     mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
     zero_v_tail(last, n_blocks - 1);
-    const uint32_t ks = nonfinite_ksteps(last, n_blocks - 1);
     gmma::fence_proxy_async();
     gmma::reg_fence(o);
-    if (ks == 0) {
-      gmma::fence();
-      issue_pv(a, last);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(o);
-    } else {
-      pv_finite(a, last, ks);
-      pv_nonfinite(a, last, n_blocks - 1, ks);
-    }
+    gmma::fence();
+    issue_pv(a, last);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(o);
     mbar_arrive(v_empty(last));
   }
 
