@@ -127,6 +127,17 @@ def side_by_side_worker(calls: int, rounds: int, device: str = "cuda", eager_rou
         try:
             host, wall = host_and_wall_us(fn, sync, calls, rounds)
             res["cases"][name] = {"host_us_per_call": host, "wall_us_per_call": wall}
+            ops = getattr(flash_mla, "_torch_ops", None)
+            if ops is not None and hasattr(ops, "route"):  # ours: how many of 20 more calls took the full path
+                real, full = ops.route, []
+                ops.route = lambda *t: full.append(1) or real(*t)
+                try:
+                    for _ in range(20):
+                        fn()
+                finally:
+                    ops.route = real
+                sync()
+                res["cases"][name]["full_path_calls_of_20"] = len(full)
         except Exception as e:  # noqa: BLE001 - a case this package does not run is reported, not fatal
             res["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
         del q, k, fn
@@ -173,6 +184,8 @@ def side_by_side(anchor_path: str, calls: int, rounds: int, repeats: int, device
                 continue
             row[f"{pkg}_host_us_per_call"] = min(x["host_us_per_call"] for x in got)
             row[f"{pkg}_wall_us_per_call"] = min(x["wall_us_per_call"] for x in got)
+            if "full_path_calls_of_20" in got[0]:  # (ours: calls that missed the repeated-call fast path)
+                row[f"{pkg}_full_path_calls_of_20"] = max(x["full_path_calls_of_20"] for x in got)
         if "ours_host_us_per_call" in row and "anchor_host_us_per_call" in row:
             row["ratio_host"] = row["ours_host_us_per_call"] / row["anchor_host_us_per_call"]
             row["ratio_wall"] = row["ours_wall_us_per_call"] / row["anchor_wall_us_per_call"]
@@ -183,7 +196,8 @@ def side_by_side(anchor_path: str, calls: int, rounds: int, repeats: int, device
                               else "  error")
         print(f"{name:28s} host ours {fmt('ours', 'host')} FlashMLA {fmt('anchor', 'host')} us"
               f"  wall ours {fmt('ours', 'wall')} FlashMLA {fmt('anchor', 'wall')} us"
-              + (f"  ratio host {row['ratio_host']:.2f} wall {row['ratio_wall']:.2f}" if "ratio_host" in row else ""))
+              + (f"  ratio host {row['ratio_host']:.2f} wall {row['ratio_wall']:.2f}" if "ratio_host" in row else "")
+              + (f"  ours full path {row['ours_full_path_calls_of_20']}/20" if "ours_full_path_calls_of_20" in row else ""))
     return cases
 
 
