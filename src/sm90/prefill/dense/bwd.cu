@@ -74,8 +74,9 @@ struct DqSmem {
   static constexpr int kK = kDqBN * kD * 2;
   static constexpr int kV = kDqBN * kBwdDV * 2;
   static constexpr int kStage = kK + kV;
+  static constexpr int kScratch = 16 * kD * 2;  // per consumer warpgroup: 16 K rows without inf / NaN (rare path)
   static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
-  static constexpr int kBytes = 1024 + kQ + kDO + 2 * kStage + kBars;
+  static constexpr int kBytes = 1024 + kQ + kDO + 2 * kStage + 2 * kScratch + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -87,7 +88,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   smem_align_1024(smem_raw, base);
   const uint32_t sQ = base, sDO = base + Smem::kQ;
   const uint32_t sStage0 = sDO + Smem::kDO;
-  const uint32_t bar = sStage0 + 2 * Smem::kStage;
+  const uint32_t sScratch = sStage0 + 2 * Smem::kStage;  // + wg * kScratch
+  const uint32_t bar = sScratch + 2 * Smem::kScratch;
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
   const uint32_t q_bar = bar + 32;
@@ -155,8 +157,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dq[i] = 0.f;
 
-  mbar_wait(q_bar, 0);
-  for (int n = 0; n < n_blocks; ++n) {
+  // Causal: keys from masked_lo on are not seen by some row of this CTA; the key blocks from check_first on (at
+  // most three) are "checked": their step is a separate copy that also keeps inf / NaN of masked keys (in v: dP;
+  // in k: S, and dS K) out of the rows that do not see them. The other steps run the plain body.
+  const int masked_lo = max(m0 + off + 1, 0);
+  const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kDqBN : n_blocks;
+  auto step = [&](int n, auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
     const int stage = n & 1;
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
@@ -177,33 +184,82 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     gmma::reg_fence(dp);
 
     const int n0 = n * kDqBN;
-    const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
+    if constexpr (!kChecked) {
+      const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+      for (int i = 0; i < 8; ++i) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
-        if (need_mask) {
-          const int col = n0 + 8 * i + 2 * tq + (e & 1);
-          const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
-          pr = vis ? pr : 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
+          if (need_mask) {
+            const int col = n0 + 8 * i + 2 * tq + (e & 1);
+            const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
+            pr = vis ? pr : 0.f;
+          }
+          s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
         }
-        s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
+      }
+      uint32_t a[4][4];
+      pack_a<T, 64>(s, a);
+
+      gmma::reg_fence(dq);
+      gmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
+      gmma::commit();
+      gmma::wait<0>();
+      gmma::reg_fence(dq);
+    } else {
+      // A key that a row does not see gets dS = 0 with dP's sign (the bits of P (dP - D) with P = 0), also
+      // where its v makes dP inf / NaN. nonfinite: some masked S is inf / NaN, which a key with inf / NaN in k
+      // makes of every row's S (0 * inf included).
+      bool nonfinite = false;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          const float sv = s[4 * i + e];
+          const float dd = dp[4 * i + e] - dsum[r];
+          float ds = exp2f(sv * p.scale_log2 - lse2[r]) * dd;  // dS = P (dP - D)
+          const int col = n0 + 8 * i + 2 * tq + (e & 1);
+          if (!(col < sb.s_k && col <= row[r] + off)) {
+            ds = copysignf(0.f, dd);
+            nonfinite |= col < sb.s_k && float_is_nonfinite(sv);
+          }
+          s[4 * i + e] = ds;
+        }
+      }
+      uint32_t a[4][4];
+      pack_a<T, 64>(s, a);
+      // Keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k rows
+      // holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
+      // and the rows that see such a key add its products (k from global memory) afterwards.
+      uint32_t ks = 0;
+      const int wg_lo = max(m0 + wg * 64 + off + 1 - n0, 0), wg_hi = min(sb.s_k - n0, kDqBN);
+      if (wg_lo < wg_hi && bar_red_or(4 + wg, 128, nonfinite)) ks = ksteps_in(wg_lo, wg_hi);
+      gmma::reg_fence(dq);
+      if (ks == 0) {
+        gmma::fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
+        gmma::commit();
+        gmma::wait<0>();
+        gmma::reg_fence(dq);
+      } else {
+        mma_b_finite<T, kDqBN, kD, 4>(dq, a, sK, sScratch + wg * Smem::kScratch, ks, 4 + wg, tid & 127);
+        const T* kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(sb.k0) + n0) * p.k_row + hk * p.k_head;
+        auto brow = [&](int c) { return kg + c * p.k_row; };
+        auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // rows < wg_hi < s_k
+        add_nonfinite_products<T, kD, 4>(dq, a, row_bits(wg_lo, wg_hi), brow, visible, lane);
       }
     }
-    uint32_t a[4][4];
-    pack_a<T, 64>(s, a);
-
-    gmma::reg_fence(dq);
-    gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(dq);
     mbar_arrive(empty_bar(stage));
-  }
+  };
+  mbar_wait(q_bar, 0);
+  for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{});
+  for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{});
 
   T* dqp = static_cast<T*>(p.dq);
 #pragma unroll

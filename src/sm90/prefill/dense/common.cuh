@@ -147,6 +147,78 @@ __device__ __forceinline__ void zero_nonfinite_rows(uint8_t* tile, int lo, int h
   }
 }
 
+/// Generic pointer of a shared::cta address.
+__device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
+  return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
+}
+/// bar.red.or over the num_threads threads of named barrier id: true where pred is true in any of them.
+__device__ __forceinline__ bool bar_red_or(int id, int num_threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(num_threads)
+      : "memory");
+  return r != 0;
+}
+/// Bits [lo, hi) of a 128-bit row mask (0 <= lo <= hi <= 128).
+__device__ __forceinline__ uint4 row_bits(int lo, int hi) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int a = min(max(lo - 32 * i, 0), 32), b = min(max(hi - 32 * i, 0), 32);
+    const uint32_t below_b = b >= 32 ? 0xFFFFFFFFu : (1u << b) - 1u;
+    const uint32_t below_a = a >= 32 ? 0xFFFFFFFFu : (1u << a) - 1u;
+    w[i] = below_b & ~below_a;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+/// The 16-row k-steps of a tile that hold a row in [lo, hi) (lo < hi).
+__device__ __forceinline__ uint32_t ksteps_in(int lo, int hi) {
+  const uint32_t upto = (hi + 15) / 16, from = lo / 16;
+  return ((upto >= 32 ? 0xFFFFFFFFu : (1u << upto) - 1u)) & ~((1u << from) - 1u);
+}
+
+/// One warpgroup (t = 0..127): acc += A B, B the kRows x kN MN-major tile at `tile` (rows = the K dimension),
+/// A the register fragments a (k-step kk = rows 16 kk .. 16 kk + 15 of B), one k-step at a time in order. The
+/// k-steps in `ksteps` read a copy of their 16 rows in `scratch` (16 x kN, this warpgroup's own) with inf /
+/// NaN replaced by 0. The accumulation order is the batched issue's, so acc gets the bits it would get from
+/// B with 0 in those places. Uses named barrier bar_id (this warpgroup's 128 threads). Returns with the
+/// wgmma complete. Rare path (the backward's checked tiles holding inf / NaN).
+template <class T, int kRows, int kN, int kKSteps>
+__device__ __forceinline__ void mma_b_finite(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t tile,
+                                             uint32_t scratch, uint32_t ksteps, int bar_id, int t) {
+  constexpr int kChunks = kN / 8;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    uint64_t desc = desc_mn<kRows>(tile, kk);
+    if ((ksteps >> kk) & 1u) {
+      named_barrier_sync(bar_id, 128);  // the warpgroup's previous wgmma on the scratch has completed
+      const uint8_t* src = smem_ptr(tile);
+      uint8_t* dst = smem_ptr(scratch);
+#pragma unroll 1
+      for (int idx = t; idx < 16 * kChunks; idx += 128) {
+        const int r = idx / kChunks, ch = idx % kChunks;
+        uint4 x = *reinterpret_cast<const uint4*>(src + tile_off<kRows>(16 * kk + r, ch));
+        x.x = pair_zero_nonfinite<T>(x.x);
+        x.y = pair_zero_nonfinite<T>(x.y);
+        x.z = pair_zero_nonfinite<T>(x.z);
+        x.w = pair_zero_nonfinite<T>(x.w);
+        *reinterpret_cast<uint4*>(dst + tile_off<16>(r, ch)) = x;  // same swizzle phase: 16 kk % 8 == 0
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(bar_id, 128);
+      desc = desc_mn<16>(scratch, 0);
+    }
+    gmma::reg_fence(acc);
+    gmma::fence();
+    Wgmma<T, kN>::template rs<1>(acc, a[kk], desc);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(acc);
+  }
+}
+
 /// After acc += A B with the rows of B in `rows` (bits of 4 words; B = a 128-row tile of kN columns whose inf / NaN
 /// elements in those rows were read as 0): acc += a b for those inf / NaN elements b, taken from global memory
 /// (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e). a is the A fragment the
