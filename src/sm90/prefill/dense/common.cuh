@@ -270,6 +270,56 @@ __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], con
   }
 }
 
+/// After mma_b_finite: acc += a b for the inf / NaN elements b of the k-steps in `ksteps` (read from the shared
+/// tile, which still holds them, generic pointer) and this thread's accumulator rows e = 0, 1 for which
+/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked). a is the fragment the MMA used
+/// (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
+/// acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Rare path: loops at run time.
+template <class T, int kRows, int kN, int kKSteps, class Visible>
+__device__ __forceinline__ void add_nonfinite_products_smem(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
+                                                       const uint8_t* tile, uint32_t ksteps, Visible visible,
+                                                       int lane) {
+  const int tq = lane & 3;
+#pragma unroll 1
+  for (; ksteps != 0; ksteps &= ksteps - 1) {
+    const int kk = __ffs(ksteps) - 1;
+#pragma unroll 1
+    for (int t = 0; t < 16; ++t) {
+      const int c = 16 * kk + t;
+      const bool upper = t >= 8;
+      uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+      for (int k2 = 0; k2 < kKSteps; ++k2) {
+        if (k2 == kk) {
+          w0 = upper ? a[k2][2] : a[k2][0];
+          w1 = upper ? a[k2][3] : a[k2][1];
+        }
+      }
+      const int src = (lane & ~3) | ((t & 7) >> 1);
+      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
+      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
+      float lo0, hi0, lo1, hi1;
+      unpack2<T>(w0, lo0, hi0);
+      unpack2<T>(w1, lo1, hi1);
+      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
+      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        float b0, b1;
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(tile + tile_off<kRows>(c, i) + 4 * tq), b0, b1);
+        if (float_is_nonfinite(b0)) {
+          if (vis0) acc[4 * i] += p0 * b0;
+          if (vis1) acc[4 * i + 2] += p1 * b0;
+        }
+        if (float_is_nonfinite(b1)) {
+          if (vis0) acc[4 * i + 1] += p0 * b1;
+          if (vis1) acc[4 * i + 3] += p1 * b1;
+        }
+      }
+    }
+  }
+}
+
 /// One request's bounds: rows [q0, q0 + s_q) of q / out, [k0, k0 + s_k) of k / v.
 struct SeqBounds {
   int q0, s_q, k0, s_k;
