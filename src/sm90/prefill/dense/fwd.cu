@@ -10,8 +10,9 @@
 //     from registers, V MN-major). The two consumer warpgroups run independently, so one's softmax
 //     overlaps the other's GEMMs on the tensor cores.
 // The running max moves lazily (seesaw::lazy_max): P <= 2^8, O / l rescaled only when it moves.
-// Rows with no visible key give out 0 and lse -inf; NaN in q or a visible k / v row reaches that
-// row's out and lse (fmaxf skips NaN in the max, the NaN then flows through P, l and O).
+// Rows with no visible key give out 0 and lse -inf (rows whose visible keys all score -inf: out and lse
+// NaN); NaN in q or a visible k / v row reaches that row's out and lse (fmaxf skips NaN in the max, the
+// NaN then flows through P, l and O).
 // Causal grids run their query tiles last-to-first so the longest CTAs start first.
 #include <cuda_runtime.h>
 
@@ -206,8 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (n < check_first) {
           mbar_arrive_cp_async(v_full(stage));
         } else {  // checked tile: cleaned by the producer warpgroup before the consumers see it
+          cp_async_commit();  // wait_group waits for committed groups only
           cp_async_wait<0>();
-          named_barrier_sync(6, 128);
+          named_barrier_sync(6, 128);  // every producer thread's rows have landed
           clean_v(stage, n, pt, 128);
           mbar_arrive(v_full(stage));
         }
@@ -376,7 +378,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (row[e] >= sb.s_q) continue;
-    const float inv = l[e] == 0.f ? 0.f : 1.f / l[e];
+    // l == 0: no visible score above -inf. A row without a visible key gets out 0 and lse -inf; a row whose
+    // visible keys all score -inf (an inf in q or k: not an empty row) gets out and lse NaN, as the CPU
+    // reference (exp(-inf - -inf)) and the softmax of all -inf do.
+    const bool has_key = sb.s_k > 0 && (!causal || row[e] + off >= 0);
+    const float inv = l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : 0.f) : 1.f / l[e];
     const int64_t qi = static_cast<int64_t>(sb.q0) + row[e];
     T* orow = out + qi * p.o_row + h * p.o_head;
 #pragma unroll
@@ -387,7 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (tq == 0) {
       const float m = m_run[e] == -INFINITY ? 0.f : m_run[e];
-      p.lse[qi * p.lse_row + h * p.lse_head] = l[e] == 0.f ? -INFINITY : (m + log2f(l[e])) * kLn2;
+      p.lse[qi * p.lse_row + h * p.lse_head] =
+          l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : -INFINITY) : (m + log2f(l[e])) * kLn2;
     }
   }
 }
