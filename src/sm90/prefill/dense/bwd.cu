@@ -251,8 +251,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
         mma_b_finite<T, kDqBN, kD, 4>(dq, a, sK, sScratch + wg * Smem::kScratch, ks, 4 + wg, tid & 127);
         const T* kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(sb.k0) + n0) * p.k_row + hk * p.k_head;
         auto brow = [&](int c) { return kg + c * p.k_row; };
-        auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // rows < wg_hi < s_k
-        add_nonfinite_products<T, kD, 4>(dq, a, row_bits(wg_lo, wg_hi), brow, visible, lane);
+        auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // rows < wg_hi <= s_k - n0
+        // Every row of the k-steps read from the copy (from wg_lo's k-step on) had its inf / NaN zeroed there.
+        add_nonfinite_products<T, kD, 4>(dq, a, row_bits(wg_lo & ~15, wg_hi), brow, visible, lane);
       }
     }
     mbar_arrive(empty_bar(stage));
