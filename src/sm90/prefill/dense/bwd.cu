@@ -404,7 +404,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           gmma::fence();
 #pragma unroll
           for (int kk = 0; kk < kD / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk), kk > 0 ? 1 : 0);
+            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk),
+                                            kk > 0 ? 1 : 0);
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(st);
@@ -428,7 +429,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
 #pragma unroll
           for (int kk = 0; kk < kBwdDV / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk), kk > 0 ? 1 : 0);
+            Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
+                                            kk > 0 ? 1 : 0);
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(dv);
@@ -526,7 +528,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           gmma::fence();
 #pragma unroll
           for (int kk = 0; kk < kD / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk), kk > 0 ? 1 : 0);
+            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk),
+                                            kk > 0 ? 1 : 0);
           gmma::commit();
           gmma::wait<0>();
           gmma::reg_fence(st);
@@ -540,7 +543,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
                 // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
                 // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
                 if constexpr (!kFusedDq)
-                  nonfinite |= m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
+                  nonfinite |= m0 + c < sb.s_q &&
+                               (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
                 pr = 0.f;
               }
               st[4 * i + e] = pr;
