@@ -747,6 +747,8 @@ def _flash_attn_varlen_function():
                 q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
                 dq, dk, dv = _dense_prefill_bwd_call(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
                                                      *ctx.scalars)
+                if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise, not be 0
+                    dq, dk, dv = _torch_ops.once_differentiable_grads((dq, dk, dv), (dout, q, k, v))
                 return dq, dk, dv, None, None, None, None, None, None
 
         _FlashAttnVarlenFunc = FlashAttnVarlenFunc
@@ -803,7 +805,9 @@ def flash_attn_varlen_func(
     ``q.grad``, ``k.grad``, ``v.grad``; GQA included, which FlashMLA's SM100 backward rejects); JAX
     arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); other frameworks call
     :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
-    is deterministic (bitwise equal dk / dv across runs). Memory: the outputs, one workspace sized
+    is deterministic (bitwise equal dk / dv across runs) and not differentiable itself: with
+    ``create_graph=True`` the gradients it returns raise RuntimeError ("... differentiate twice ...")
+    when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
     by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv.
 
     Raises (each message names the argument): ``TypeError`` for non-tensors and wrong dtypes;

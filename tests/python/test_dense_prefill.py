@@ -415,6 +415,36 @@ def test_torch_autograd(rng, dtype, causal, heads):
         assert torch.equal(g, t.grad)
 
 
+def test_torch_double_backward_raises_instead_of_dropping_the_second_order_term(rng):
+    """The backward is not differentiable. With create_graph=True (a gradient penalty) the gradients it returns
+    must not silently look constant: backpropagating through them raises, through both ways in (the
+    autograd.Function of flash_attn_varlen_func and the op's register_autograd), instead of leaving the
+    second-order term out of the loss."""
+    torch = _torch()
+    from flash_mla import _torch_ops
+
+    case = Case(rng, [3, 5], [4, 5], 2, 1, 128, 128, BF16, True)
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    ways = [lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                             causal=True)]
+    if _torch_ops.available():
+        ways.append(lambda q, k, v: torch.ops.flash_mla.dense_prefill_fwd(q, k, v, cu_q, cu_k, case.max_q,
+                                                                         case.max_k, case.scale, True))
+    # (the loss's gradient into out: one that requires grad itself, and a constant one, as of out.sum())
+    for fwd, loss in [(f, l) for f in ways for l in (lambda o: o.float().square().sum(), lambda o: o.sum())]:
+        q, k, v = (_t(x, True) for x in (case.q, case.k, case.v))
+        out, _ = fwd(q, k, v)
+        dq, dk = torch.autograd.grad(loss(out), (q, k), create_graph=True)
+        assert dq.requires_grad and dk.requires_grad  # (a penalty on them is part of the graph, not a constant)
+        penalty = dq.float().square().sum() + dk.float().sum()
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (penalty + out.float().sum()).backward()
+        # The first-order gradients are those of a call without create_graph.
+        q2, k2, v2 = (_t(x, True) for x in (case.q, case.k, case.v))
+        dq2, dk2 = torch.autograd.grad(loss(fwd(q2, k2, v2)[0]), (q2, k2))
+        assert torch.equal(dq.detach(), dq2) and torch.equal(dk.detach(), dk2)
+
+
 def test_torch_packed_grads_flow_into_the_packed_tensor(rng):
     torch = _torch()
     case = Case(rng, [5, 9], [5, 9], 2, 2, 128, 128, BF16, True)
