@@ -922,20 +922,27 @@ def _flash_attn_varlen_backward(do, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens
     return _into(("dq", "dk", "dv"), (dq, dk, dv), res)
 
 
+def _check_destinations(names, given, results):
+    """ValueError naming the first caller-given destination whose shape or dtype is not its result's (None:
+    not given). Every destination is checked before any is written, so a bad one leaves all untouched."""
+    for name, g, r in zip(names, given, results):
+        if g is not None and (tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype):
+            raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got "
+                             f"{getattr(g, 'dtype', type(g).__name__)} {tuple(g.shape)}")
+
+
 def _into(names, given, results):
     """Copy results into caller-given torch tensors (FlashMLA's preallocated-output arguments)."""
     if all(g is None for g in given):
         return tuple(results)
     if _ffi.framework_of(results[0]) != "torch":
         raise TypeError(f"{', '.join(names)}: preallocated outputs are supported for torch tensors only")
+    _check_destinations(names, given, results)
     out = []
-    for name, g, r in zip(names, given, results):
+    for g, r in zip(given, results):
         if g is None:
             out.append(r)
             continue
-        if tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype:
-            raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got {g.dtype} "
-                             f"{tuple(g.shape)}")
         g.copy_(r)
         out.append(g)
     return tuple(out)

@@ -545,6 +545,58 @@ def test_flash_mla_cuda_raw_functions(rng):
         fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 2, case.scale, case.max_q, case.max_k, True)
 
 
+def test_preallocated_outputs_are_all_checked_before_any_is_written(rng):
+    """FlashMLA's destination-passing forms (flash_mla.cuda.dense_prefill_fwd / _bwd, the private
+    _flash_attn_varlen_forward / _backward with out= / dq= ...): a wrong destination raises ValueError naming
+    it, and no destination is written then (not the ones before it either); right ones are filled."""
+    torch = _torch()
+    from flash_mla.flash_mla_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+    case = Case(rng, [4, 3], [5, 3], 2, 1, 128, 128, BF16, True)
+    q, k, v = (_t(x) for x in (case.q, case.k, case.v))
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    args = (q, k, v, cu_q, cu_k, case.max_q, case.max_k)
+    poison = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    out, lse = _flash_attn_varlen_forward(*args, causal=True, softmax_scale=case.scale)
+    check_fwd(_np(out), _np(lse), case)
+    o = poison(out)
+    with pytest.raises(ValueError, match=r"^lse: expected a torch.float32 tensor of shape \(7, 2\)"):
+        _flash_attn_varlen_forward(*args, out=o, lse=torch.zeros(7, 3), causal=True, softmax_scale=case.scale)
+    assert o.isnan().all()
+    o, l = poison(out), poison(lse)
+    assert _flash_attn_varlen_forward(*args, out=o, lse=l, causal=True, softmax_scale=case.scale) == (o, l)
+    assert torch.equal(o, out) and torch.equal(l, lse)
+    dout = _t(case.dout)
+    grads = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, causal=True,
+                                        softmax_scale=case.scale)
+    dq, dk = poison(q), poison(k)
+    with pytest.raises(ValueError, match=r"^dv: expected a torch.bfloat16 tensor"):
+        _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, dq=dq, dk=dk,
+                                    dv=torch.zeros(8, 1, 128), causal=True, softmax_scale=case.scale)
+    assert dq.isnan().all() and dk.isnan().all()
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():
+        return
+    import flash_mla.cuda as fc
+
+    ws = torch.empty(0, dtype=torch.uint8)
+    o = poison(out)
+    with pytest.raises(ValueError, match=r"^lse: expected"):
+        fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, o, torch.zeros(7, 3), 1, case.scale, case.max_q, case.max_k,
+                             True)
+    assert o.isnan().all()
+    dq, dk = poison(q), poison(k)
+    with pytest.raises(ValueError, match=r"^dv: expected"):
+        fc.dense_prefill_bwd(ws, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, torch.zeros(8, 1, 64,
+                             dtype=torch.bfloat16), 1, case.scale, case.max_q, case.max_k, True)
+    assert dq.isnan().all() and dk.isnan().all()
+    dq, dk, dv = poison(q), poison(k), poison(v)
+    fc.dense_prefill_bwd(ws, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1, case.scale, case.max_q, case.max_k,
+                         True)
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
+
+
 # ----------------------------------------------------------------------------- JAX
 def test_jax_custom_vjp_grad_and_jit(rng):
     jax = pytest.importorskip("jax")
