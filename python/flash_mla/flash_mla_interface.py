@@ -725,6 +725,15 @@ _FlashAttnVarlenFunc = None
 def _flash_attn_varlen_function():
     """FlashMLA's ``FlashAttnVarlenFunc`` (a torch.autograd.Function), made on first use so that
     flash_mla imports without torch."""
+    # (called before the global is read: Dynamo keeps the value of a global it has read once in a trace)
+    _make_flash_attn_varlen_function()
+    return _FlashAttnVarlenFunc
+
+
+def _make_flash_attn_varlen_function() -> bool:
+    """Makes ``_FlashAttnVarlenFunc`` once; True. Marked constant for torch.compile (below), so that a first
+    call inside a compiled region runs it eagerly: Dynamo cannot trace the class statement (a graph break, an
+    error under fullgraph=True), and reads the global it set afterwards."""
     global _FlashAttnVarlenFunc
     if _FlashAttnVarlenFunc is None:
         import torch
@@ -752,7 +761,11 @@ def _flash_attn_varlen_function():
                 return dq, dk, dv, None, None, None, None, None, None
 
         _FlashAttnVarlenFunc = FlashAttnVarlenFunc
-    return _FlashAttnVarlenFunc
+    return True
+
+
+# (what torch._dynamo.assume_constant_result sets; set directly so that torch need not be imported here)
+_make_flash_attn_varlen_function._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,

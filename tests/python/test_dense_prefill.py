@@ -519,6 +519,41 @@ def test_torch_ops_registered_autograd_fake_and_compile(rng):
         assert torch.equal(a.grad, b.grad)
 
 
+_FIRST_CALL_COMPILED = r"""
+import sys, torch, flash_mla
+torch.manual_seed(0)
+cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+q, k, v = (torch.randn(10, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+def step(q, k, v):
+    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)[0]
+
+out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+out.float().square().sum().backward()
+q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+ref = step(q2, k2, v2)
+ref.float().square().sum().backward()
+assert torch.equal(out, ref) and all(torch.equal(a.grad, b.grad) for a, b in ((q, q2), (k, k2), (v, v2)))
+print("ok")
+"""
+
+
+def test_torch_compile_fullgraph_as_the_first_call_of_a_process():
+    """torch.compile(fullgraph=True) of a function calling flash_attn_varlen_func, before any eager call in the
+    process (a fresh interpreter): one graph, forward and backward equal to eager. (The autograd.Function is
+    made on first use; made inside the traced region it was a class statement Dynamo cannot trace.)"""
+    _torch()
+    import subprocess
+    import sys
+
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():  # (torch.compile traces the op library's ops, not TVM-FFI calls)
+        pytest.skip(f"torch.ops.flash_mla not available: {_torch_ops.load_error()}")
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_flash_mla_cuda_raw_functions(rng):
     torch = _torch()
     from flash_mla import _torch_ops
