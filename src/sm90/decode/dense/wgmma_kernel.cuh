@@ -19,7 +19,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
 #include "sm90/decode/dense/thread_rows.cuh"
@@ -54,14 +53,11 @@ __device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
 // O += P V (64x256, K 16), fp32 accumulation.
 template <typename T>
 struct Mma {
-  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   __device__ __forceinline__ static void s(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-    if constexpr (kBf16) gmma::mma_m64n32k16_bf16<0>(d, a, b, scale_d);
-    else gmma::mma_m64n32k16_f16<0>(d, a, b, scale_d);
+    gmma::Wgmma<T, 32>::template ss<0, 0>(d, a, b, scale_d);
   }
   __device__ __forceinline__ static void pv(float (&d)[128], uint64_t a, uint64_t b) {
-    if constexpr (kBf16) gmma::mma_m64n256k16_bf16<1>(d, a, b, 1);
-    else gmma::mma_m64n256k16_f16<1>(d, a, b, 1);
+    gmma::Wgmma<T, 256>::template ss<0, 1>(d, a, b, 1);
   }
 };
 

@@ -21,10 +21,10 @@
 #include "sm90/common/seesaw.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
-#include "sm90/prefill/dense/wgmma_ops.cuh"
 
 namespace flashmla::sm90::dense_prefill {
 
+using gmma::Wgmma;
 using seesaw::setmaxnreg_dec;
 using seesaw::setmaxnreg_inc;
 
