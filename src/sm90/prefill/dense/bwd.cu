@@ -94,25 +94,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
-  const int m0 = mblk * kDqBM;
+  const int m0 = query_block_row0<kDqBM>(p);
   if (m0 >= sb.s_q) return;
   const int off = sb.s_k - sb.s_q;
-  int n_end = p.causal ? min(sb.s_k, m0 + kDqBM + off) : sb.s_k;
-  n_end = max(n_end, 0);
-  const int n_blocks = (n_end + kDqBN - 1) / kDqBN;
+  const int n_blocks = (visible_key_end<kDqBM>(p, sb.s_k, m0, off) + kDqBN - 1) / kDqBN;
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 256);
-    }
-    mbar_init(q_bar, 128);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], q_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -272,15 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 256);
-    }
-    mbar_init(kv_bar, 128);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], kv_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();

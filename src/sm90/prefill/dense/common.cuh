@@ -56,6 +56,23 @@ __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
   return gmma::make_desc_sw128(tile + kk * 16 * 128, kRows * 128, 1024);
 }
 
+/// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
+/// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
+/// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer
+/// arrivals). Stage 0's barriers are initialised before stage 1's.
+template <int kGroups>
+__device__ __forceinline__ void init_barriers(int tid, uint32_t bar, const int (&counts)[kGroups]) {
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) mbar_init(bar + 16 * g + 8 * s, counts[g]);
+    }
+    mbar_init(bar + 16 * kGroups, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
+}
+
 /// Producer warpgroup (pt = 0..127): cp.async of kRows x kDim elements, row r from src + r * row_stride,
 /// into the tile at `dst`; rows >= valid_rows are zero-filled without reading (padding past a request's
 /// end never carries another request's data, NaN included).
@@ -154,6 +171,21 @@ struct KernelParams {
   float scale;       // softmax_scale
   float scale_log2;  // softmax_scale * log2(e)
 };
+
+/// First row of the query block this CTA computes: block blockIdx.x, or counted from the end when causal
+/// (the last query blocks see the most keys, so they start first).
+template <int kBM>
+__device__ __forceinline__ int query_block_row0(const KernelParams& p) {
+  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
+  return mblk * kBM;
+}
+/// End (exclusive) of the keys that the query block of kBM rows from m0 sees: all s_k keys, or when causal
+/// those up to its last row's (key j is visible to query i iff j <= i + off, off = s_k - s_q).
+template <int kBM>
+__device__ __forceinline__ int visible_key_end(const KernelParams& p, int s_k, int m0, int off) {
+  const int n_end = p.causal ? min(s_k, m0 + kBM + off) : s_k;
+  return max(n_end, 0);
+}
 
 /// The fields of KernelParams the forward and the backward take alike from the forward's arguments p:
 /// q, k, v, lse, cu_seqlens_q / _k and their strides (out's strides into o_row / o_head; where out goes,

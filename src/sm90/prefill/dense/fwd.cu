@@ -117,27 +117,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
-  const int m0 = mblk * kFwdBM;
+  const int m0 = query_block_row0<kFwdBM>(p);
   if (m0 >= sb.s_q) return;
   const int off = sb.s_k - sb.s_q;  // key j visible to query i iff j <= i + off (causal)
-  int n_end = p.causal ? min(sb.s_k, m0 + kFwdBM + off) : sb.s_k;
-  n_end = max(n_end, 0);
-  const int n_blocks = (n_end + kFwdBN - 1) / kFwdBN;
+  const int n_blocks = (visible_key_end<kFwdBM>(p, sb.s_k, m0, off) + kFwdBN - 1) / kFwdBN;
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(k_full(s), kTma ? 1 : 128);
-      mbar_init(k_empty(s), 256);
-      mbar_init(v_full(s), kTma ? 1 : 128);
-      mbar_init(v_empty(s), 256);
-    }
-    mbar_init(q_bar, 128);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(tid, bar, {kTma ? 1 : 128, 256, kTma ? 1 : 128, 256});  // k_full, k_empty, v_full, v_empty
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -221,47 +208,49 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
   };
+  // S = Q K^T of key block n on its own (waited), K's stage released.
+  auto s_block = [&](float (&s)[64], int n) {
+    const int stage = n & 1;
+    mbar_wait(k_full(stage), (n >> 1) & 1);
+    gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    gmma::fence();
+    issue_s(s, stage);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(s);
+    mbar_arrive(k_empty(stage));
+  };
+  // O += P V of the block in `stage` on its own (waited; V's stage full), V's stage released.
+  auto pv_block = [&](const uint32_t (&a)[8][4], int stage) {
+    gmma::fence_proxy_async();
+    gmma::reg_fence(o);
+    gmma::fence();
+    issue_pv(a, stage);
+    gmma::commit();
+    gmma::wait<0>();
+    gmma::reg_fence(o);
+    mbar_arrive(v_empty(stage));
+  };
 
   mbar_wait(q_bar, 0);
   if constexpr (!kOverlap) {
     for (int n = 0; n < n_blocks; ++n) {
       const int stage = n & 1;
-      mbar_wait(k_full(stage), (n >> 1) & 1);
-      gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
       float s[64];
-      gmma::fence();
-      issue_s(s, stage);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      mbar_arrive(k_empty(stage));
+      s_block(s, n);
       float sc[2];
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       seesaw::scale_rows(o, sc);
       uint32_t a[8][4];
       pack_a<T, 128>(s, a);
       mbar_wait(v_full(stage), (n >> 1) & 1);
-      gmma::fence_proxy_async();
-      gmma::reg_fence(o);
-      gmma::fence();
-      issue_pv(a, stage);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(o);
-      mbar_arrive(v_empty(stage));
+      pv_block(a, stage);
     }
   } else if (n_blocks > 0) {
     uint32_t a[8][4];  // P of the previous block, the A operand of its P V
     {
       float s[64], sc[2];
-      mbar_wait(k_full(0), 0);
-      gmma::fence_proxy_async();
-      gmma::fence();
-      issue_s(s, 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      mbar_arrive(k_empty(0));
+      s_block(s, 0);
       softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       pack_a<T, 128>(s, a);  // O is still 0: no rescale
     }
@@ -296,14 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int last = (n_blocks - 1) & 1;
     mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
     zero_v_tail(last, n_blocks - 1);
-    gmma::fence_proxy_async();
-    gmma::reg_fence(o);
-    gmma::fence();
-    issue_pv(a, last);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(o);
-    mbar_arrive(v_empty(last));
+    pv_block(a, last);
   }
 
   // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
