@@ -154,12 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 
     float s[32], dp[32];
     gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, 64>::template ss<0, 0>(s, desc_k<kDqBM>(sQ, wg * 64, kk), desc_k<kDqBN>(sK, 0, kk), kk > 0 ? 1 : 0);
-#pragma unroll
-    for (int kk = 0; kk < kBwdDV / 16; ++kk)
-      Wgmma<T, 64>::template ss<0, 0>(dp, desc_k<kDqBM>(sDO, wg * 64, kk), desc_k<kDqBN>(sV, 0, kk), kk > 0 ? 1 : 0);
+    issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
+    issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
     gmma::commit();
     gmma::wait<0>();
     gmma::reg_fence(s);
@@ -322,9 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk)
-        Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk), kk > 0 ? 1 : 0);
+      issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
       gmma::commit();
       gmma::wait<0>();
       gmma::reg_fence(st);
@@ -346,9 +340,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       gmma::fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-#pragma unroll
-      for (int kk = 0; kk < kBwdDV / 16; ++kk)
-        Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk), kk > 0 ? 1 : 0);
+      issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
       gmma::commit();
       gmma::wait<0>();
       gmma::reg_fence(dv);

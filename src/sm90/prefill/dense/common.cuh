@@ -56,6 +56,16 @@ __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
   return gmma::make_desc_sw128(tile + kk * 16 * 128, kRows * 128, 1024);
 }
 
+/// acc (+)= A B^T over kDim / 16 k-steps (wgmma m64nNk16, both operands K-major): A = the 64 rows from
+/// a_row0 of the kRowsA-row tile at a, B = the first N rows of the kRowsB-row tile at b. The first k-step
+/// overwrites acc. Issues only: the caller fences before, commits and waits after.
+template <class T, int N, int kDim, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_abt(float (&acc)[N / 2], uint32_t a, int a_row0, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk)
+    Wgmma<T, N>::template ss<0, 0>(acc, desc_k<kRowsA>(a, a_row0, kk), desc_k<kRowsB>(b, 0, kk), kk > 0 ? 1 : 0);
+}
+
 /// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
 /// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
 /// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer

@@ -181,12 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int n) {
     return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
   };
-  auto issue_s = [&](float (&s)[64], int stage) {
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK(stage), 0, kk),
-                                       kk > 0 ? 1 : 0);
-  };
+  auto issue_s = [&](float (&s)[64], int stage) { issue_abt<T, 128, kD, kFwdBM, kFwdBN>(s, sQ, wg * 64, sK(stage)); };
   // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
   // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
   // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
