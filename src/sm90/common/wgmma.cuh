@@ -29,6 +29,15 @@ __device__ __forceinline__ void reg_fence(float (&d)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Commits the wgmma operations issued so far as a group, waits until every group is done and fences
+// accumulator d: its values are final after.
+template <int N>
+__device__ __forceinline__ void commit_wait(float (&d)[N]) {
+  commit();
+  wait<0>();
+  reg_fence(d);
+}
+
 // 128-byte-swizzled descriptor. `addr` = shared-memory byte address (>> 4 stored),
 // lbo/sbo in bytes. K-major: lbo unused (16), sbo = 1024 (8 rows x 128 B).
 // MN-major: lbo = byte stride between 64-element column blocks, sbo = 1024.

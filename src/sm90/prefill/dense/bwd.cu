@@ -64,18 +64,23 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_preprocess_kernel(const
   }
 }
 
+/// Bytes of a backward kernel's tiles (16-bit elements): Q (kD dims) and dO (kBwdDV) of kQRows query
+/// rows, K (kD) and V (kBwdDV) of kKRows key rows.
+template <int kD, int kQRows, int kKRows>
+struct BwdTiles {
+  static constexpr int kQ = kQRows * kD * 2, kDO = kQRows * kBwdDV * 2;
+  static constexpr int kK = kKRows * kD * 2, kV = kKRows * kBwdDV * 2;
+};
+
 // ------------------------------------------------------------------------------------------- dq
 constexpr int kDqBM = 128, kDqBN = 64;
 
 template <int kD>
-struct DqSmem {
-  static constexpr int kQ = kDqBM * kD * 2;
-  static constexpr int kDO = kDqBM * kBwdDV * 2;
-  static constexpr int kK = kDqBN * kD * 2;
-  static constexpr int kV = kDqBN * kBwdDV * 2;
-  static constexpr int kStage = kK + kV;
+struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
+  using Tiles = BwdTiles<kD, kDqBM, kDqBN>;
+  static constexpr int kStage = Tiles::kK + Tiles::kV;
   static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
-  static constexpr int kBytes = 1024 + kQ + kDO + 2 * kStage + kBars;
+  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + 2 * kStage + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -156,9 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     gmma::fence();
     issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
     issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(s);
+    gmma::commit_wait(s);
     gmma::reg_fence(dp);
 
     const int n0 = n * kDqBN;
@@ -184,9 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     gmma::fence();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(dq);
+    gmma::commit_wait(dq);
     mbar_arrive(empty_bar(stage));
   }
 
@@ -206,19 +207,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 constexpr int kKvBN = 128, kKvBM = 64;
 
 template <int kD>
-struct KvSmem {
-  static constexpr int kK = kKvBN * kD * 2;
-  static constexpr int kV = kKvBN * kBwdDV * 2;
-  static constexpr int kQ = kKvBM * kD * 2;
-  static constexpr int kDO = kKvBM * kBwdDV * 2;
+struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
+  using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
-  static constexpr int kStage = kQ + kDO + kVec;
+  static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
   static constexpr int kBars = 5 * 8;  // full[2], empty[2], kv_full
-  static constexpr int kBytes = 1024 + kK + kV + 2 * kStage + kBars;
+  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + 2 * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
   static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
-  static constexpr int kBytesAligned = 1024 + kK + kV + 2 * kStageAligned + kDS + kBars;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + 2 * kStageAligned + kDS + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
@@ -319,9 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
       issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(st);
+      gmma::commit_wait(st);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -341,9 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
       issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(dv);
+      gmma::commit_wait(dv);
       gmma::reg_fence(dpt);
       // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used).
 #pragma unroll
@@ -386,9 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       for (int kk = 0; kk < kKvBN / 16; ++kk)
         Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
                                         kk > 0 ? 1 : 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(dk);
+      gmma::commit_wait(dk);
       gmma::reg_fence(dqp);
       const int hq = hk * p.group + it / m_count;
       int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;

@@ -210,9 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
     gmma::fence();
     issue_s(s, stage);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(s);
+    gmma::commit_wait(s);
     mbar_arrive(k_empty(stage));
   };
   // O += P V of the block in `stage` on its own (waited; V's stage full), V's stage released.
@@ -221,9 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmma::reg_fence(o);
     gmma::fence();
     issue_pv(a, stage);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(o);
+    gmma::commit_wait(o);
     mbar_arrive(v_empty(stage));
   };
 
