@@ -15,6 +15,7 @@ Writes <out>/<date>-dense-prefill-vs-cudnn-fa3.json (cases, targets of issue 26:
 
 Usage: python3 bench/bench_dense_prefill.py [--out bench/results] [--reps 10] [--lib PATH]
                                           [--fwd-schedule S] [--bwd-schedule S]   (with --lib: dense_prefill.h)
+                                          [--only NAME ...]   (shapes whose name contains one of these)
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def main():
     ap.add_argument("--lib", default=None, help="standalone library (tools/dense-prefill-gpu-check.sh builds it)")
     ap.add_argument("--fwd-schedule", default="default", help="with --lib: default, serial, overlap, pingpong, pingpong_tma")
     ap.add_argument("--bwd-schedule", default="default", help="with --lib: default, two_kernel or fused_dq")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="time only the shapes whose name (e.g. s8192_h128-128_d192_causal) contains one of these")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -124,6 +127,9 @@ def main():
     ceil = common.measure_ceilings()
     cases = []
     for (s, h, hk, d, causal) in SHAPES:
+        name = f"s{s}_h{h}-{hk}_d{d}_{'causal' if causal else 'full'}"
+        if args.only and not any(o in name for o in args.only):
+            continue
         torch.manual_seed(0)
         total = B * s
         q = (torch.randn(total, h, d, device="cuda") / 10).to(torch.bfloat16)
@@ -134,7 +140,7 @@ def main():
         scale = d ** -0.5
         pairs = visible_pairs(s, causal)
         f_fwd, f_bwd = pairs * h * 2 * (d + DV), pairs * h * 2 * (3 * d + 2 * DV)
-        c = {"name": f"s{s}_h{h}-{hk}_d{d}_{'causal' if causal else 'full'}", "b": B, "s": s, "h": h, "h_kv": hk,
+        c = {"name": name, "b": B, "s": s, "h": h, "h_kv": hk,
              "d": d, "dv": DV, "causal": causal, "flop_fwd": f_fwd, "flop_bwd": f_bwd}
         t_f, t_b, out = ours.make(q, k, v, dout, cu, s, scale, causal, args.reps)
         c.update(ours_fwd_ms=t_f, ours_bwd_ms=t_b, ours_fwd_tflops=f_fwd / 1e9 / t_f, ours_bwd_tflops=f_bwd / 1e9 / t_b)

@@ -70,7 +70,13 @@ def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 30) 
     calls, each call preceded by an L2 flush (flush_l2); the second round runs under the PyTorch
     profiler. Per substring: the summed duration of the kernels whose name contains it, divided by
     `reps` (a mean: one slow call raises it); plus 'call' = the median CUDA-event time of the whole
-    call over the first round's calls (flush excluded). Microseconds."""
+    call over the first round's calls (flush excluded), and 'span' = the mean over calls of the time
+    from the start of the call's first kernel whose name contains names[0] to the end of the last
+    kernel of that call matching any name. Microseconds.
+
+    The summed durations double-count when a kernel is launched as a programmatic dependent (PDL):
+    the dependent (e.g. the decode combine) starts while the main kernel runs and its duration
+    includes its wait at griddepcontrol.wait. 'span' is the whole call's GPU time either way."""
     from torch.profiler import ProfilerActivity, profile
 
     call = []
@@ -92,7 +98,25 @@ def kernel_times_us(fn: Callable[[], object], names: List[str], reps: int = 30) 
     for name in names:
         durs = [ev.device_time for ev in events if name in ev.name]
         out[name] = sum(durs) / reps if durs else float("nan")
+    out["span"] = call_span_us(events, names)
     return out
+
+
+def call_span_us(events, names: List[str]) -> float:
+    """Mean per-call GPU span over profiler CUDA events (see kernel_times_us): a call starts at each
+    kernel whose name contains names[0] and holds the matching kernels up to the next such start."""
+    ks = sorted((ev for ev in events if any(n in ev.name for n in names)), key=lambda ev: ev.time_range.start)
+    spans, start, end = [], None, None
+    for ev in ks:
+        if names[0] in ev.name:
+            if start is not None:
+                spans.append(end - start)
+            start, end = ev.time_range.start, ev.time_range.end
+        elif start is not None:
+            end = max(end, ev.time_range.end)
+    if start is not None:
+        spans.append(end - start)
+    return sum(spans) / len(spans) if spans else float("nan")
 
 
 def write_results(kind: str, gpu: str, ceilings: Dict[str, float], cases: List[dict], outdir: str) -> str:

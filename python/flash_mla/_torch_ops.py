@@ -457,6 +457,27 @@ def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
     return True
 
 
+def once_differentiable_grads(grads: tuple, inputs: tuple) -> tuple:
+    """The gradients a dense prefill backward computed, made safe for ``create_graph=True``.
+
+    The backward op has no backward of its own. When autograd records the backward (``create_graph=True``, e.g.
+    a gradient penalty) and any tensor it read requires grad, plain results would look constant to autograd:
+    a second-order term through them would silently count as zero (or fail later with "does not require grad"
+    where the penalty is the whole loss). Then the results are returned as aliases whose backward raises
+    RuntimeError ("... differentiate twice ..."), as ``torch.autograd.function.once_differentiable`` does; unlike
+    that decorator this also looks at the saved q / k / v, not only at the incoming gradient (which is constant
+    for ``out.sum()``). Otherwise (the common case: no create_graph) the results come back unchanged."""
+    torch = _torch
+    if torch is None:  # (torch tensors without the op library: FlashAttnVarlenFunc over TVM-FFI)
+        import torch
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in inputs):
+        return grads
+    err = torch._C._functions.DelayedError(
+        b"flash_mla dense prefill: trying to differentiate twice (double backward / create_graph=True through "
+        b"flash_attn_varlen_func); its backward is not differentiable", len(grads))
+    return err(*[g.detach().requires_grad_() for g in grads])
+
+
 # ----------------------------------------------------------------------------- fake kernels
 _NUM_SMS: dict = {}
 
@@ -587,6 +608,7 @@ def _register_fakes(torch) -> None:
             dout = torch.zeros_like(out)
         dq, dk, dv = call(torch.ops.flash_mla.dense_prefill_bwd.default,
                           dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars)
+        dq, dk, dv = once_differentiable_grads((dq, dk, dv), (dout, q, k, v))
         return dq, dk, dv, None, None, None, None, None, None
 
     torch.library.register_autograd(lib + "dense_prefill_fwd", _dense_prefill_backward,

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import _torch_ops
-from .flash_mla_interface import _dense_prefill_args, _float_arg, _int_arg
+from .flash_mla_interface import _check_destinations, _dense_prefill_args, _float_arg, _int_arg
 
 if not _torch_ops.available():
     raise ImportError(f"flash_mla.cuda needs PyTorch and torch.ops.flash_mla: {_torch_ops.load_error()}")
@@ -125,11 +125,9 @@ def dense_prefill_fwd(workspace: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any,
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
         _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
     o, l = _torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
-    for name, dst, src in (("out", out, o), ("lse", lse, l)):
-        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-            raise ValueError(f"{name}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {dst.dtype} "
-                             f"{tuple(dst.shape)}")
-        dst.copy_(src)
+    _check_destinations(("out", "lse"), (out, lse), (o, l))  # (all checked before any is written)
+    out.copy_(o)
+    lse.copy_(l)
 
 
 def dense_prefill_bwd(workspace: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any,
@@ -143,8 +141,6 @@ def dense_prefill_bwd(workspace: Any, dout: Any, q: Any, k: Any, v: Any, out: An
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
         _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
     grads = _torch_ops.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
-    for name, dst, src in (("dq", dq, grads[0]), ("dk", dk, grads[1]), ("dv", dv, grads[2])):
-        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-            raise ValueError(f"{name}: expected a {src.dtype} tensor of shape {tuple(src.shape)}, got {dst.dtype} "
-                             f"{tuple(dst.shape)}")
+    _check_destinations(("dq", "dk", "dv"), (dq, dk, dv), grads)  # (all checked before any is written)
+    for dst, src in zip((dq, dk, dv), grads):
         dst.copy_(src)

@@ -725,6 +725,15 @@ _FlashAttnVarlenFunc = None
 def _flash_attn_varlen_function():
     """FlashMLA's ``FlashAttnVarlenFunc`` (a torch.autograd.Function), made on first use so that
     flash_mla imports without torch."""
+    # (called before the global is read: Dynamo keeps the value of a global it has read once in a trace)
+    _make_flash_attn_varlen_function()
+    return _FlashAttnVarlenFunc
+
+
+def _make_flash_attn_varlen_function() -> bool:
+    """Makes ``_FlashAttnVarlenFunc`` once; True. Marked constant for torch.compile (below), so that a first
+    call inside a compiled region runs it eagerly: Dynamo cannot trace the class statement (a graph break, an
+    error under fullgraph=True), and reads the global it set afterwards."""
     global _FlashAttnVarlenFunc
     if _FlashAttnVarlenFunc is None:
         import torch
@@ -747,10 +756,16 @@ def _flash_attn_varlen_function():
                 q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
                 dq, dk, dv = _dense_prefill_bwd_call(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k,
                                                      *ctx.scalars)
+                if torch.is_grad_enabled():  # create_graph=True: a second derivative must raise, not be 0
+                    dq, dk, dv = _torch_ops.once_differentiable_grads((dq, dk, dv), (dout, q, k, v))
                 return dq, dk, dv, None, None, None, None, None, None
 
         _FlashAttnVarlenFunc = FlashAttnVarlenFunc
-    return _FlashAttnVarlenFunc
+    return True
+
+
+# (what torch._dynamo.assume_constant_result sets; set directly so that torch need not be imported here)
+_make_flash_attn_varlen_function._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
@@ -803,7 +818,9 @@ def flash_attn_varlen_func(
     ``q.grad``, ``k.grad``, ``v.grad``; GQA included, which FlashMLA's SM100 backward rejects); JAX
     arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); other frameworks call
     :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
-    is deterministic (bitwise equal dk / dv across runs). Memory: the outputs, one workspace sized
+    is deterministic (bitwise equal dk / dv across runs) and not differentiable itself: with
+    ``create_graph=True`` the gradients it returns raise RuntimeError ("... differentiate twice ...")
+    when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
     by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv.
 
     Raises (each message names the argument): ``TypeError`` for non-tensors and wrong dtypes;
@@ -918,20 +935,27 @@ def _flash_attn_varlen_backward(do, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens
     return _into(("dq", "dk", "dv"), (dq, dk, dv), res)
 
 
+def _check_destinations(names, given, results):
+    """ValueError naming the first caller-given destination whose shape or dtype is not its result's (None:
+    not given). Every destination is checked before any is written, so a bad one leaves all untouched."""
+    for name, g, r in zip(names, given, results):
+        if g is not None and (tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype):
+            raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got "
+                             f"{getattr(g, 'dtype', type(g).__name__)} {tuple(g.shape)}")
+
+
 def _into(names, given, results):
     """Copy results into caller-given torch tensors (FlashMLA's preallocated-output arguments)."""
     if all(g is None for g in given):
         return tuple(results)
     if _ffi.framework_of(results[0]) != "torch":
         raise TypeError(f"{', '.join(names)}: preallocated outputs are supported for torch tensors only")
+    _check_destinations(names, given, results)
     out = []
-    for name, g, r in zip(names, given, results):
+    for g, r in zip(given, results):
         if g is None:
             out.append(r)
             continue
-        if tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype:
-            raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got {g.dtype} "
-                             f"{tuple(g.shape)}")
         g.copy_(r)
         out.append(g)
     return tuple(out)

@@ -31,7 +31,9 @@ Status check_scale(float scale, const char* name) {
   if (std::isnan(scale))
     return value_error(cat(name, ": must be finite, got nan (also the params struct's default when it is not set; "
                                  "FlashMLA's bindings pass d_qk^-0.5 when the caller gives none)"));
-  if (!std::isfinite(scale)) return value_error(cat(name, ": must be finite, got ", scale));
+  if (!std::isfinite(scale))  // (the bindings take a double: a finite one beyond float32's range arrives as inf)
+    return value_error(cat(name, ": must be finite, got ", scale,
+                           " (the scale is a float32: a magnitude above 3.4e38 overflows float32 to inf)"));
   return Status::Ok();
 }
 

@@ -17,7 +17,9 @@
    bf16 and fp16, GQA, both head-dim pairs, packed variants, is_varlen=False, NaN propagation.
 3. NaN / inf in keys of the causal diagonal block that the first rows do not see (k, v or both; s_q 7 / 63 /
    129 / 200, s_k = s_q .. s_q + 70): out, lse, dq, dk, dv as the reference, and the other rows bit-identical
-   to a run with finite values there.
+   to a run with finite values there. Likewise NaN / inf in every key of the next request (the rows past a
+   request's end that its last key block reads), and in one query row's q or dout (dk / dv of the keys it
+   does not see).
 
 Outputs are poisoned the only way the op's own allocations can be: a NaN-filled block is freed
 into torch's caching allocator right before each call, so the op's outputs come out of it;
@@ -59,13 +61,24 @@ def row_segments(k, v, s_q, s_k, causal):
     return [(r0, r1, everything[~bad | (first_row <= r0)]) for r0, r1 in zip(cuts, cuts[1:])]
 
 
+def seen_keys_only(w, rows, seen, bad):
+    """w^T rows over the query axis, (heads, n_k, dim) for w (heads, n_q, n_k) and rows (heads, n_q, dim), with
+    the rows holding a NaN or inf (bad, (heads, n_q)) adding to the keys they see (seen, (n_q, n_k)) only:
+    a plain matmul would multiply their masked 0 weights by them (0 * NaN = NaN)."""
+    out = w.transpose(-1, -2) @ torch.where(bad[..., None], 0.0, rows)
+    for hh, i in bad.nonzero().tolist():
+        out[hh, seen[i]] += w[hh, i, seen[i], None] * rows[hh, i]
+    return out
+
+
 def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
     """float32 reference, request by request and in chunks of query heads (bounded memory):
     (out float32, lse float32, dq, dk, dv in q's dtype, dv_p in q's dtype); gradients by autograd of
     the explicit softmax attention (bottom-right causal mask; GQA by repeat_interleave), as FlashMLA's
     sdpa. dv_p is dV = P^T dO with P rounded to q's dtype first, as the kernels (and FlashAttention's
     backward) feed P to the tensor cores: the precision the backward's dv is specified to. A NaN / inf in
-    a key reaches the rows that see it only (row_segments)."""
+    a key reaches the rows that see it only (row_segments), one in a query row's q or dout the dk / dv of the
+    keys that row sees only (seen_keys_only)."""
     total_q, h_q, _ = q.shape
     h_k = k.shape[1]
     g = h_q // h_k
@@ -101,7 +114,9 @@ def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
                 # Masked by selection, not by adding -inf, so that a row's NaN or inf (a visible non-finite key)
                 # reaches neither the masked P nor, through the backward, the masked keys. Rows without a
                 # visible key are unmasked here (a finite softmax) and zeroed in p.
-                x = torch.where(keep | ~has_keys[:, None], qc @ kc.transpose(-1, -2) * scale, -math.inf)
+                sc = qc @ kc.transpose(-1, -2)
+                sc.retain_grad()
+                x = torch.where(keep | ~has_keys[:, None], sc * scale, -math.inf)
                 l = torch.where(has_keys, x.logsumexp(-1), -math.inf)
                 p = torch.where(keep & has_keys[:, None], torch.softmax(x, -1), 0.0)
                 o = p @ vc
@@ -111,11 +126,19 @@ def reference(q, k, v, cu_q, cu_k, scale, causal, dout):
                 lse[q0 + r0:q0 + r1, h0:h1] = l.detach().transpose(0, 1)
                 dq[q0 + r0:q0 + r1, h0:h1] = qc.grad.transpose(0, 1)
                 p_q = p.detach().to(q.dtype).float()
-                for acc, grad in ((dk, kc.grad), (dv, vc.grad), (dv_p, p_q.transpose(-1, -2) @ do)):
+                gk, gv, gv_p = kc.grad, vc.grad, p_q.transpose(-1, -2) @ do
+                bad_q, bad_do = ~torch.isfinite(qc.detach()).all(-1), ~torch.isfinite(do).all(-1)
+                seen = keep & has_keys[:, None]
+                if bool(bad_q.any()):
+                    gk = seen_keys_only(sc.grad, qc.detach(), seen, bad_q)
+                if bool(bad_do.any()):
+                    gv = seen_keys_only(p.detach(), do, seen, bad_do)
+                    gv_p = seen_keys_only(p_q, do, seen, bad_do)
+                for acc, grad in ((dk, gk), (dv, gv), (dv_p, gv_p)):
                     full = torch.zeros(h1 - h0, s_k, grad.shape[-1], device=q.device)
                     full[:, keys] = grad
                     acc[k0:k1].index_add_(1, kh, full.transpose(0, 1))
-                del x, p, o, p_q
+                del x, p, o, p_q, sc
     return out, lse, dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dv_p.to(q.dtype)
 
 
@@ -324,12 +347,6 @@ def nonfinite_checked(name, ans, ref, nan_only):
     return ans.masked_fill(bad_a, 0), ref.to(ans.device).masked_fill(bad_r, 0)
 
 
-# Known defect of the sm90 kernels (H200, 2026-12-03: all 96 cases fail; docs/dense-prefill.md): a non-finite
-# value in k or v of a key that some rows of a tile do not see still reaches those rows through the tile's MMA
-# (0 * NaN = NaN: P . V in the forward, dS . K into dq in the backward), where the reference stays finite.
-# Strict: the day the kernels stop leaking, this marker must go.
-@pytest.mark.xfail(DEV == "cuda", strict=True,
-                   reason="sm90 kernels: non-finite masked keys leak into the rows of their tile (0 * NaN in the MMA)")
 @pytest.mark.parametrize("offset", [0, 1, 37, 70])
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 @pytest.mark.parametrize("where", ["k", "v", "kv"])
@@ -388,6 +405,110 @@ def test_masked_keys_holding_nan_or_inf(offset, poison, where, dims, heads):
         assert torch.equal(a[clean], b[clean]), f"{name}: a row that sees no poisoned key depends on one"
     if where == "v":
         assert torch.equal(lse, lse_f) and torch.equal(dv, dv_f) and bool(torch.isfinite(dv).all())
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "dout"])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+def test_query_rows_holding_nan_or_inf(poison, where, dims, heads):
+    """Causal: one query row per request (row s_q // 3) holds NaN or inf in q or dout (one element, every head).
+    Its own outputs and the dk / dv of the keys it sees are non-finite as the reference's; the dk / dv of the
+    keys it does not see, and the other rows' out, lse and dq, get the bits of a run with finite values there
+    (the dk / dv kernel multiplies that row's q / dout by the masked 0s of those keys)."""
+    torch.manual_seed(zlib.crc32(repr(("rows", poison, where, dims, heads)).encode()))
+    lens_q, lens_k = [7, 63, 129, 200, 63], [7, 80, 129, 230, 63]
+    (h, h_k), (d, d_v) = heads, dims
+    cu_q, cu_k = cumulative(lens_q), cumulative(lens_k)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q_fin = (torch.randn(total_q, h, d, device=DEV) * 0.1).bfloat16()
+    k = (torch.randn(total_k, h_k, d, device=DEV) * 0.1).bfloat16()
+    v = (torch.randn(total_k, h_k, d_v, device=DEV) * 0.1).bfloat16()
+    dout_fin = (torch.randn(total_q, h, d_v, device=DEV) * 0.1).bfloat16()
+    q, dout = q_fin.clone(), dout_fin.clone()
+    other_rows = torch.ones(total_q, dtype=torch.bool, device=DEV)
+    unseen_keys = torch.zeros(total_k, dtype=torch.bool, device=DEV)  # keys the poisoned row does not see
+    val = float(poison)
+    for i in range(len(lens_q) - 1):  # the last request stays clean
+        q0, k0, s_q, s_k = int(cu_q[i]), int(cu_k[i]), lens_q[i], lens_k[i]
+        r = s_q // 3
+        (q if where == "q" else dout)[q0 + r, :, 3] = val
+        other_rows[q0 + r] = False
+        unseen_keys[k0 + r + s_k - s_q + 1:k0 + s_k] = True
+    unseen_keys[int(cu_k[-2]):] = True
+    scale = (d + 100) ** -0.5
+
+    def run(q, dout):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, True)
+        return out, lse, run_bwd(out, dout, q1, k1, v1)
+
+    out, lse, (dq, dk, dv) = run(q, dout)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, True, dout)
+    nan_only = poison == "nan"
+    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
+    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
+    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
+             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
+    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
+
+    out_f, lse_f, (dq_f, dk_f, dv_f) = run(q_fin, dout_fin)
+    for name, a, b, sel in (("out", out, out_f, other_rows), ("lse", lse, lse_f, other_rows),
+                            ("dq", dq, dq_f, other_rows), ("dk", dk, dk_f, unseen_keys), ("dv", dv, dv_f, unseen_keys)):
+        assert bool(torch.isfinite(a[sel]).all()), f"{name}: not finite where no poisoned row reaches"
+        assert torch.equal(a[sel], b[sel]), f"{name}: depends on a query row it does not see / is not"
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
+def test_next_request_keys_holding_nan_or_inf(poison, causal, dims):
+    """Varlen: a request's last key block runs past its end into the next request's keys (the TMA forward loads
+    those rows; the cp.async producers zero-fill them), and its last query block past its end (zero-filled).
+    Every k and v row of requests 1 and 3 holds NaN (or +inf in k, -inf in v): their outputs are non-finite as
+    the reference's, and requests 0 and 2 (s_k 9 and 200: blocks of 64 and 128 keys end inside the next
+    request) get out, lse, dq, dk and dv finite and bit-identical to a run with finite values there."""
+    torch.manual_seed(zlib.crc32(repr(("next", poison, causal, dims)).encode()))
+    lens_q, lens_k = [7, 50, 129, 30], [9, 60, 200, 40]
+    (d, d_v), h, h_k = dims, 8, 2
+    cu_q, cu_k = cumulative(lens_q), cumulative(lens_k)
+    total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+    q = (torch.randn(total_q, h, d, device=DEV) * 0.1).bfloat16()
+    k_fin = (torch.randn(total_k, h_k, d, device=DEV) * 0.1).bfloat16()
+    v_fin = (torch.randn(total_k, h_k, d_v, device=DEV) * 0.1).bfloat16()
+    dout = (torch.randn(total_q, h, d_v, device=DEV) * 0.1).bfloat16()
+    k, v = k_fin.clone(), v_fin.clone()
+    val = float(poison)
+    clean_q = torch.zeros(total_q, dtype=torch.bool, device=DEV)
+    clean_k = torch.zeros(total_k, dtype=torch.bool, device=DEV)
+    for i in range(len(lens_q)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if i % 2:
+            k[ks], v[ks] = val, -val
+        else:
+            clean_q[qs], clean_k[ks] = True, True
+    scale = (d + 100) ** -0.5
+
+    def run(k, v):
+        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal)
+        return out, lse, run_bwd(out, dout, q1, k1, v1)
+
+    out, lse, (dq, dk, dv) = run(k, v)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, causal, dout)
+    nan_only = poison == "nan"
+    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
+    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
+    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
+             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
+    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
+
+    out_f, lse_f, (dq_f, dk_f, dv_f) = run(k_fin, v_fin)
+    for name, a, b, rows in (("out", out, out_f, clean_q), ("lse", lse, lse_f, clean_q), ("dq", dq, dq_f, clean_q),
+                             ("dk", dk, dk_f, clean_k), ("dv", dv, dv_f, clean_k)):
+        finite = torch.isfinite(a[rows]) | (torch.isneginf(a[rows]) if name == "lse" else False)
+        assert bool(finite.all()), f"{name}: a request next to one with non-finite keys is not finite"
+        assert torch.equal(a[rows], b[rows]), f"{name}: a request depends on the next request's keys"
 
 
 def test_other_frameworks_agree_with_torch():

@@ -124,3 +124,20 @@ def test_bad_arguments(argv, message, capsys):
 def test_missing_anchor_is_named(tmp_path, stubbed):
     with pytest.raises(SystemExit, match="no FlashMLA anchor at"):
         tp.main([str(tmp_path), "--anchor", str(tmp_path / "nowhere")])
+
+
+def test_call_span_counts_an_overlapping_dependent_once():
+    """The combine launched as a programmatic dependent starts while the main kernel runs: the span of a
+    call is main start -> last end, not the sum of the two durations."""
+    pytest.importorskip("torch")
+    import common  # bench/, on sys.path above
+
+    def ev(name, start, end):
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end))
+
+    events = [ev("combine", 12.0, 112.0), ev("main_kernel", 10.0, 100.0),   # call 1: span 102
+              ev("main_kernel", 200.0, 290.0), ev("combine", 205.0, 300.0),  # call 2: span 100
+              ev("flush_memset", 150.0, 160.0)]                              # not a named kernel
+    assert common.call_span_us(events, ["main_kernel", "combine"]) == pytest.approx(101.0)
+    assert common.call_span_us(events[1:2], ["main_kernel", "combine"]) == pytest.approx(90.0)
+    assert math.isnan(common.call_span_us([], ["main_kernel", "combine"]))

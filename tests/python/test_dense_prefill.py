@@ -415,6 +415,36 @@ def test_torch_autograd(rng, dtype, causal, heads):
         assert torch.equal(g, t.grad)
 
 
+def test_torch_double_backward_raises_instead_of_dropping_the_second_order_term(rng):
+    """The backward is not differentiable. With create_graph=True (a gradient penalty) the gradients it returns
+    must not silently look constant: backpropagating through them raises, through both ways in (the
+    autograd.Function of flash_attn_varlen_func and the op's register_autograd), instead of leaving the
+    second-order term out of the loss."""
+    torch = _torch()
+    from flash_mla import _torch_ops
+
+    case = Case(rng, [3, 5], [4, 5], 2, 1, 128, 128, BF16, True)
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    ways = [lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                             causal=True)]
+    if _torch_ops.available():
+        ways.append(lambda q, k, v: torch.ops.flash_mla.dense_prefill_fwd(q, k, v, cu_q, cu_k, case.max_q,
+                                                                         case.max_k, case.scale, True))
+    # (the loss's gradient into out: one that requires grad itself, and a constant one, as of out.sum())
+    for fwd, loss in [(f, l) for f in ways for l in (lambda o: o.float().square().sum(), lambda o: o.sum())]:
+        q, k, v = (_t(x, True) for x in (case.q, case.k, case.v))
+        out, _ = fwd(q, k, v)
+        dq, dk = torch.autograd.grad(loss(out), (q, k), create_graph=True)
+        assert dq.requires_grad and dk.requires_grad  # (a penalty on them is part of the graph, not a constant)
+        penalty = dq.float().square().sum() + dk.float().sum()
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (penalty + out.float().sum()).backward()
+        # The first-order gradients are those of a call without create_graph.
+        q2, k2, v2 = (_t(x, True) for x in (case.q, case.k, case.v))
+        dq2, dk2 = torch.autograd.grad(loss(fwd(q2, k2, v2)[0]), (q2, k2))
+        assert torch.equal(dq.detach(), dq2) and torch.equal(dk.detach(), dk2)
+
+
 def test_torch_packed_grads_flow_into_the_packed_tensor(rng):
     torch = _torch()
     case = Case(rng, [5, 9], [5, 9], 2, 2, 128, 128, BF16, True)
@@ -489,6 +519,41 @@ def test_torch_ops_registered_autograd_fake_and_compile(rng):
         assert torch.equal(a.grad, b.grad)
 
 
+_FIRST_CALL_COMPILED = r"""
+import sys, torch, flash_mla
+torch.manual_seed(0)
+cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+q, k, v = (torch.randn(10, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+def step(q, k, v):
+    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)[0]
+
+out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+out.float().square().sum().backward()
+q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+ref = step(q2, k2, v2)
+ref.float().square().sum().backward()
+assert torch.equal(out, ref) and all(torch.equal(a.grad, b.grad) for a, b in ((q, q2), (k, k2), (v, v2)))
+print("ok")
+"""
+
+
+def test_torch_compile_fullgraph_as_the_first_call_of_a_process():
+    """torch.compile(fullgraph=True) of a function calling flash_attn_varlen_func, before any eager call in the
+    process (a fresh interpreter): one graph, forward and backward equal to eager. (The autograd.Function is
+    made on first use; made inside the traced region it was a class statement Dynamo cannot trace.)"""
+    _torch()
+    import subprocess
+    import sys
+
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():  # (torch.compile traces the op library's ops, not TVM-FFI calls)
+        pytest.skip(f"torch.ops.flash_mla not available: {_torch_ops.load_error()}")
+    r = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_flash_mla_cuda_raw_functions(rng):
     torch = _torch()
     from flash_mla import _torch_ops
@@ -513,6 +578,58 @@ def test_flash_mla_cuda_raw_functions(rng):
         check_grad(name, _np(t), r, BF16)
     with pytest.raises(ValueError, match="mask_mode_code"):
         fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 2, case.scale, case.max_q, case.max_k, True)
+
+
+def test_preallocated_outputs_are_all_checked_before_any_is_written(rng):
+    """FlashMLA's destination-passing forms (flash_mla.cuda.dense_prefill_fwd / _bwd, the private
+    _flash_attn_varlen_forward / _backward with out= / dq= ...): a wrong destination raises ValueError naming
+    it, and no destination is written then (not the ones before it either); right ones are filled."""
+    torch = _torch()
+    from flash_mla.flash_mla_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+    case = Case(rng, [4, 3], [5, 3], 2, 1, 128, 128, BF16, True)
+    q, k, v = (_t(x) for x in (case.q, case.k, case.v))
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    args = (q, k, v, cu_q, cu_k, case.max_q, case.max_k)
+    poison = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    out, lse = _flash_attn_varlen_forward(*args, causal=True, softmax_scale=case.scale)
+    check_fwd(_np(out), _np(lse), case)
+    o = poison(out)
+    with pytest.raises(ValueError, match=r"^lse: expected a torch.float32 tensor of shape \(7, 2\)"):
+        _flash_attn_varlen_forward(*args, out=o, lse=torch.zeros(7, 3), causal=True, softmax_scale=case.scale)
+    assert o.isnan().all()
+    o, l = poison(out), poison(lse)
+    assert _flash_attn_varlen_forward(*args, out=o, lse=l, causal=True, softmax_scale=case.scale) == (o, l)
+    assert torch.equal(o, out) and torch.equal(l, lse)
+    dout = _t(case.dout)
+    grads = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, causal=True,
+                                        softmax_scale=case.scale)
+    dq, dk = poison(q), poison(k)
+    with pytest.raises(ValueError, match=r"^dv: expected a torch.bfloat16 tensor"):
+        _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, dq=dq, dk=dk,
+                                    dv=torch.zeros(8, 1, 128), causal=True, softmax_scale=case.scale)
+    assert dq.isnan().all() and dk.isnan().all()
+    from flash_mla import _torch_ops
+
+    if not _torch_ops.available():
+        return
+    import flash_mla.cuda as fc
+
+    ws = torch.empty(0, dtype=torch.uint8)
+    o = poison(out)
+    with pytest.raises(ValueError, match=r"^lse: expected"):
+        fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, o, torch.zeros(7, 3), 1, case.scale, case.max_q, case.max_k,
+                             True)
+    assert o.isnan().all()
+    dq, dk = poison(q), poison(k)
+    with pytest.raises(ValueError, match=r"^dv: expected"):
+        fc.dense_prefill_bwd(ws, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, torch.zeros(8, 1, 64,
+                             dtype=torch.bfloat16), 1, case.scale, case.max_q, case.max_k, True)
+    assert dq.isnan().all() and dk.isnan().all()
+    dq, dk, dv = poison(q), poison(k), poison(v)
+    fc.dense_prefill_bwd(ws, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1, case.scale, case.max_q, case.max_k,
+                         True)
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
 
 
 # ----------------------------------------------------------------------------- JAX

@@ -459,6 +459,22 @@ def test_scale_must_be_finite_on_every_operator(dense, sparse, prefill, bad):
         call_prefill(prefill, sm_scale=bad)
 
 
+@pytest.mark.parametrize("big", [1e300, -1e39, np.float64(4e38)])
+def test_scale_beyond_float32_says_it_overflows(dense, sparse, prefill, big):
+    """A finite Python / NumPy scale too large for the float32 the kernels use is a ValueError that says so,
+    on every operator, not "must be finite, got inf" for a value the caller gave as finite."""
+    for name, call in (("softmax_scale", lambda: call_dense(dense, softmax_scale=big)),
+                       ("softmax_scale", lambda: call_sparse(sparse, softmax_scale=big)),
+                       ("sm_scale", lambda: call_prefill(prefill, sm_scale=big))):
+        with pytest.raises(ValueError, match=rf"^{name}: .*overflows float32"):
+            call()
+    torch = pytest.importorskip("torch")
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    x = torch.zeros(3, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^softmax_scale: .*overflows float32"):
+        flash_mla.flash_attn_varlen_func(x, x, x, cu, cu, 3, 3, softmax_scale=big)
+
+
 @pytest.mark.parametrize("good", [0.25, 1, np.float32(0.25), np.float64(0.25), np.int64(1), np.array(0.25)],
                          ids=lambda v: type(v).__name__)
 def test_scale_accepts_real_numbers(dense, prefill, good):

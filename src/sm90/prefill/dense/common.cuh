@@ -136,6 +136,215 @@ __device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
   }
 }
 
+// ---- Keys that some rows of a tile do not see, holding inf or NaN (docs/dense-prefill.md, "Masking, empty rows,
+// NaN"). Masking sets P of such a (row, key) to 0, but the tile's MMA still multiplies that 0 by the key's row of
+// the B operand, and 0 * inf = 0 * NaN = NaN. The forward's producer replaces those elements by 0 in the shared
+// tile (for the tiles that can hold such keys: the causal diagonal ones) and marks the rows; the consumers then
+// add, after the tile's MMA, the products of the rows that do see the key with its values read from global memory.
+
+/// The pair w with its inf / NaN bf16 / fp16 elements (exponent all ones) replaced by +0.
+template <class T>
+__device__ __forceinline__ uint32_t pair_zero_nonfinite(uint32_t w) {
+  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  uint32_t keep = 0xFFFFFFFFu;
+  if ((w & e) == e) keep &= 0xFFFF0000u;
+  if (((w >> 16) & e) == e) keep &= 0x0000FFFFu;
+  return w & keep;
+}
+__device__ __forceinline__ bool float_is_nonfinite(float x) {
+  return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
+}
+
+/// Threads st = 0 .. nt - 1: in rows [lo, hi) of a kRows x kDim tile (generic pointer to shared memory), replaces
+/// every inf / NaN element by 0 and sets bit r of mask (4 words, shared memory) for each row r that held one.
+template <class T, int kRows, int kDim>
+__device__ __forceinline__ void zero_nonfinite_rows(uint8_t* tile, int lo, int hi, uint32_t* mask, int st, int nt) {
+  constexpr int kChunks = kDim / 8;
+#pragma unroll 1
+  for (int idx = st; idx < (hi - lo) * kChunks; idx += nt) {
+    const int r = lo + idx / kChunks, ch = idx % kChunks;
+    uint4* ptr = reinterpret_cast<uint4*>(tile + tile_off<kRows>(r, ch));
+    const uint4 x = *ptr;
+    const uint4 y = make_uint4(pair_zero_nonfinite<T>(x.x), pair_zero_nonfinite<T>(x.y), pair_zero_nonfinite<T>(x.z),
+                               pair_zero_nonfinite<T>(x.w));
+    if (y.x != x.x || y.y != x.y || y.z != x.z || y.w != x.w) {
+      *ptr = y;
+      atomicOr(mask + (r >> 5), 1u << (r & 31));
+    }
+  }
+}
+
+/// Generic pointer of a shared::cta address.
+__device__ __forceinline__ uint8_t* smem_ptr(uint32_t addr) {
+  return static_cast<uint8_t*>(__cvta_shared_to_generic(addr));
+}
+/// bar.red.or over the num_threads threads of named barrier id: true where pred is true in any of them.
+__device__ __forceinline__ bool bar_red_or(int id, int num_threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(num_threads)
+      : "memory");
+  return r != 0;
+}
+/// Bits [lo, hi) of a 128-bit row mask (0 <= lo <= hi <= 128).
+__device__ __forceinline__ uint4 row_bits(int lo, int hi) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int a = min(max(lo - 32 * i, 0), 32), b = min(max(hi - 32 * i, 0), 32);
+    const uint32_t below_b = b >= 32 ? 0xFFFFFFFFu : (1u << b) - 1u;
+    const uint32_t below_a = a >= 32 ? 0xFFFFFFFFu : (1u << a) - 1u;
+    w[i] = below_b & ~below_a;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+/// The 16-row k-steps of a tile that hold a row in [lo, hi) (lo < hi).
+__device__ __forceinline__ uint32_t ksteps_in(int lo, int hi) {
+  const uint32_t upto = (hi + 15) / 16, from = lo / 16;
+  return ((upto >= 32 ? 0xFFFFFFFFu : (1u << upto) - 1u)) & ~((1u << from) - 1u);
+}
+
+/// One warpgroup (t = 0..127): acc += A B, B the kRows x kN MN-major tile at `tile` (rows = the K dimension),
+/// A the register fragments a (k-step kk = rows 16 kk .. 16 kk + 15 of B), one k-step at a time in order. The
+/// k-steps in `ksteps` read a copy of their 16 rows in `scratch` (16 x kN, this warpgroup's own) with inf /
+/// NaN replaced by 0. The accumulation order is the batched issue's, so acc gets the bits it would get from
+/// B with 0 in those places. Uses named barrier bar_id (this warpgroup's 128 threads). Returns with the
+/// wgmma complete. Rare path (the backward's checked tiles holding inf / NaN).
+template <class T, int kRows, int kN, int kKSteps>
+__device__ __forceinline__ void mma_b_finite(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t tile,
+                                             uint32_t scratch, uint32_t ksteps, int bar_id, int t) {
+  constexpr int kChunks = kN / 8;
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    uint64_t desc = desc_mn<kRows>(tile, kk);
+    if ((ksteps >> kk) & 1u) {
+      named_barrier_sync(bar_id, 128);  // the warpgroup's previous wgmma on the scratch has completed
+      const uint8_t* src = smem_ptr(tile);
+      uint8_t* dst = smem_ptr(scratch);
+#pragma unroll 1
+      for (int idx = t; idx < 16 * kChunks; idx += 128) {
+        const int r = idx / kChunks, ch = idx % kChunks;
+        uint4 x = *reinterpret_cast<const uint4*>(src + tile_off<kRows>(16 * kk + r, ch));
+        x.x = pair_zero_nonfinite<T>(x.x);
+        x.y = pair_zero_nonfinite<T>(x.y);
+        x.z = pair_zero_nonfinite<T>(x.z);
+        x.w = pair_zero_nonfinite<T>(x.w);
+        *reinterpret_cast<uint4*>(dst + tile_off<16>(r, ch)) = x;  // same swizzle phase: 16 kk % 8 == 0
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(bar_id, 128);
+      desc = desc_mn<16>(scratch, 0);
+    }
+    gmma::reg_fence(acc);
+    gmma::fence();
+    Wgmma<T, kN>::template rs<1>(acc, a[kk], desc);
+    gmma::commit_wait(acc);
+  }
+}
+
+/// After acc += A B with the rows of B in `rows` (bits of 4 words; B = a 128-row tile of kN columns whose inf / NaN
+/// elements in those rows were read as 0): acc += a b for those inf / NaN elements b, taken from global memory
+/// (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e). a is the A fragment the
+/// MMA used (kKSteps k-steps of 16 rows of B; lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of a k-step for rows
+/// l / 4 and l / 4 + 8 of its warp); acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Called by whole
+/// warps with the same `rows`. Rare path: loops at run time.
+template <class T, int kN, int kKSteps, class RowPtr, class Visible>
+__device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
+                                                       uint4 rows, RowPtr brow, Visible visible, int lane) {
+  const int tq = lane & 3;
+#pragma unroll 1
+  for (int i4 = 0; i4 < 4; ++i4) {
+    const uint32_t word = i4 == 0 ? rows.x : i4 == 1 ? rows.y : i4 == 2 ? rows.z : rows.w;  // no local array
+#pragma unroll 1
+    for (uint32_t bits = word; bits != 0; bits &= bits - 1) {
+      const int c = 32 * i4 + __ffs(bits) - 1, kk = c >> 4, t = c & 15;
+      const bool upper = t >= 8;
+      uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+      for (int k2 = 0; k2 < kKSteps; ++k2) {
+        if (k2 == kk) {
+          w0 = upper ? a[k2][2] : a[k2][0];
+          w1 = upper ? a[k2][3] : a[k2][1];
+        }
+      }
+      const int src = (lane & ~3) | ((t & 7) >> 1);
+      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
+      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
+      float lo0, hi0, lo1, hi1;
+      unpack2<T>(w0, lo0, hi0);
+      unpack2<T>(w1, lo1, hi1);
+      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
+      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
+      const T* b = brow(c);
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        float b0, b1;
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(b + 8 * i + 2 * tq), b0, b1);
+        if (float_is_nonfinite(b0)) {
+          if (vis0) acc[4 * i] += p0 * b0;
+          if (vis1) acc[4 * i + 2] += p1 * b0;
+        }
+        if (float_is_nonfinite(b1)) {
+          if (vis0) acc[4 * i + 1] += p0 * b1;
+          if (vis1) acc[4 * i + 3] += p1 * b1;
+        }
+      }
+    }
+  }
+}
+
+/// After mma_b_finite: acc += a b for the inf / NaN elements b of the k-steps in `ksteps` (read from the shared
+/// tile, which still holds them, generic pointer) and this thread's accumulator rows e = 0, 1 for which
+/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked). a is the fragment the MMA used
+/// (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
+/// acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Rare path: loops at run time.
+template <class T, int kRows, int kN, int kKSteps, class Visible>
+__device__ __forceinline__ void add_nonfinite_products_smem(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
+                                                       const uint8_t* tile, uint32_t ksteps, Visible visible,
+                                                       int lane) {
+  const int tq = lane & 3;
+#pragma unroll 1
+  for (; ksteps != 0; ksteps &= ksteps - 1) {
+    const int kk = __ffs(ksteps) - 1;
+#pragma unroll 1
+    for (int t = 0; t < 16; ++t) {
+      const int c = 16 * kk + t;
+      const bool upper = t >= 8;
+      uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+      for (int k2 = 0; k2 < kKSteps; ++k2) {
+        if (k2 == kk) {
+          w0 = upper ? a[k2][2] : a[k2][0];
+          w1 = upper ? a[k2][3] : a[k2][1];
+        }
+      }
+      const int src = (lane & ~3) | ((t & 7) >> 1);
+      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
+      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
+      float lo0, hi0, lo1, hi1;
+      unpack2<T>(w0, lo0, hi0);
+      unpack2<T>(w1, lo1, hi1);
+      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
+      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
+#pragma unroll
+      for (int i = 0; i < kN / 8; ++i) {
+        float b0, b1;
+        unpack2<T>(*reinterpret_cast<const uint32_t*>(tile + tile_off<kRows>(c, i) + 4 * tq), b0, b1);
+        if (float_is_nonfinite(b0)) {
+          if (vis0) acc[4 * i] += p0 * b0;
+          if (vis1) acc[4 * i + 2] += p1 * b0;
+        }
+        if (float_is_nonfinite(b1)) {
+          if (vis0) acc[4 * i + 1] += p0 * b1;
+          if (vis1) acc[4 * i + 3] += p1 * b1;
+        }
+      }
+    }
+  }
+}
+
 /// One request's bounds: rows [q0, q0 + s_q) of q / out, [k0, k0 + s_k) of k / v.
 struct SeqBounds {
   int q0, s_q, k0, s_k;

@@ -10,8 +10,9 @@
 //     from registers, V MN-major). The two consumer warpgroups run independently, so one's softmax
 //     overlaps the other's GEMMs on the tensor cores.
 // The running max moves lazily (seesaw::lazy_max): P <= 2^8, O / l rescaled only when it moves.
-// Rows with no visible key give out 0 and lse -inf; NaN in q or a visible k / v row reaches that
-// row's out and lse (fmaxf skips NaN in the max, the NaN then flows through P, l and O).
+// Rows with no visible key give out 0 and lse -inf (rows whose visible keys all score -inf: out and lse
+// NaN); NaN in q or a visible k / v row reaches that row's out and lse (fmaxf skips NaN in the max, the
+// NaN then flows through P, l and O).
 // Causal grids run their query tiles last-to-first so the longest CTAs start first.
 #include <cuda_runtime.h>
 
@@ -37,8 +38,10 @@ struct FwdSmem {
   static constexpr int kK = kFwdBN * kD * 2;
   static constexpr int kV = kFwdBN * kDV * 2;
   static constexpr int kStage = kK + kV;
-  static constexpr int kBars = 9 * 8;  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full
-  static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars;
+  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full, v_loaded[2], pad
+  static constexpr int kBars = 12 * 8;
+  static constexpr int kMasks = 2 * 16;  // per stage: 128 bits, V rows of masked keys that held inf / NaN
+  static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars + kMasks;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -114,6 +117,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto v_full = [&](int s) { return bar + 32 + 8 * s; };
   auto v_empty = [&](int s) { return bar + 48 + 8 * s; };
   const uint32_t q_bar = bar + 64;
+  auto v_loaded = [&](int s) { return bar + 72 + 8 * s; };  // kTma: V of a checked tile landed, not yet cleaned
+  uint32_t* const nonfinite_rows = reinterpret_cast<uint32_t*>(smem_raw + (bar + Smem::kBars - smem_u32(smem_raw)));
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -122,9 +127,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int off = sb.s_k - sb.s_q;  // key j visible to query i iff j <= i + off (causal)
   const int n_blocks = (visible_key_end<kFwdBM>(p, sb.s_k, m0, off) + kFwdBN - 1) / kFwdBN;
   const int hk = h / p.group;
+  // Causal: keys from masked_lo on are not seen by some row of this CTA (row m0 sees keys <= m0 + off). The
+  // tiles from check_first on (at most the last two: the visible key end is <= m0 + 128 + off) are "checked":
+  // before the consumers see their V (v_full), the producer replaces the inf / NaN elements of the V rows in
+  // [masked_lo, s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products of the
+  // rows that do see the key after the tile's P V. Other tiles (all of them when not causal) go as before.
+  const int masked_lo = max(m0 + off + 1, 0);
+  const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kFwdBN : n_blocks;
 
   const int tid = threadIdx.x;
-  init_barriers(tid, bar, {kTma ? 1 : 128, 256, kTma ? 1 : 128, 256});  // k_full, k_empty, v_full, v_empty
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(k_full(s), kTma ? 1 : 128);
+      mbar_init(k_empty(s), 256);
+      mbar_init(v_full(s), kTma ? 1 : 128);
+      mbar_init(v_empty(s), 256);
+      mbar_init(v_loaded(s), 1);
+    }
+    mbar_init(q_bar, 128);
+    for (int i = 0; i < 8; ++i) nonfinite_rows[i] = 0u;
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Producer threads st = 0 .. nt - 1, checked tile n in stage: inf / NaN of the V rows of its masked keys -> 0,
+  // rows marked; the writes ordered before the consumers' wgmma reads (async proxy).
+  auto clean_v = [&](int stage, int n, int st, int nt) {
+    zero_nonfinite_rows<T, kFwdBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(masked_lo - n * kFwdBN, 0),
+                                        min(sb.s_k - n * kFwdBN, kFwdBN), nonfinite_rows + 4 * stage, st, nt);
+    gmma::fence_proxy_async();
+  };
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -142,10 +174,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < kD / 64; ++c)
             tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, hk, row);
           if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
-          mbar_arrive_expect_tx(v_full(stage), Smem::kV);
+          const uint32_t vb = n >= check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
+          mbar_arrive_expect_tx(vb, Smem::kV);
 #pragma unroll
-          for (int c = 0; c < kDV / 64; ++c)
-            tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, v_full(stage), c * 64, hk, row);
+          for (int c = 0; c < kDV / 64; ++c) tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, vb, c * 64, hk, row);
+        }
+      } else if (pt >= 32) {
+        // Warps 1-3 clean the checked tiles (each stage holds at most one of them: v_loaded parity 0), then
+        // release them to the consumers (v_full, one arrival).
+        for (int n = check_first; n < n_blocks; ++n) {
+          const int stage = n & 1;
+          mbar_wait(v_loaded(stage), 0);
+          clean_v(stage, n, pt - 32, 96);
+          named_barrier_sync(6, 96);
+          if (pt == 32) mbar_arrive(v_full(stage));
         }
       }
     } else {
@@ -159,7 +201,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_cp_async(k_full(stage));
         if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
         load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
-        mbar_arrive_cp_async(v_full(stage));
+        if (n < check_first) {
+          mbar_arrive_cp_async(v_full(stage));
+        } else {  // checked tile: cleaned by the producer warpgroup before the consumers see it
+          cp_async_commit();  // wait_group waits for committed groups only
+          cp_async_wait<0>();
+          named_barrier_sync(6, 128);  // every producer thread's rows have landed
+          clean_v(stage, n, pt, 128);
+          mbar_arrive(v_full(stage));
+        }
       }
     }
     cp_async_wait<0>();
@@ -213,14 +263,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmma::commit_wait(s);
     mbar_arrive(k_empty(stage));
   };
-  // O += P V of the block in `stage` on its own (waited; V's stage full), V's stage released.
+  // After the P V of checked tile nv (in stage) has landed in o: where the producer zeroed inf / NaN elements of
+  // its V rows, the rows of this thread that see such a key add its products (V read from global memory).
+  // Warpgroup-uniform branch (the marks are in shared memory); the common path reads 4 words.
+  auto fix_pv = [&](const uint32_t (&a)[8][4], int stage, int nv) {
+    const uint4 rows = *reinterpret_cast<const uint4*>(nonfinite_rows + 4 * stage);
+    if ((rows.x | rows.y | rows.z | rows.w) == 0u) return;
+    const int n0 = nv * kFwdBN;
+    const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(sb.k0) + n0) * p.v_row + hk * p.v_head;
+    auto brow = [&](int c) { return vg + c * p.v_row; };
+    auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // marked rows are < s_k
+    add_nonfinite_products<T, kDV, 8>(o, a, rows, brow, visible, lane);
+  };
+  // O += P V of the block in `stage` on its own (waited; V's stage full). The caller adds fix_pv for a checked
+  // tile, then releases V's stage.
   auto pv_block = [&](const uint32_t (&a)[8][4], int stage) {
     gmma::fence_proxy_async();
     gmma::reg_fence(o);
     gmma::fence();
     issue_pv(a, stage);
     gmma::commit_wait(o);
-    mbar_arrive(v_empty(stage));
   };
 
   mbar_wait(q_bar, 0);
@@ -236,6 +298,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_a<T, 128>(s, a);
       mbar_wait(v_full(stage), (n >> 1) & 1);
       pv_block(a, stage);
+      if (n >= check_first) fix_pv(a, stage, n);
+      mbar_arrive(v_empty(stage));
     }
   } else if (n_blocks > 0) {
     uint32_t a[8][4];  // P of the previous block, the A operand of its P V
@@ -246,7 +310,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_a<T, 128>(s, a);  // O is still 0: no rescale
     }
     if (kPingpong && wg == 1 && n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
-    for (int n = 1; n < n_blocks; ++n) {
+    // Step n: S_n with P_{n-1} V_{n-1}. kChecked (the step whose P V is of a checked tile, at most one: the last)
+    // adds fix_pv; the loop over the other steps is the plain one.
+    auto step = [&](int n, auto checked) {
+      constexpr bool kChecked = decltype(checked)::value;
       const int stage = n & 1, pstage = stage ^ 1;
       float s[64], sc[2];
       mbar_wait(k_full(stage), (n >> 1) & 1);
@@ -269,14 +336,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       gmma::wait<0>();
       gmma::reg_fence(o);
+      if constexpr (kChecked) fix_pv(a, pstage, n - 1);
       mbar_arrive(v_empty(pstage));
       seesaw::scale_rows(o, sc);
       pack_a<T, 128>(s, a);
-    }
+    };
+    const int n_plain = min(n_blocks, check_first + 1);
+    for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
+    for (int n = n_plain; n < n_blocks; ++n) step(n, std::true_type{});
     const int last = (n_blocks - 1) & 1;
     mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
     zero_v_tail(last, n_blocks - 1);
     pv_block(a, last);
+    if (n_blocks - 1 >= check_first) fix_pv(a, last, n_blocks - 1);
+    mbar_arrive(v_empty(last));
   }
 
   // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
@@ -289,7 +362,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (row[e] >= sb.s_q) continue;
-    const float inv = l[e] == 0.f ? 0.f : 1.f / l[e];
+    // l == 0: no visible score above -inf. A row without a visible key gets out 0 and lse -inf; a row whose
+    // visible keys all score -inf (an inf in q or k: not an empty row) gets out and lse NaN, as the CPU
+    // reference (exp(-inf - -inf)) and the softmax of all -inf do.
+    const bool has_key = sb.s_k > 0 && (!causal || row[e] + off >= 0);
+    const float inv = l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : 0.f) : 1.f / l[e];
     const int64_t qi = static_cast<int64_t>(sb.q0) + row[e];
     T* orow = out + qi * p.o_row + h * p.o_head;
 #pragma unroll
@@ -300,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if (tq == 0) {
       const float m = m_run[e] == -INFINITY ? 0.f : m_run[e];
-      p.lse[qi * p.lse_row + h * p.lse_head] = l[e] == 0.f ? -INFINITY : (m + log2f(l[e])) * kLn2;
+      p.lse[qi * p.lse_row + h * p.lse_head] =
+          l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : -INFINITY) : (m + log2f(l[e])) * kLn2;
     }
   }
 }
