@@ -404,8 +404,9 @@ def schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     A schedule depends on the values of the length tensors (``cache_seqlens``, or ``topk_length``
     and ``extra_topk_length``), which live on the GPU and are never read back. Its key holds each
     length tensor itself (identity, compared with ``is``; the reference keeps it alive, so its
-    memory cannot be handed to another tensor meanwhile) and its version counter (bumped by every
-    in-place write through torch: ``copy_``, ``fill_``, indexing), q's device, and the id of the
+    memory cannot be handed to another tensor meanwhile), its version counter (bumped by every
+    in-place write through torch: ``copy_``, ``fill_``, indexing) and its data pointer (which
+    ``t.data = other`` and ``torch.utils.swap_tensors`` change without a version bump), q's device, and the id of the
     CUDA-graph capture in progress (0 outside one): a schedule computed inside a capture is
     recomputed by every replay of that graph, so only calls of the same capture reuse it, and
     one computed outside a capture is never baked into a graph. Under torch.compile nothing is
@@ -430,11 +431,11 @@ def eager_schedule_key(q: Any, lengths: tuple) -> Optional[tuple]:
     try:  # (an inference tensor has no version counter: reading _version raises)
         if len(lengths) == 1 and lengths[0] is not None:  # dense decode: (cache_seqlens,)
             t = lengths[0]
-            key = (dev, 0, t, t._version)
+            key = (dev, 0, t, t._version, t.data_ptr())
         else:
             key = (dev, 0)
             for t in lengths:
-                key += (None, 0) if t is None else (t, t._version)
+                key += (None, 0, 0) if t is None else (t, t._version, t.data_ptr())
     except RuntimeError:
         return None
     if dev >= 0 and (dev != (_cuda_current_device or _torch.cuda.current_device)()
@@ -449,10 +450,8 @@ def same_schedule_key(a: Optional[tuple], b: Optional[tuple]) -> bool:
     """True if two :func:`schedule_key` keys are both set and name the same tensors at the same versions."""
     if a is None or b is None or len(a) != len(b) or a[0] != b[0] or a[1] != b[1]:
         return False
-    if len(a) == 4:  # one length tensor (dense decode)
-        return a[2] is b[2] and a[3] == b[3]
-    for i in range(2, len(a), 2):
-        if a[i] is not b[i] or a[i + 1] != b[i + 1]:
+    for i in range(2, len(a), 3):  # (tensor, version, data pointer) per length tensor
+        if a[i] is not b[i] or a[i + 1] != b[i + 1] or a[i + 2] != b[i + 2]:
             return False
     return True
 

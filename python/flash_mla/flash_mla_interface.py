@@ -277,12 +277,15 @@ def flash_mla_with_kvcache(
             if indices is None:  # dense decode: no sparse-only argument, block_table and cache_seqlens tensors
                 hit = (type(q) is tensor and type(k_cache) is tensor and type(block_table) is tensor
                        and cache_seqlens is lengths[0] and cache_seqlens._version == lengths[1]
+                       and cache_seqlens.data_ptr() == lengths[2]
                        and attn_sink is None and extra_k_cache is None and extra_indices_in_kvcache is None
                        and topk_length is None and extra_topk_length is None
                        and (q.shape, k_cache.shape, None) == shapes)
             else:  # sparse decode without the extra cache
                 hit = (type(q) is tensor and type(k_cache) is tensor and type(indices) is tensor
-                       and topk_length is lengths[0] and (topk_length is None or topk_length._version == lengths[1])
+                       and topk_length is lengths[0]
+                       and (topk_length is None or (topk_length._version == lengths[1]
+                                                    and topk_length.data_ptr() == lengths[2]))
                        and extra_k_cache is None and extra_indices_in_kvcache is None and extra_topk_length is None
                        and (attn_sink is None or type(attn_sink) is tensor)
                        and (block_table is None or type(block_table) is tensor)
@@ -541,12 +544,12 @@ def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eage
     None.
 
     ``(torch.Tensor, (q.shape, k_cache.shape, indices.shape or None), (causal, is_fp8_kvcache), (length tensor,
-    its version) of the key, q's device index, tile_scheduler_metadata, num_splits, the default softmax scale,
+    its version, its data pointer) of the key, q's device index, tile_scheduler_metadata, num_splits, the default softmax scale,
     the function that runs a reusing call, whether that is the eager TVM-FFI route)``. The reusing call's op is
     called without OpOverload's Python frame (``OpOverload.__call__`` is ``self._op(*args)``)."""
     key, tsm = sched._gpu_key, sched.tile_scheduler_metadata
     tensor = _torch_ops._Tensor
-    if key is None or key[1] != 0 or type(tsm) is not tensor or (indices is not None and key[4] is not None):
+    if key is None or key[1] != 0 or type(tsm) is not tensor or (indices is not None and key[5] is not None):
         return None  # (in a capture, a schedule from another framework, extra_topk_length given: the full path)
     if key[0] >= 0 and key[0] != _torch_ops._cuda_current_device():
         return None  # (q on another device than the current one: the fast path checks the current one only)
@@ -555,7 +558,7 @@ def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eage
     else:
         run = _torch_ops.eager_sparse_decode_fwd if eager else _torch_ops._ops.sparse_decode_fwd_scheduled
     return (tensor, (q_shape, k_shape, None if indices is None else indices.shape), (causal, is_fp8_kvcache),
-            key[2:4], key[0], tsm, sched.num_splits, _default_softmax_scale(q_shape[3]), getattr(run, "_op", run),
+            key[2:5], key[0], tsm, sched.num_splits, _default_softmax_scale(q_shape[3]), getattr(run, "_op", run),
             eager)
 
 

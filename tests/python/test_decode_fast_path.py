@@ -228,9 +228,22 @@ def test_meta_record_is_not_taken_by_cpu_tensors(full_path_calls):
     sched = warm(run_dense, q, k, bt, sl)
     qc, kc, btc, _ = dense(device=torch.device("cpu"))
     slc = torch.full((2,), 64, dtype=torch.int32)
-    sched._reuse = sched._reuse[:3] + ((slc, slc._version),) + sched._reuse[4:]  # even with the same lengths
+    sched._reuse = sched._reuse[:3] + ((slc, slc._version, slc.data_ptr()),) + sched._reuse[4:]  # even with the same lengths
     out, _ = run_dense(qc, kc, btc, slc, sched)
     assert len(full_path_calls) == 3 and out.device.type == "cpu"
+
+
+def test_length_tensor_with_other_storage_takes_the_full_path(full_path_calls):
+    """The record holds the length tensor's data pointer: the same tensor object given other storage without a
+    version bump (``t.data = other``, ``torch.utils.swap_tensors``) takes the full path. (Meta tensors all have
+    data pointer 0, so the record's pointer is changed here instead; the key's own check is in test_torch_ops.)"""
+    q, k, bt, sl = dense()
+    sched = warm(run_dense, q, k, bt, sl)
+    t, ver, ptr = sched._reuse[3]
+    sched._reuse = sched._reuse[:3] + ((t, ver, ptr + 64),) + sched._reuse[4:]
+    n = len(full_path_calls)
+    run_dense(q, k, bt, sl, sched)
+    assert len(full_path_calls) == n + 1
 
 
 def test_compile_never_takes_the_fast_path():

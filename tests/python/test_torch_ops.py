@@ -416,6 +416,14 @@ def test_schedule_key_tracks_length_tensor_identity_and_version():
     assert _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, None)))
     assert not _torch_ops.same_schedule_key(kn, _torch_ops.schedule_key(q, (lens, other)))
     assert not _torch_ops.same_schedule_key(None, kn) and not _torch_ops.same_schedule_key(kn, None)
+    # storage swapped under the same tensor object without a version bump: .data assignment, swap_tensors
+    k3 = _torch_ops.schedule_key(q, (lens,))
+    lens.data = torch.tensor([9, 9], dtype=torch.int32)
+    assert not _torch_ops.same_schedule_key(k3, _torch_ops.schedule_key(q, (lens,)))
+    k4 = _torch_ops.schedule_key(q, (lens, other))
+    swapped = torch.tensor([1, 2], dtype=torch.int32)
+    torch.utils.swap_tensors(lens, swapped)
+    assert not _torch_ops.same_schedule_key(k4, _torch_ops.schedule_key(q, (lens, other)))
     # the key keeps its tensors alive: their memory cannot pass to another tensor while it is held
     import weakref
 
