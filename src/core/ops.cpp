@@ -29,6 +29,23 @@ Status no_gpu_backend(const char* op, Device d) {
 #endif
 }
 
+/// A plan's GPU check: OK for a device the sm90 backend supports; otherwise (another GPU, or a build
+/// without the CUDA backend) no_gpu_backend's error for `op`.
+Status gpu_supported(const char* op, Device d) {
+#ifdef FLASHMLA_WITH_CUDA
+  if (sm90::device_supported(d.id)) return Status::Ok();
+#endif
+  return no_gpu_backend(op, d);
+}
+
+// An operator's GPU dispatch: the sm90 backend's `call` in a build with the CUDA backend, else
+// no_gpu_backend's error for `op` on `dev` (the call is then not compiled).
+#ifdef FLASHMLA_WITH_CUDA
+#define FLASHMLA_ON_GPU(call, op, dev) (call)
+#else
+#define FLASHMLA_ON_GPU(call, op, dev) no_gpu_backend(op, dev)
+#endif
+
 [[maybe_unused]] Status not_yet_on_gpu(const char* op) {
   return Status::Error(ErrorKind::kNotImplemented,
                        std::string(op) + ": the Hopper (sm90) kernel for this operator is not implemented yet; "
@@ -87,8 +104,8 @@ Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64
   plan->num_sm_parts = core::dense_decode_num_sm_parts(num_sms(device), s_q, h_q, h_kv);
   plan->workspace_bytes = 0;
   if (device.type == DeviceType::kCUDA) {
+    FLASHMLA_RETURN_IF_ERROR(gpu_supported("flash_mla_with_kvcache (dense)", device));
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(device.id)) return no_gpu_backend("flash_mla_with_kvcache (dense)", device);
     // The sm90 sizing reads shapes only: q (b, s_q, h_q, ·) and k_cache (·, ·, h_kv, ·).
     DenseDecodeParams shapes;
     shapes.q.ndim = 4;
@@ -101,8 +118,6 @@ Status dense_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int64
     shapes.k_cache.shape[2] = h_kv;
     shapes.k_cache.shape[3] = 576;
     plan->workspace_bytes = sm90::dense_decode_workspace_bytes(shapes, plan->num_sm_parts);
-#else
-    return no_gpu_backend("flash_mla_with_kvcache (dense)", device);
 #endif
   }
   return Status::Ok();
@@ -128,11 +143,7 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
     }
     return reference::dense_decode(p);
   }
-#ifdef FLASHMLA_WITH_CUDA
-  return sm90::dense_decode(p, plan.num_sm_parts);
-#else
-  return no_gpu_backend("flash_mla_with_kvcache (dense)", p.q.device);
-#endif
+  return FLASHMLA_ON_GPU(sm90::dense_decode(p, plan.num_sm_parts), "flash_mla_with_kvcache (dense)", p.q.device);
 }
 
 // ------------------------------------------------------------------ sparse decode
@@ -147,8 +158,8 @@ Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int6
   plan->num_sm_parts = core::sparse_decode_num_sm_parts(num_sms(device), s_q, h_q);
   plan->workspace_bytes = 0;
   if (device.type == DeviceType::kCUDA) {
+    FLASHMLA_RETURN_IF_ERROR(gpu_supported("flash_mla_with_kvcache (sparse)", device));
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(device.id)) return no_gpu_backend("flash_mla_with_kvcache (sparse)", device);
     SparseDecodeParams shapes;  // the sm90 sizing reads q's shape only
     shapes.q.ndim = 4;
     shapes.q.shape[0] = b;
@@ -156,8 +167,6 @@ Status sparse_decode_plan_for_shapes(Device device, int64_t b, int64_t s_q, int6
     shapes.q.shape[2] = h_q;
     shapes.q.shape[3] = 576;
     plan->workspace_bytes = sm90::sparse_decode_workspace_bytes(shapes, plan->num_sm_parts);
-#else
-    return no_gpu_backend("flash_mla_with_kvcache (sparse)", device);
 #endif
   }
   return Status::Ok();
@@ -176,14 +185,9 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
                                                          p.tile_scheduler_metadata, p.num_splits, plan,
                                                          p.workspace_bytes, p.workspace));
   FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
-  if (p.q.device.type != DeviceType::kCPU) {
-#ifdef FLASHMLA_WITH_CUDA
-    // Metadata (when not ready) is computed on the device, on the op's stream.
-    return sm90::sparse_decode(p, plan.num_sm_parts);
-#else
-    return no_gpu_backend("flash_mla_with_kvcache (sparse)", p.q.device);
-#endif
-  }
+  // Metadata (when not ready) is computed on the device, on the op's stream.
+  if (p.q.device.type != DeviceType::kCPU)
+    return FLASHMLA_ON_GPU(sm90::sparse_decode(p, plan.num_sm_parts), "flash_mla_with_kvcache (sparse)", p.q.device);
   if (!p.metadata_ready) {
     // Per-request work of spec §4.2, in tokens.
     const int64_t b = p.q.shape[0], topk = p.indices.shape[2];
@@ -207,13 +211,7 @@ Status sparse_prefill_plan(const SparsePrefillParams& p, int64_t* workspace_byte
   if (workspace_bytes == nullptr) return Status::Error(ErrorKind::kValue, "workspace_bytes: the pointer is null");
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_inputs(p));
   *workspace_bytes = 0;
-  if (p.q.device.type == DeviceType::kCUDA) {
-#ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
-#else
-    return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
-#endif
-  }
+  if (p.q.device.type == DeviceType::kCUDA) FLASHMLA_RETURN_IF_ERROR(gpu_supported("flash_mla_sparse_fwd", p.q.device));
   return Status::Ok();
 }
 
@@ -223,13 +221,8 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(sparse_prefill_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_sparse_prefill_outputs(p));
   FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
-  if (p.q.device.type != DeviceType::kCPU) {
-#ifdef FLASHMLA_WITH_CUDA
-    return sm90::sparse_prefill(p);
-#else
-    return no_gpu_backend("flash_mla_sparse_fwd", p.q.device);
-#endif
-  }
+  if (p.q.device.type != DeviceType::kCPU)
+    return FLASHMLA_ON_GPU(sm90::sparse_prefill(p), "flash_mla_sparse_fwd", p.q.device);
   return reference::sparse_prefill(p);
 }
 
@@ -239,11 +232,9 @@ Status dense_prefill_plan(const DensePrefillParams& p, int64_t* workspace_bytes)
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_inputs(p));
   *workspace_bytes = 0;
   if (p.q.device.type == DeviceType::kCUDA) {
+    FLASHMLA_RETURN_IF_ERROR(gpu_supported("flash_attn_varlen_func", p.q.device));
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(p.q.device.id)) return no_gpu_backend("flash_attn_varlen_func", p.q.device);
     *workspace_bytes = sm90::dense_prefill_fwd_workspace_bytes(p);
-#else
-    return no_gpu_backend("flash_attn_varlen_func", p.q.device);
 #endif
   }
   return Status::Ok();
@@ -255,13 +246,8 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(dense_prefill_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_outputs(p, ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
-  if (p.q.device.type != DeviceType::kCPU) {
-#ifdef FLASHMLA_WITH_CUDA
-    return sm90::dense_prefill_fwd(p);
-#else
-    return no_gpu_backend("flash_attn_varlen_func", p.q.device);
-#endif
-  }
+  if (p.q.device.type != DeviceType::kCPU)
+    return FLASHMLA_ON_GPU(sm90::dense_prefill_fwd(p), "flash_attn_varlen_func", p.q.device);
   return reference::dense_prefill_fwd(p);
 }
 
@@ -270,12 +256,9 @@ Status dense_prefill_bwd_plan(const DensePrefillBwdParams& p, int64_t* workspace
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_bwd_inputs(p));
   *workspace_bytes = 0;
   if (p.fwd.q.device.type == DeviceType::kCUDA) {
+    FLASHMLA_RETURN_IF_ERROR(gpu_supported("flash_attn_varlen_func (backward)", p.fwd.q.device));
 #ifdef FLASHMLA_WITH_CUDA
-    if (!sm90::device_supported(p.fwd.q.device.id))
-      return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
     *workspace_bytes = sm90::dense_prefill_bwd_workspace_bytes(p);
-#else
-    return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
 #endif
   }
   return Status::Ok();
@@ -287,13 +270,8 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& p) {
   FLASHMLA_RETURN_IF_ERROR(dense_prefill_bwd_plan(p, &ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_dense_prefill_bwd_outputs(p, ws));
   FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
-  if (p.fwd.q.device.type != DeviceType::kCPU) {
-#ifdef FLASHMLA_WITH_CUDA
-    return sm90::dense_prefill_bwd(p);
-#else
-    return no_gpu_backend("flash_attn_varlen_func (backward)", p.fwd.q.device);
-#endif
-  }
+  if (p.fwd.q.device.type != DeviceType::kCPU)
+    return FLASHMLA_ON_GPU(sm90::dense_prefill_bwd(p), "flash_attn_varlen_func (backward)", p.fwd.q.device);
   return reference::dense_prefill_bwd(p);
 }
 

@@ -37,8 +37,11 @@ Status check_scale(float scale, const char* name) {
   return Status::Ok();
 }
 
-Status require(const TensorRef& t, const char* name) {
+/// Each (tensor, name) pair must be given: the first missing one's error.
+template <typename... More>
+Status require(const TensorRef& t, const char* name, const More&... more) {
   if (!t.defined) return value_error(cat(name, ": a tensor is required, got None"));
+  if constexpr (sizeof...(more) > 0) return require(more...);
   return Status::Ok();
 }
 
@@ -302,10 +305,8 @@ bool readable(const TensorRef& t) { return !t.defined || t.numel() == 0 || t.dat
 // ------------------------------------------------------------------ dense decode
 Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
-  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.block_table, "block_table"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.cache_seqlens, "cache_seqlens"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q", p.k_cache, "k_cache", p.block_table, "block_table",
+                                   p.cache_seqlens, "cache_seqlens"));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16, DType::kFloat16}));
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
@@ -423,9 +424,7 @@ Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const 
 
 Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
-  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.k_cache, "k_cache"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q", p.k_cache, "k_cache", p.indices, "indices"));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16}));
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
@@ -508,9 +507,7 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
 // ------------------------------------------------------------------ sparse prefill
 Status validate_sparse_prefill_inputs(const SparsePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
-  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.kv, "kv"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.indices, "indices"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.q, "q", p.kv, "kv", p.indices, "indices"));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 3, "(s_q, h_q, d_qk)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16}));
   const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
@@ -635,8 +632,7 @@ Status validate_dense_prefill_inputs(const DensePrefillParams& p) {
   if (total_q > std::numeric_limits<int32_t>::max() || total_k > std::numeric_limits<int32_t>::max())
     return value_error(cat("q / k: total_q and total_k must be < 2^31 (cu_seqlens are int32), got ", total_q, " and ",
                            total_k));
-  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_q, "cu_seqlens_q"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_k, "cu_seqlens_k"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_q, "cu_seqlens_q", p.cu_seqlens_k, "cu_seqlens_k"));
   FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_q, "cu_seqlens_q", p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_k, "cu_seqlens_k", p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(
@@ -717,16 +713,14 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
                                const TensorRef& tsm, const TensorRef& num_splits, const DecodePlan& plan,
                                int64_t workspace_bytes, const void* workspace) {
   const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2];
-  FLASHMLA_RETURN_IF_ERROR(require(out, "out"));
-  FLASHMLA_RETURN_IF_ERROR(require(lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(require(out, "out", lse, "lse"));
   FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&out, "out"}, {&lse, "lse"}, {&tsm, "tile_scheduler_metadata"},
                                        {&num_splits, "num_splits"}}));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(out, "out", {out_dtype}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(out, "out", {b, s_q, h_q, kDimV}, "(b, s_q, h_q, 512)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(lse, "lse", {DType::kFloat32}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(lse, "lse", {b, h_q, s_q}, "(b, h_q, s_q)"));
-  FLASHMLA_RETURN_IF_ERROR(require(tsm, "tile_scheduler_metadata"));
-  FLASHMLA_RETURN_IF_ERROR(require(num_splits, "num_splits"));
+  FLASHMLA_RETURN_IF_ERROR(require(tsm, "tile_scheduler_metadata", num_splits, "num_splits"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(tsm, "tile_scheduler_metadata", {DType::kInt32}));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(num_splits, "num_splits", {DType::kInt32}));
   if (tsm.ndim != 2 || tsm.shape[0] != plan.num_sm_parts || tsm.shape[1] != kTileSchedulerMetadataWidth)
@@ -754,9 +748,7 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
 
 Status validate_sparse_prefill_outputs(const SparsePrefillParams& p) {
   const int64_t s_q = p.q.shape[0], h_q = p.q.shape[1];
-  FLASHMLA_RETURN_IF_ERROR(require(p.out, "out"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.max_logits, "max_logits"));
-  FLASHMLA_RETURN_IF_ERROR(require(p.lse, "lse"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.out, "out", p.max_logits, "max_logits", p.lse, "lse"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.out, "out", {DType::kBFloat16}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.out, "out", {s_q, h_q, kDimV}, "(s_q, h_q, 512)"));
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.max_logits, "max_logits", {DType::kFloat32}));
@@ -774,8 +766,7 @@ Status validate_sparse_prefill_outputs(const SparsePrefillParams& p) {
 Status validate_kv_quant_args(KVFormat format, const TensorRef& kv, const TensorRef& packed) {
   if (format != KVFormat::kFP8V32 && format != KVFormat::kFP8Model1)
     return value_error("format: expected an FP8 KV format (V32 or MODEL1)");
-  FLASHMLA_RETURN_IF_ERROR(require(kv, "kv_cache"));
-  FLASHMLA_RETURN_IF_ERROR(require(packed, "packed"));
+  FLASHMLA_RETURN_IF_ERROR(require(kv, "kv_cache", packed, "packed"));
   FLASHMLA_RETURN_IF_ERROR(check_refs({std::pair{&kv, "kv_cache"}, {&packed, "packed"}}));
   const int64_t d = format == KVFormat::kFP8V32 ? v32::kDimQK : model1::kDimQK;
   FLASHMLA_RETURN_IF_ERROR(check_ndim(kv, "kv_cache", 4, "(num_blocks, page_block_size, 1, d_qk)"));

@@ -1,13 +1,18 @@
-// src/reference/attention_core.h — pieces shared by the reference operators:
-// strided element access and the float32 softmax-attention kernel of spec §2.1.
+// src/reference/attention_core.h — pieces shared by the reference operators: strided element access,
+// 16-bit row loads / stores, the float32 softmax-attention kernel of spec §2.1, the sink factor, and the
+// operators' exception-to-Status guard.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <limits>
+#include <new>
+#include <string>
 #include <vector>
 
+#include "flashmla/status.h"
 #include "flashmla/tensor.h"
 #include "reference/numeric.h"
 
@@ -33,6 +38,10 @@ inline uint16_t float_to_half(float f, bool is_fp16) { return is_fp16 ? float_to
 /// Load `n` 16-bit floats spaced `stride` elements apart into `dst` as float.
 inline void load_half_row(const uint16_t* src, int64_t stride, int64_t n, bool is_fp16, float* dst) {
   for (int64_t d = 0; d < n; ++d) dst[d] = half_to_float(src[d * stride], is_fp16);
+}
+/// Store `n` floats times `factor` as 16-bit floats (RNE) spaced `stride` elements apart at `dst`.
+inline void store_half_row(const float* src, float factor, int64_t n, bool is_fp16, uint16_t* dst, int64_t stride) {
+  for (int64_t d = 0; d < n; ++d) dst[d * stride] = float_to_half(src[d] * factor, is_fp16);
 }
 
 /// float32 dot product. Eight interleaved partial sums (fixed order, so the
@@ -115,5 +124,26 @@ void attend_rows(int64_t num_heads, int64_t d_qk, int64_t d_v, const float* q, f
 /// Attention-sink factor of spec §2.3: out *= 1 / (1 + exp(sink - lse)).
 /// sink = -inf -> 1; sink = +inf -> 0. Only meaningful for rows with keys.
 inline float sink_factor(float sink, float lse) { return 1.f / (1.f + std::exp(sink - lse)); }
+/// The factor of head h's output row with the optional per-head sinks attn_sink (float32 [h_q]): 1 without
+/// sinks, and for a row without keys (lse = +inf: out = 0, lse = +inf whatever the sink, spec §2.3).
+inline float row_sink_factor(const TensorRef& attn_sink, int64_t h, float lse) {
+  return attn_sink.defined && lse != kInf ? sink_factor(*elem<const float>(attn_sink, h), lse) : 1.f;
+}
+
+/// Runs an operator's body fn(), turning an exception into a runtime-error Status that names the
+/// operator `what` (out of memory, the exception's message, or unknown).
+template <typename Fn>
+Status run_guarded(const char* what, Fn&& fn) {
+  try {
+    fn();
+    return Status::Ok();
+  } catch (const std::bad_alloc&) {
+    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): out of memory");
+  } catch (const std::exception& e) {
+    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): " + e.what());
+  } catch (...) {
+    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): unknown error");
+  }
+}
 
 }  // namespace flashmla::reference

@@ -31,7 +31,7 @@ constexpr int64_t kHeadChunk = 16;  // query heads per work item (bounds scratch
 }  // namespace
 
 Status dense_decode(const DenseDecodeParams& p) {
-  try {
+  return run_guarded("dense_decode", [&] {
     const TensorRef& q = p.q;
     const TensorRef& kc = p.k_cache;
     const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2], d_qk = q.shape[3];
@@ -74,19 +74,11 @@ Status dense_decode(const DenseDecodeParams& p) {
 
       for (int64_t hl = 0; hl < nh; ++hl) {
         const int64_t h = h_begin + hl;
-        uint16_t* dst = elem<uint16_t>(p.out, i, r, h, 0);
-        for (int64_t d = 0; d < d_v; ++d) dst[d * p.out.stride[3]] = float_to_half(o[hl * d_v + d], is_fp16);
+        store_half_row(o.data() + hl * d_v, 1.f, d_v, is_fp16, elem<uint16_t>(p.out, i, r, h, 0), p.out.stride[3]);
         *elem<float>(p.lse, i, h, r) = lse[hl];
       }
     });
-    return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error(ErrorKind::kRuntime, "dense_decode (reference): out of memory");
-  } catch (const std::exception& e) {
-    return Status::Error(ErrorKind::kRuntime, std::string("dense_decode (reference): ") + e.what());
-  } catch (...) {
-    return Status::Error(ErrorKind::kRuntime, "dense_decode (reference): unknown error");
-  }
+  });
 }
 
 }  // namespace flashmla::reference

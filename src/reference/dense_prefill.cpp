@@ -88,26 +88,11 @@ void load_rows(const TensorRef& t, int64_t row0, int64_t n, int64_t head, bool f
 }
 
 void store_row(const TensorRef& t, int64_t row, int64_t head, const float* src, bool fp16) {
-  uint16_t* dst = elem<uint16_t>(t, row, head, 0);
-  for (int64_t d = 0; d < t.shape[2]; ++d) dst[d * t.stride[2]] = float_to_half(src[d], fp16);
+  store_half_row(src, 1.f, t.shape[2], fp16, elem<uint16_t>(t, row, head, 0), t.stride[2]);
 }
 
 inline void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
-}
-
-template <typename Fn>
-Status run_guarded(const char* what, Fn&& fn) {
-  try {
-    fn();
-    return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): out of memory");
-  } catch (const std::exception& e) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): " + e.what());
-  } catch (...) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): unknown error");
-  }
 }
 
 }  // namespace

@@ -30,20 +30,6 @@ Fp8TokenBytes packed_token(KVFormat fmt, const TensorRef& packed, int64_t block,
   return fp8_token_bytes(fmt, block_base, packed.shape[1], packed.stride[1], row);
 }
 
-template <typename Fn>
-Status run_guarded(const char* what, Fn&& fn) {
-  try {
-    fn();
-    return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): out of memory");
-  } catch (const std::exception& e) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): " + e.what());
-  } catch (...) {
-    return Status::Error(ErrorKind::kRuntime, std::string(what) + " (reference): unknown error");
-  }
-}
-
 }  // namespace
 
 Status quantize_kv_cache(KVFormat format, const TensorRef& kv_bf16, const TensorRef& packed) {

@@ -79,7 +79,7 @@ void collect_valid_slots(const Scope& s, KVFormat fmt, int64_t i, int64_t r, std
 }  // namespace
 
 Status sparse_decode(const SparseDecodeParams& p) {
-  try {
+  return run_guarded("sparse_decode", [&] {
     const TensorRef& q = p.q;
     const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2], d_qk = q.shape[3];
     const int64_t d_v = kDimV;
@@ -113,22 +113,12 @@ Status sparse_decode(const SparseDecodeParams& p) {
 
       for (int64_t hl = 0; hl < nh; ++hl) {
         const int64_t h = h_begin + hl;
-        float factor = 1.f;
-        // Empty rows keep out = 0 / lse = +inf whatever the sink (spec §2.3).
-        if (p.attn_sink.defined && lse[hl] != kInf) factor = sink_factor(*elem<const float>(p.attn_sink, h), lse[hl]);
-        uint16_t* dst = elem<uint16_t>(p.out, i, r, h, 0);
-        for (int64_t d = 0; d < d_v; ++d) dst[d * p.out.stride[3]] = float_to_bf16(o[hl * d_v + d] * factor);
+        store_half_row(o.data() + hl * d_v, row_sink_factor(p.attn_sink, h, lse[hl]), d_v, /*is_fp16=*/false,
+                       elem<uint16_t>(p.out, i, r, h, 0), p.out.stride[3]);
         *elem<float>(p.lse, i, h, r) = lse[hl];
       }
     });
-    return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error(ErrorKind::kRuntime, "sparse_decode (reference): out of memory");
-  } catch (const std::exception& e) {
-    return Status::Error(ErrorKind::kRuntime, std::string("sparse_decode (reference): ") + e.what());
-  } catch (...) {
-    return Status::Error(ErrorKind::kRuntime, "sparse_decode (reference): unknown error");
-  }
+  });
 }
 
 }  // namespace flashmla::reference

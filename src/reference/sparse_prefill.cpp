@@ -33,7 +33,7 @@ constexpr int64_t kHeadChunk = 16;  // query heads per work item
 }  // namespace
 
 Status sparse_prefill(const SparsePrefillParams& p) {
-  try {
+  return run_guarded("sparse_prefill", [&] {
     const TensorRef& q = p.q;
     const TensorRef& kv = p.kv;
     const int64_t s_q = q.shape[0], h_q = q.shape[1], d_qk = q.shape[2];
@@ -72,22 +72,13 @@ Status sparse_prefill(const SparsePrefillParams& p) {
 
       for (int64_t hl = 0; hl < nh; ++hl) {
         const int64_t h = h_begin + hl;
-        float factor = 1.f;
-        if (p.attn_sink.defined && lse[hl] != kInf) factor = sink_factor(*elem<const float>(p.attn_sink, h), lse[hl]);
-        uint16_t* dst = elem<uint16_t>(p.out, s, h, 0);
-        for (int64_t d = 0; d < d_v; ++d) dst[d * p.out.stride[2]] = float_to_bf16(o[hl * d_v + d] * factor);
+        store_half_row(o.data() + hl * d_v, row_sink_factor(p.attn_sink, h, lse[hl]), d_v, /*is_fp16=*/false,
+                       elem<uint16_t>(p.out, s, h, 0), p.out.stride[2]);
         *elem<float>(p.max_logits, s, h) = mx[hl];
         *elem<float>(p.lse, s, h) = lse[hl];
       }
     });
-    return Status::Ok();
-  } catch (const std::bad_alloc&) {
-    return Status::Error(ErrorKind::kRuntime, "sparse_prefill (reference): out of memory");
-  } catch (const std::exception& e) {
-    return Status::Error(ErrorKind::kRuntime, std::string("sparse_prefill (reference): ") + e.what());
-  } catch (...) {
-    return Status::Error(ErrorKind::kRuntime, "sparse_prefill (reference): unknown error");
-  }
+  });
 }
 
 }  // namespace flashmla::reference

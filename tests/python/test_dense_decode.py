@@ -1,6 +1,14 @@
 """Dense paged MLA decode on the reference backend vs the float64 oracle (spec §2.2, §3.1, §4),
 plus the scheduler-object semantics of get_mla_metadata / FlashMLASchedMeta (spec §1.2, §4.3).
-Regressions 1-4 of regressions.md have their own tests below."""
+
+Kinds of input that have broken published MLA decode kernels each have their own tests below:
+1. requests with cache_seqlens == 0 (alone, first, last, middle, all): out = 0, lse = +inf, no NaN;
+2. a partly filled last page, the unused slots and unused pages holding NaN / +-inf: nothing leaks;
+3. scattered, non-monotonic block tables whose entries past a request's last page hold a huge sentinel
+   that must never be dereferenced;
+4. s_q > 1 with bottom-right causal masking (speculative decoding, 2-8 tokens; verify lengths of a few
+   hundred), including query rows that see no key (out = 0, lse = +inf);
+and inputs that are views starting inside a larger buffer (a storage offset)."""
 
 import dataclasses
 import random
@@ -96,7 +104,7 @@ def test_causal_ignored_for_single_query_token(rng):
     np.testing.assert_array_equal(lse_full, lse_causal)
 
 
-# ----------------------------------------------------------------------------- regression 1: empty requests
+# ----------------------------------------------------------------------------- 1: empty requests
 
 ZERO_PATTERNS = {"alone": [0], "first": [0, 90, 130], "last": [90, 130, 0], "middle": [50, 0, 64],
                  "all": [0, 0, 0], "all_b1_causal_sq4": [0]}
@@ -116,7 +124,7 @@ def test_zero_seqlen_requests(rng, pattern, causal):
     assert np.all(lse[empty] == np.inf)
 
 
-# ----------------------------------------------------------------------------- regression 2: partial pages + poison
+# ----------------------------------------------------------------------------- 2: partial pages + poison
 
 
 @pytest.mark.parametrize("poison", ["nan", "inf", "-inf", "mixed"])
@@ -135,7 +143,7 @@ def test_partial_last_page_poisoned(rng, pbs, poison):
     check_dense(case, out, lse)
 
 
-# ----------------------------------------------------------------------------- regression 3: scattered tables
+# ----------------------------------------------------------------------------- 3: scattered tables
 
 
 def test_scattered_block_table_with_sentinels(rng):
@@ -164,7 +172,7 @@ def test_scattered_block_table_with_sentinels(rng):
     check_dense(case, *run_dense(case))
 
 
-# ----------------------------------------------------------------------------- regression 4: s_q > 1, causal
+# ----------------------------------------------------------------------------- 4: s_q > 1, causal
 
 
 @pytest.mark.parametrize("s_q", [2, 3, 5, 8])
@@ -371,7 +379,7 @@ def test_dense_decode_long_sequences(rng, causal):
 
 
 def test_inputs_that_are_views_with_an_offset(rng):
-    """Regression 9 (CPU part): every input is a view starting inside a larger buffer."""
+    """Every input is a view starting inside a larger buffer (a storage offset)."""
     case = gen_dense_case(rng, b=2, s_q=2, h_q=16, h_kv=2, d=576, s_k=130, varlen=True, causal=True)
 
     def offset_view(x, pad):

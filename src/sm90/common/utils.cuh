@@ -57,35 +57,28 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // Waits until this thread's bulk stores have finished reading shared memory.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
-// 16 / 8 bytes from global memory through the read-only path, not kept in L1 (streamed FP8 records).
-__device__ __forceinline__ uint4 ldg16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg8(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-// The same kept in L1 (evict_last): the 16-byte pieces of one gathered record that share a 128-byte
-// line become one L2 request; the 16-byte load also asks L2 to fetch the 256-byte neighbourhood from
-// DRAM (the sparse FP8 decode producer's gathers, docs/sparse-fp8-decode.md).
-__device__ __forceinline__ uint4 ldg16_evict_last_l2_256(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::evict_last.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ldg8_evict_last(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::evict_last.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
+// 16 / 8 bytes from global memory through the read-only path (ld.global.nc) with the cache qualifiers
+// Q16 / Q8 (PTX ISA "ld"): NAME16(p) -> uint4, NAME8(p) -> uint2.
+#define FLASHMLA_LDG_NC(NAME16, Q16, NAME8, Q8)                                            \
+  __device__ __forceinline__ uint4 NAME16(const uint8_t* p) {                              \
+    uint4 v;                                                                               \
+    asm volatile("ld.global.nc" Q16 ".v4.u32 {%0, %1, %2, %3}, [%4];\n"                    \
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)                               \
+                 : "l"(p));                                                                \
+    return v;                                                                              \
+  }                                                                                        \
+  __device__ __forceinline__ uint2 NAME8(const uint8_t* p) {                               \
+    uint2 v;                                                                               \
+    asm volatile("ld.global.nc" Q8 ".v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p)); \
+    return v;                                                                              \
+  }
+// Not kept in L1 (streamed FP8 records).
+FLASHMLA_LDG_NC(ldg16, ".L1::no_allocate", ldg8, ".L1::no_allocate")
+// Kept in L1 (evict_last): the 16-byte pieces of one gathered record that share a 128-byte line become
+// one L2 request; the 16-byte load also asks L2 to fetch the 256-byte neighbourhood from DRAM (the sparse
+// FP8 decode producer's gathers, docs/sparse-fp8-decode.md).
+FLASHMLA_LDG_NC(ldg16_evict_last_l2_256, ".L1::evict_last.L2::256B", ldg8_evict_last, ".L1::evict_last")
+#undef FLASHMLA_LDG_NC
 
 // ---- shared-memory mbarriers (PTX ISA "mbarrier"), addresses are shared::cta byte addresses
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
   const int n_chunks = d_qk / 8;  // 16-byte chunks per row: 72 or 64
   const int k_steps = d_qk / 16;  // QK^T mma k-steps: 36 or 32
   const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
+  const auto chunk_off = [](int r, int c) { return swz(r, c); };  // 16-byte chunk c of tile row r
 
   // Rows of this thread inside the tile (fragment rows gq and gq+8 of its row group).
   int row_local[2], row_global[2], row_sq[2];
@@ -83,13 +84,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel(cons
 
     // K tiles: the pages of the next two are read ahead (pg1, pg2); the one two steps ahead is
     // prefetched to L2 (kTuneL2Prefetch).
-    const auto kt = k_tiles<kBlockN, CF::kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk,
-                                                 sK_u, [](int r, int c) { return swz(r, c); });
+    const auto kt =
+        k_tiles<kBlockN, CF::kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk, sK_u, chunk_off);
 
     if (n_blk > 0) {
       // Q tile.
-      load_q_tile<T, BM, kThreads>(p, sQ_u, req, kv_head, m_tile * BM, n_chunks, tid,
-                                     [](int r, int c) { return swz(r, c); });
+      load_q_tile<T, BM, kThreads>(p, sQ_u, req, kv_head, m_tile * BM, n_chunks, tid, chunk_off);
       kt.load(blk_lo, 0, kt.page(blk_lo));
       cp_async_commit();
     }

@@ -19,7 +19,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "sm90/decode/dense/dense_decode.h"
 #include "sm90/decode/dense/thread_rows.cuh"
@@ -54,14 +53,11 @@ __device__ __forceinline__ uint32_t slab_off(int row, int chunk) {
 // O += P V (64x256, K 16), fp32 accumulation.
 template <typename T>
 struct Mma {
-  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   __device__ __forceinline__ static void s(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-    if constexpr (kBf16) gmma::mma_m64n32k16_bf16<0>(d, a, b, scale_d);
-    else gmma::mma_m64n32k16_f16<0>(d, a, b, scale_d);
+    gmma::Wgmma<T, 32>::template ss<0, 0>(d, a, b, scale_d);
   }
   __device__ __forceinline__ static void pv(float (&d)[128], uint64_t a, uint64_t b) {
-    if constexpr (kBf16) gmma::mma_m64n256k16_bf16<1>(d, a, b, 1);
-    else gmma::mma_m64n256k16_f16<1>(d, a, b, 1);
+    gmma::Wgmma<T, 256>::template ss<0, 1>(d, a, b, 1);
   }
 };
 
@@ -89,6 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
   const int n_chunks = d_qk / 8;  // 72 or 64
   const int k_steps = d_qk / 16;  // 36 or 32
   const T* __restrict__ kbase = static_cast<const T*>(p.k) + kv_head * p.k_stride_h;
+  const auto chunk_off = [](int r, int c) { return slab_off(r, c); };  // 16-byte chunk c of tile row r
 
   int row_local[2], row_global[2], row_sq[2];
   thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
@@ -103,12 +100,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_kernel_wgmm
 
     // K tiles: the pages of the next two are read ahead (pg1, pg2); the one two steps ahead is
     // prefetched to L2 (kTuneL2Prefetch).
-    const auto kt = k_tiles<kBlockN, kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk,
-                                             sK_u, [](int r, int c) { return slab_off(r, c); });
+    const auto kt =
+        k_tiles<kBlockN, kSmemK>(p, kbase, p.block_table + req * p.bt_stride_b, seqlen, tid, d_qk, sK_u, chunk_off);
 
     if (n_blk > 0) {
-      load_q_tile<T, kBlockM, kThreads>(p, sQ_u, req, kv_head, m_tile * kBlockM, n_chunks, tid,
-                                          [](int r, int c) { return slab_off(r, c); });
+      load_q_tile<T, kBlockM, kThreads>(p, sQ_u, req, kv_head, m_tile * kBlockM, n_chunks, tid, chunk_off);
       kt.load(blk_lo, 0, kt.page(blk_lo));
       cp_async_commit();
     }

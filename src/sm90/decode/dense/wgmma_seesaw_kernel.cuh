@@ -359,6 +359,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     };
+    // Slabs [lo, hi) of `stage` are free: when `go` (the issuing thread, a block two ahead exists), load
+    // them with block blk (issue); trace: producer event ev.
+    auto refill = [&](bool go, int blk, int stage, int lo, int hi, int pg0, int ev) {
+      if (go) {
+        issue(blk, stage, lo, hi, pg0);
+        FLASHMLA_DENSE_TRACE_STEP(2, ev, true);
+      }
+    };
 
     if (n_blk > 0) {
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (one division per
@@ -497,10 +505,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(o);
         FLASHMLA_DENSE_TRACE_STEP(0, 7, t_wg == 0);
-        if (tid == 0 && nxt0) {
-          issue(b0 + 2, 0, 0, 4, pgA);  // stage 0 slabs 0-3 are free
-          FLASHMLA_DENSE_TRACE_STEP(2, 0, true);
-        }
+        refill(tid == 0 && nxt0, b0 + 2, 0, 0, 4, pgA, 0);  // stage 0 slabs 0-3 are free
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] *= sc1[hh];
         seesaw::scale_o(o, sc1);
@@ -593,17 +598,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         FLASHMLA_DENSE_TRACE_STEP(1, 8, t_wg == 0);
         gmma::wait<1>();  // P1 V1_R done: stage 1's slabs 4-7 are free (s_chain_wg1 reads them first)
         FLASHMLA_DENSE_TRACE_STEP(1, 9, t_wg == 0 && has1);  // (without block 1 there is no P1 V1_R)
-        if (tid == 128 && nxt1) {
-          issue(b1 + 2, 1, 4, 8, pgB);
-          FLASHMLA_DENSE_TRACE_STEP(2, 2, true);
-        }
+        refill(tid == 128 && nxt1, b1 + 2, 1, 4, 8, pgB, 2);
         gmma::wait<0>();
         gmma::reg_fence(o);
         FLASHMLA_DENSE_TRACE_STEP(1, 10, t_wg == 0);
-        if (tid == 128 && nxt0) {
-          issue(b0 + 2, 0, 4, 9, pgA);  // stage 0 slabs 4-8 are free
-          FLASHMLA_DENSE_TRACE_STEP(2, 3, true);
-        }
+        refill(tid == 128 && nxt0, b0 + 2, 0, 4, 9, pgA, 3);  // stage 0 slabs 4-8 are free
         FLASHMLA_DENSE_TRACE_STEP(1, 11, t_wg == 0);
       }
       FLASHMLA_DENSE_STEP_ONLY(++dtrace_step;)

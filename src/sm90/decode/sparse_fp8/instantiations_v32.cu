@@ -1,19 +1,11 @@
-// src/sm90/decode/sparse_fp8/instantiations_v32.cu — instantiations of the sparse FP8 decode kernels
-// for the V32 format (d_qk 576, 656 bytes/token). One file per format so the
-// two compile in parallel.
-#include "sm90/decode/sparse_fp8/mma_small_heads_kernel.cuh"
-#include "sm90/decode/sparse_fp8/wgmma_producer_kernel.cuh"
+// src/sm90/decode/sparse_fp8/instantiations_v32.cu — the sparse FP8 decode main kernels for
+// the V32 format (d_qk 576, 656 bytes/token). One file per format so the two compile in parallel.
+#include "sm90/decode/sparse_fp8/main_kernels.cuh"
 
 namespace flashmla::sm90 {
 
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  if (kp.main_kernel == SparseDecodeMainKernel::kWgmmaProducer && sparse::wgmma_producer::usable(kp)) {
-    // The wgmma producer kernel refuses (cudaErrorInvalidConfiguration) when its compiled register
-    // count cannot fund the setmaxnreg split; the mma.sync kernel serves the call then.
-    const cudaError_t e = sparse::wgmma_producer::launch<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
-    if (e != cudaErrorInvalidConfiguration) return e;
-  }
-  return sparse::launch_main_auto<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
+  return sparse::launch_chosen_main<sparse::Fmt::kV32>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90

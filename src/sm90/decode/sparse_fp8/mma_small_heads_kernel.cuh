@@ -54,10 +54,7 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
   using CF = Cfg<R, 1>;
   using C2 = small_heads::Cfg2<R>;
   constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
-  constexpr int D_QK = FC::kDQK;
-  constexpr int N_CHUNKS = D_QK / 8;  // 16-byte chunks of a bf16 row
-  constexpr int K_STEPS = D_QK / 16;
-  constexpr int NOPE_UNITS = FC::kNope / 8;  // 16-byte bf16 chunks of the NoPE part
+  constexpr int D_QK = FC::kDQK, N_CHUNKS = FC::kChunks, K_STEPS = FC::kKSteps, NOPE_UNITS = FC::kNopeChunks;
   constexpr int NOPE_RAW16 = FC::kNope / 16;  // 16-byte FP8 chunks of the NoPE part (32 / 28)
   constexpr int PER_THR = NOPE_RAW16 / 2;     // per producer thread (2 per token)
   static_assert(NOPE_RAW16 % 2 == 0 && (N_CHUNKS - NOPE_UNITS) == 8, "producer work split");

@@ -48,16 +48,23 @@ enum class Fmt { kV32, kModel1 };
 
 template <Fmt F>
 struct FmtCfg;
+/// A format's head dims and what follows from them: 16-byte chunks of a bf16 row (kChunks), k-steps of
+/// S = Q K^T (kKSteps), 16-byte bf16 chunks of the NoPE part (kNopeChunks).
+template <int kDQK_, int kNope_>
+struct FmtDims {
+  static constexpr int kDQK = kDQK_, kNope = kNope_;
+  static constexpr int kChunks = kDQK / 8, kKSteps = kDQK / 16, kNopeChunks = kNope / 8;
+};
 template <>
-struct FmtCfg<Fmt::kV32> {
-  static constexpr int kDQK = 576, kNope = 512, kTile = 128;
+struct FmtCfg<Fmt::kV32> : FmtDims<576, 512> {
+  static constexpr int kTile = 128;
   static constexpr int kRawChunks = 41;  // 16-byte chunks of the 656-byte token record
   static constexpr int kRopeRaw = 528;   // raw offsets of RoPE and scales
   static constexpr int kScaleRaw = 512;
 };
 template <>
-struct FmtCfg<Fmt::kModel1> {
-  static constexpr int kDQK = 512, kNope = 448, kTile = 64;
+struct FmtCfg<Fmt::kModel1> : FmtDims<512, 448> {
+  static constexpr int kTile = 64;
   static constexpr int kRawChunks = 36;  // the 576-byte data record; the 8-byte scale record goes to raw 576
   static constexpr int kRopeRaw = 448;
   static constexpr int kScaleRaw = 576;
@@ -215,10 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   using FC = FmtCfg<F>;
   using CF = Cfg<R, NS>;
   constexpr int BM = CF::BM, C = CF::C, KW = CF::KW, NT_S = CF::NT_S, VW = CF::VW, NT_O = CF::NT_O;
-  constexpr int D_QK = FC::kDQK;
-  constexpr int N_CHUNKS = D_QK / 8;  // 16-byte chunks of a bf16 row
-  constexpr int K_STEPS = D_QK / 16;  // k-steps of S = Q K^T
-  constexpr int NOPE_UNITS = FC::kNope / 8;
+  constexpr int D_QK = FC::kDQK, N_CHUNKS = FC::kChunks, K_STEPS = FC::kKSteps, NOPE_UNITS = FC::kNopeChunks;
   static_assert(NOPE_UNITS % 4 == 0 && (N_CHUNKS - NOPE_UNITS) == 8, "dequant work split");
 
   extern __shared__ __align__(128) uint8_t smem[];

@@ -64,19 +64,24 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_preprocess_kernel(const
   }
 }
 
+/// Bytes of a backward kernel's tiles (16-bit elements): Q (kD dims) and dO (kBwdDV) of kQRows query
+/// rows, K (kD) and V (kBwdDV) of kKRows key rows.
+template <int kD, int kQRows, int kKRows>
+struct BwdTiles {
+  static constexpr int kQ = kQRows * kD * 2, kDO = kQRows * kBwdDV * 2;
+  static constexpr int kK = kKRows * kD * 2, kV = kKRows * kBwdDV * 2;
+};
+
 // ------------------------------------------------------------------------------------------- dq
 constexpr int kDqBM = 128, kDqBN = 64;
 
 template <int kD>
-struct DqSmem {
-  static constexpr int kQ = kDqBM * kD * 2;
-  static constexpr int kDO = kDqBM * kBwdDV * 2;
-  static constexpr int kK = kDqBN * kD * 2;
-  static constexpr int kV = kDqBN * kBwdDV * 2;
-  static constexpr int kStage = kK + kV;
+struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
+  using Tiles = BwdTiles<kD, kDqBM, kDqBN>;
+  static constexpr int kStage = Tiles::kK + Tiles::kV;
   static constexpr int kScratch = 16 * kD * 2;  // per consumer warpgroup: 16 K rows without inf / NaN (rare path)
   static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
-  static constexpr int kBytes = 1024 + kQ + kDO + 2 * kStage + 2 * kScratch + kBars;
+  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + 2 * kStage + 2 * kScratch + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -96,25 +101,14 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
-  const int m0 = mblk * kDqBM;
+  const int m0 = query_block_row0<kDqBM>(p);
   if (m0 >= sb.s_q) return;
   const int off = sb.s_k - sb.s_q;
-  int n_end = p.causal ? min(sb.s_k, m0 + kDqBM + off) : sb.s_k;
-  n_end = max(n_end, 0);
-  const int n_blocks = (n_end + kDqBN - 1) / kDqBN;
+  const int n_blocks = (visible_key_end<kDqBM>(p, sb.s_k, m0, off) + kDqBN - 1) / kDqBN;
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 256);
-    }
-    mbar_init(q_bar, 128);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], q_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -158,8 +152,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   for (int i = 0; i < kD / 2; ++i) dq[i] = 0.f;
 
   // Causal: keys from masked_lo on are not seen by some row of this CTA; the key blocks from check_first on (at
-  // most three) are "checked": their step is a separate copy that also keeps inf / NaN of masked keys (in v: dP;
-  // in k: S, and dS K) out of the rows that do not see them. The other steps run the plain body.
+  // most three) are "checked": their step (kChecked) also keeps inf / NaN of masked keys (in v: dP; in k: S, and
+  // dS K) out of the rows that do not see them. The body is one; the other steps run the plain instantiation,
+  // in which ks = 0 folds the rare branch away.
   const int masked_lo = max(m0 + off + 1, 0);
   const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kDqBN : n_blocks;
   auto step = [&](int n, auto checked) {
@@ -172,18 +167,13 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 
     float s[32], dp[32];
     gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, 64>::template ss<0, 0>(s, desc_k<kDqBM>(sQ, wg * 64, kk), desc_k<kDqBN>(sK, 0, kk), kk > 0 ? 1 : 0);
-#pragma unroll
-    for (int kk = 0; kk < kBwdDV / 16; ++kk)
-      Wgmma<T, 64>::template ss<0, 0>(dp, desc_k<kDqBM>(sDO, wg * 64, kk), desc_k<kDqBN>(sV, 0, kk), kk > 0 ? 1 : 0);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(s);
+    issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
+    issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+    gmma::commit_wait(s);
     gmma::reg_fence(dp);
 
     const int n0 = n * kDqBN;
+    bool nonfinite = false;
     if constexpr (!kChecked) {
       const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
 #pragma unroll
@@ -200,21 +190,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
           s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
         }
       }
-      uint32_t a[4][4];
-      pack_a<T, 64>(s, a);
-
-      gmma::reg_fence(dq);
-      gmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(dq);
     } else {
       // A key that a row does not see gets dS = 0 with dP's sign (the bits of P (dP - D) with P = 0), also
       // where its v makes dP inf / NaN. nonfinite: some masked S is inf / NaN, which a key with inf / NaN in k
       // makes of every row's S (0 * inf included).
-      bool nonfinite = false;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -231,30 +210,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
           s[4 * i + e] = ds;
         }
       }
-      uint32_t a[4][4];
-      pack_a<T, 64>(s, a);
-      // Keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k rows
-      // holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
-      // and the rows that see such a key add its products (k from global memory) afterwards.
-      uint32_t ks = 0;
-      const int wg_lo = max(m0 + wg * 64 + off + 1 - n0, 0), wg_hi = min(sb.s_k - n0, kDqBN);
+    }
+    uint32_t a[4][4];
+    pack_a<T, 64>(s, a);
+    // Checked: keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k
+    // rows holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
+    // and the rows that see such a key add its products (k from global memory) afterwards. Plain: ks = 0.
+    uint32_t ks = 0;
+    const int wg_lo = max(m0 + wg * 64 + off + 1 - n0, 0), wg_hi = min(sb.s_k - n0, kDqBN);
+    if constexpr (kChecked) {
       if (wg_lo < wg_hi && bar_red_or(4 + wg, 128, nonfinite)) ks = ksteps_in(wg_lo, wg_hi);
-      gmma::reg_fence(dq);
-      if (ks == 0) {
-        gmma::fence();
+    }
+    gmma::reg_fence(dq);
+    if (ks == 0) {
+      gmma::fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
-        gmma::commit();
-        gmma::wait<0>();
-        gmma::reg_fence(dq);
-      } else {
-        mma_b_finite<T, kDqBN, kD, 4>(dq, a, sK, sScratch + wg * Smem::kScratch, ks, 4 + wg, tid & 127);
-        const T* kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(sb.k0) + n0) * p.k_row + hk * p.k_head;
-        auto brow = [&](int c) { return kg + c * p.k_row; };
-        auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // rows < wg_hi <= s_k - n0
-        // Every row of the k-steps read from the copy (from wg_lo's k-step on) had its inf / NaN zeroed there.
-        add_nonfinite_products<T, kD, 4>(dq, a, row_bits(wg_lo & ~15, wg_hi), brow, visible, lane);
-      }
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a[kk], desc_mn<kDqBN>(sK, kk));
+      gmma::commit_wait(dq);
+    } else {
+      mma_b_finite<T, kDqBN, kD, 4>(dq, a, sK, sScratch + wg * Smem::kScratch, ks, 4 + wg, tid & 127);
+      const T* kg = static_cast<const T*>(p.k) + (static_cast<int64_t>(sb.k0) + n0) * p.k_row + hk * p.k_head;
+      auto brow = [&](int c) { return kg + c * p.k_row; };
+      auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // rows < wg_hi <= s_k - n0
+      // Every row of the k-steps read from the copy (from wg_lo's k-step on) had its inf / NaN zeroed there.
+      add_nonfinite_products<T, kD, 4>(dq, a, row_bits(wg_lo & ~15, wg_hi), brow, visible, lane);
     }
     mbar_arrive(empty_bar(stage));
   };
@@ -278,19 +257,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 constexpr int kKvBN = 128, kKvBM = 64;
 
 template <int kD>
-struct KvSmem {
-  static constexpr int kK = kKvBN * kD * 2;
-  static constexpr int kV = kKvBN * kBwdDV * 2;
-  static constexpr int kQ = kKvBM * kD * 2;
-  static constexpr int kDO = kKvBM * kBwdDV * 2;
+struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
+  using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
-  static constexpr int kStage = kQ + kDO + kVec;
+  static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
   static constexpr int kBars = 5 * 8;  // full[2], empty[2], kv_full
-  static constexpr int kBytes = 1024 + kK + kV + 2 * kStage + kBars;
+  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + 2 * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
   static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
-  static constexpr int kBytesAligned = 1024 + kK + kV + 2 * kStageAligned + kDS + kBars;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + 2 * kStageAligned + kDS + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
@@ -329,15 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 256);
-    }
-    mbar_init(kv_bar, 128);
-    fence_barrier_init();
-  }
-  __syncthreads();
+  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], kv_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -382,301 +350,167 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   for (int i = 0; i < kBwdDV / 2; ++i) dv[i] = 0.f;
 
   // Steps whose (key, query) block has masked entries (the causal diagonal blocks, and the last query block, whose
-  // rows past s_q are zero) run a separate copy that keeps inf / NaN of a query row (q, dout) or of a key's own
-  // S^T out of the keys / rows that do not see each other; the other steps run the plain body.
+  // rows past s_q are zero) are kChecked: they also keep inf / NaN of a query row (q, dout) or of a key's own S^T
+  // out of the keys / rows that do not see each other. The body is one; the checked parts are compiled into the
+  // checked instantiation only, and the other steps run the plain one (ks = 0: its rare branches fold away).
   auto step = [&](int it, auto checked) {
     constexpr bool kChecked = decltype(checked)::value;
-    if constexpr (!kChecked) {
-        const int stage = it & 1;
-        const int m0 = (m_begin + it % m_count) * kKvBM;
-        const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
-        const uint32_t sDO = sQ + Smem::kQ;
-        const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
-        mbar_wait(full_bar(stage), (it >> 1) & 1);
-        gmma::fence_proxy_async();
+    const int stage = it & 1;
+    const int m0 = (m_begin + it % m_count) * kKvBM;
+    const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
+    const uint32_t sDO = sQ + Smem::kQ;
+    const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
+    mbar_wait(full_bar(stage), (it >> 1) & 1);
+    gmma::fence_proxy_async();
 
-        // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
-        // dK += dS^T Q. S^T and dP^T are never live together (d_qk 192: dK 96 + dV 64 accumulators).
-        const bool need_mask = p.causal && n0 + kKvBN - 1 > m0 + off;
-        uint32_t ap[4][4], as[4][4];
-        {
-          float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
-          gmma::fence();
+    // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
+    // dK += dS^T Q. S^T and dP^T are never live together (d_qk 192: dK 96 + dV 64 accumulators).
+    // Masked: keys a query does not see (causal); checked, also the zero rows past s_q (their S^T = k . 0 is NaN
+    // where k holds an inf, and lse2 = +inf does not make that P^T 0).
+    const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q);
+    uint32_t ap[4][4], as[4][4];
+    bool nonfinite = false;
+    {
+      float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
+      gmma::fence();
+      issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
+      gmma::commit_wait(st);
 #pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk),
-                                            kk > 0 ? 1 : 0);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(st);
+      for (int i = 0; i < 8; ++i) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
-              float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
-              if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
-              st[4 * i + e] = pr;
-            }
+        for (int e = 0; e < 4; ++e) {
+          const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
+          float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
+          if constexpr (!kChecked) {
+            if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
+          } else if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
+            // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
+            // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
+            if constexpr (!kFusedDq)
+              nonfinite |= m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
+            pr = 0.f;
           }
-          pack_a<T, 64>(st, ap);
+          st[4 * i + e] = pr;
         }
-        {
-          float dpt[32];  // dP^T
-          gmma::reg_fence(dv);
-          gmma::fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-#pragma unroll
-          for (int kk = 0; kk < kBwdDV / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
-                                            kk > 0 ? 1 : 0);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(dv);
-          gmma::reg_fence(dpt);
-          // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used).
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              float p0, p1;
-              unpack2<T>(ap[kk][j], p0, p1);
-              const int i = 2 * kk + (j >> 1), e0 = (j & 1) * 2;
-              const int c = 8 * i + 2 * tq;
-              dpt[4 * i + e0] = p0 * (dpt[4 * i + e0] - vec[kKvBM + c]);
-              dpt[4 * i + e0 + 1] = p1 * (dpt[4 * i + e0 + 1] - vec[kKvBM + c + 1]);
-            }
-          }
-          pack_a<T, 64>(dpt, as);
-        }
-        if constexpr (kFusedDq) {
-          // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
-          uint8_t* ds = smem + (sDS - base);
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
-              *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
-            }
-          }
-          gmma::fence_proxy_async();
-          named_barrier_sync(1, 256);  // both halves of dS^T written
-        }
-        gmma::reg_fence(dk);
+      }
+      pack_a<T, 64>(st, ap);
+    }
+    // kTwoKernel, checked, causal: where a query row that some key of this warpgroup does not see holds inf / NaN
+    // in q or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
+    // unused in this schedule) and the keys that see that row add its products afterwards.
+    uint32_t ks = 0;
+    if constexpr (kChecked && !kFusedDq) {
+      if (p.causal && need_mask && bar_red_or(4 + wg, 128, nonfinite)) ks = 0xFu;
+    }
+    const uint32_t scratch = sDS + wg * (16 * kD * 2);
+    auto visible = [&](int c, int e) { return krow[e] <= m0 + c + off && m0 + c < sb.s_q; };
+    {
+      float dpt[32];  // dP^T
+      gmma::reg_fence(dv);
+      if (ks == 0) {
         gmma::fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
+        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
         gmma::commit();
-        if constexpr (kFusedDq) {
-          // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
-          float dqp[32];
+        gmma::wait<0>();
+      } else {  // dV first (dP^T not yet live: registers), then dP^T
+        mma_b_finite<T, kKvBM, kBwdDV, 4>(dv, ap, sDO, scratch, ks, 4 + wg, tid & 127);
+        add_nonfinite_products_smem<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
+        gmma::reg_fence(dv);
+        gmma::fence();
+        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+        gmma::commit();
+        gmma::wait<0>();
+      }
+      gmma::reg_fence(dv);
+      gmma::reg_fence(dpt);
+      // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Checked: masked
+      // entries get 0 with the sign of dP^T - D (the bits of 0 (dP^T - D)), also where dP^T - D is inf / NaN (D of
+      // a row that sees a key with inf / NaN in v or k, dP^T of a key with inf / NaN in v): a query row must not
+      // reach the dk of a key it does not see.
 #pragma unroll
-          for (int kk = 0; kk < kKvBN / 16; ++kk)
-            Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
-                                            kk > 0 ? 1 : 0);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(dk);
-          gmma::reg_fence(dqp);
-          const int hq = hk * p.group + it / m_count;
-          int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
-          if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
-            while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
-            }
-            __threadfence();
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float p0, p1;
+          unpack2<T>(ap[kk][j], p0, p1);
+          const int i = 2 * kk + (j >> 1), e0 = (j & 1) * 2;
+          const int c = 8 * i + 2 * tq;
+          const float d0 = dpt[4 * i + e0] - vec[kKvBM + c], d1 = dpt[4 * i + e0 + 1] - vec[kKvBM + c + 1];
+          dpt[4 * i + e0] = p0 * d0;
+          dpt[4 * i + e0 + 1] = p1 * d1;
+          if (kChecked && need_mask) {
+            const int kr = krow[j & 1];
+            if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q)) dpt[4 * i + e0] = copysignf(0.f, d0);
+            if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q))
+              dpt[4 * i + e0 + 1] = copysignf(0.f, d1);
           }
-          named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int qrow = m0 + warp * 16 + g + 8 * e;
-            if (qrow >= sb.s_q) continue;
-            float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
-              atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
-            }
-          }
-          __threadfence();
-          named_barrier_sync(1, 256);
-          if (tid == 0) atomicAdd(sem, 1);
-        } else {
-          gmma::wait<0>();
-          gmma::reg_fence(dk);
         }
-        mbar_arrive(empty_bar(stage));
-    } else {
-        const int stage = it & 1;
-        const int m0 = (m_begin + it % m_count) * kKvBM;
-        const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
-        const uint32_t sDO = sQ + Smem::kQ;
-        const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
-        mbar_wait(full_bar(stage), (it >> 1) & 1);
-        gmma::fence_proxy_async();
-
-        // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
-        // dK += dS^T Q. S^T and dP^T are never live together (d_qk 192: dK 96 + dV 64 accumulators).
-        // Masked: keys a query does not see (causal) and the zero rows past s_q (their S^T = k . 0 is NaN where k
-        // holds an inf, and lse2 = +inf does not make that P^T 0).
-        const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q;
-        uint32_t ap[4][4], as[4][4];
-        bool nonfinite = false;
-        {
-          float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
-          gmma::fence();
-#pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk)
-            Wgmma<T, 64>::template ss<0, 0>(st, desc_k<kKvBN>(sK, wg * 64, kk), desc_k<kKvBM>(sQ, 0, kk),
-                                            kk > 0 ? 1 : 0);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(st);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
-              float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
-              if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
-                // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
-                // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
-                if constexpr (!kFusedDq)
-                  nonfinite |= m0 + c < sb.s_q &&
-                               (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
-                pr = 0.f;
-              }
-              st[4 * i + e] = pr;
-            }
-          }
-          pack_a<T, 64>(st, ap);
-        }
-        // kTwoKernel, causal: where a query row that some key of this warpgroup does not see holds inf / NaN in q
-        // or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
-        // unused in this schedule) and the keys that see that row add its products afterwards.
-        uint32_t ks = 0;
-        if constexpr (!kFusedDq) {
-          if (p.causal && need_mask && bar_red_or(4 + wg, 128, nonfinite)) ks = 0xFu;
-        }
-        const uint32_t scratch = sDS + wg * (16 * kD * 2);
-        auto visible = [&](int c, int e) { return krow[e] <= m0 + c + off && m0 + c < sb.s_q; };
-        {
-          float dpt[32];  // dP^T
-          gmma::reg_fence(dv);
-          if (ks == 0) {
-            gmma::fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-#pragma unroll
-            for (int kk = 0; kk < kBwdDV / 16; ++kk)
-              Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
-                                              kk > 0 ? 1 : 0);
-            gmma::commit();
-            gmma::wait<0>();
-          } else {  // dV first (dP^T not yet live: registers), then dP^T
-            mma_b_finite<T, kKvBM, kBwdDV, 4>(dv, ap, sDO, scratch, ks, 4 + wg, tid & 127);
-            add_nonfinite_products_smem<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
-            gmma::reg_fence(dv);
-            gmma::fence();
-#pragma unroll
-            for (int kk = 0; kk < kBwdDV / 16; ++kk)
-              Wgmma<T, 64>::template ss<0, 0>(dpt, desc_k<kKvBN>(sV, wg * 64, kk), desc_k<kKvBM>(sDO, 0, kk),
-                                              kk > 0 ? 1 : 0);
-            gmma::commit();
-            gmma::wait<0>();
-          }
-          gmma::reg_fence(dv);
-          gmma::reg_fence(dpt);
-          // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Masked
-          // entries get 0 with the sign of dP^T - D (the bits of 0 (dP^T - D)), also where dP^T - D is inf / NaN
-          // (D of a row that sees a key with inf / NaN in v or k, dP^T of a key with inf / NaN in v): a query row
-          // must not reach the dk of a key it does not see.
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              float p0, p1;
-              unpack2<T>(ap[kk][j], p0, p1);
-              const int i = 2 * kk + (j >> 1), e0 = (j & 1) * 2;
-              const int c = 8 * i + 2 * tq;
-              const float d0 = dpt[4 * i + e0] - vec[kKvBM + c], d1 = dpt[4 * i + e0 + 1] - vec[kKvBM + c + 1];
-              dpt[4 * i + e0] = p0 * d0;
-              dpt[4 * i + e0 + 1] = p1 * d1;
-              if (need_mask) {
-                const int kr = krow[j & 1];
-                if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q)) dpt[4 * i + e0] = copysignf(0.f, d0);
-                if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q))
-                  dpt[4 * i + e0 + 1] = copysignf(0.f, d1);
-              }
-            }
-          }
-          pack_a<T, 64>(dpt, as);
-        }
-        if constexpr (kFusedDq) {
-          // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
-          uint8_t* ds = smem + (sDS - base);
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
-              *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
-            }
-          }
-          gmma::fence_proxy_async();
-          named_barrier_sync(1, 256);  // both halves of dS^T written
-        }
-        gmma::reg_fence(dk);
-        if (ks != 0) {  // kTwoKernel only
-          mma_b_finite<T, kKvBM, kD, 4>(dk, as, sQ, scratch, ks, 4 + wg, tid & 127);
-          add_nonfinite_products_smem<T, kKvBM, kD, 4>(dk, as, smem_ptr(sQ), ks, visible, lane);
-          gmma::reg_fence(dk);
-        } else {
-          gmma::fence();
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
-          gmma::commit();
-        }
-        if constexpr (kFusedDq) {
-          // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
-          float dqp[32];
-#pragma unroll
-          for (int kk = 0; kk < kKvBN / 16; ++kk)
-            Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
-                                            kk > 0 ? 1 : 0);
-          gmma::commit();
-          gmma::wait<0>();
-          gmma::reg_fence(dk);
-          gmma::reg_fence(dqp);
-          const int hq = hk * p.group + it / m_count;
-          int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
-          if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
-            while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
-            }
-            __threadfence();
-          }
-          named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int qrow = m0 + warp * 16 + g + 8 * e;
-            if (qrow >= sb.s_q) continue;
-            float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
-              atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
-            }
-          }
-          __threadfence();
-          named_barrier_sync(1, 256);
-          if (tid == 0) atomicAdd(sem, 1);
-        } else {
-          gmma::wait<0>();
-          gmma::reg_fence(dk);
-        }
-        mbar_arrive(empty_bar(stage));
+      }
+      pack_a<T, 64>(dpt, as);
     }
+    if constexpr (kFusedDq) {
+      // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
+      uint8_t* ds = smem + (sDS - base);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
+          *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
+        }
+      }
+      gmma::fence_proxy_async();
+      named_barrier_sync(1, 256);  // both halves of dS^T written
+    }
+    gmma::reg_fence(dk);
+    if (ks != 0) {  // kTwoKernel, checked only
+      mma_b_finite<T, kKvBM, kD, 4>(dk, as, sQ, scratch, ks, 4 + wg, tid & 127);
+      add_nonfinite_products_smem<T, kKvBM, kD, 4>(dk, as, smem_ptr(sQ), ks, visible, lane);
+      gmma::reg_fence(dk);
+    } else {
+      gmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
+      gmma::commit();
+    }
+    if constexpr (kFusedDq) {
+      // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
+      float dqp[32];
+#pragma unroll
+      for (int kk = 0; kk < kKvBN / 16; ++kk)
+        Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
+                                        kk > 0 ? 1 : 0);
+      gmma::commit_wait(dk);
+      gmma::reg_fence(dqp);
+      const int hq = hk * p.group + it / m_count;
+      int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
+      if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
+        while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
+        }
+        __threadfence();
+      }
+      named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qrow = m0 + warp * 16 + g + 8 * e;
+        if (qrow >= sb.s_q) continue;
+        float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
+          atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
+        }
+      }
+      __threadfence();
+      named_barrier_sync(1, 256);
+      if (tid == 0) atomicAdd(sem, 1);
+    } else {
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+    }
+    mbar_arrive(empty_bar(stage));
   };
   mbar_wait(kv_bar, 0);
   for (int it = 0; it < n_it; ++it) {

@@ -21,10 +21,10 @@
 #include "sm90/common/seesaw.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
-#include "sm90/prefill/dense/wgmma_ops.cuh"
 
 namespace flashmla::sm90::dense_prefill {
 
+using gmma::Wgmma;
 using seesaw::setmaxnreg_dec;
 using seesaw::setmaxnreg_inc;
 
@@ -54,6 +54,33 @@ __device__ __forceinline__ uint64_t desc_k(uint32_t tile, int row0, int kk) {
 template <int kRows>
 __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
   return gmma::make_desc_sw128(tile + kk * 16 * 128, kRows * 128, 1024);
+}
+
+/// acc (+)= A B^T over kDim / 16 k-steps (wgmma m64nNk16, both operands K-major): A = the 64 rows from
+/// a_row0 of the kRowsA-row tile at a, B = the first N rows of the kRowsB-row tile at b. The first k-step
+/// overwrites acc. Issues only: the caller fences before, commits and waits after.
+template <class T, int N, int kDim, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_abt(float (&acc)[N / 2], uint32_t a, int a_row0, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk)
+    Wgmma<T, N>::template ss<0, 0>(acc, desc_k<kRowsA>(a, a_row0, kk), desc_k<kRowsB>(b, 0, kk), kk > 0 ? 1 : 0);
+}
+
+/// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
+/// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
+/// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer
+/// arrivals). Stage 0's barriers are initialised before stage 1's.
+template <int kGroups>
+__device__ __forceinline__ void init_barriers(int tid, uint32_t bar, const int (&counts)[kGroups]) {
+  if (tid == 0) {
+    for (int s = 0; s < 2; ++s) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) mbar_init(bar + 16 * g + 8 * s, counts[g]);
+    }
+    mbar_init(bar + 16 * kGroups, 128);
+    fence_barrier_init();
+  }
+  __syncthreads();
 }
 
 /// Producer warpgroup (pt = 0..127): cp.async of kRows x kDim elements, row r from src + r * row_stride,
@@ -213,110 +240,93 @@ __device__ __forceinline__ void mma_b_finite(float (&acc)[kN / 2], const uint32_
     gmma::reg_fence(acc);
     gmma::fence();
     Wgmma<T, kN>::template rs<1>(acc, a[kk], desc);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(acc);
+    gmma::commit_wait(acc);
+  }
+}
+
+/// acc += a_c b for the inf / NaN elements b of row c = 16 kk + t of B (k-step kk, row t in it; the caller gives all
+/// three), for this thread's accumulator rows e = 0, 1 with visible(c, e). a is the A fragment the MMA used
+/// (kKSteps k-steps of 16 rows of B; lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of a k-step for rows l / 4 and
+/// l / 4 + 8 of its warp); acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. row_of(c) gives row c of
+/// B as a function of i: the two elements at columns 8 i + 2 (lane % 4) + {0, 1} (32 bits). Called by whole
+/// warps with the same c.
+template <class T, int kN, int kKSteps, class RowOf, class Visible>
+__device__ __forceinline__ void add_row_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4], int c,
+                                                           int kk, int t, RowOf row_of, Visible visible, int lane) {
+  const bool upper = t >= 8;
+  uint32_t w0 = 0, w1 = 0;
+#pragma unroll
+  for (int k2 = 0; k2 < kKSteps; ++k2) {
+    if (k2 == kk) {
+      w0 = upper ? a[k2][2] : a[k2][0];
+      w1 = upper ? a[k2][3] : a[k2][1];
+    }
+  }
+  const int src = (lane & ~3) | ((t & 7) >> 1);
+  w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
+  w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
+  float lo0, hi0, lo1, hi1;
+  unpack2<T>(w0, lo0, hi0);
+  unpack2<T>(w1, lo1, hi1);
+  const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
+  const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
+  const auto bpair = row_of(c);
+#pragma unroll
+  for (int i = 0; i < kN / 8; ++i) {
+    float b0, b1;
+    unpack2<T>(bpair(i), b0, b1);
+    if (float_is_nonfinite(b0)) {
+      if (vis0) acc[4 * i] += p0 * b0;
+      if (vis1) acc[4 * i + 2] += p1 * b0;
+    }
+    if (float_is_nonfinite(b1)) {
+      if (vis0) acc[4 * i + 1] += p0 * b1;
+      if (vis1) acc[4 * i + 3] += p1 * b1;
+    }
   }
 }
 
 /// After acc += A B with the rows of B in `rows` (bits of 4 words; B = a 128-row tile of kN columns whose inf / NaN
 /// elements in those rows were read as 0): acc += a b for those inf / NaN elements b, taken from global memory
-/// (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e). a is the A fragment the
-/// MMA used (kKSteps k-steps of 16 rows of B; lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of a k-step for rows
-/// l / 4 and l / 4 + 8 of its warp); acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Called by whole
-/// warps with the same `rows`. Rare path: loops at run time.
+/// (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e); a and acc as in
+/// add_row_nonfinite_products. Called by whole warps with the same `rows`. Rare path: loops at run time.
 template <class T, int kN, int kKSteps, class RowPtr, class Visible>
 __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
                                                        uint4 rows, RowPtr brow, Visible visible, int lane) {
   const int tq = lane & 3;
+  auto row_of = [&](int c) {
+    const T* b = brow(c);
+    return [b, tq](int i) { return *reinterpret_cast<const uint32_t*>(b + 8 * i + 2 * tq); };
+  };
 #pragma unroll 1
   for (int i4 = 0; i4 < 4; ++i4) {
     const uint32_t word = i4 == 0 ? rows.x : i4 == 1 ? rows.y : i4 == 2 ? rows.z : rows.w;  // no local array
 #pragma unroll 1
     for (uint32_t bits = word; bits != 0; bits &= bits - 1) {
-      const int c = 32 * i4 + __ffs(bits) - 1, kk = c >> 4, t = c & 15;
-      const bool upper = t >= 8;
-      uint32_t w0 = 0, w1 = 0;
-#pragma unroll
-      for (int k2 = 0; k2 < kKSteps; ++k2) {
-        if (k2 == kk) {
-          w0 = upper ? a[k2][2] : a[k2][0];
-          w1 = upper ? a[k2][3] : a[k2][1];
-        }
-      }
-      const int src = (lane & ~3) | ((t & 7) >> 1);
-      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
-      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
-      float lo0, hi0, lo1, hi1;
-      unpack2<T>(w0, lo0, hi0);
-      unpack2<T>(w1, lo1, hi1);
-      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
-      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
-      const T* b = brow(c);
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-        float b0, b1;
-        unpack2<T>(*reinterpret_cast<const uint32_t*>(b + 8 * i + 2 * tq), b0, b1);
-        if (float_is_nonfinite(b0)) {
-          if (vis0) acc[4 * i] += p0 * b0;
-          if (vis1) acc[4 * i + 2] += p1 * b0;
-        }
-        if (float_is_nonfinite(b1)) {
-          if (vis0) acc[4 * i + 1] += p0 * b1;
-          if (vis1) acc[4 * i + 3] += p1 * b1;
-        }
-      }
+      const int c = 32 * i4 + __ffs(bits) - 1;
+      add_row_nonfinite_products<T, kN, kKSteps>(acc, a, c, c >> 4, c & 15, row_of, visible, lane);
     }
   }
 }
 
 /// After mma_b_finite: acc += a b for the inf / NaN elements b of the k-steps in `ksteps` (read from the shared
 /// tile, which still holds them, generic pointer) and this thread's accumulator rows e = 0, 1 for which
-/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked). a is the fragment the MMA used
-/// (lane l holds columns 2 (l % 4) + {0, 1, 8, 9} of each k-step, rows l / 4 and l / 4 + 8 of its warp);
-/// acc[4 i + 2 e + h] is row e, column 8 i + 2 (lane % 4) + h. Rare path: loops at run time.
+/// visible(c, e) (tile row c of B is visible to that row, i.e. not masked); a and acc as in
+/// add_row_nonfinite_products. Rare path: loops at run time.
 template <class T, int kRows, int kN, int kKSteps, class Visible>
 __device__ __forceinline__ void add_nonfinite_products_smem(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
-                                                       const uint8_t* tile, uint32_t ksteps, Visible visible,
-                                                       int lane) {
+                                                            const uint8_t* tile, uint32_t ksteps, Visible visible,
+                                                            int lane) {
   const int tq = lane & 3;
+  auto row_of = [&](int c) {
+    return [&, c](int i) { return *reinterpret_cast<const uint32_t*>(tile + tile_off<kRows>(c, i) + 4 * tq); };
+  };
 #pragma unroll 1
   for (; ksteps != 0; ksteps &= ksteps - 1) {
     const int kk = __ffs(ksteps) - 1;
 #pragma unroll 1
-    for (int t = 0; t < 16; ++t) {
-      const int c = 16 * kk + t;
-      const bool upper = t >= 8;
-      uint32_t w0 = 0, w1 = 0;
-#pragma unroll
-      for (int k2 = 0; k2 < kKSteps; ++k2) {
-        if (k2 == kk) {
-          w0 = upper ? a[k2][2] : a[k2][0];
-          w1 = upper ? a[k2][3] : a[k2][1];
-        }
-      }
-      const int src = (lane & ~3) | ((t & 7) >> 1);
-      w0 = __shfl_sync(0xFFFFFFFFu, w0, src);
-      w1 = __shfl_sync(0xFFFFFFFFu, w1, src);
-      float lo0, hi0, lo1, hi1;
-      unpack2<T>(w0, lo0, hi0);
-      unpack2<T>(w1, lo1, hi1);
-      const float p0 = (t & 1) ? hi0 : lo0, p1 = (t & 1) ? hi1 : lo1;
-      const bool vis0 = visible(c, 0), vis1 = visible(c, 1);
-#pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-        float b0, b1;
-        unpack2<T>(*reinterpret_cast<const uint32_t*>(tile + tile_off<kRows>(c, i) + 4 * tq), b0, b1);
-        if (float_is_nonfinite(b0)) {
-          if (vis0) acc[4 * i] += p0 * b0;
-          if (vis1) acc[4 * i + 2] += p1 * b0;
-        }
-        if (float_is_nonfinite(b1)) {
-          if (vis0) acc[4 * i + 1] += p0 * b1;
-          if (vis1) acc[4 * i + 3] += p1 * b1;
-        }
-      }
-    }
+    for (int t = 0; t < 16; ++t)
+      add_row_nonfinite_products<T, kN, kKSteps>(acc, a, 16 * kk + t, kk, t, row_of, visible, lane);
   }
 }
 
@@ -365,6 +375,21 @@ struct KernelParams {
   float scale;       // softmax_scale
   float scale_log2;  // softmax_scale * log2(e)
 };
+
+/// First row of the query block this CTA computes: block blockIdx.x, or counted from the end when causal
+/// (the last query blocks see the most keys, so they start first).
+template <int kBM>
+__device__ __forceinline__ int query_block_row0(const KernelParams& p) {
+  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
+  return mblk * kBM;
+}
+/// End (exclusive) of the keys that the query block of kBM rows from m0 sees: all s_k keys, or when causal
+/// those up to its last row's (key j is visible to query i iff j <= i + off, off = s_k - s_q).
+template <int kBM>
+__device__ __forceinline__ int visible_key_end(const KernelParams& p, int s_k, int m0, int off) {
+  const int n_end = p.causal ? min(s_k, m0 + kBM + off) : s_k;
+  return max(n_end, 0);
+}
 
 /// The fields of KernelParams the forward and the backward take alike from the forward's arguments p:
 /// q, k, v, lse, cu_seqlens_q / _k and their strides (out's strides into o_row / o_head; where out goes,

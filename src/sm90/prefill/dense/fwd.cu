@@ -122,19 +122,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int mblk = p.causal ? static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
-  const int m0 = mblk * kFwdBM;
+  const int m0 = query_block_row0<kFwdBM>(p);
   if (m0 >= sb.s_q) return;
   const int off = sb.s_k - sb.s_q;  // key j visible to query i iff j <= i + off (causal)
-  int n_end = p.causal ? min(sb.s_k, m0 + kFwdBM + off) : sb.s_k;
-  n_end = max(n_end, 0);
-  const int n_blocks = (n_end + kFwdBN - 1) / kFwdBN;
+  const int n_blocks = (visible_key_end<kFwdBM>(p, sb.s_k, m0, off) + kFwdBN - 1) / kFwdBN;
   const int hk = h / p.group;
   // Causal: keys from masked_lo on are not seen by some row of this CTA (row m0 sees keys <= m0 + off). The
-  // tiles from check_first on (at most the last two: n_end <= m0 + 128 + off) are "checked": before the
-  // consumers see their V (v_full), the producer replaces the inf / NaN elements of the V rows in [masked_lo,
-  // s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products of the rows that do
-  // see the key after the tile's P V. Other tiles (all of them when not causal) go as before.
+  // tiles from check_first on (at most the last two: the visible key end is <= m0 + 128 + off) are "checked":
+  // before the consumers see their V (v_full), the producer replaces the inf / NaN elements of the V rows in
+  // [masked_lo, s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products of the
+  // rows that do see the key after the tile's P V. Other tiles (all of them when not causal) go as before.
   const int masked_lo = max(m0 + off + 1, 0);
   const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kFwdBN : n_blocks;
 
@@ -234,12 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int n) {
     return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
   };
-  auto issue_s = [&](float (&s)[64], int stage) {
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk)
-      Wgmma<T, 128>::template ss<0, 0>(s, desc_k<kFwdBM>(sQ, wg * 64, kk), desc_k<kFwdBN>(sK(stage), 0, kk),
-                                       kk > 0 ? 1 : 0);
-  };
+  auto issue_s = [&](float (&s)[64], int stage) { issue_abt<T, 128, kD, kFwdBM, kFwdBN>(s, sQ, wg * 64, sK(stage)); };
   // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
   // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
   // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
@@ -261,7 +253,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
   };
-
+  // S = Q K^T of key block n on its own (waited), K's stage released.
+  auto s_block = [&](float (&s)[64], int n) {
+    const int stage = n & 1;
+    mbar_wait(k_full(stage), (n >> 1) & 1);
+    gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    gmma::fence();
+    issue_s(s, stage);
+    gmma::commit_wait(s);
+    mbar_arrive(k_empty(stage));
+  };
   // After the P V of checked tile nv (in stage) has landed in o: where the producer zeroed inf / NaN elements of
   // its V rows, the rows of this thread that see such a key add its products (V read from global memory).
   // Warpgroup-uniform branch (the marks are in shared memory); the common path reads 4 words.
@@ -274,33 +275,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // marked rows are < s_k
     add_nonfinite_products<T, kDV, 8>(o, a, rows, brow, visible, lane);
   };
+  // O += P V of the block in `stage` on its own (waited; V's stage full). The caller adds fix_pv for a checked
+  // tile, then releases V's stage.
+  auto pv_block = [&](const uint32_t (&a)[8][4], int stage) {
+    gmma::fence_proxy_async();
+    gmma::reg_fence(o);
+    gmma::fence();
+    issue_pv(a, stage);
+    gmma::commit_wait(o);
+  };
 
   mbar_wait(q_bar, 0);
   if constexpr (!kOverlap) {
     for (int n = 0; n < n_blocks; ++n) {
       const int stage = n & 1;
-      mbar_wait(k_full(stage), (n >> 1) & 1);
-      gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
       float s[64];
-      gmma::fence();
-      issue_s(s, stage);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      mbar_arrive(k_empty(stage));
+      s_block(s, n);
       float sc[2];
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       seesaw::scale_rows(o, sc);
       uint32_t a[8][4];
       pack_a<T, 128>(s, a);
       mbar_wait(v_full(stage), (n >> 1) & 1);
-      gmma::fence_proxy_async();
-      gmma::reg_fence(o);
-      gmma::fence();
-      issue_pv(a, stage);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(o);
+      pv_block(a, stage);
       if (n >= check_first) fix_pv(a, stage, n);
       mbar_arrive(v_empty(stage));
     }
@@ -308,14 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t a[8][4];  // P of the previous block, the A operand of its P V
     {
       float s[64], sc[2];
-      mbar_wait(k_full(0), 0);
-      gmma::fence_proxy_async();
-      gmma::fence();
-      issue_s(s, 0);
-      gmma::commit();
-      gmma::wait<0>();
-      gmma::reg_fence(s);
-      mbar_arrive(k_empty(0));
+      s_block(s, 0);
       softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
       pack_a<T, 128>(s, a);  // O is still 0: no rescale
     }
@@ -357,13 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int last = (n_blocks - 1) & 1;
     mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
     zero_v_tail(last, n_blocks - 1);
-    gmma::fence_proxy_async();
-    gmma::reg_fence(o);
-    gmma::fence();
-    issue_pv(a, last);
-    gmma::commit();
-    gmma::wait<0>();
-    gmma::reg_fence(o);
+    pv_block(a, last);
     if (n_blocks - 1 >= check_first) fix_pv(a, last, n_blocks - 1);
     mbar_arrive(v_empty(last));
   }

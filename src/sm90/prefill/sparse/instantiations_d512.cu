@@ -1,15 +1,11 @@
-// src/sm90/prefill/sparse/instantiations_d512.cu — instantiations of the sparse prefill kernels for
-// d_qk 512 (MODEL1). One file per head dim so the two compile in parallel.
-#include "sm90/prefill/sparse/mma_sync_kernel.cuh"
-#include "sm90/prefill/sparse/wgmma_seesaw_kernel.cuh"
+// src/sm90/prefill/sparse/instantiations_d512.cu — the sparse prefill kernels for d_qk 512 (MODEL1).
+// One file per head dim so the two compile in parallel.
+#include "sm90/prefill/sparse/main_kernels.cuh"
 
 namespace flashmla::sm90 {
 
-cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, cudaStream_t stream) {
-  return sparse_prefill::wgmma_seesaw::launch<512>(kp, stream);
-}
-cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {
-  return sparse_prefill::mma_sync::launch<512>(kp, bm, stream);
+cudaError_t launch_sparse_prefill_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream) {
+  return sparse_prefill::launch_main<512>(kp, bm, stream);
 }
 
 }  // namespace flashmla::sm90

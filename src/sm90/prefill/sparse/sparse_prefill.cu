@@ -68,14 +68,10 @@ Status sparse_prefill(const SparsePrefillParams& p) {
   if (guard.error() != cudaSuccess) return cuda_error("cudaSetDevice", guard.error());
   kp.prefetch_ahead = num_sms(p.q.device.id);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  cudaError_t e;
-  if (bm == 64) {
-    e = d_qk == 576 ? launch_sparse_prefill_seesaw_576(kp, stream) : launch_sparse_prefill_seesaw_512(kp, stream);
-    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_seesaw_kernel launch", e);
-  } else {
-    e = d_qk == 576 ? launch_sparse_prefill_mma_576(kp, bm, stream) : launch_sparse_prefill_mma_512(kp, bm, stream);
-    if (e != cudaSuccess) return cuda_error("sparse_attn_fwd_mma_kernel launch", e);
-  }
+  const cudaError_t e =
+      d_qk == 576 ? launch_sparse_prefill_576(kp, bm, stream) : launch_sparse_prefill_512(kp, bm, stream);
+  if (e != cudaSuccess)
+    return cuda_error(bm == 64 ? "sparse_attn_fwd_seesaw_kernel launch" : "sparse_attn_fwd_mma_kernel launch", e);
   return Status::Ok();
 }
 

@@ -48,10 +48,8 @@ struct SparsePrefillKernelParams {
 /// (wgmma_seesaw_kernel.cuh: two wgmma consumer warpgroups + a producer warpgroup that gathers,
 /// any alignment); 16- and 32-row tiles (h_q <= 16, h_q <= 32) the mma.sync kernel
 /// (mma_sync_kernel.cuh), which does not pad them to 64 rows.
-cudaError_t launch_sparse_prefill_seesaw_576(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-cudaError_t launch_sparse_prefill_seesaw_512(const SparsePrefillKernelParams& kp, cudaStream_t stream);
-/// bm = rows per head tile (16 or 32).
-cudaError_t launch_sparse_prefill_mma_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
-cudaError_t launch_sparse_prefill_mma_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
+/// bm = rows per head tile (64, 32 or 16). One function per head dim (instantiations_d576.cu / _d512.cu).
+cudaError_t launch_sparse_prefill_576(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
+cudaError_t launch_sparse_prefill_512(const SparsePrefillKernelParams& kp, int bm, cudaStream_t stream);
 
 }  // namespace flashmla::sm90

@@ -295,6 +295,14 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
       using S0 = std::integral_constant<int, 0>;
       using S1 = std::integral_constant<int, 1>;
       Rows r0, r1;
+      // Part part_c of stage stage_c is free again (the consumers' arrival of phase fph): gather rows r
+      // into it. Trace: producer events ev (free) and ev + 1 (gathers issued) of pair j.
+      auto refill = [&](auto stage_c, auto part_c, const Rows& r, uint32_t fph, int j, int ev) {
+        mbar_wait(bar_free(stage_c, part_c), fph);
+        FLASHMLA_TRACE_EVENT(2, j, ev, t_wg == 0);
+        fill(vec_c, stage_c, part_c, r);
+        FLASHMLA_TRACE_EVENT(2, j, ev + 1, t_wg == 0);
+      };
       // Q first (16-byte-aligned rows; else the consumers copy it): rows w_rg + 16 i of the head tile
       // in the gathers' mapping, completing on q_full. Issued ahead of the first pair's gathers it is
       // in shared memory after ~1400 cycles instead of ~4500 when the consumers copied it alongside
@@ -338,26 +346,10 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         load_rows(2 * j, r0);
         load_rows(2 * j + 1, r1);
         FLASHMLA_TRACE_EVENT(2, j, 0, t_wg == 0);
-        mbar_wait(bar_free(0, 0), fph);
-        FLASHMLA_TRACE_EVENT(2, j, 1, t_wg == 0);
-        fill(vec_c, S0{}, S0{}, r0);
-        FLASHMLA_TRACE_EVENT(2, j, 2, t_wg == 0);
-        if (has1) {
-          mbar_wait(bar_free(1, 1), fph);
-          FLASHMLA_TRACE_EVENT(2, j, 3, t_wg == 0);
-          fill(vec_c, S1{}, S1{}, r1);
-          FLASHMLA_TRACE_EVENT(2, j, 4, t_wg == 0);
-        }
-        mbar_wait(bar_free(0, 1), fph);
-        FLASHMLA_TRACE_EVENT(2, j, 5, t_wg == 0);
-        fill(vec_c, S0{}, S1{}, r0);
-        FLASHMLA_TRACE_EVENT(2, j, 6, t_wg == 0);
-        if (has1) {
-          mbar_wait(bar_free(1, 0), fph);
-          FLASHMLA_TRACE_EVENT(2, j, 7, t_wg == 0);
-          fill(vec_c, S1{}, S0{}, r1);
-          FLASHMLA_TRACE_EVENT(2, j, 8, t_wg == 0);
-        }
+        refill(S0{}, S0{}, r0, fph, j, 1);
+        if (has1) refill(S1{}, S1{}, r1, fph, j, 3);
+        refill(S0{}, S1{}, r0, fph, j, 5);
+        if (has1) refill(S1{}, S0{}, r1, fph, j, 7);
       }
     };
     if (n_blk > 0) {
