@@ -347,6 +347,27 @@ def nonfinite_checked(name, ans, ref, nan_only):
     return ans.masked_fill(bad_a, 0), ref.to(ans.device).masked_fill(bad_r, 0)
 
 
+def run_fwd_bwd(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, causal):
+    """out, lse, dq, dk, dv of one forward and backward on copies of q, k, v."""
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal)
+    return (out, lse, *run_bwd(out, dout, q1, k1, v1))
+
+
+def run_poisoned_checked(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, causal, poison):
+    """run_fwd_bwd on inputs holding NaN / inf, every result checked against the reference (non-finite positions
+    equal, NaN only where poison is "nan"); returns out, lse, dq, dk, dv."""
+    out, lse, dq, dk, dv = run_fwd_bwd(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, causal)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, causal, dout)
+    nan_only = poison == "nan"
+    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
+    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
+    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
+             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
+    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
+    return out, lse, dq, dk, dv
+
+
 @pytest.mark.parametrize("offset", [0, 1, 37, 70])
 @pytest.mark.parametrize("poison", ["nan", "inf"])
 @pytest.mark.parametrize("where", ["k", "v", "kv"])
@@ -438,21 +459,8 @@ def test_query_rows_holding_nan_or_inf(poison, where, dims, heads):
     unseen_keys[int(cu_k[-2]):] = True
     scale = (d + 100) ** -0.5
 
-    def run(q, dout):
-        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, True)
-        return out, lse, run_bwd(out, dout, q1, k1, v1)
-
-    out, lse, (dq, dk, dv) = run(q, dout)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, True, dout)
-    nan_only = poison == "nan"
-    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
-    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
-    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
-             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
-    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
-
-    out_f, lse_f, (dq_f, dk_f, dv_f) = run(q_fin, dout_fin)
+    out, lse, dq, dk, dv = run_poisoned_checked(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, True, poison)
+    out_f, lse_f, dq_f, dk_f, dv_f = run_fwd_bwd(q_fin, k, v, dout_fin, cu_q, cu_k, lens_q, lens_k, scale, True)
     for name, a, b, sel in (("out", out, out_f, other_rows), ("lse", lse, lse_f, other_rows),
                             ("dq", dq, dq_f, other_rows), ("dk", dk, dk_f, unseen_keys), ("dv", dv, dv_f, unseen_keys)):
         assert bool(torch.isfinite(a[sel]).all()), f"{name}: not finite where no poisoned row reaches"
@@ -489,21 +497,8 @@ def test_next_request_keys_holding_nan_or_inf(poison, causal, dims):
             clean_q[qs], clean_k[ks] = True, True
     scale = (d + 100) ** -0.5
 
-    def run(k, v):
-        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal)
-        return out, lse, run_bwd(out, dout, q1, k1, v1)
-
-    out, lse, (dq, dk, dv) = run(k, v)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, causal, dout)
-    nan_only = poison == "nan"
-    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
-    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
-    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
-             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
-    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
-
-    out_f, lse_f, (dq_f, dk_f, dv_f) = run(k_fin, v_fin)
+    out, lse, dq, dk, dv = run_poisoned_checked(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, causal, poison)
+    out_f, lse_f, dq_f, dk_f, dv_f = run_fwd_bwd(q, k_fin, v_fin, dout, cu_q, cu_k, lens_q, lens_k, scale, causal)
     for name, a, b, rows in (("out", out, out_f, clean_q), ("lse", lse, lse_f, clean_q), ("dq", dq, dq_f, clean_q),
                              ("dk", dk, dk_f, clean_k), ("dv", dv, dv_f, clean_k)):
         finite = torch.isfinite(a[rows]) | (torch.isneginf(a[rows]) if name == "lse" else False)
