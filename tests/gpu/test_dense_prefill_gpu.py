@@ -405,21 +405,9 @@ def test_masked_keys_holding_nan_or_inf(offset, poison, where, dims, heads):
     assert 0 < int(clean.sum()) < total_q
     scale = (d + 100) ** -0.5
 
-    def run(k, v):
-        q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-        out, lse = run_fwd(q1, k1, v1, cu_q, cu_k, max_q, max_k, scale, True)
-        return out, lse, run_bwd(out, dout, q1, k1, v1)
-
-    out, lse, (dq, dk, dv) = run(k, v)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv, ref_dv_p = reference(q, k, v, cu_q, cu_k, scale, True, dout)
-    nan_only = poison == "nan"
-    check_close("out", *nonfinite_checked("out", out.float(), ref_out, nan_only), **OUT_TOL)
-    check_close("lse", *nonfinite_checked("lse", lse, ref_lse, nan_only), **LSE_TOL)
-    pairs = [nonfinite_checked(n, a, r, nan_only) for n, a, r in
-             (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv), ("dv (P rounded)", dv, ref_dv_p))]
-    check_dgrads([a for a, _ in pairs[:3]], [r for _, r in pairs], fmha_rule=False)
-
-    out_f, lse_f, (dq_f, dk_f, dv_f) = run(k_fin, v_fin)
+    lens = ([max_q], [max_k])  # (run_fwd_bwd takes the maxima of the length lists)
+    out, lse, dq, dk, dv = run_poisoned_checked(q, k, v, dout, cu_q, cu_k, *lens, scale, True, poison)
+    out_f, lse_f, dq_f, dk_f, dv_f = run_fwd_bwd(q, k_fin, v_fin, dout, cu_q, cu_k, *lens, scale, True)
     for name, a, b in (("out", out, out_f), ("lse", lse, lse_f), ("dq", dq, dq_f)):
         finite = torch.isfinite(a[clean]) | (torch.isneginf(a[clean]) if name == "lse" else False)  # no keys: -inf
         assert bool(finite.all()), f"{name}: a row that sees no poisoned key is not finite"
