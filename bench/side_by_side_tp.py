@@ -159,6 +159,11 @@ def build_doc(records: list, cases: list, cfg: dict, model1: bool, gpu: str, cei
         row = dict(b=b, s_q=s_q, h_q=h_q, ours_native_us=on.get("us"), ours_pad64_us=op.get("us"),
                    anchor_pad64_us=None if ap_ is None else ap_.get("us"),
                    kernel=on.get("kernel"),
+                   # main kernel / combine durations (the combine's includes its wait for the main kernel)
+                   ours_native_kernel_us=on.get("kernel_us"), ours_native_combine_us=on.get("combine_us"),
+                   ours_pad64_kernel_us=op.get("kernel_us"),
+                   anchor_pad64_kernel_us=None if ap_ is None else ap_.get("kernel_us"),
+                   anchor_pad64_combine_us=None if ap_ is None else ap_.get("combine_us"),
                    native_vs_own_padded=(op["us"] / on["us"]) if "us" in on and "us" in op else None)
         if ap_ is not None and "us" in ap_ and "us" in on:
             row["ratio"] = ap_["us"] / on["us"]
