@@ -169,16 +169,6 @@ __device__ __forceinline__ void load_q_tile(const SparseDecodeKernelParams& p, u
   }
 }
 
-// Whether the split partials (o_accum) are stored with an L2 evict_last policy, so that they are still
-// in L2 when the combine reads them after the gathers of the rest of the kernel have streamed through
-// (build switch, default 0).
-#ifndef FLASHMLA_SPARSE_DECODE_PARTIALS_EVICT_LAST
-#define FLASHMLA_SPARSE_DECODE_PARTIALS_EVICT_LAST 0
-#endif
-__device__ __forceinline__ void st_global_evict_last(float* a, float x, float y, uint64_t policy) {
-  asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n" ::"l"(a), "f"(x), "f"(y), "l"(policy) : "memory");
-}
-
 /// Writes the heads head[hh] (hh = 0, 1; heads >= h_q are padding and skipped) of query position sq
 /// that this thread holds in an mma-layout accumulator: kFrags fragments of 8 columns in the column
 /// group col_group (the warp's or warpgroup's kGroupCols columns), of which the thread holds columns
@@ -216,18 +206,10 @@ __device__ __forceinline__ void store_sparse_decode_rows(const SparseDecodeKerne
       const float inv = empty ? 0.f : 1.f / L[hh];
       const int64_t arow = (static_cast<int64_t>(split_slot) * p.s_q + sq) * p.h_q + h;
       float* oa = p.o_accum + arow * kDimV;
-#if FLASHMLA_SPARSE_DECODE_PARTIALS_EVICT_LAST
-      uint64_t policy;
-      asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
 #pragma unroll
       for (int j = 0; j < kFrags; ++j) {
         const int col = col_group * kGroupCols + j * 8 + 2 * tq;
-#if FLASHMLA_SPARSE_DECODE_PARTIALS_EVICT_LAST
-        st_global_evict_last(oa + col, o_at(j, 2 * hh) * inv, o_at(j, 2 * hh + 1) * inv, policy);
-#else
         *reinterpret_cast<float2*>(oa + col) = make_float2(o_at(j, 2 * hh) * inv, o_at(j, 2 * hh + 1) * inv);
-#endif
       }
       if (col_group == 0 && tq == 0) p.lse_accum[arow] = lse2;
     }

@@ -263,18 +263,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_ROPE_MODE
 #define FLASHMLA_SPARSE_DECODE_ROPE_MODE 2
 #endif
-// How a block is published (build switch, default 0): 0 in two parts (part A = dims 0-255 first, so
-// warpgroup 0's S over part A overlaps part B's dequantization); 1 as one part: the producer waits
-// for both parts of its buffer to be free, stores the whole block and publishes it with one fence
-// and one arrival on the part-A full barrier (warpgroup 0 then runs S over all slabs after one wait).
-#ifndef FLASHMLA_SPARSE_DECODE_ONE_PART
-#define FLASHMLA_SPARSE_DECODE_ONE_PART 0
-#endif
-// Where the producer loads the cache indices of the block after next (build switch, default 0):
-// 0 at the top of the step, before the block's gathers; 1 right after the gathers are issued.
-#ifndef FLASHMLA_SPARSE_DECODE_INDEX_AFTER_GATHERS
-#define FLASHMLA_SPARSE_DECODE_INDEX_AFTER_GATHERS 0
-#endif
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
@@ -451,8 +439,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
-  constexpr bool kOnePart = FLASHMLA_SPARSE_DECODE_ONE_PART != 0;
-  constexpr int kPartB = kOnePart ? 0 : 1;  // the full barrier that publishes part B
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
@@ -607,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
       for (int g = 0;; ++g) {
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 0, t == 0);
-        bool more = false;
+        bool more;
         int vn[2] = {-1, -1};
         bool extn = false;
         if constexpr (kIndexAhead == 2) {
@@ -615,26 +601,20 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           vn[0] = va[0];
           vn[1] = va[1];
           extn = exta;
-        }
-        // The index loads of the block kIndexAhead ahead (and the request walk that finds it).
-        auto load_indices_ahead = [&]() {
-          if constexpr (kIndexAhead == 2) {
-            if (more_a) {
-              ++nb;
-              skip_empty();
-              more_a = nreq <= end_req;
-              va[0] = va[1] = -1;
-              exta = false;
-              if (more_a) exta = block_indices(va);
-            }
-          } else {
+          if (more_a) {
             ++nb;
             skip_empty();
-            more = nreq <= end_req;
-            if (more) extn = block_indices(vn);
+            more_a = nreq <= end_req;
+            va[0] = va[1] = -1;
+            exta = false;
+            if (more_a) exta = block_indices(va);
           }
-        };
-        if (!FLASHMLA_SPARSE_DECODE_INDEX_AFTER_GATHERS) load_indices_ahead();
+        } else {
+          ++nb;
+          skip_empty();
+          more = nreq <= end_req;
+          if (more) extn = block_indices(vn);
+        }
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -669,9 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_rope_load<F>(rr, my_rec, j);
 #endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
-          if (FLASHMLA_SPARSE_DECODE_INDEX_AFTER_GATHERS) load_indices_ahead();
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-          if (kOnePart && use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
@@ -683,20 +661,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
           publish_any_invalid(ra, x);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
-          if constexpr (!kOnePart) {
-            gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
-            mbar_arrive_cp_async(bar_full(x, 0));
-            producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
-          }
+          gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
+          mbar_arrive_cp_async(bar_full(x, 0));
+          producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
-          if (!kOnePart && use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 6, t == 0);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, kPartB));
+            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
 #else
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
@@ -704,12 +680,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, kPartB));
+            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
-          mbar_arrive_cp_async(bar_full(x, kPartB));
-          producer_arrive(bar_full(x, kPartB), kPeerPartBytes<F, 1> + (kOnePart ? kPeerPartBytes<F, 0> : 0u));
+          mbar_arrive_cp_async(bar_full(x, 1));
+          producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
           if (kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 9, t == 0);
@@ -727,9 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
-          if (FLASHMLA_SPARSE_DECODE_INDEX_AFTER_GATHERS) load_indices_ahead();
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-          if (kOnePart && use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa0, row[0], j, put);
           row_part_store<F, 0>(pa1, row[1], j, put);
@@ -739,15 +713,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
           publish_any_invalid(ra, x);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
-          if constexpr (!kOnePart) {
-            gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
-            mbar_arrive_cp_async(bar_full(x, 0));
-            producer_arrive(bar_full(x, 0), 0);
-          }
+          gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
+          mbar_arrive_cp_async(bar_full(x, 0));
+          producer_arrive(bar_full(x, 0), 0);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(0, 2);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
-          if (!kOnePart && use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
+          if (use > 0) mbar_wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 6, t == 0);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr0, row[0], j, put);
@@ -760,8 +732,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_part_store<F, 1>(pb1, row[1], j, put);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
-          mbar_arrive_cp_async(bar_full(x, kPartB));
-          producer_arrive(bar_full(x, kPartB), 0);
+          mbar_arrive_cp_async(bar_full(x, 1));
+          producer_arrive(bar_full(x, 1), 0);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
           if (kLateAddr) next_addresses(0, 2);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 9, t == 0);
@@ -876,12 +848,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         gmma::fence();
         s_chain<0, 4>(s, dq, db);
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 2, tid == 0);
-        if constexpr (!kOnePart) {
-          full_wait(bar_full(xx, 1), phh);
-          FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 3, tid == 0);
-          gmma::fence_proxy_async();
-          gmma::fence();
-        }
+        full_wait(bar_full(xx, 1), phh);
+        FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, gg, 3, tid == 0);
+        gmma::fence_proxy_async();
+        gmma::fence();
         s_chain<4, kSlabs>(s, dq, db);
         gmma::commit();
       };
@@ -938,7 +908,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         for (int hh = 0; hh < 2; ++hh) sc[hh] = sScale[x * 64 + row_local[hh]];
         scale_o(o, sc);
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 2, tid == 128);
-        full_wait(bar_full(x, kPartB), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
+        full_wait(bar_full(x, 1), ph);  // completed (warpgroup 0 waited for it); orders the producers' writes
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(1, g, 3, tid == 128);
         gmma::fence_proxy_async();
         gmma::reg_fence(o);
