@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import _torch_ops
-from .flash_mla_interface import _check_destinations, _dense_prefill_args, _float_arg, _int_arg
+from .flash_mla_interface import _check_destinations, _dense_prefill_args, _float_arg, _int_arg, call_naming_seqlens
 
 if not _torch_ops.available():
     raise ImportError(f"flash_mla.cuda needs PyTorch and torch.ops.flash_mla: {_torch_ops.load_error()}")
@@ -108,6 +108,10 @@ def sparse_prefill_fwd(q: Any, kv: Any, indices: Any, sm_scale: float, d_v: int 
                                               attn_sink, topk_length))
 
 
+# The names of the packed-sequence arguments here (FlashMLA's extension's): errors name them so.
+_SEQLEN_NAMES = ("cu_seqlens_q", "cu_seqlens_kv", "max_seqlen_q", "max_seqlen_kv")
+
+
 def _mask_mode(mask_mode_code: Any) -> bool:
     code = _int_arg("mask_mode_code", mask_mode_code)
     if code not in (0, 1):
@@ -120,6 +124,12 @@ def dense_prefill_fwd(workspace: Any, q: Any, k: Any, v: Any, cu_seqlens_q: Any,
                       is_varlen: bool) -> None:
     """Dense MHA prefill forward into ``out`` ``(total_q, h_q, d_v)`` and ``lse`` ``(total_q, h_q)`` float32
     (FlashMLA's ``flash_mla.cuda.dense_prefill_fwd``); see the module docstring."""
+    call_naming_seqlens(_SEQLEN_NAMES, _dense_prefill_fwd, workspace, q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse,
+                        mask_mode_code, softmax_scale, max_seqlen_q, max_seqlen_kv, is_varlen)
+
+
+def _dense_prefill_fwd(workspace, q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse, mask_mode_code, softmax_scale,
+                       max_seqlen_q, max_seqlen_kv, is_varlen):
     _require_torch(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, out=out, lse=lse)
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
@@ -135,6 +145,12 @@ def dense_prefill_bwd(workspace: Any, dout: Any, q: Any, k: Any, v: Any, out: An
                       max_seqlen_q: int, max_seqlen_kv: int, is_varlen: bool) -> None:
     """Dense MHA prefill backward into ``dq``, ``dk``, ``dv`` (FlashMLA's ``flash_mla.cuda.dense_prefill_bwd``);
     see the module docstring."""
+    call_naming_seqlens(_SEQLEN_NAMES, _dense_prefill_bwd, workspace, dout, q, k, v, out, lse, cu_seqlens_q,
+                        cu_seqlens_kv, dq, dk, dv, mask_mode_code, softmax_scale, max_seqlen_q, max_seqlen_kv, is_varlen)
+
+
+def _dense_prefill_bwd(workspace, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, dq, dk, dv, mask_mode_code,
+                       softmax_scale, max_seqlen_q, max_seqlen_kv, is_varlen):
     _require_torch(dout=dout, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_kv=cu_seqlens_kv, dq=dq, dk=dk, dv=dv)
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(

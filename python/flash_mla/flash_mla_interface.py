@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 from math import isfinite as _isfinite
 from typing import Any, Optional, Tuple
 
@@ -657,6 +658,42 @@ def _uniform_cu_seqlens(like: Any, b: int, s: int) -> Any:
     return host
 
 
+# The packed-sequence arguments of the dense prefill have other names in each way in: the core's and
+# torch.ops.flash_mla's cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, flash_attn_varlen_func's
+# cu_seqlens_qo / cu_seqlens_kv / max_seqlen_qo / max_seqlen_kv, flash_mla.cuda's cu_seqlens_q / cu_seqlens_kv /
+# max_seqlen_q / max_seqlen_kv, and one cu_seqlens / max_seqlen in flash_attn_varlen_qkvpacked_func. Errors are
+# raised again naming the arguments as the function the caller called names them: a tuple of the
+# (cu_seqlens of q, of k, max_seqlen of q, of k) names.
+_SEQLEN_ARG = re.compile(r"\b(cu_seqlens|max_seqlen)_(qo|kv|q|k)\b")
+VARLEN_ARG_NAMES = ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv")
+QKVPACKED_ARG_NAMES = ("cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
+
+
+def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; a ValueError or TypeError whose message names a packed-sequence argument is raised again
+    (same class) with that argument's name in ``names``. While torch.compile traces a call on torch tensors
+    (``args[0]`` one), ``fn(*args)`` only: no try block for Dynamo to trace (the error is then raised as
+    it is)."""
+    if _ffi.framework_of(args[0]) == "torch":
+        import torch
+
+        if torch.compiler.is_compiling():
+            return fn(*args)
+    try:
+        return fn(*args)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        renamed = _SEQLEN_ARG.sub(lambda m: names[(2 if m.group(1) == "max_seqlen" else 0)
+                                                  + (1 if m.group(2) in ("k", "kv") else 0)], msg)
+        if renamed == msg:
+            raise
+        try:
+            err = type(e)(renamed)
+        except Exception:  # an exception class that does not take one message
+            raise e from None
+        raise err from None
+
+
 def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,
                         causal, is_varlen):
     """Checks and normalises the arguments shared by the forward and the backward; returns
@@ -773,6 +810,8 @@ _make_flash_attn_varlen_function._dynamo_marked_constant = True  # type: ignore[
 
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
                    is_varlen):
+    """The forward of the flash_attn_varlen_* functions (errors name the arguments flash_attn_varlen_func's way:
+    the callers rename them as theirs)."""
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     fw = _ffi.framework_of(q)
@@ -833,8 +872,8 @@ def flash_attn_varlen_func(
     max_seqlen; ``NotImplementedError`` for GPU tensors without the Hopper backend.
     """
     _dense_prefill_check_flags(dropout_p, deterministic)
-    return _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,
-                          causal, is_varlen)
+    return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                               max_seqlen_kv, softmax_scale, causal, is_varlen)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -857,8 +896,9 @@ def flash_attn_varlen_qkvpacked_func(
     if len(qkv.shape) != 3:
         raise ValueError(f"qkv: expected a 3-D tensor (total, h, 2 * head_dim_qk + d_v), got shape {_shape(qkv)}")
     d = _int_arg("head_dim_qk", head_dim_qk)
-    return _dense_prefill(qkv[:, :, :d], qkv[:, :, d:2 * d], qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen,
-                          max_seqlen, softmax_scale, causal, is_varlen)
+    return call_naming_seqlens(QKVPACKED_ARG_NAMES, _dense_prefill, qkv[:, :, :d], qkv[:, :, d:2 * d],
+                               qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
+                               is_varlen)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -883,8 +923,8 @@ def flash_attn_varlen_kvpacked_func(
     if len(kv.shape) != 3:
         raise ValueError(f"kv: expected a 3-D tensor (total_k, h_kv, head_dim_qk + d_v), got shape {_shape(kv)}")
     d = _int_arg("head_dim_qk", head_dim_qk)
-    return _dense_prefill(q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
-                          softmax_scale, causal, is_varlen)
+    return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo,
+                               cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
 
 
 def flash_attn_varlen_backward(
@@ -908,6 +948,12 @@ def flash_attn_varlen_backward(
     q, k, v. With P = softmax of the scaled scores (from ``lse``) and D = rowsum(dout * out):
     dv = P^T dout, dS = P (dout v^T - D), dq = scale dS k, dk = scale dS^T q, summed over the
     query heads of each KV head. Deterministic. Errors as flash_attn_varlen_func."""
+    return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill_bwd, dout, q, k, v, out, lse, cu_seqlens_qo,
+                               cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
+
+
+def _dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+                       softmax_scale, causal, is_varlen):
     _require_tensors(dout=dout, out=out, lse=lse)
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
@@ -923,6 +969,12 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen
                                lse=None, causal=False, softmax_scale=None, is_varlen=True):
     """FlashMLA's private forward helper (no autograd): ``(out, lse)``; given ``out`` / ``lse``
     (torch) are filled and returned."""
+    return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill_into, q, k, v, cu_seqlens_qo, cu_seqlens_kv,
+                               max_seqlen_qo, max_seqlen_kv, out, lse, causal, softmax_scale, is_varlen)
+
+
+def _dense_prefill_into(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, out, lse, causal,
+                        softmax_scale, is_varlen):
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     res = _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)

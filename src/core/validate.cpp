@@ -300,6 +300,30 @@ const int32_t* host_i32(const TensorRef& t) { return static_cast<const int32_t*>
 /// they read has data (the shapes-only plans may pass none; the operators reject null data first).
 bool readable(const TensorRef& t) { return !t.defined || t.numel() == 0 || t.data != nullptr; }
 
+
+/// q of the decode operators: (b, s_q, h_q, d_qk) of one of `dtypes`, b, s_q, h_q > 0, d_qk 576 or 512
+/// (`head_dims` says so in the message); and their two scalars, head_dim_v (512) and softmax_scale.
+Status check_decode_q(const TensorRef& q, std::initializer_list<DType> dtypes, const char* head_dims,
+                      int64_t head_dim_v, float softmax_scale) {
+  FLASHMLA_RETURN_IF_ERROR(check_ndim(q, "q", 4, "(b, s_q, h_q, d_qk)"));
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(q, "q", dtypes));
+  const int64_t b = q.shape[0], s_q = q.shape[1], h_q = q.shape[2], d_qk = q.shape[3];
+  if (b <= 0) return value_error(cat("q: batch size b = q.shape[0] must be > 0, got ", b));
+  if (s_q <= 0) return value_error(cat("q: s_q = q.shape[1] must be > 0, got ", s_q));
+  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[2] must be > 0, got ", h_q));
+  if (d_qk != 576 && d_qk != 512)
+    return value_error(cat("q: head dim d_qk = q.shape[3] must be ", head_dims, ", got ", d_qk));
+  if (head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", head_dim_v));
+  return check_scale(softmax_scale, "softmax_scale");
+}
+
+/// A vector argument: dtype `dtype`, shape (n,) (`layout` names it), contiguous.
+Status check_vector(const TensorRef& t, const char* name, DType dtype, int64_t n, const char* layout) {
+  FLASHMLA_RETURN_IF_ERROR(check_dtype(t, name, {dtype}));
+  FLASHMLA_RETURN_IF_ERROR(check_shape(t, name, {n}, layout));
+  return check_contiguous(t, name);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------ dense decode
@@ -307,16 +331,9 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q", p.k_cache, "k_cache", p.block_table, "block_table",
                                    p.cache_seqlens, "cache_seqlens"));
-  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
-  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16, DType::kFloat16}));
-  const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
-  if (b <= 0) return value_error(cat("q: batch size b = q.shape[0] must be > 0, got ", b));
-  if (s_q <= 0) return value_error(cat("q: s_q = q.shape[1] must be > 0, got ", s_q));
-  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[2] must be > 0, got ", h_q));
-  if (d_qk != 576 && d_qk != 512)
-    return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 or 512, got ", d_qk));
-  if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
-  FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
+  FLASHMLA_RETURN_IF_ERROR(
+      check_decode_q(p.q, {DType::kBFloat16, DType::kFloat16}, "576 or 512", p.head_dim_v, p.softmax_scale));
+  const int64_t b = p.q.shape[0], h_q = p.q.shape[2], d_qk = p.q.shape[3];
 
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.k_cache, "k_cache", 4, "(num_blocks, page_block_size, h_kv, d_qk)"));
   if (p.k_cache.dtype != p.q.dtype)
@@ -334,9 +351,7 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
 
   FLASHMLA_RETURN_IF_ERROR(check_dtype(p.block_table, "block_table", {DType::kInt32}));
   FLASHMLA_RETURN_IF_ERROR(check_shape(p.block_table, "block_table", {b, -1}, "(b, max_blocks_per_seq)"));
-  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.cache_seqlens, "cache_seqlens", {DType::kInt32}));
-  FLASHMLA_RETURN_IF_ERROR(check_shape(p.cache_seqlens, "cache_seqlens", {b}, "(b,)"));
-  FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.cache_seqlens, "cache_seqlens"));
+  FLASHMLA_RETURN_IF_ERROR(check_vector(p.cache_seqlens, "cache_seqlens", DType::kInt32, b, "(b,)"));
   for (auto [t, n] : {std::pair{&p.q, "q"}, {&p.k_cache, "k_cache"}, {&p.block_table, "block_table"}}) {
     FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(*t, n));
     FLASHMLA_RETURN_IF_ERROR(check_strides(*t, n));
@@ -403,6 +418,14 @@ Status check_fp8_cache(const TensorRef& cache, const char* name, KVFormat format
   return Status::Ok();
 }
 
+/// The values of optional (b,) int32 lengths, contiguous on the host: none negative.
+Status check_lengths_nonnegative(const TensorRef& lengths, const char* name) {
+  if (!lengths.defined) return Status::Ok();
+  for (int64_t i = 0; i < lengths.shape[0]; ++i)
+    if (host_i32(lengths)[i] < 0) return value_error(cat(name, "[", i, "] = ", host_i32(lengths)[i], " is negative"));
+  return Status::Ok();
+}
+
 Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const char* name,
                           int64_t num_tokens) {
   const int64_t b = idx.shape[0], s_q = idx.shape[1], topk = idx.shape[2];
@@ -425,16 +448,9 @@ Status check_index_values(const TensorRef& idx, const TensorRef& lengths, const 
 Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_all_refs(p));
   FLASHMLA_RETURN_IF_ERROR(require(p.q, "q", p.k_cache, "k_cache", p.indices, "indices"));
-  FLASHMLA_RETURN_IF_ERROR(check_ndim(p.q, "q", 4, "(b, s_q, h_q, d_qk)"));
-  FLASHMLA_RETURN_IF_ERROR(check_dtype(p.q, "q", {DType::kBFloat16}));
+  FLASHMLA_RETURN_IF_ERROR(
+      check_decode_q(p.q, {DType::kBFloat16}, "576 (V32) or 512 (MODEL1)", p.head_dim_v, p.softmax_scale));
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2], d_qk = p.q.shape[3];
-  if (b <= 0) return value_error(cat("q: batch size b = q.shape[0] must be > 0, got ", b));
-  if (s_q <= 0) return value_error(cat("q: s_q = q.shape[1] must be > 0, got ", s_q));
-  if (h_q <= 0) return value_error(cat("q: h_q = q.shape[2] must be > 0, got ", h_q));
-  if (d_qk != 576 && d_qk != 512)
-    return value_error(cat("q: head dim d_qk = q.shape[3] must be 576 (V32) or 512 (MODEL1), got ", d_qk));
-  if (p.head_dim_v != kDimV) return value_error(cat("head_dim_v: must be 512, got ", p.head_dim_v));
-  FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
   const KVFormat format = fp8_format_for_head_dim(d_qk);
   FLASHMLA_RETURN_IF_ERROR(check_fp8_cache(p.k_cache, "k_cache", format));
 
@@ -446,16 +462,10 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(check_strides(p.indices, "indices"));
   FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(check_strides(p.q, "q"));
-  if (p.topk_length.defined) {
-    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.topk_length, "topk_length", {DType::kInt32}));
-    FLASHMLA_RETURN_IF_ERROR(check_shape(p.topk_length, "topk_length", {b}, "(b,)"));
-    FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.topk_length, "topk_length"));
-  }
-  if (p.attn_sink.defined) {
-    FLASHMLA_RETURN_IF_ERROR(check_dtype(p.attn_sink, "attn_sink", {DType::kFloat32}));
-    FLASHMLA_RETURN_IF_ERROR(check_shape(p.attn_sink, "attn_sink", {h_q}, "(h_q,)"));
-    FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.attn_sink, "attn_sink"));
-  }
+  if (p.topk_length.defined)
+    FLASHMLA_RETURN_IF_ERROR(check_vector(p.topk_length, "topk_length", DType::kInt32, b, "(b,)"));
+  if (p.attn_sink.defined)
+    FLASHMLA_RETURN_IF_ERROR(check_vector(p.attn_sink, "attn_sink", DType::kFloat32, h_q, "(h_q,)"));
   if (p.extra_k_cache.defined && !p.extra_indices_in_kvcache.defined)
     return value_error("extra_indices_in_kvcache: required when extra_k_cache is given");
   if (!p.extra_k_cache.defined && (p.extra_indices_in_kvcache.defined || p.extra_topk_length.defined))
@@ -470,11 +480,8 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
       return value_error("extra_indices_in_kvcache: extra_topk = shape[2] must be > 0");
     FLASHMLA_RETURN_IF_ERROR(check_last_dim_contiguous(p.extra_indices_in_kvcache, "extra_indices_in_kvcache"));
     FLASHMLA_RETURN_IF_ERROR(check_strides(p.extra_indices_in_kvcache, "extra_indices_in_kvcache"));
-    if (p.extra_topk_length.defined) {
-      FLASHMLA_RETURN_IF_ERROR(check_dtype(p.extra_topk_length, "extra_topk_length", {DType::kInt32}));
-      FLASHMLA_RETURN_IF_ERROR(check_shape(p.extra_topk_length, "extra_topk_length", {b}, "(b,)"));
-      FLASHMLA_RETURN_IF_ERROR(check_contiguous(p.extra_topk_length, "extra_topk_length"));
-    }
+    if (p.extra_topk_length.defined)
+      FLASHMLA_RETURN_IF_ERROR(check_vector(p.extra_topk_length, "extra_topk_length", DType::kInt32, b, "(b,)"));
   }
   for (auto [t, n] : {std::pair{&p.k_cache, "k_cache"}, {&p.indices, "indices"}, {&p.topk_length, "topk_length"},
                       {&p.attn_sink, "attn_sink"}, {&p.extra_k_cache, "extra_k_cache"},
@@ -485,17 +492,11 @@ Status validate_sparse_decode_inputs(const SparseDecodeParams& p) {
   // (No data: a shapes-and-dtypes-only check; real indices have b * s_q * topk >= 1 elements.)
   if (p.q.device.type == DeviceType::kCPU && p.indices.data != nullptr && readable(p.topk_length) &&
       readable(p.extra_indices_in_kvcache) && readable(p.extra_topk_length)) {
-    if (p.topk_length.defined)
-      for (int64_t i = 0; i < b; ++i)
-        if (host_i32(p.topk_length)[i] < 0)
-          return value_error(cat("topk_length[", i, "] = ", host_i32(p.topk_length)[i], " is negative"));
+    FLASHMLA_RETURN_IF_ERROR(check_lengths_nonnegative(p.topk_length, "topk_length"));
     FLASHMLA_RETURN_IF_ERROR(check_index_values(p.indices, p.topk_length, "indices",
                                                 p.k_cache.shape[0] * p.k_cache.shape[1]));
     if (p.extra_k_cache.defined) {
-      if (p.extra_topk_length.defined)
-        for (int64_t i = 0; i < b; ++i)
-          if (host_i32(p.extra_topk_length)[i] < 0)
-            return value_error(cat("extra_topk_length[", i, "] = ", host_i32(p.extra_topk_length)[i], " is negative"));
+      FLASHMLA_RETURN_IF_ERROR(check_lengths_nonnegative(p.extra_topk_length, "extra_topk_length"));
       FLASHMLA_RETURN_IF_ERROR(check_index_values(p.extra_indices_in_kvcache, p.extra_topk_length,
                                                   "extra_indices_in_kvcache",
                                                   p.extra_k_cache.shape[0] * p.extra_k_cache.shape[1]));

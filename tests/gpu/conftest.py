@@ -53,7 +53,7 @@ def _restore_current_cuda_device():
 
     Another framework's call on the second GPU (JAX's runtime, a CuPy device context) may
     leave the thread's current CUDA device at 1; torch then puts "cuda" tensors there while
-    torch.cuda.graph's shared capture stream lives on device 0 (run 10's one failure). Whether
+    torch.cuda.graph's shared capture stream lives on device 0, and the capture fails. Whether
     flash_mla itself preserves the caller's device is tested on its own in
     test_current_device_gpu.py, which checks the device right after each call.
     """

@@ -1,6 +1,6 @@
 """flash_mla must leave the caller's current CUDA device as it found it (2-GPU machines).
 
-Each way in switches to the data's device for the call (regression 9) and must switch back:
+Each way in switches to the data's device for the call (the kernels launch there) and must switch back:
 a library that leaves device 1 current makes the caller's next "cuda" tensor, stream or graph
 capture land on the wrong GPU. Checked right after each call, from both sides (current 0 with
 data on 1, current 1 with data on 0), through torch.ops, TVM-FFI with torch tensors, CuPy and

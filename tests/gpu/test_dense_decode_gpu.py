@@ -1,9 +1,10 @@
 """Dense decode on the Hopper backend vs the CPU reference backend (same API, CPU tensors).
 
 The full 2352-case grid of spec §5.4 runs in the C++ GPU test program
-(tests/gpu/cpp); this file covers the Python path end to end: regressions 1-4,
-6 (CUDA graphs), 7 (tensor-parallel head counts), 9 (views with storage offsets),
-10 (mixed devices), page sizes, fp16, scheduler reuse. Outputs are compared
+(tests/gpu/cpp); this file covers the Python path end to end: empty requests, NaN in unused
+slots and pages, s_q > 1 causal with rows that see no key, CUDA graph replay with new lengths,
+tensor-parallel head counts, views with storage offsets, mixed devices, page sizes, fp16,
+scheduler reuse. Outputs are compared
 with spec §5.1 tolerances; unused KV slots and pages hold NaN.
 """
 
@@ -106,7 +107,8 @@ def test_rescale_mid_sequence(pbs, h_q, s_q, causal):
 
 
 @pytest.mark.parametrize("lens", [[0], [0, 300, 500], [300, 500, 0], [0, 0, 0, 0]], ids=str)
-def test_regression1_empty_requests(lens):
+def test_empty_requests(lens):
+    """Requests with cache_seqlens 0 alone, first, last, or all: out 0, lse +inf, the rest as the reference."""
     q, k, bt, ln = make_case(len(lens), 2, 128, 1, 576, lens)
     out, lse = run(*to_cuda(q, k, bt, ln), True)
     for i, l in enumerate(lens):
@@ -124,7 +126,8 @@ def test_page_block_sizes(pbs):
 
 
 @pytest.mark.parametrize("s_q", [2, 5, 8, 200])
-def test_regression4_speculative_causal(s_q):
+def test_speculative_causal(s_q):
+    """s_q > 1 (speculative decoding) with the bottom-right causal mask; a request whose first row sees no key."""
     lens = [s_q + 3, s_q - 1, 700]  # second request: the first row sees no key
     q, k, bt, ln = make_case(3, s_q, 16, 1, 576, lens, seed=s_q)
     out, lse = run(*to_cuda(q, k, bt, ln), True)
@@ -133,7 +136,8 @@ def test_regression4_speculative_causal(s_q):
 
 
 @pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 1), (32, 1), (8, 4), (16, 4), (32, 2), (64, 1), (128, 1)])
-def test_regression7_tensor_parallel_heads(h_q, s_q):
+def test_tensor_parallel_heads(h_q, s_q):
+    """Head counts of 128 heads split over 16 / 8 / 4 / 2 / 1 GPUs, including h_q * s_q < 64."""
     q, k, bt, ln = make_case(4, s_q, h_q, 1, 576, [2048, 100, 3000, 64], seed=h_q * 10 + s_q)
     out, lse = run(*to_cuda(q, k, bt, ln), s_q > 1)
     compare(q, k, bt, ln, s_q > 1, out, lse)
@@ -152,7 +156,9 @@ def test_scheduler_reuse_and_misuse():
         run(qc, kc, btc, lc, True, sched)
 
 
-def test_regression6_cuda_graph_replay_with_new_lengths():
+def test_cuda_graph_replay_with_new_lengths():
+    """A decode captured once in a CUDA graph (metadata computed inside the captured work) and replayed with new
+    cache_seqlens, half the captured batch empty: each replay equals an eager call and the reference."""
     b_cap = 8
     q, k, bt, ln = make_case(b_cap, 1, 128, 1, 576, [4096] * b_cap)
     qc, kc, btc, lc = to_cuda(q, k, bt, ln)
@@ -173,7 +179,8 @@ def test_regression6_cuda_graph_replay_with_new_lengths():
         compare(q, k, bt, lc.cpu(), False, out, lse)
 
 
-def test_regression9_views_with_storage_offset():
+def test_views_with_storage_offset():
+    """q a view with a storage offset."""
     q, k, bt, ln = make_case(3, 1, 64, 1, 576, [100, 900, 33])
     big_q = torch.randn(4, 1, 64, 576).to(torch.bfloat16)
     big_q[1:] = q
@@ -183,7 +190,8 @@ def test_regression9_views_with_storage_offset():
     compare(q, k, bt, ln, False, out, lse)
 
 
-def test_regression10_mixed_devices_raise():
+def test_mixed_devices_raise():
+    """A CPU block_table with CUDA q: ValueError naming block_table."""
     q, k, bt, ln = make_case(2, 1, 16, 1, 576, [10, 20])
     with pytest.raises(ValueError, match="block_table is on cpu but q is on cuda"):
         run(q.cuda(), k.cuda(), bt, ln.cuda(), False)

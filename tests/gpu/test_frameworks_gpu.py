@@ -1,5 +1,5 @@
 """JAX (inside jax.jit) and CuPy on the GPU: values, zero-copy, the framework's own stream, and a
-second GPU (regression 9). Skipped without an sm90 GPU (conftest.py); each framework skips if missing.
+second GPU. Skipped without an sm90 GPU (conftest.py); each framework skips if missing.
 
 JAX results must be bit-identical to the torch path's on the same inputs (same kernels, same plan;
 the torch path is validated against float32 references in tests/gpu/test_*_gpu.py) — the float64

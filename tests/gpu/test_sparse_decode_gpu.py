@@ -10,9 +10,10 @@ exact +-inf / NaN positions.
 
 Covered: a subset of the §5.2 correctness and corner grids (V32 and MODEL1, extra cache
 with its own page size, topk_length / extra_topk_length, page sizes 2..576, b up to 74,
-s_q 1 and 3, all-invalid rows, zero lengths, sinks) and regressions 1, 5 (b*s_q > 65535),
-6 (CUDA graph replay with new topk_length), 7 (h_q 8..128), 8 (topk not a multiple of 64,
-garbage past topk_length, whole rows of -1), 9 (views with storage offsets, unaligned cache).
+s_q 1 and 3, all-invalid rows, zero lengths, sinks) and the edge cases: zero-length requests,
+b*s_q > 65535, CUDA graph replay with new topk_length, tensor-parallel head counts (h_q 8..128),
+topk not a multiple of 64 with garbage past topk_length and whole rows of -1, views with storage
+offsets and an unaligned cache.
 """
 
 import math
@@ -305,8 +306,8 @@ def test_rescale_mid_row(h_q, d_qk):
     assert bool((lse[:, 0::2] > lse[:, 1::2] + 5).all()), "the large tokens should dominate the even heads only"
 
 
-# ----------------------------------------------------------------------------- regressions
-def test_regression1_zero_lengths():
+# ----------------------------------------------------------------------------- edge cases
+def test_zero_lengths():
     """topk_length = 0 for the first / last / all requests: out 0, lse +inf."""
     for tl in ([0, 100, 0], [0, 0, 0]):
         case = Case(21, b=3, s_q=2, h_q=16, d_qk=512, main=(400, 128, 64), topk_len=False)
@@ -317,7 +318,7 @@ def test_regression1_zero_lengths():
                 assert bool((out[i] == 0).all()) and bool((lse[i] == math.inf).all())
 
 
-def test_regression5_huge_batch_times_sq():
+def test_huge_batch_times_sq():
     """b * s_q > 65535 (grid-y limit): a small shared cache, many requests."""
     g = torch.Generator().manual_seed(5)
     b, s_q, h_q, topk, pbs, nb = 33000, 2, 2, 32, 64, 64
@@ -333,7 +334,9 @@ def test_regression5_huge_batch_times_sq():
     compare(out, lse, ref_out, ref_lse)
 
 
-def test_regression6_cuda_graph_replay_with_new_topk_length():
+def test_cuda_graph_replay_with_new_topk_length():
+    """A decode captured once in a CUDA graph (the scheduler inside the captured work) and replayed with new
+    topk_length / extra_topk_length: each replay equals an eager call and the reference."""
     b = 8
     case = Case(6, b=b, s_q=2, h_q=64, d_qk=512, main=(600, 256, 64), extra=(300, 128, 2), topk_len=True,
                 extra_topk_len=True, poison_beyond_length=False)
@@ -362,7 +365,8 @@ def test_regression6_cuda_graph_replay_with_new_topk_length():
 
 @pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 1), (32, 1), (8, 2), (16, 3), (32, 2), (64, 1), (128, 2)])
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_regression7_tensor_parallel_heads(h_q, s_q, d_qk):
+def test_tensor_parallel_heads(h_q, s_q, d_qk):
+    """Head counts of 128 heads split over 16 / 8 / 4 / 2 / 1 GPUs, including h_q * s_q < 64."""
     extra = (300, 64, 16) if d_qk == 512 else None
     case = Case(h_q * 10 + s_q + d_qk, b=5, s_q=s_q, h_q=h_q, d_qk=d_qk, main=(700, 192, 64), extra=extra,
                 topk_len=d_qk == 512)
@@ -370,20 +374,23 @@ def test_regression7_tensor_parallel_heads(h_q, s_q, d_qk):
 
 
 @pytest.mark.parametrize("topk", [1, 37, 100, 200])
-def test_regression8_topk_not_multiple_of_64(topk):
+def test_topk_not_multiple_of_64(topk):
+    """topk not a multiple of 64, garbage past topk_length, and a whole row of -1."""
     case = Case(800 + topk, b=4, s_q=2, h_q=32, d_qk=512, main=(150, topk, 53), extra=(90, 45, 7), topk_len=True,
                 extra_topk_len=True)
     case.main.indices[1, 0, :] = -1  # a whole row of -1
     check_case(case)
 
 
-def test_regression8_v32_odd_topk_and_duplicates():
+def test_v32_odd_topk_and_duplicates():
+    """V32 with an odd topk; a duplicated index counts twice."""
     case = Case(81, b=3, s_q=1, h_q=64, d_qk=576, main=(120, 77, 64))
     case.main.indices[0, 0, 1] = case.main.indices[0, 0, 0]  # duplicate index counts twice
     check_case(case)
 
 
-def test_regression9_views_with_storage_offset():
+def test_views_with_storage_offset():
+    """q and indices that are views with a storage offset."""
     case = Case(9, b=3, s_q=2, h_q=64, d_qk=576, main=(300, 128, 64))
     q, k, kw = case.args("cuda", noncontig=False)
     big_q = torch.zeros((4,) + tuple(q.shape[1:]), dtype=q.dtype, device="cuda")
@@ -398,7 +405,7 @@ def test_regression9_views_with_storage_offset():
 
 
 @pytest.mark.parametrize("d_qk", [576, 512])
-def test_regression9_unaligned_cache_and_q(d_qk):
+def test_unaligned_cache_and_q(d_qk):
     """Cache base / block stride not 16-byte aligned and q rows not 16-byte aligned (slow paths)."""
     case = Case(90 + d_qk, b=3, s_q=2, h_q=16, d_qk=d_qk, main=(200, 100, 5))
     bpt = 656 if d_qk == 576 else 584

@@ -18,10 +18,10 @@ Covered: a subset of the §5.3 correctness / feature grid (d_qk 512/576 x h_q 16
 (s_kv, topk) incl. topk > s_kv and topk not a multiple of 64 x s_q 1/62/213, sink and
 topk_length on and off), both kernels (the wgmma seesaw kernel for 64-row head tiles, the mma.sync
 kernel for h_q <= 32, and the two against each other on the same heads), the §5.3 corner cases (all-invalid rows, blocks without a
-valid index), regression 5 (s_q = 70000), 7 (h_q 8..48 without padding to 64), 8 (negative /
-out-of-range indices, whole rows of -1, topk_length with garbage beyond it and NaN in every kv
-row that no valid slot references, duplicates), 9 (views with storage offsets, unaligned q / kv
-rows), sink +-inf, CUDA graph replay with new topk_length.
+valid index), s_q = 70000 (beyond the 65535 grid limit of y / z), head counts 8..96 without
+padding to 64, negative / out-of-range indices, whole rows of -1, topk_length with garbage beyond it
+and NaN in every kv row that no valid slot references, duplicates, views with storage offsets and
+unaligned q / kv rows, sink +-inf, CUDA graph replay with new topk_length.
 """
 
 import itertools
@@ -232,9 +232,9 @@ def test_blocks_without_valid_indices(s_kv, topk, s_q):
     check_case(case)
 
 
-# ----------------------------------------------------------------------------- regressions
+# ----------------------------------------------------------------------------- edge cases
 @pytest.mark.parametrize("d_qk,h_q", [(576, 128), (512, 16)])
-def test_regression5_huge_s_q(d_qk, h_q):
+def test_huge_s_q(d_qk, h_q):
     """s_q = 70000 (> 65535 grid limit of y/z): no crash; a sample of rows vs the reference."""
     s_q, s_kv, topk = 70000, 256, 256
     case = Case(5 + h_q, s_q=s_q, s_kv=s_kv, topk=topk, h_q=h_q, d_qk=d_qk, sink=True, topk_len=True,
@@ -250,13 +250,14 @@ def test_regression5_huge_s_q(d_qk, h_q):
 
 
 @pytest.mark.parametrize("h_q,d_qk", [(8, 512), (24, 576), (48, 512), (96, 576)])
-def test_regression7_head_counts(h_q, d_qk):
+def test_head_counts_not_a_multiple_of_64(h_q, d_qk):
+    """Tensor-parallel head counts that are not a multiple of 64 (computed without padding to 64 rows)."""
     check_case(Case(70 + h_q, s_q=9, s_kv=700, topk=192, h_q=h_q, d_qk=d_qk, sink=True, topk_len=True))
 
 
 @pytest.mark.parametrize("h_q", [16, 64, 128])
 @pytest.mark.parametrize("topk", [1, 37, 100, 200])
-def test_regression8_garbage_indices_and_nan_rows(topk, h_q):
+def test_garbage_indices_and_nan_rows(topk, h_q):
     """Negative / out-of-range indices, whole rows of -1, topk_length with garbage beyond it (INT_MAX,
     sentinel, in-range tokens whose kv row is NaN): NaN is put in every kv row that no valid slot
     (below topk_length) references, so any read of an unused row would leak NaN."""
@@ -286,7 +287,8 @@ def test_regression8_garbage_indices_and_nan_rows(topk, h_q):
     check_case(case)
 
 
-def test_regression8_duplicates_count_twice():
+def test_duplicates_count_twice():
+    """A duplicated index, and a row of one token 77 times: each slot counts."""
     case = Case(81, s_q=3, s_kv=120, topk=77, h_q=64, d_qk=576)
     case.indices[0, 0, 1] = case.indices[0, 0, 0]
     case.indices[2, 0, :] = case.indices[2, 0, 5]  # one token 77 times
@@ -294,7 +296,7 @@ def test_regression8_duplicates_count_twice():
 
 
 @pytest.mark.parametrize("h_q,d_qk", [(64, 576), (16, 512), (128, 512)])
-def test_regression9_storage_offsets_unaligned(h_q, d_qk):
+def test_storage_offsets_unaligned(h_q, d_qk):
     """q / kv views with a storage offset of one element (rows not 16-byte aligned: 2-byte load
     paths) and indices with an offset; out of the same kernel as the aligned path."""
     case = Case(9 + h_q, s_q=7, s_kv=300, topk=130, h_q=h_q, d_qk=d_qk, sink=True, topk_len=True)

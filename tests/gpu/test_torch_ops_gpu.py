@@ -1,6 +1,6 @@
 """torch.ops.flash_mla on the GPU (sm90): opcheck on CUDA, torch.compile with inductor, CUDA
-graphs (regression 6: capture a decode step once, replay with new lengths and a smaller real
-batch), ordering on a non-default stream, and inputs on a second GPU (regression 9).
+graphs (capture a decode step once, replay with new lengths and a smaller real batch), ordering on
+a non-default stream, and inputs on a second GPU (the kernels run on the tensors' device).
 
 Skipped without an sm90 GPU and a CUDA build (conftest.py); the 2-GPU tests also skip with
 fewer than two GPUs. CPU versions: tests/python/test_torch_ops.py.
@@ -239,7 +239,7 @@ def test_compile_inductor_fullgraph():
         assert torch.equal(a, b)
 
 
-# ----------------------------------------------------------------------------- CUDA graphs (regression 6)
+# ----------------------------------------------------------------------------- CUDA graphs
 def test_cuda_graph_capture_once_replay_new_lengths_smaller_batch():
     b_cap = 8
     cpu, (q, k, bt, ln) = dense_inputs(b=b_cap, lens=[4096] * b_cap, h_q=128, seed=11)
@@ -302,7 +302,7 @@ def test_runs_on_the_current_non_default_stream():
     prefill_check(res, prefill_inputs("cpu"))
 
 
-# ----------------------------------------------------------------------------- second GPU (regression 9)
+# ----------------------------------------------------------------------------- second GPU
 @two_gpus
 def test_inputs_on_second_gpu_run_there():
     torch.cuda.set_device(0)

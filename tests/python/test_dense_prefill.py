@@ -339,11 +339,11 @@ def test_errors_name_the_argument(rng):
         f(q[:, :3], k, v, cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match=r"^q: expected a 3-D tensor"):
         f(q[0], k, v, cu_q, cu_k, mq, mk)
-    with pytest.raises(ValueError, match=r"^cu_seqlens_k\[b\] = 6 must equal total_k = k.shape\[0\] = 7"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv\[b\] = 6 must equal total_k = k.shape\[0\] = 7"):
         f(q, np.concatenate([k, k[:1]]), np.concatenate([v, v[:1]]), cu_q, cu_k, mq, mk)
-    with pytest.raises(ValueError, match=r"^cu_seqlens_q: request 0 has 3 tokens, more than max_seqlen_q = 2"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 3 tokens, more than max_seqlen_qo = 2"):
         f(q, k, v, cu_q, cu_k, 2, mk)
-    with pytest.raises(TypeError, match=r"^cu_seqlens_q: expected dtype int32, got int64"):
+    with pytest.raises(TypeError, match=r"^cu_seqlens_qo: expected dtype int32, got int64"):
         f(q, k, v, cu_q.astype(np.int64), cu_k, mq, mk)
     with pytest.raises(ValueError, match=r"^q: the last dimension must be contiguous"):
         f(np.repeat(q, 2, -1)[..., ::2], k, v, cu_q, cu_k, mq, mk)
@@ -360,6 +360,42 @@ def test_errors_name_the_argument(rng):
         flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse[:, :2], cu_q, cu_k, mq, mk)
     with pytest.raises(TypeError, match=r"^lse: "):
         flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse.astype(np.float64), cu_q, cu_k, mq, mk)
+
+
+def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_them(rng):
+    """The core's checks of cu_seqlens / max_seqlen name the arguments of the function the caller called:
+    cu_seqlens_qo / cu_seqlens_kv / max_seqlen_qo / max_seqlen_kv (flash_attn_varlen_func, _kvpacked_func,
+    _backward), one cu_seqlens / max_seqlen (flash_attn_varlen_qkvpacked_func); never the core's own
+    cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k."""
+    case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
+    q, k, v, cu_q, cu_k, mq, mk = case.args()
+    f = flash_mla.flash_attn_varlen_func
+    kv = np.concatenate([k, v], -1)
+    for call in (lambda cu_q, cu_k, mq, mk: f(q, k, v, cu_q, cu_k, mq, mk),
+                 lambda cu_q, cu_k, mq, mk: flash_mla.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, mq, mk, 128)):
+        with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 3 tokens, more than max_seqlen_qo = 2$"):
+            call(cu_q, cu_k, 2, mk)
+        with pytest.raises(ValueError, match=r"^cu_seqlens_kv: request 0 has 4 tokens, more than max_seqlen_kv = 3$"):
+            call(cu_q, cu_k, mq, 3)
+        with pytest.raises(ValueError, match=r"^cu_seqlens_kv: cumulative lengths must not decrease, got "
+                                             r"cu_seqlens_kv\[0\] = 0 > cu_seqlens_kv\[1\] = -1$"):
+            call(cu_q, np.array([0, -1, 6], np.int32), mq, mk)
+        with pytest.raises(ValueError, match=r"^cu_seqlens_kv: expected shape \(3,\) like cu_seqlens_qo "
+                                             r"\(b \+ 1 = 3\), got \(2,\)$"):
+            call(cu_q, np.array([0, 6], np.int32), mq, 6)
+        with pytest.raises(TypeError, match=r"^cu_seqlens_kv: expected dtype int32, got int64$"):
+            call(cu_q, cu_k.astype(np.int64), mq, mk)
+    out, lse = f(q, k, v, cu_q, cu_k, mq, mk)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 3 tokens, more than max_seqlen_qo = 2$"):
+        flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse, cu_q, cu_k, 2, mk)
+    qkv = np.concatenate([q, q, q], -1)  # (d_qk 128, d_v 128; keys = queries: one cu_seqlens)
+    packed = flash_mla.flash_attn_varlen_qkvpacked_func
+    with pytest.raises(ValueError, match=r"^cu_seqlens: request 0 has 3 tokens, more than max_seqlen = 2$"):
+        packed(qkv, cu_q, 2, 128)
+    with pytest.raises(ValueError, match=r"^cu_seqlens\[0\] = 1: cumulative lengths must start at 0$"):
+        packed(qkv, np.array([1, 3, 5], np.int32), mq, 128)
+    with pytest.raises(TypeError, match=r"^max_seqlen: expected an int"):
+        packed(qkv, cu_q, 3.5, 128)
 
 
 # ----------------------------------------------------------------------------- torch
@@ -479,6 +515,9 @@ def test_torch_is_varlen_false_and_errors(rng):
         flash_mla.flash_attn_varlen_func(q, k, v.half(), _t(case.cu_q), _t(case.cu_k), 4, 6)
     with pytest.raises(ValueError, match=r"no kernel for d_qk=128 d_v=64"):
         flash_mla.flash_attn_varlen_func(q, k, v[..., :64], _t(case.cu_q), _t(case.cu_k), 4, 6)
+    # (through torch.ops.flash_mla, whose own arguments are cu_seqlens_q / max_seqlen_q: the caller's names)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 4 tokens, more than max_seqlen_qo = 3$"):
+        flash_mla.flash_attn_varlen_func(q, k, v, _t(case.cu_q), _t(case.cu_k), 3, 6)
 
 
 def test_torch_ops_registered_autograd_fake_and_compile(rng):
@@ -579,6 +618,15 @@ def test_flash_mla_cuda_raw_functions(rng):
         check_grad(name, _np(t), r, BF16)
     with pytest.raises(ValueError, match="mask_mode_code"):
         fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 2, case.scale, case.max_q, case.max_k, True)
+    # Errors name FlashMLA's extension's arguments (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv);
+    # torch.ops.flash_mla's are its schema's (cu_seqlens_k, max_seqlen_k).
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv: request 1 has 8 tokens, more than max_seqlen_kv = 7$"):
+        fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 1, case.scale, case.max_q, 7, True)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: request 0 has 6 tokens, more than max_seqlen_q = 5$"):
+        fc.dense_prefill_bwd(ws, _t(case.dout), q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1, case.scale, 5,
+                             case.max_k, True)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: request 1 has 8 tokens, more than max_seqlen_k = 7$"):
+        _torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, case.max_q, 7, case.scale, True)
 
 
 def test_preallocated_outputs_are_all_checked_before_any_is_written(rng):
@@ -671,6 +719,11 @@ def test_jax_custom_vjp_grad_and_jit(rng):
     # Shape errors raise while tracing, naming the argument.
     with pytest.raises(ValueError, match=r"no kernel for d_qk=192 d_v=64"):
         jax.jit(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20))(q, k, v[..., :64])
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv: expected shape \(5,\) like cu_seqlens_qo \(b \+ 1 = 5\)"):
+        jax.jit(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k[:3], 20, 20))(q, k, v)
+    # (values: checked when the CPU custom call runs, named as flash_attn_varlen_func names them)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 1 has 7 tokens, more than max_seqlen_qo = 6$"):
+        jax.block_until_ready(flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, case.max_k))
 
 
 def test_cupy_or_paddle_if_installed(rng):

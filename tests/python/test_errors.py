@@ -1,4 +1,4 @@
-"""Regression 10: bad input raises a clear Python exception naming the argument — never a
+"""Bad input raises a clear Python exception naming the argument — never a
 crash, a hang or a silent wrong answer. (Mixed CPU/CUDA tensors: tests/gpu.)"""
 
 import numpy as np

@@ -161,7 +161,8 @@ def test_sparse_prefill_larger(rng, d_qk):
 
 
 def test_inputs_that_are_views_with_an_offset(rng):
-    """Regression 9 (CPU part): q, kv and indices start inside larger buffers."""
+    """q, kv and indices given as views that start inside larger buffers (a storage offset; what lies before
+    them is NaN or an out-of-range index) give the reference's results."""
     case = gen_prefill_case(rng, s_q=5, s_kv=100, topk=64, h_q=16, d_qk=576, noncontig=False, sink=True)
     big_q = np.concatenate([case.q[:2], case.q])
     big_kv = np.concatenate([np.full((3, 1, 576), np.nan, np.float32).astype(BF16), case.kv])

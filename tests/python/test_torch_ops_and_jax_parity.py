@@ -1,7 +1,9 @@
 """The torch.ops.flash_mla and JAX custom-call ways in against the NumPy (TVM-FFI) one: the same error
 class and message for bad input (eager and under jax.jit), outputs that never require grad, opcheck,
-scheduler objects shared across frameworks, jax.vmap, and FlashMLA's known regressions re-run through
-torch.ops and jax.jit, bit-compared with the NumPy path. CPU only; tests skip cleanly without torch / jax /
+scheduler objects shared across frameworks, jax.vmap, and the edge cases that broke published MLA kernels (empty
+requests, NaN / Inf in unused pages, scattered block tables with sentinels, s_q > 1 causal with rows that see no key,
+small tensor-parallel head counts, invalid sparse indices) re-run through torch.ops and jax.jit, bit-compared with
+the NumPy path. CPU only; tests skip cleanly without torch / jax /
 jax_tvm_ffi (or without the op library).
 """
 
@@ -336,20 +338,23 @@ def test_jax_vmap_dense_decode_and_prefill(rng):
             np.testing.assert_array_equal(bits(a[i]), bits(r))
 
 
-# ----------------------------------------------------------------------------- 5. regressions via torch.ops / JAX jit
-_REG_DENSE = {
-    "all empty (reg 1)": dict(b=3, s_q=1, h_q=16, lens=[0, 0, 0]),
-    "first and last empty, NaN/Inf pages, sentinel (reg 1-3)": dict(b=4, s_q=1, h_q=16, lens=[0, 70, 129, 0]),
-    "s_q 4 causal, a row sees no key (reg 4)": dict(b=2, s_q=4, h_q=16, lens=[2, 100], causal=True),
-    "h_q 8, h_q*s_q < 64 (reg 7)": dict(b=2, s_q=2, h_q=8, lens=[65, 3]),
-    "h_q 128 (reg 7)": dict(b=1, s_q=1, h_q=128, lens=[190]),
+# ----------------------------------------------------------------------------- 5. edge cases via torch.ops / JAX jit
+_DENSE_EDGE_CASES = {
+    "all requests empty": dict(b=3, s_q=1, h_q=16, lens=[0, 0, 0]),
+    "first and last empty, NaN/Inf pages, sentinel": dict(b=4, s_q=1, h_q=16, lens=[0, 70, 129, 0]),
+    "s_q 4 causal, a row sees no key": dict(b=2, s_q=4, h_q=16, lens=[2, 100], causal=True),
+    "h_q 8, h_q*s_q < 64": dict(b=2, s_q=2, h_q=8, lens=[65, 3]),
+    "h_q 128": dict(b=1, s_q=1, h_q=128, lens=[190]),
 }
 
 
 @pytest.mark.parametrize("path", ["torch_ops", "jax_jit"])
-@pytest.mark.parametrize("name", list(_REG_DENSE))
-def test_dense_regressions_through_torch_ops_and_jax_jit(rng, name, path):
-    cfg = dict(_REG_DENSE[name])
+@pytest.mark.parametrize("name", list(_DENSE_EDGE_CASES))
+def test_dense_decode_edge_cases_through_torch_ops_and_jax_jit(rng, name, path):
+    """Empty requests (out 0, lse +inf, no NaN), NaN / Inf in unused page slots and pages and a huge sentinel in
+    unused block-table entries, s_q > 1 causal with a row that sees no key, small and large head counts: the same
+    bits through torch.ops / jax.jit as through the NumPy path, which matches the oracle."""
+    cfg = dict(_DENSE_EDGE_CASES[name])
     causal = cfg.pop("causal", False)
     c = gen_dense_case(rng, h_kv=1, d=576, s_k=100, causal=causal, poison="mixed", noncontig=True, **cfg)
     ref = dense(c.q, c.k_cache, c.block_table, c.cache_seqlens, causal=causal)
@@ -371,8 +376,8 @@ def test_dense_regressions_through_torch_ops_and_jax_jit(rng, name, path):
 
 
 @pytest.mark.parametrize("path", ["torch_ops", "jax_jit"])
-def test_sparse_regressions_through_torch_ops_and_jax_jit(rng, path):
-    """Regression 8: -1 entries, a whole row of -1, topk not a multiple of 64, topk_length < topk with
+def test_sparse_invalid_indices_through_torch_ops_and_jax_jit(rng, path):
+    """Sparse indices: -1 entries, a whole row of -1, topk not a multiple of 64, topk_length < topk with
     garbage beyond it, empty requests; prefill with negative / >= s_kv indices."""
     c = gen_sparse_decode_case(rng, b=3, s_q=2, h_q=16, d_qk=512, s_k=90, topk=40, pbs=32, have_topk_length=True,
                                invalid_frac=0.3, zero=[False, True, False], noncontig=True,

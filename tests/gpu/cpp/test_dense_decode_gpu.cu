@@ -1,5 +1,7 @@
 // tests/gpu/cpp/test_dense_decode_gpu.cu — GPU test and quick benchmark of the sm90
-// dense MLA decode (spec §5.4 grid, regressions 1-5, 7, 9, extra page sizes, d_qk 512).
+// dense MLA decode (spec §5.4 grid; edge cases: zero-length requests, NaN in unused slots and pages,
+// scattered block tables, s_q > 1, b*s_q > 65535, tensor-parallel head counts, views with offsets;
+// extra page sizes, d_qk 512).
 //
 // Oracle: a naive float32 GPU reference (one thread block per output row, online
 // softmax in fp32, accurate expf/logf), itself checked against the CPU reference
@@ -843,7 +845,7 @@ std::vector<Case> extra_cases() {
     c.group = grp;
     v.push_back(c);
   };
-  // Regression 1: zero-length requests alone / first / last / all.
+  // Zero-length requests alone / first / last / all.
   for (int s_q : {1, 2})
     for (bool causal : {false, true}) {
       Case c;
@@ -852,20 +854,20 @@ std::vector<Case> extra_cases() {
       c.h_q = 16;
       c.b = 1;
       c.explicit_lens = {0};
-      add(c, "reg1-zero");
+      add(c, "zero-length");
       c.b = 4;
       c.explicit_lens = {0, 300, 70, 129};
-      add(c, "reg1-zero");
+      add(c, "zero-length");
       c.explicit_lens = {300, 70, 129, 0};
-      add(c, "reg1-zero");
+      add(c, "zero-length");
       c.explicit_lens = {0, 0, 0, 0};
-      add(c, "reg1-zero");
+      add(c, "zero-length");
       c.b = 9;
       c.h_q = 128;
       c.explicit_lens = {0, 1, 0, 64, 65, 0, 2000, 0, 3};
-      add(c, "reg1-zero");
+      add(c, "zero-length");
     }
-  // Regression 4: s_q > 1 (speculative decode), including rows that see no key.
+  // s_q > 1 (speculative decode), including rows that see no key.
   for (int s_q : {3, 5, 8, 33, 64, 100, 257})
     for (int h_q : {1, 16, 128}) {
       Case c;
@@ -874,11 +876,11 @@ std::vector<Case> extra_cases() {
       c.h_q = h_q;
       c.causal = true;
       c.explicit_lens = {s_q / 2, s_q + 37, 700};
-      add(c, "reg4-sq");
+      add(c, "s_q>1");
       c.causal = false;
-      if (s_q <= 64) add(c, "reg4-sq");
+      if (s_q <= 64) add(c, "s_q>1");
     }
-  // Regression 7: tensor-parallel head counts, h_q*s_q < 64.
+  // Tensor-parallel head counts, h_q*s_q < 64.
   for (int h_q : {8, 16, 32, 64, 128})
     for (int s_q : {1, 2, 3, 4})
       for (int b : {1, 16, 128})
@@ -891,7 +893,7 @@ std::vector<Case> extra_cases() {
           c.s_k = s_k;
           c.varlen = true;
           c.causal = (s_q + b) % 2 == 0;
-          add(c, "reg7-tp");
+          add(c, "tp-heads");
         }
   // Extra page sizes and d_qk 512.
   for (int pbs : {16, 32, 64, 128, 256})
@@ -913,7 +915,7 @@ std::vector<Case> extra_cases() {
           c.zero_seqlen = true;
           if (h_q == 128 && h_kv == 1) add(c, "pages-d-fp16");
         }
-  // Layouts (regression 9: views with offsets and odd strides; FlashMLA's lse strides).
+  // Layouts (views with offsets and odd strides; FlashMLA's lse strides).
   for (Layout L : {Layout::kContig, Layout::kPadded, Layout::kPaddedOddOut})
     for (auto [h_q, h_kv] : std::vector<std::pair<int, int>>{{1, 1}, {16, 1}, {128, 1}, {64, 8}})
       for (int s_q : {1, 2}) {
@@ -930,7 +932,7 @@ std::vector<Case> extra_cases() {
         c.pbs = L == Layout::kPadded ? 32 : 64;
         add(c, "layout");
       }
-  // Regression 5: b*s_q > 65535 (combine grid on x).
+  // b*s_q > 65535 (combine grid on x).
   {
     Case c;
     c.b = 66000;
@@ -939,14 +941,14 @@ std::vector<Case> extra_cases() {
     c.s_k = 5;
     c.pbs = 16;
     c.pad256 = false;
-    add(c, "reg5-grid");
+    add(c, "b*s_q>65535");
     c.b = 17000;
     c.s_q = 4;
     c.h_q = 1;
     c.causal = true;
     c.varlen = true;
     c.s_k = 9;
-    add(c, "reg5-grid");
+    add(c, "b*s_q>65535");
   }
   return v;
 }
@@ -1213,7 +1215,7 @@ int main(int argc, char** argv) {
       std::printf("%-28s %5d failed\n", "comparator self-test", f);
     }
     run_list(cpu_check_cases(), "cpu-reference cross-check");
-    run_list(extra_cases(), "regressions/pages/layouts");
+    run_list(extra_cases(), "edge cases/pages/layouts");
     run_list(spec_grid(false), "spec grid bf16 (2304)");
     run_list(corner_cases(), "corner bf16 (32)");
     run_list(spec_grid(true), "fp16 subset");
