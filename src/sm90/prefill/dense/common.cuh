@@ -66,6 +66,21 @@ __device__ __forceinline__ void issue_abt(float (&acc)[N / 2], uint32_t a, int a
     Wgmma<T, N>::template ss<0, 0>(acc, desc_k<kRowsA>(a, a_row0, kk), desc_k<kRowsB>(b, 0, kk), kk > 0 ? 1 : 0);
 }
 
+/// Ends the basic block after x and y are computed, so that a `wgmma.wait_group` that follows stays after the
+/// code computing them. ptxas schedules such a wait near the top of its basic block, ahead of independent
+/// arithmetic that precedes it in the source, but does not move it into an earlier block. In the forward's
+/// overlapped step the softmax of key block n then waited for the P V of block n - 1 before its exp2 stage,
+/// the overlap the schedule is built for (docs/dense-prefill.md, "Forward: softmax overlapping its own P V").
+/// The branch tests the bits of x and y through an asm the front end cannot fold; its body, a zero-length
+/// nanosleep, has no effect, so it does not matter whether it is ever taken (both all ones: a negative NaN,
+/// which the forward's row sums are not). Costs a LOP3, an ISETP and a branch that is not taken.
+__device__ __forceinline__ void end_block_after(float x, float y) {
+  uint32_t bx, by;
+  asm("mov.b32 %0, %1;" : "=r"(bx) : "f"(x));
+  asm("mov.b32 %0, %1;" : "=r"(by) : "f"(y));
+  if ((bx & by) == 0xFFFFFFFFu) asm volatile("nanosleep.u32 0;");
+}
+
 /// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
 /// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
 /// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer

@@ -48,17 +48,19 @@ struct FwdSmem {
 /// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
 /// two rows per thread): scale to base 2, mask invisible keys to -inf (need_mask), move the running max
 /// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
-/// (the thread's partial row sums; reduced over the quad in the epilogue).
-__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
-                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
-                                             float (&l)[2], float (&sc)[2]) {
+/// (the thread's partial row sums; reduced over the quad in the epilogue). kMask: the block has keys some row
+/// does not see (softmax_step picks the form per block, so the unmasked form carries no per-element tests).
+template <bool kMask>
+__device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int (&row)[2], int tq, int s_k,
+                                              bool causal, int off, float scale_log2, float (&m_run)[2], float (&l)[2],
+                                              float (&sc)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[4 * i + e] * scale_log2;
-      if (need_mask) {
+      if constexpr (kMask) {
         const int col = n0 + 8 * i + 2 * tq + (e & 1);
         const bool vis = col < s_k && (!causal || col <= row[e >> 1] + off);
         x = vis ? x : -INFINITY;
@@ -82,6 +84,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
       l[e >> 1] += s[4 * i + e];
     }
   }
+}
+__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
+                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
+                                             float (&l)[2], float (&sc)[2]) {
+  if (need_mask)
+    softmax_block<true>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+  else
+    softmax_block<false>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
 }
 
 /// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
@@ -334,11 +344,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::reg_fence(s);
       mbar_arrive(k_empty(stage));
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
+      // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
+      // depend on that.
+      end_block_after(l[0], l[1]);
       gmma::wait<0>();
       gmma::reg_fence(o);
       if constexpr (kChecked) fix_pv(a, pstage, n - 1);
       mbar_arrive(v_empty(pstage));
-      seesaw::scale_rows(o, sc);
+      // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
+      if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
       pack_a<T, 128>(s, a);
     };
     const int n_plain = min(n_blocks, check_first + 1);
