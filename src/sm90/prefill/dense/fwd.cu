@@ -21,6 +21,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "sm90/common/host_utils.h"
 #include "sm90/prefill/dense/common.cuh"
@@ -241,7 +242,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int n) {
     return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
   };
-  auto issue_s = [&](float (&s)[64], int stage) { issue_abt<T, 128, kD, kFwdBM, kFwdBN>(s, sQ, wg * 64, sK(stage)); };
+  // This warpgroup's 64 rows of Q; its address read from lane 0 so that ptxas knows it is warp-uniform and keeps
+  // the descriptor arithmetic on the uniform datapath.
+  const uint64_t q_desc = gmma::make_desc_sw128(__shfl_sync(0xffffffffu, sQ + wg * 64 * 128, 0), 16, 1024);
+  auto issue_s = [&](float (&s)[64], int stage) {
+    issue_abt_off128<T, kD, kFwdBM, kFwdBN>(s, q_desc, gmma::make_desc_sw128(sK(stage), 16, 1024));
+  };
   // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
   // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
   // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
@@ -260,8 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
+    const uint64_t v_desc = desc_mn<kFwdBN>(sV(stage), 0);  // k-step kk: + kk * 16 rows * 128 bytes
+    [&]<int... kK>(std::integer_sequence<int, kK...>) {
+      (WgmmaOff128<T>::template rs<kK * 16 * 128 / 16>(o, a[kK], v_desc), ...);
+    }(std::make_integer_sequence<int, 8>{});
   };
   // S = Q K^T of key block n on its own (waited), K's stage released.
   auto s_block = [&](float (&s)[64], int n) {
