@@ -47,7 +47,7 @@ struct FwdSmem {
 };
 
 /// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
-/// two rows per thread): scale to base 2, mask invisible keys to -inf (need_mask), move the running max
+/// two rows per thread): scale to base 2, mask invisible keys to -inf (kMask), move the running max
 /// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
 /// (the thread's partial row sums; reduced over the quad in the epilogue). kMask: the block has keys some row
 /// does not see (softmax_step picks the form per block, so the unmasked form carries no per-element tests).
