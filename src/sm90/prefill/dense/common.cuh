@@ -66,6 +66,68 @@ __device__ __forceinline__ void issue_abt(float (&acc)[N / 2], uint32_t a, int a
     Wgmma<T, N>::template ss<0, 0>(acc, desc_k<kRowsA>(a, a_row0, kk), desc_k<kRowsB>(b, 0, kk), kk > 0 ? 1 : 0);
 }
 
+/// m64n128k16 wgmmas (fp32 accumulators d[64]) whose k-step descriptors are a base descriptor plus a compile-time
+/// offset (byte offset >> 4), added inside the asm: each wgmma then costs one add on the uniform datapath instead
+/// of rebuilding its descriptors from addresses (add, shift, two masks each) or holding the loop-invariant ones
+/// in registers. base + off is the descriptor of the base address + offset because the 14-bit address field
+/// cannot carry: every shared-memory address is below 256 KiB.
+///   ss<kOffA, kOffB, kScaleD>(d, desc_a, desc_b): A and B K-major from shared memory; kScaleD = 0 overwrites d.
+///   rs<kOffB>(d, a, desc_b): d += A B, A from registers, B MN-major.
+template <class T>
+struct WgmmaOff128;
+#define FLASHMLA_DENSE_WGMMA_OFF128(T, PTX_T)                                                                    \
+  template <>                                                                                                    \
+  struct WgmmaOff128<T> {                                                                                        \
+    template <int kOffA, int kOffB, int kScaleD>                                                                 \
+    __device__ __forceinline__ static void ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {                \
+      asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %66, 0;\n"                               \
+                   "add.s64 da, %64, %67;\nadd.s64 db, %65, %68;\n"                                              \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " " FLASHMLA_WGMMA_ACC_64      \
+                   ", da, db, p, 1, 1, 0, 0;\n}\n"                                                               \
+                   : FLASHMLA_WGMMA_ACC_OUT_64(d)                                                                \
+                   : "l"(desc_a), "l"(desc_b), "n"(kScaleD), "n"(kOffA), "n"(kOffB));                            \
+    }                                                                                                            \
+    template <int kOffB>                                                                                         \
+    __device__ __forceinline__ static void rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {         \
+      asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.eq.u32 p, 1, 1;\nadd.s64 db, %68, %69;\n"              \
+                   "wgmma.mma_async.sync.aligned.m64n128k16.f32." PTX_T "." PTX_T " " FLASHMLA_WGMMA_ACC_64      \
+                   ", {%64, %65, %66, %67}, db, p, 1, 1, 1;\n}\n"                                                \
+                   : FLASHMLA_WGMMA_ACC_OUT_64(d)                                                                \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kOffB));                       \
+    }                                                                                                            \
+  };
+FLASHMLA_DENSE_WGMMA_OFF128(__nv_bfloat16, "bf16")
+FLASHMLA_DENSE_WGMMA_OFF128(__half, "f16")
+#undef FLASHMLA_DENSE_WGMMA_OFF128
+
+/// issue_abt for N = 128 through WgmmaOff128: acc = A B^T over kDim / 16 k-steps, A = the 64 rows of the kRowsA-row
+/// tile whose first row's descriptor is desc_a (gmma::make_desc_sw128(row address, 16, 1024)), B = the first 128
+/// rows of the kRowsB-row tile with descriptor desc_b. The same descriptors, in the same order, as issue_abt.
+template <class T, int kDim, int kRowsA, int kRowsB, int kK = 0>
+__device__ __forceinline__ void issue_abt_off128(float (&acc)[64], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kK < kDim / 16) {
+    constexpr int kOffA = ((kK >> 2) * (kRowsA * 128) + (kK & 3) * 32) >> 4;
+    constexpr int kOffB = ((kK >> 2) * (kRowsB * 128) + (kK & 3) * 32) >> 4;
+    WgmmaOff128<T>::template ss<kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    issue_abt_off128<T, kDim, kRowsA, kRowsB, kK + 1>(acc, desc_a, desc_b);
+  }
+}
+
+/// Ends the basic block after x and y are computed, so that a `wgmma.wait_group` that follows stays after the
+/// code computing them. ptxas schedules such a wait near the top of its basic block, ahead of independent
+/// arithmetic that precedes it in the source, but does not move it into an earlier block. In the forward's
+/// overlapped step the softmax of key block n then waited for the P V of block n - 1 before its exp2 stage,
+/// the overlap the schedule is built for (docs/dense-prefill.md, "Forward: softmax overlapping its own P V").
+/// The branch tests the bits of x and y through an asm the front end cannot fold; its body, a zero-length
+/// nanosleep, has no effect, so it does not matter whether it is ever taken (both all ones: a negative NaN,
+/// which the forward's row sums are not). Costs a LOP3, an ISETP and a branch that is not taken.
+__device__ __forceinline__ void end_block_after(float x, float y) {
+  uint32_t bx, by;
+  asm("mov.b32 %0, %1;" : "=r"(bx) : "f"(x));
+  asm("mov.b32 %0, %1;" : "=r"(by) : "f"(y));
+  if ((bx & by) == 0xFFFFFFFFu) asm volatile("nanosleep.u32 0;");
+}
+
 /// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
 /// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
 /// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer

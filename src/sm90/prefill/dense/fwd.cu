@@ -21,6 +21,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "sm90/common/host_utils.h"
 #include "sm90/prefill/dense/common.cuh"
@@ -46,19 +47,21 @@ struct FwdSmem {
 };
 
 /// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
-/// two rows per thread): scale to base 2, mask invisible keys to -inf (need_mask), move the running max
+/// two rows per thread): scale to base 2, mask invisible keys to -inf (kMask), move the running max
 /// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
-/// (the thread's partial row sums; reduced over the quad in the epilogue).
-__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
-                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
-                                             float (&l)[2], float (&sc)[2]) {
+/// (the thread's partial row sums; reduced over the quad in the epilogue). kMask: the block has keys some row
+/// does not see (softmax_step picks the form per block, so the unmasked form carries no per-element tests).
+template <bool kMask>
+__device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int (&row)[2], int tq, int s_k,
+                                              bool causal, int off, float scale_log2, float (&m_run)[2], float (&l)[2],
+                                              float (&sc)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[4 * i + e] * scale_log2;
-      if (need_mask) {
+      if constexpr (kMask) {
         const int col = n0 + 8 * i + 2 * tq + (e & 1);
         const bool vis = col < s_k && (!causal || col <= row[e >> 1] + off);
         x = vis ? x : -INFINITY;
@@ -82,6 +85,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
       l[e >> 1] += s[4 * i + e];
     }
   }
+}
+__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
+                                             int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
+                                             float (&l)[2], float (&sc)[2]) {
+  if (need_mask)
+    softmax_block<true>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+  else
+    softmax_block<false>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
 }
 
 /// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
@@ -231,7 +242,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto need_mask = [&](int n) {
     return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
   };
-  auto issue_s = [&](float (&s)[64], int stage) { issue_abt<T, 128, kD, kFwdBM, kFwdBN>(s, sQ, wg * 64, sK(stage)); };
+  // This warpgroup's 64 rows of Q; its address read from lane 0 so that ptxas knows it is warp-uniform and keeps
+  // the descriptor arithmetic on the uniform datapath.
+  const uint64_t q_desc = gmma::make_desc_sw128(__shfl_sync(0xffffffffu, sQ + wg * 64 * 128, 0), 16, 1024);
+  auto issue_s = [&](float (&s)[64], int stage) {
+    issue_abt_off128<T, kD, kFwdBM, kFwdBN>(s, q_desc, gmma::make_desc_sw128(sK(stage), 16, 1024));
+  };
   // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
   // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
   // request through 0 * NaN. Both warpgroups write the same zeros; each orders its own writes before its
@@ -250,8 +266,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) Wgmma<T, 128>::template rs<1>(o, a[kk], desc_mn<kFwdBN>(sV(stage), kk));
+    const uint64_t v_desc = desc_mn<kFwdBN>(sV(stage), 0);  // k-step kk: + kk * 16 rows * 128 bytes
+    [&]<int... kK>(std::integer_sequence<int, kK...>) {
+      (WgmmaOff128<T>::template rs<kK * 16 * 128 / 16>(o, a[kK], v_desc), ...);
+    }(std::make_integer_sequence<int, 8>{});
   };
   // S = Q K^T of key block n on its own (waited), K's stage released.
   auto s_block = [&](float (&s)[64], int n) {
@@ -334,11 +352,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::reg_fence(s);
       mbar_arrive(k_empty(stage));
       softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
+      // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
+      // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
+      // depend on that.
+      end_block_after(l[0], l[1]);
       gmma::wait<0>();
       gmma::reg_fence(o);
       if constexpr (kChecked) fix_pv(a, pstage, n - 1);
       mbar_arrive(v_empty(pstage));
-      seesaw::scale_rows(o, sc);
+      // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
+      if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
       pack_a<T, 128>(s, a);
     };
     const int n_plain = min(n_blocks, check_first + 1);
