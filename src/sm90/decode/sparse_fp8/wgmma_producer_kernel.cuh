@@ -465,6 +465,27 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) return;
 
+  // Block 0's chain (metadata -> the first request's topk lengths -> its rows' cache indices ->
+  // gathers: dependent round trips) is started here, before the barrier set-up, the cluster barrier
+  // and setmaxnreg, so that its second round trip overlaps them: each producer thread loads the
+  // first request's lengths and, speculatively, its rows' indices as main-cache slots of block
+  // begin_blk (read only where slot < topk, so inside the index tensor). The producer keeps an index
+  // only where block 0 turns out to be that block and the slot lies below the request's limit
+  // (block_indices), so no record of an invalid slot is read.
+  RequestLengths first_len{0, 0};
+  int first_idx[2] = {-1, -1};
+  if (wg >= 2) {
+    first_len = request_lengths(p, begin_req);
+    const int t = tid - kConsumers;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t slot = static_cast<int64_t>(begin_blk) * kBlockN + (t >> 5) * 8 + (t & 7) + 32 * i;  // row[i]
+      if (slot < p.main.topk)
+        first_idx[i] = __ldg(p.main.indices + (begin_req * p.main.idx_stride_b + sq * p.main.idx_stride_s +
+                                               slot * p.main.idx_stride_k));
+    }
+  }
+
   if (tid == 0) {
     // full: kFullCount producer arrivals; free: one per warp of the part's consumer warpgroup(s).
 #pragma unroll
@@ -515,7 +536,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     const int row[2] = {tok, tok + 32};  // this thread's rows of every block
     // (nreq, nb): the block whose indices are loaded next, one block ahead of the fills.
     int nreq = begin_req, nb = 0;
-    ReqInfo nri = req_info(begin_req);
+    ReqInfo nri;
+    {
+      // The first request's lengths loaded above (broadcast from lane 0: uniform, so that the request
+      // walk stays in uniform registers).
+      const RequestLengths len{__shfl_sync(0xffffffffu, first_len.main, 0),
+                               __shfl_sync(0xffffffffu, first_len.extra, 0)};
+      int n_total;
+      request_blocks(p, len, nri.n_main, n_total);
+      nri.blk_lo = begin_blk;
+      const int blk_hi = min(begin_req == end_req ? end_blk : n_total, n_total);
+      nri.n_blk = max(blk_hi - nri.blk_lo, 0);
+      request_slot_limits(p, len, nri.lim_main, nri.lim_extra);
+    }
     auto skip_empty = [&]() {
       while (nreq <= end_req && nb >= nri.n_blk) {
         ++nreq;
@@ -524,8 +557,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     };
     // Cache indices of this thread's rows of block (nreq, nb) (-1: slot past the request's
-    // topk_length); returns whether the block is in the extra cache.
-    auto block_indices = [&](int (&v)[2]) {
+    // topk_length); returns whether the block is in the extra cache. `first`: the block is block
+    // begin_blk of the first request, whose main-cache indices were loaded before the barrier set-up.
+    auto block_indices = [&](int (&v)[2], bool first = false) {
       const int blk = nri.blk_lo + nb;
       const bool is_extra = p.has_extra && blk >= nri.n_main;
       const SparseScope& sc = is_extra ? p.extra : p.main;
@@ -534,7 +568,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t slot = slot0 + row[i];
-        v[i] = slot < lim ? __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k))
+        v[i] = slot < lim ? (first && !is_extra ? first_idx[i]
+                                                : __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
+                                                                      slot * sc.idx_stride_k)))
                           : -1;
       }
       return is_extra;
@@ -572,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       RowAddr ra;
       {
         int v[2];
-        const bool ext = block_indices(v);
+        const bool ext = block_indices(v, nreq == begin_req);  // nb is 0 while nreq == begin_req
         addresses(v, ext, ra);
       }
       // One any-invalid flag per producer warp for buffer x (warpgroup 0 skips the masking of a block
