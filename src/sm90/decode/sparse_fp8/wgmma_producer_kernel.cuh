@@ -410,6 +410,13 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) { mbar_wait(
 __device__ __forceinline__ void sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+/// The prologue's barrier: every thread of both CTAs, after thread 0's mbarrier.init and
+/// fence.mbarrier_init.release.cluster (PTX's pattern for publishing barrier inits to the cluster: a
+/// relaxed arrival, since that fence is the release). No thread has written anything else by then, so
+/// no GPU-scope membar (the release arrival's), which would also wait for the producers' loads in flight.
+__device__ __forceinline__ void sync_after_init() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 /// Generic-proxy writes (local or the peer's shared memory) -> the async proxy (wgmma).
 }  // namespace cl
 
@@ -484,6 +491,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         first_idx[i] = __ldg(p.main.indices + (begin_req * p.main.idx_stride_b + sq * p.main.idx_stride_s +
                                                slot * p.main.idx_stride_k));
     }
+    // The first request's Q rows into L2 (one bulk prefetch a row; 16-byte aligned rows only), so that
+    // the consumers' copy after their request set-up does not wait for DRAM.
+    const int h = ht * 64 + t;
+    if (p.q_vec && t < 64 && h < p.h_q)
+      prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + begin_req * p.q_stride_b + sq * p.q_stride_s +
+                           h * p.q_stride_h,
+                       kD * 2);
   }
 
   if (tid == 0) {
@@ -494,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 4 * (kCluster ? 2 : 1));
     fence_barrier_init();
   }
-  if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
+  if constexpr (kCluster) cl::sync_after_init();  // both CTAs' barriers initialised before any remote arrival
   else __syncthreads();
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(1, tid == 0, clock64());
   // Cluster variant: this CTA's rank and the peer's barriers (shared::cluster addresses).
