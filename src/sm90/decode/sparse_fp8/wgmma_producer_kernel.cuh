@@ -491,13 +491,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         first_idx[i] = __ldg(p.main.indices + (begin_req * p.main.idx_stride_b + sq * p.main.idx_stride_s +
                                                slot * p.main.idx_stride_k));
     }
-    // The first request's Q rows into L2 (one bulk prefetch a row; 16-byte aligned rows only), so that
-    // the consumers' copy after their request set-up does not wait for DRAM.
-    const int h = ht * 64 + t;
-    if (p.q_vec && t < 64 && h < p.h_q)
+    // The first request's Q tile into L2, so that the consumers' copy after their request set-up does
+    // not wait for DRAM: one bulk prefetch by one thread where the tile's rows are contiguous and 16-byte
+    // aligned (a bulk prefetch per row, 64 lanes with different addresses, compiled to a serial loop of
+    // uniform-register issues); none otherwise.
+    if (t == 0 && p.q_vec && p.q_stride_h == kD)
       prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + begin_req * p.q_stride_b + sq * p.q_stride_s +
-                           h * p.q_stride_h,
-                       kD * 2);
+                           ht * 64 * p.q_stride_h,
+                       static_cast<uint32_t>(min(64, p.h_q - ht * 64) * kD * 2));
   }
 
   if (tid == 0) {
