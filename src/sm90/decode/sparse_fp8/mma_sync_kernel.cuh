@@ -148,6 +148,38 @@ __device__ __forceinline__ void request_slot_limits(const SparseDecodeKernelPara
     lim_extra = p.extra.topk_length != nullptr ? min(max(p.extra.topk_length[req], 0), p.extra.topk) : p.extra.topk;
 }
 
+/// topk_length[req] of the main and the extra index set (0 for a set without one), loaded apart from
+/// request_blocks / request_slot_limits (below, from the lengths) so that a kernel can issue the loads
+/// early (the wgmma producer kernel's prologue, wgmma_producer_kernel.cuh).
+struct RequestLengths {
+  int main, extra;
+};
+__device__ __forceinline__ RequestLengths request_lengths(const SparseDecodeKernelParams& p, int req) {
+  RequestLengths len{0, 0};
+  if (p.main.topk_length != nullptr) len.main = p.main.topk_length[req];
+  if (p.has_extra && p.extra.topk_length != nullptr) len.extra = p.extra.topk_length[req];
+  return len;
+}
+/// request_blocks and request_slot_limits of a request whose lengths are `len` (request_lengths).
+__device__ __forceinline__ void request_blocks(const SparseDecodeKernelParams& p, RequestLengths len, int& n_main,
+                                               int& n_total) {
+  int64_t s = p.main.topk_length != nullptr ? max(len.main, 0) : p.main.topk;
+  if (s == 0) s = 1;
+  n_main = static_cast<int>((s + kBlockN - 1) / kBlockN);
+  n_total = n_main;
+  if (p.has_extra) {
+    const int64_t se = p.extra.topk_length != nullptr ? max(len.extra, 0) : p.extra.topk;
+    n_total = n_main + static_cast<int>((se + kBlockN - 1) / kBlockN);
+  }
+}
+__device__ __forceinline__ void request_slot_limits(const SparseDecodeKernelParams& p, RequestLengths len,
+                                                    int& lim_main, int& lim_extra) {
+  lim_main = p.main.topk_length != nullptr ? min(max(len.main, 0), p.main.topk) : p.main.topk;
+  lim_extra = 0;
+  if (p.has_extra)
+    lim_extra = p.extra.topk_length != nullptr ? min(max(len.extra, 0), p.extra.topk) : p.extra.topk;
+}
+
 /// The Q tile of the mma.sync kernels: heads ht * BM .. ht * BM + BM - 1 of query position sq of request
 /// req, N_CHUNKS 16-byte chunks a row, into sQ (swz layout; sQ_u its shared address): by cp.async where
 /// p.q_vec, else element by element; zeros for heads >= h_q. kThreads threads share it, this one tid;

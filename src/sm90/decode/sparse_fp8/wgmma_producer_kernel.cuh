@@ -410,6 +410,13 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) { mbar_wait(
 __device__ __forceinline__ void sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+/// The prologue's barrier: every thread of both CTAs, after thread 0's mbarrier.init and
+/// fence.mbarrier_init.release.cluster (PTX's pattern for publishing barrier inits to the cluster: a
+/// relaxed arrival, since that fence is the release). No thread has written anything else by then, so
+/// no GPU-scope membar (the release arrival's), which would also wait for the producers' loads in flight.
+__device__ __forceinline__ void sync_after_init() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 /// Generic-proxy writes (local or the peer's shared memory) -> the async proxy (wgmma).
 }  // namespace cl
 
@@ -465,6 +472,35 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) return;
 
+  // Block 0's chain (metadata -> the first request's topk lengths -> its rows' cache indices ->
+  // gathers: dependent round trips) is started here, before the barrier set-up, the cluster barrier
+  // and setmaxnreg, so that its second round trip overlaps them: each producer thread loads the
+  // first request's lengths and, speculatively, its rows' indices as main-cache slots of block
+  // begin_blk (read only where slot < topk, so inside the index tensor). The producer keeps an index
+  // only where block 0 turns out to be that block and the slot lies below the request's limit
+  // (block_indices), so no record of an invalid slot is read.
+  RequestLengths first_len{0, 0};
+  int first_idx[2] = {-1, -1};
+  if (wg >= 2) {
+    first_len = request_lengths(p, begin_req);
+    const int t = tid - kConsumers;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t slot = static_cast<int64_t>(begin_blk) * kBlockN + (t >> 5) * 8 + (t & 7) + 32 * i;  // row[i]
+      if (slot < p.main.topk)
+        first_idx[i] = __ldg(p.main.indices + (begin_req * p.main.idx_stride_b + sq * p.main.idx_stride_s +
+                                               slot * p.main.idx_stride_k));
+    }
+    // The first request's Q tile into L2, so that the consumers' copy after their request set-up does
+    // not wait for DRAM: one bulk prefetch by one thread where the tile's rows are contiguous and 16-byte
+    // aligned (a bulk prefetch per row, 64 lanes with different addresses, compiled to a serial loop of
+    // uniform-register issues); none otherwise.
+    if (t == 0 && p.q_vec && p.q_stride_h == kD)
+      prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + begin_req * p.q_stride_b + sq * p.q_stride_s +
+                           ht * 64 * p.q_stride_h,
+                       static_cast<uint32_t>(min(64, p.h_q - ht * 64) * kD * 2));
+  }
+
   if (tid == 0) {
     // full: kFullCount producer arrivals; free: one per warp of the part's consumer warpgroup(s).
 #pragma unroll
@@ -473,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 4 * (kCluster ? 2 : 1));
     fence_barrier_init();
   }
-  if constexpr (kCluster) cl::sync();  // both CTAs' barriers initialised before any remote arrival
+  if constexpr (kCluster) cl::sync_after_init();  // both CTAs' barriers initialised before any remote arrival
   else __syncthreads();
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(1, tid == 0, clock64());
   // Cluster variant: this CTA's rank and the peer's barriers (shared::cluster addresses).
@@ -515,7 +551,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     const int row[2] = {tok, tok + 32};  // this thread's rows of every block
     // (nreq, nb): the block whose indices are loaded next, one block ahead of the fills.
     int nreq = begin_req, nb = 0;
-    ReqInfo nri = req_info(begin_req);
+    ReqInfo nri;
+    {
+      // The first request's lengths loaded above (broadcast from lane 0: uniform, so that the request
+      // walk stays in uniform registers).
+      const RequestLengths len{__shfl_sync(0xffffffffu, first_len.main, 0),
+                               __shfl_sync(0xffffffffu, first_len.extra, 0)};
+      int n_total;
+      request_blocks(p, len, nri.n_main, n_total);
+      nri.blk_lo = begin_blk;
+      const int blk_hi = min(begin_req == end_req ? end_blk : n_total, n_total);
+      nri.n_blk = max(blk_hi - nri.blk_lo, 0);
+      request_slot_limits(p, len, nri.lim_main, nri.lim_extra);
+    }
     auto skip_empty = [&]() {
       while (nreq <= end_req && nb >= nri.n_blk) {
         ++nreq;
@@ -524,8 +572,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       }
     };
     // Cache indices of this thread's rows of block (nreq, nb) (-1: slot past the request's
-    // topk_length); returns whether the block is in the extra cache.
-    auto block_indices = [&](int (&v)[2]) {
+    // topk_length); returns whether the block is in the extra cache. `first`: the block is block
+    // begin_blk of the first request, whose main-cache indices were loaded before the barrier set-up.
+    auto block_indices = [&](int (&v)[2], bool first = false) {
       const int blk = nri.blk_lo + nb;
       const bool is_extra = p.has_extra && blk >= nri.n_main;
       const SparseScope& sc = is_extra ? p.extra : p.main;
@@ -534,7 +583,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t slot = slot0 + row[i];
-        v[i] = slot < lim ? __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s + slot * sc.idx_stride_k))
+        v[i] = slot < lim ? (first && !is_extra ? first_idx[i]
+                                                : __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
+                                                                      slot * sc.idx_stride_k)))
                           : -1;
       }
       return is_extra;
@@ -572,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       RowAddr ra;
       {
         int v[2];
-        const bool ext = block_indices(v);
+        const bool ext = block_indices(v, nreq == begin_req);  // nb is 0 while nreq == begin_req
         addresses(v, ext, ra);
       }
       // One any-invalid flag per producer warp for buffer x (warpgroup 0 skips the masking of a block
