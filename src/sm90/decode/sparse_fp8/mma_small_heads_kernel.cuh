@@ -16,6 +16,7 @@
 // Only for 16-byte aligned caches (the mma.sync kernel keeps the byte-copy path).
 #pragma once
 
+#include "core/page_division.h"
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/host_utils.h"
 #include "sm90/common/decode_schedule.cuh"
@@ -129,10 +130,12 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
         const uint8_t* cache = is_extra ? p.extra.cache : p.main.cache;
         const int64_t bstride = is_extra ? p.extra.block_stride : p.main.block_stride;
         const int pbs = is_extra ? p.extra.page_block_size : p.main.page_block_size;
+        const uint32_t pbs_magic = is_extra ? p.extra.pbs_magic : p.main.pbs_magic;
         const bool valid = idx >= 0 && idx < num_tokens;
         const uint32_t u_idx = valid ? static_cast<uint32_t>(idx) : 0u;
-        const uint32_t blk_id = u_idx / static_cast<uint32_t>(pbs);
-        const uint32_t row = u_idx % static_cast<uint32_t>(pbs);
+        uint32_t blk_id;
+        int32_t row;
+        core::split_page_token(u_idx, static_cast<uint32_t>(pbs), pbs_magic, blk_id, row);  // no integer divider
         const uint8_t* block_base = cache + static_cast<int64_t>(blk_id) * bstride;
         const uint8_t* rec = block_base + static_cast<int64_t>(row) * (F == Fmt::kV32 ? 656 : 576);
 
@@ -145,17 +148,18 @@ __global__ void __launch_bounds__(small_heads::kThreads, 1) flash_fwd_splitkv_ml
 #pragma unroll
         for (int k = 0; k < 4; ++k) rope[k] = make_uint4(0u, 0u, 0u, 0u);
         if (valid) {
+          // Record lines kept in L1 and 256-byte L2 fetches, as the wgmma producer kernel's gathers.
           if constexpr (F == Fmt::kV32) {
-            scl = ldg16(rec + FC::kScaleRaw);
+            scl = ldg16_evict_last_l2_256(rec + FC::kScaleRaw);
           } else {
-            const uint2 s8 = ldg8(block_base + static_cast<int64_t>(pbs) * 576 + row * 8);
+            const uint2 s8 = ldg8_evict_last(block_base + static_cast<int64_t>(pbs) * 576 + row * 8);
             scl.x = s8.x;
             scl.y = s8.y;
           }
 #pragma unroll
-          for (int k = 0; k < PER_THR; ++k) raw[k] = ldg16(rec + (2 * k + hf) * 16);
+          for (int k = 0; k < PER_THR; ++k) raw[k] = ldg16_evict_last_l2_256(rec + (2 * k + hf) * 16);
 #pragma unroll
-          for (int k = 0; k < 4; ++k) rope[k] = ldg16(rec + FC::kRopeRaw + (2 * k + hf) * 16);
+          for (int k = 0; k < 4; ++k) rope[k] = ldg16_evict_last_l2_256(rec + FC::kRopeRaw + (2 * k + hf) * 16);
         }
 
         const int buf = kc & 1;
