@@ -876,6 +876,18 @@ def flash_attn_varlen_func(
                                max_seqlen_kv, softmax_scale, causal, is_varlen)
 
 
+def _packed_head_dim(head_dim_qk: Any, packed: Any, name: str, parts: int) -> int:
+    """``head_dim_qk`` of a packed variant as an int that splits ``packed`` (last dim: ``parts`` head dims of
+    q / k, then v) into non-empty pieces; ValueError naming it otherwise (a negative one would slice from the
+    end and could run on a wrong split, one too large would leave v empty)."""
+    d = _int_arg("head_dim_qk", head_dim_qk)
+    width = int(packed.shape[2])
+    if not 0 < parts * d < width:
+        times = f"{parts} * " if parts > 1 else ""
+        raise ValueError(f"head_dim_qk: expected 0 < {times}head_dim_qk < {name}.shape[2] = {width}, got {d}")
+    return d
+
+
 def flash_attn_varlen_qkvpacked_func(
     qkv: Any,
     cu_seqlens: Any,
@@ -890,12 +902,13 @@ def flash_attn_varlen_qkvpacked_func(
     """:func:`flash_attn_varlen_func` on one packed tensor ``qkv`` ``(total, h, 2 * head_dim_qk + d_v)``:
     q = ``qkv[:, :, :head_dim_qk]``, k = ``qkv[:, :, head_dim_qk:2 * head_dim_qk]``,
     v = ``qkv[:, :, 2 * head_dim_qk:]``, with one ``cu_seqlens`` / ``max_seqlen`` for queries and keys.
-    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError
+    unless ``0 < 2 * head_dim_qk < qkv.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(qkv=qkv)
     if len(qkv.shape) != 3:
         raise ValueError(f"qkv: expected a 3-D tensor (total, h, 2 * head_dim_qk + d_v), got shape {_shape(qkv)}")
-    d = _int_arg("head_dim_qk", head_dim_qk)
+    d = _packed_head_dim(head_dim_qk, qkv, "qkv", 2)
     return call_naming_seqlens(QKVPACKED_ARG_NAMES, _dense_prefill, qkv[:, :, :d], qkv[:, :, d:2 * d],
                                qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
                                is_varlen)
@@ -917,12 +930,13 @@ def flash_attn_varlen_kvpacked_func(
 ) -> Tuple[Any, Any]:
     """:func:`flash_attn_varlen_func` with k and v packed in ``kv`` ``(total_k, h_kv, head_dim_qk + d_v)``:
     k = ``kv[:, :, :head_dim_qk]``, v = ``kv[:, :, head_dim_qk:]``. Gradients flow back into ``kv``.
-    Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError unless
+    ``0 < head_dim_qk < kv.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(kv=kv)
     if len(kv.shape) != 3:
         raise ValueError(f"kv: expected a 3-D tensor (total_k, h_kv, head_dim_qk + d_v), got shape {_shape(kv)}")
-    d = _int_arg("head_dim_qk", head_dim_qk)
+    d = _packed_head_dim(head_dim_qk, kv, "kv", 1)
     return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo,
                                cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
 

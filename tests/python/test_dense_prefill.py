@@ -318,6 +318,27 @@ def test_packed_variants_match(rng):
     check_fwd(out, lse, case2)
 
 
+@pytest.mark.parametrize("head_dim_qk", [-128, -1, 0, 256, 300])
+def test_kvpacked_head_dim_qk_that_does_not_split_kv_is_rejected(rng, head_dim_qk):
+    # kv (total_k, h_kv, 256): k and v need 0 < head_dim_qk < 256. A negative one must not count from the end
+    # (-128 would split kv as 128 does and run), nor may one at or past the width leave v empty.
+    case = Case(rng, [3, 2], [4, 2], 2, 2, 128, 128, BF16, False)
+    kv = np.concatenate([case.k, case.v], -1)
+    with pytest.raises(ValueError, match=rf"^head_dim_qk: expected 0 < head_dim_qk < kv.shape\[2\] = 256, "
+                                         rf"got {head_dim_qk}$"):
+        flash_mla.flash_attn_varlen_kvpacked_func(case.q, kv, case.cu_q, case.cu_k, case.max_q, case.max_k,
+                                                  head_dim_qk)
+
+
+@pytest.mark.parametrize("head_dim_qk", [-128, -1, 0, 192, 500])
+def test_qkvpacked_head_dim_qk_that_does_not_split_qkv_is_rejected(rng, head_dim_qk):
+    case = Case(rng, [3, 2], [3, 2], 2, 2, 128, 128, BF16, False)
+    qkv = np.concatenate([case.q, case.k, case.v], -1)  # (total, h, 384): 0 < 2 * head_dim_qk < 384
+    with pytest.raises(ValueError, match=rf"^head_dim_qk: expected 0 < 2 \* head_dim_qk < qkv.shape\[2\] = 384, "
+                                         rf"got {head_dim_qk}$"):
+        flash_mla.flash_attn_varlen_qkvpacked_func(qkv, case.cu_q, case.max_q, head_dim_qk)
+
+
 # ----------------------------------------------------------------------------- errors
 def test_errors_name_the_argument(rng):
     case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
