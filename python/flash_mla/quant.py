@@ -119,10 +119,10 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     """
     c = _Caller(kv_cache, "kv_cache")
     x = c.host
-    fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
-    if len(x.shape) != 4:
+    if len(x.shape) != 4:  # (before the head dim is read from the last dim: a 0-d tensor has none)
         raise ValueError(f"kv_cache: expected a 4-D tensor (num_blocks, page_block_size, 1, d_qk), got shape "
                          f"{tuple(int(s) for s in x.shape)}")
+    fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
     nb, pbs = int(x.shape[0]), int(x.shape[1])  # (page_block_size > 0 is checked by the core, naming kv_cache)
     compact = pbs * _BYTES[fmt]
     if c.fw == "jax":

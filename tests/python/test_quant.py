@@ -198,6 +198,13 @@ def test_bad_head_dim_rejected():
         quant.dequantize_k_cache(np.zeros((1, 2, 1, 656), np.uint8), d_qk=128)
 
 
+@pytest.mark.parametrize("shape", [(), (576,)])
+def test_quantize_low_rank_cache_names_kv_cache(shape):
+    # (the head dim is read from the last dim: a 0-d tensor has none)
+    with pytest.raises(ValueError, match=r"^kv_cache: expected a 4-D tensor \(num_blocks, page_block_size, 1, d_qk\)"):
+        quant.quantize_k_cache(np.zeros(shape, np.float32).astype(BF16))
+
+
 def test_quant_module_exported():
     assert flash_mla.quant is quant
     assert quant.format_for_head_dim(576) != quant.format_for_head_dim(512)
