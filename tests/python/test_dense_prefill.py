@@ -419,6 +419,21 @@ def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_
         packed(qkv, cu_q, 3.5, 128)
 
 
+@pytest.mark.parametrize("flag", ["causal", "is_varlen", "deterministic"])
+@pytest.mark.parametrize("bad", ["False", b"", [False]], ids=repr)
+def test_flags_must_not_be_strings_or_containers(rng, flag, bad):
+    """causal="False" (truthy) ran a causal prefill and is_varlen="False" a varlen one, silently: a TypeError
+    naming the flag now, on the forward and the backward."""
+    case = Case(rng, [3, 2], [4, 2], 2, 2, 128, 128, BF16, False)
+    q, k, v, cu_q, cu_k, mq, mk = case.args()
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got "):
+        flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **{flag: bad})
+    if flag != "deterministic":
+        out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+        with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got "):
+            flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **{flag: bad})
+
+
 # ----------------------------------------------------------------------------- torch
 
 
