@@ -823,6 +823,18 @@ def _make_flash_attn_varlen_function() -> bool:
 _make_flash_attn_varlen_function._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _distinct_tensors(*tensors):
+    """The torch tensors with each repeat of an earlier one replaced by a view of it: one tensor given in two roles
+    (one cu_seqlens for queries and keys, as qkvpacked always passes; q is k) is legal, but Dynamo refuses one
+    tensor given twice to autograd.Function.apply ("duplicate tensor input"), which failed
+    torch.compile(fullgraph=True). A view reads the same memory, and its gradient reaches the tensor."""
+    out = list(tensors)
+    for i in range(1, len(out)):
+        if any(out[i] is out[j] for j in range(i)):
+            out[i] = out[i].view_as(out[i])
+    return out
+
+
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
                    is_varlen):
     """The forward of the flash_attn_varlen_* functions (errors name the arguments flash_attn_varlen_func's way:
@@ -831,6 +843,7 @@ def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seq
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     fw = _ffi.framework_of(q)
     if fw == "torch":
+        q, k, v, cu_q, cu_k = _distinct_tensors(q, k, v, cu_q, cu_k)
         return tuple(_flash_attn_varlen_function().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
     if fw == "jax" and _jax_use_xla(q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k):
         from . import _jax  # XLA custom calls with a jax.custom_vjp (jax.grad, jax.jit)

@@ -594,15 +594,43 @@ def test_torch_ops_registered_autograd_fake_and_compile(rng):
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("call", ["one_cu_seqlens", "q_is_k_is_v", "qkvpacked", "kvpacked_one_cu_seqlens"])
+def test_torch_compile_fullgraph_with_one_tensor_in_two_roles(rng, call):
+    """Self-attention passes one cu_seqlens for queries and keys (qkvpacked always does), or one tensor as q, k and
+    v. Dynamo rejects one tensor given twice to autograd.Function.apply ("duplicate tensor input"), so under
+    torch.compile(fullgraph=True) with inputs that require grad these calls failed; forward and gradients must
+    be eager's."""
+    torch = _torch()
+    case = Case(rng, [3, 5], [3, 5], 2, 2, 128, 128, BF16, True)
+    cu, x = _t(case.cu_q), _t(case.q)
+    packed = {"qkvpacked": 384, "kvpacked_one_cu_seqlens": 256}.get(call)
+    leaf = torch.cat([x] * (packed // 128), -1) if packed else x
+
+    def step(t):
+        if call == "one_cu_seqlens":
+            return flash_mla.flash_attn_varlen_func(t, t * 2, t * 3, cu, cu, 5, 5, causal=True)[0]
+        if call == "q_is_k_is_v":
+            return flash_mla.flash_attn_varlen_func(t, t, t, cu, cu.clone(), 5, 5, causal=True)[0]
+        if call == "qkvpacked":
+            return flash_mla.flash_attn_varlen_qkvpacked_func(t, cu, 5, 128, causal=True)[0]
+        return flash_mla.flash_attn_varlen_kvpacked_func(t[..., :128], t, cu, cu, 5, 5, 128, causal=True)[0]
+
+    ref_in, comp_in = (leaf.detach().clone().requires_grad_() for _ in range(2))
+    ref = step(ref_in)
+    ref.float().square().sum().backward()
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(comp_in)
+    out.float().square().sum().backward()
+    assert torch.equal(out, ref) and torch.equal(comp_in.grad, ref_in.grad)
+
+
 _FIRST_CALL_COMPILED = r"""
 import sys, torch, flash_mla
 torch.manual_seed(0)
 cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-cu_k = cu.clone()  # (one tensor passed as two inputs of an autograd.Function is a graph break in newer Dynamo)
 q, k, v = (torch.randn(10, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
 def step(q, k, v):
-    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu_k, 6, 6, causal=True)[0]
+    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)[0]
 
 out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
 out.float().square().sum().backward()
