@@ -31,7 +31,8 @@ from __future__ import annotations
 from typing import Any, List
 
 from . import _torch_ops
-from .flash_mla_interface import _check_destinations, _dense_prefill_args, _float_arg, _int_arg, call_naming_seqlens
+from .flash_mla_interface import (_bool_arg, _check_destinations, _dense_prefill_args, _float_arg, _int_arg,
+                                  call_naming_seqlens)
 
 if not _torch_ops.available():
     raise ImportError(f"flash_mla.cuda needs PyTorch and torch.ops.flash_mla: {_torch_ops.load_error()}")
@@ -78,7 +79,8 @@ def dense_decode_fwd(q: Any, k_cache: Any, head_dim_v: int, cache_seqlens: Any, 
     op = (_torch_ops.dense_decode_fwd_scheduled if tile_scheduler_metadata is not None and num_splits is not None
           else _torch_ops.dense_decode_fwd)
     res = op(q, k_cache, _int_arg("head_dim_v", head_dim_v), cache_seqlens, block_table,
-             _float_arg("softmax_scale", softmax_scale), bool(causal), tile_scheduler_metadata, num_splits)
+             _float_arg("softmax_scale", softmax_scale), _bool_arg("causal", causal), tile_scheduler_metadata,
+             num_splits)
     return _with_metadata(res, tile_scheduler_metadata, num_splits)
 
 
@@ -133,7 +135,7 @@ def _dense_prefill_fwd(workspace, q, k, v, cu_seqlens_q, cu_seqlens_kv, out, lse
     _require_torch(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, out=out, lse=lse)
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
+        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), _bool_arg("is_varlen", is_varlen))
     o, l = _torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
     _check_destinations(("out", "lse"), (out, lse), (o, l))  # (all checked before any is written)
     out.copy_(o)
@@ -155,7 +157,7 @@ def _dense_prefill_bwd(workspace, dout, q, k, v, out, lse, cu_seqlens_q, cu_seql
                    cu_seqlens_kv=cu_seqlens_kv, dq=dq, dk=dk, dv=dv)
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
-        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), bool(is_varlen))
+        _float_arg("softmax_scale", softmax_scale), _mask_mode(mask_mode_code), _bool_arg("is_varlen", is_varlen))
     grads = _torch_ops.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
     _check_destinations(("dq", "dk", "dv"), (dq, dk, dv), grads)  # (all checked before any is written)
     for dst, src in zip((dq, dk, dv), grads):

@@ -311,11 +311,22 @@ def sparse_prefill_step(be: Backend, rng, big: bool, quick: bool) -> Result:
                   _reference_name(be))
 
 
+def _seed(text: str) -> int:
+    """--seed: a non-negative integer (what NumPy's default_rng takes), else a usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 def main(argv: List[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_mla demo", description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--quick", action="store_true", help="smallest sizes (a few seconds on a CPU)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=_seed, default=0, help="non-negative integer seed of the random inputs")
     args = ap.parse_args(argv)
     from rich.console import Console
     from rich.progress import Progress

@@ -193,6 +193,18 @@ def _float_arg(name: str, value: Any) -> float:
     return value
 
 
+def _bool_arg(name: str, value: Any) -> bool:
+    """A flag argument as a bool. Bools, None, numbers and other objects with a truth value of their own are
+    taken by truth (as FlashMLA's C++ ``bool`` parameters take them); strings, bytes and containers, whose truth
+    is their length (``"False"`` is true), are a TypeError naming the argument."""
+    if type(value) is bool:  # the common case, and the one torch.compile traces
+        return value
+    kind = type(value)
+    if isinstance(value, (str, bytes, bytearray)) or (not hasattr(kind, "__bool__") and hasattr(kind, "__len__")):
+        raise TypeError(f"{name}: expected a bool, got {kind.__name__} {value!r}")
+    return bool(value)
+
+
 def _default_softmax_scale(d_qk: Any) -> float:
     """FlashMLA's default softmax scale ``d_qk ** -0.5`` (1.0 for d_qk 0, which the C++ validation rejects).
     ``operator.index`` turns a symbolic size of torch.compile's dynamic shapes into a concrete int (Dynamo
@@ -256,7 +268,8 @@ def flash_mla_with_kvcache(
 
     Raises (each message names the argument): ``TypeError`` for a missing / non-tensor ``q`` or
     ``k_cache``, a non-tensor optional argument, a wrong dtype or a non-numeric / non-integer scalar
-    (a ``softmax_scale`` that is a string, bytes or a boolean included); ``ValueError`` for a NaN /
+    (a ``softmax_scale`` that is a string, bytes or a boolean included), a ``causal`` or ``is_fp8_kvcache`` that
+    is a string, bytes or a container (``"False"`` is truthy); ``ValueError`` for a NaN /
     infinite ``softmax_scale``, wrong ranks or shapes, a missing ``block_table`` / ``cache_seqlens`` in dense
     mode, a sparse-only argument in dense mode, ``head_dim_v`` other than 512, tensors on
     different devices, a non-contiguous last dimension, block-table entries or indices out of
@@ -353,12 +366,13 @@ def flash_mla_with_kvcache(
         head_dim_v = _int_arg("head_dim_v", head_dim_v)
     if type(softmax_scale) is not float or not _isfinite(softmax_scale):
         softmax_scale = _float_arg("softmax_scale", softmax_scale)
-    causal = bool(causal)
+    causal = _bool_arg("causal", causal)
+    is_fp8_kvcache = _bool_arg("is_fp8_kvcache", is_fp8_kvcache)
     topk = int(indices.shape[-1]) if indices is not None else None
     extra_pbs = int(extra_k_cache.shape[1]) if extra_k_cache is not None else None
     extra_topk = int(extra_indices_in_kvcache.shape[-1]) if extra_indices_in_kvcache is not None else None
     config_key = (  # FlashMLASchedMeta.Config's fields; a plain tuple compares ~10x faster than the dataclass
-        b, s_q, h_q, int(k_shape[1]), int(k_shape[2]), causal, bool(is_fp8_kvcache), topk, extra_pbs, extra_topk,
+        b, s_q, h_q, int(k_shape[1]), int(k_shape[2]), causal, is_fp8_kvcache, topk, extra_pbs, extra_topk,
     )
     # torch tensors take the torch.ops path or, eager on CUDA, the TVM-FFI function directly (_torch_ops.route),
     # JAX arrays XLA custom calls (flash_mla/_jax.py, also under jax.jit), everything else TVM-FFI.
@@ -626,6 +640,7 @@ def flash_mla_sparse_fwd(
 # ----------------------------------------------------------------------------- dense MHA prefill
 def _dense_prefill_check_flags(dropout_p: Any, deterministic: Any) -> None:
     """FlashMLA's ``assert dropout_p == 0.0`` and ``assert not deterministic`` (spec §1.5)."""
+    deterministic = _bool_arg("deterministic", deterministic)
     if dropout_p != 0.0:
         raise _AssertValueError(f"dropout_p: dropout is not supported, expected 0.0, got {dropout_p!r}")
     if deterministic:
@@ -720,7 +735,7 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
     if type(max_k) is not int:
         max_k = _int_arg("max_seqlen_kv", max_k)
     cu_q, cu_k = cu_seqlens_qo, cu_seqlens_kv
-    if not is_varlen:
+    if not _bool_arg("is_varlen", is_varlen):
         if len(cu_q.shape) != 1 or int(cu_q.shape[0]) < 2:
             raise ValueError(f"cu_seqlens_qo: expected shape (b + 1,) with b >= 1, got {_shape(cu_q)}")
         b = int(cu_q.shape[0]) - 1
@@ -731,7 +746,7 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
                 f"{total_k} must be multiples of b = {b} (cu_seqlens_qo.shape[0] - 1)")
         max_q, max_k = total_q // b, total_k // b
         cu_q, cu_k = _uniform_cu_seqlens(q, b, max_q), _uniform_cu_seqlens(q, b, max_k)
-    return cu_q, cu_k, max_q, max_k, scale, bool(causal)
+    return cu_q, cu_k, max_q, max_k, scale, _bool_arg("causal", causal)
 
 
 def _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
@@ -808,6 +823,18 @@ def _make_flash_attn_varlen_function() -> bool:
 _make_flash_attn_varlen_function._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
+def _distinct_tensors(*tensors):
+    """The torch tensors with each repeat of an earlier one replaced by a view of it: one tensor given in two roles
+    (one cu_seqlens for queries and keys, as qkvpacked always passes; q is k) is legal, but Dynamo refuses one
+    tensor given twice to autograd.Function.apply ("duplicate tensor input"), which failed
+    torch.compile(fullgraph=True). A view reads the same memory, and its gradient reaches the tensor."""
+    out = list(tensors)
+    for i in range(1, len(out)):
+        if any(out[i] is out[j] for j in range(i)):
+            out[i] = out[i].view_as(out[i])
+    return out
+
+
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
                    is_varlen):
     """The forward of the flash_attn_varlen_* functions (errors name the arguments flash_attn_varlen_func's way:
@@ -816,6 +843,7 @@ def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seq
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     fw = _ffi.framework_of(q)
     if fw == "torch":
+        q, k, v, cu_q, cu_k = _distinct_tensors(q, k, v, cu_q, cu_k)
         return tuple(_flash_attn_varlen_function().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
     if fw == "jax" and _jax_use_xla(q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k):
         from . import _jax  # XLA custom calls with a jax.custom_vjp (jax.grad, jax.jit)
@@ -865,7 +893,8 @@ def flash_attn_varlen_func(
     when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
     by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv.
 
-    Raises (each message names the argument): ``TypeError`` for non-tensors and wrong dtypes;
+    Raises (each message names the argument): ``TypeError`` for non-tensors, wrong dtypes and flags
+    (``causal``, ``is_varlen``, ``deterministic``) given as strings, bytes or containers;
     ``ValueError`` for wrong shapes, unsupported head dims ("no kernel for d_qk=… d_v=…"),
     ``h_q % h_kv != 0``, tensors on different devices, a non-contiguous last dim, and on the CPU
     cu_seqlens values that do not start at 0, decrease, do not end at total_q / total_k or exceed
@@ -874,6 +903,18 @@ def flash_attn_varlen_func(
     _dense_prefill_check_flags(dropout_p, deterministic)
     return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
                                max_seqlen_kv, softmax_scale, causal, is_varlen)
+
+
+def _packed_head_dim(head_dim_qk: Any, packed: Any, name: str, parts: int) -> int:
+    """``head_dim_qk`` of a packed variant as an int that splits ``packed`` (last dim: ``parts`` head dims of
+    q / k, then v) into non-empty pieces; ValueError naming it otherwise (a negative one would slice from the
+    end and could run on a wrong split, one too large would leave v empty)."""
+    d = _int_arg("head_dim_qk", head_dim_qk)
+    width = int(packed.shape[2])
+    if not 0 < parts * d < width:
+        times = f"{parts} * " if parts > 1 else ""
+        raise ValueError(f"head_dim_qk: expected 0 < {times}head_dim_qk < {name}.shape[2] = {width}, got {d}")
+    return d
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -890,12 +931,13 @@ def flash_attn_varlen_qkvpacked_func(
     """:func:`flash_attn_varlen_func` on one packed tensor ``qkv`` ``(total, h, 2 * head_dim_qk + d_v)``:
     q = ``qkv[:, :, :head_dim_qk]``, k = ``qkv[:, :, head_dim_qk:2 * head_dim_qk]``,
     v = ``qkv[:, :, 2 * head_dim_qk:]``, with one ``cu_seqlens`` / ``max_seqlen`` for queries and keys.
-    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError
+    unless ``0 < 2 * head_dim_qk < qkv.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(qkv=qkv)
     if len(qkv.shape) != 3:
         raise ValueError(f"qkv: expected a 3-D tensor (total, h, 2 * head_dim_qk + d_v), got shape {_shape(qkv)}")
-    d = _int_arg("head_dim_qk", head_dim_qk)
+    d = _packed_head_dim(head_dim_qk, qkv, "qkv", 2)
     return call_naming_seqlens(QKVPACKED_ARG_NAMES, _dense_prefill, qkv[:, :, :d], qkv[:, :, d:2 * d],
                                qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
                                is_varlen)
@@ -917,12 +959,13 @@ def flash_attn_varlen_kvpacked_func(
 ) -> Tuple[Any, Any]:
     """:func:`flash_attn_varlen_func` with k and v packed in ``kv`` ``(total_k, h_kv, head_dim_qk + d_v)``:
     k = ``kv[:, :, :head_dim_qk]``, v = ``kv[:, :, head_dim_qk:]``. Gradients flow back into ``kv``.
-    Returns ``(out, lse)``; errors as flash_attn_varlen_func."""
+    Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError unless
+    ``0 < head_dim_qk < kv.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(kv=kv)
     if len(kv.shape) != 3:
         raise ValueError(f"kv: expected a 3-D tensor (total_k, h_kv, head_dim_qk + d_v), got shape {_shape(kv)}")
-    d = _int_arg("head_dim_qk", head_dim_qk)
+    d = _packed_head_dim(head_dim_qk, kv, "kv", 1)
     return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo,
                                cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
 

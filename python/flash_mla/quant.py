@@ -18,6 +18,7 @@ import numpy as np
 
 from . import _ffi
 from . import _torch_ops
+from .flash_mla_interface import _int_arg
 
 FORMAT_V32 = 2  # flashmla::KVFormat::kFP8V32  (d_qk = 576, 656 bytes/token)
 FORMAT_MODEL1 = 3  # flashmla::KVFormat::kFP8Model1 (d_qk = 512, 584 bytes/token)
@@ -115,14 +116,17 @@ def quantize_k_cache(kv_cache: Any, d_qk: Optional[int] = None, block_stride: Op
     Raises ``ValueError`` for a head dim other than 576 / 512, a shape other than
     ``(num_blocks, page_block_size > 0, 1, d_qk)`` or a ``block_stride`` below
     ``page_block_size`` times the bytes per token (or, for JAX, another than that); ``TypeError``
-    for a dtype other than bf16 or an argument that is not a tensor.
+    for a dtype other than bf16, an argument that is not a tensor, or a ``d_qk`` / ``block_stride`` that
+    is not an integer (``576.9`` and ``"576"`` are not truncated or parsed).
     """
     c = _Caller(kv_cache, "kv_cache")
     x = c.host
-    fmt = format_for_head_dim(int(d_qk if d_qk is not None else x.shape[-1]))
-    if len(x.shape) != 4:
+    if len(x.shape) != 4:  # (before the head dim is read from the last dim: a 0-d tensor has none)
         raise ValueError(f"kv_cache: expected a 4-D tensor (num_blocks, page_block_size, 1, d_qk), got shape "
                          f"{tuple(int(s) for s in x.shape)}")
+    fmt = format_for_head_dim(int(x.shape[-1]) if d_qk is None else _int_arg("d_qk", d_qk))
+    if block_stride is not None:
+        block_stride = _int_arg("block_stride", block_stride)
     nb, pbs = int(x.shape[0]), int(x.shape[1])  # (page_block_size > 0 is checked by the core, naming kv_cache)
     compact = pbs * _BYTES[fmt]
     if c.fw == "jax":
@@ -150,9 +154,10 @@ def dequantize_k_cache(packed: Any, d_qk: int = 576):
     device. ``d_qk`` 576 reads V32, 512 MODEL1.
     Raises ``ValueError`` for another head dim or a ``packed`` shape / stride that is not the
     format's ``(num_blocks, page_block_size, 1, 656 | 584)`` layout, ``TypeError`` for another dtype,
-    an argument that is not a tensor, or a CuPy array (CuPy has no bfloat16 for the result).
+    an argument that is not a tensor, a ``d_qk`` that is not an integer, or a CuPy array (CuPy has no
+    bfloat16 for the result).
     """
-    fmt = format_for_head_dim(int(d_qk))
+    fmt = format_for_head_dim(_int_arg("d_qk", d_qk))
     if _ffi.framework_of(packed) == "cupy":
         raise TypeError("packed: the result is bfloat16, which CuPy does not have; pass the bytes as another "
                         "framework's tensor (e.g. torch.from_dlpack(packed)) or as NumPy (packed.get())")

@@ -57,3 +57,10 @@ def test_version_and_info():
     assert proc.returncode == 0 and proc.stdout.strip() == flash_mla.__version__
     proc = subprocess.run([sys.executable, "-m", "flash_mla", "--info"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "sm_90a CUDA kernels built" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_demo_negative_seed_is_a_usage_error_not_a_traceback():
+    proc = _demo("--quick", "--seed", "-5")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "--seed: expected a non-negative integer, got '-5'" in proc.stderr, \
+        proc.stderr

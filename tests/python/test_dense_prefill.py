@@ -318,6 +318,27 @@ def test_packed_variants_match(rng):
     check_fwd(out, lse, case2)
 
 
+@pytest.mark.parametrize("head_dim_qk", [-128, -1, 0, 256, 300])
+def test_kvpacked_head_dim_qk_that_does_not_split_kv_is_rejected(rng, head_dim_qk):
+    # kv (total_k, h_kv, 256): k and v need 0 < head_dim_qk < 256. A negative one must not count from the end
+    # (-128 would split kv as 128 does and run), nor may one at or past the width leave v empty.
+    case = Case(rng, [3, 2], [4, 2], 2, 2, 128, 128, BF16, False)
+    kv = np.concatenate([case.k, case.v], -1)
+    with pytest.raises(ValueError, match=rf"^head_dim_qk: expected 0 < head_dim_qk < kv.shape\[2\] = 256, "
+                                         rf"got {head_dim_qk}$"):
+        flash_mla.flash_attn_varlen_kvpacked_func(case.q, kv, case.cu_q, case.cu_k, case.max_q, case.max_k,
+                                                  head_dim_qk)
+
+
+@pytest.mark.parametrize("head_dim_qk", [-128, -1, 0, 192, 500])
+def test_qkvpacked_head_dim_qk_that_does_not_split_qkv_is_rejected(rng, head_dim_qk):
+    case = Case(rng, [3, 2], [3, 2], 2, 2, 128, 128, BF16, False)
+    qkv = np.concatenate([case.q, case.k, case.v], -1)  # (total, h, 384): 0 < 2 * head_dim_qk < 384
+    with pytest.raises(ValueError, match=rf"^head_dim_qk: expected 0 < 2 \* head_dim_qk < qkv.shape\[2\] = 384, "
+                                         rf"got {head_dim_qk}$"):
+        flash_mla.flash_attn_varlen_qkvpacked_func(qkv, case.cu_q, case.max_q, head_dim_qk)
+
+
 # ----------------------------------------------------------------------------- errors
 def test_errors_name_the_argument(rng):
     case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
@@ -396,6 +417,21 @@ def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_
         packed(qkv, np.array([1, 3, 5], np.int32), mq, 128)
     with pytest.raises(TypeError, match=r"^max_seqlen: expected an int"):
         packed(qkv, cu_q, 3.5, 128)
+
+
+@pytest.mark.parametrize("flag", ["causal", "is_varlen", "deterministic"])
+@pytest.mark.parametrize("bad", ["False", b"", [False]], ids=repr)
+def test_flags_must_not_be_strings_or_containers(rng, flag, bad):
+    """causal="False" (truthy) ran a causal prefill and is_varlen="False" a varlen one, silently: a TypeError
+    naming the flag now, on the forward and the backward."""
+    case = Case(rng, [3, 2], [4, 2], 2, 2, 128, 128, BF16, False)
+    q, k, v, cu_q, cu_k, mq, mk = case.args()
+    with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got "):
+        flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **{flag: bad})
+    if flag != "deterministic":
+        out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+        with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got "):
+            flash_mla.flash_attn_varlen_backward(case.dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **{flag: bad})
 
 
 # ----------------------------------------------------------------------------- torch
@@ -558,15 +594,43 @@ def test_torch_ops_registered_autograd_fake_and_compile(rng):
         assert torch.equal(a.grad, b.grad)
 
 
+@pytest.mark.parametrize("call", ["one_cu_seqlens", "q_is_k_is_v", "qkvpacked", "kvpacked_one_cu_seqlens"])
+def test_torch_compile_fullgraph_with_one_tensor_in_two_roles(rng, call):
+    """Self-attention passes one cu_seqlens for queries and keys (qkvpacked always does), or one tensor as q, k and
+    v. Dynamo rejects one tensor given twice to autograd.Function.apply ("duplicate tensor input"), so under
+    torch.compile(fullgraph=True) with inputs that require grad these calls failed; forward and gradients must
+    be eager's."""
+    torch = _torch()
+    case = Case(rng, [3, 5], [3, 5], 2, 2, 128, 128, BF16, True)
+    cu, x = _t(case.cu_q), _t(case.q)
+    packed = {"qkvpacked": 384, "kvpacked_one_cu_seqlens": 256}.get(call)
+    leaf = torch.cat([x] * (packed // 128), -1) if packed else x
+
+    def step(t):
+        if call == "one_cu_seqlens":
+            return flash_mla.flash_attn_varlen_func(t, t * 2, t * 3, cu, cu, 5, 5, causal=True)[0]
+        if call == "q_is_k_is_v":
+            return flash_mla.flash_attn_varlen_func(t, t, t, cu, cu.clone(), 5, 5, causal=True)[0]
+        if call == "qkvpacked":
+            return flash_mla.flash_attn_varlen_qkvpacked_func(t, cu, 5, 128, causal=True)[0]
+        return flash_mla.flash_attn_varlen_kvpacked_func(t[..., :128], t, cu, cu, 5, 5, 128, causal=True)[0]
+
+    ref_in, comp_in = (leaf.detach().clone().requires_grad_() for _ in range(2))
+    ref = step(ref_in)
+    ref.float().square().sum().backward()
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")(comp_in)
+    out.float().square().sum().backward()
+    assert torch.equal(out, ref) and torch.equal(comp_in.grad, ref_in.grad)
+
+
 _FIRST_CALL_COMPILED = r"""
 import sys, torch, flash_mla
 torch.manual_seed(0)
 cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-cu_k = cu.clone()  # (one tensor passed as two inputs of an autograd.Function is a graph break in newer Dynamo)
 q, k, v = (torch.randn(10, 2, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
 def step(q, k, v):
-    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu_k, 6, 6, causal=True)[0]
+    return flash_mla.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)[0]
 
 out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
 out.float().square().sum().backward()

@@ -486,6 +486,27 @@ def test_scale_accepts_real_numbers(dense, prefill, good):
     np.testing.assert_array_equal(np.asarray(res[2]), np.asarray(ref[2]))
 
 
+# ----------------------------------------------------------------------------- flag arguments
+NOT_A_FLAG = ["False", "True", "", b"0", bytearray(b"0"), [False], ()]
+
+
+@pytest.mark.parametrize("bad", NOT_A_FLAG, ids=lambda v: type(v).__name__ + "-" + repr(v)[:12])
+def test_decode_flags_must_not_be_strings_or_containers(dense, sparse, bad):
+    """causal="False" is truthy: taken as a flag it ran a causal decode silently. Strings, bytes and containers
+    (whose truth is their length) are a TypeError naming the flag; bools, None and numbers stay accepted, as
+    FlashMLA's C++ bool parameters take them."""
+    with pytest.raises(TypeError, match=r"^causal: expected a bool, got "):
+        call_dense(dense, causal=bad)
+    with pytest.raises(TypeError, match=r"^is_fp8_kvcache: expected a bool, got "):
+        call_sparse(sparse, is_fp8_kvcache=bad)
+
+
+def test_decode_flags_accept_bools_numbers_and_none(dense):
+    ref = call_dense(dense, causal=False)
+    for ok in (None, 0, np.bool_(False), np.int64(0)):
+        np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=ok)[1]), np.asarray(ref[1]))
+
+
 # ----------------------------------------------------------------------------- FLASHMLA_NUM_THREADS
 _THREADS_PROBE = r"""
 import numpy as np, flash_mla, sys

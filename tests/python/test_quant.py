@@ -198,6 +198,32 @@ def test_bad_head_dim_rejected():
         quant.dequantize_k_cache(np.zeros((1, 2, 1, 656), np.uint8), d_qk=128)
 
 
+@pytest.mark.parametrize("bad", [576.9, "576", b"576"])
+def test_quant_integer_arguments_are_named_and_not_truncated(bad):
+    kv = np.zeros((1, 2, 1, 576), np.float32).astype(BF16)
+    packed = quant.quantize_k_cache(kv)
+    with pytest.raises(TypeError, match=r"^d_qk: expected an int, got "):
+        quant.quantize_k_cache(kv, d_qk=bad)
+    with pytest.raises(TypeError, match=r"^d_qk: expected an int, got "):
+        quant.dequantize_k_cache(packed, d_qk=bad)
+    with pytest.raises(TypeError, match=r"^block_stride: expected an int, got "):
+        quant.quantize_k_cache(kv, block_stride=3000.5 if isinstance(bad, float) else bad)
+    with pytest.raises(TypeError, match=r"^d_qk: expected an int, got NoneType"):
+        quant.dequantize_k_cache(packed, d_qk=None)
+    # NumPy integers are integers
+    again = quant.quantize_k_cache(kv, d_qk=np.int64(576), block_stride=np.int32(3 * 656))
+    np.testing.assert_array_equal(again, quant.quantize_k_cache(kv, block_stride=3 * 656))
+    np.testing.assert_array_equal(quant.dequantize_k_cache(packed, d_qk=np.int16(576)).view(np.uint16),
+                                  quant.dequantize_k_cache(packed).view(np.uint16))
+
+
+@pytest.mark.parametrize("shape", [(), (576,)])
+def test_quantize_low_rank_cache_names_kv_cache(shape):
+    # (the head dim is read from the last dim: a 0-d tensor has none)
+    with pytest.raises(ValueError, match=r"^kv_cache: expected a 4-D tensor \(num_blocks, page_block_size, 1, d_qk\)"):
+        quant.quantize_k_cache(np.zeros(shape, np.float32).astype(BF16))
+
+
 def test_quant_module_exported():
     assert flash_mla.quant is quant
     assert quant.format_for_head_dim(576) != quant.format_for_head_dim(512)
