@@ -84,20 +84,26 @@ struct Cfg : mma_core::Tile<R> {
 using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 
 // Gathers of flash_fwd_splitkv_mla_fp8_sparse_kernel (build switch, default 0):
-//   0: the 16-byte aligned path copies records by cp.async.cg (L2 only, each 64-byte piece of a record
-//      its own L2 request) and finds a token's page block and row by integer division and remainder
-//      (~25 dependent instructions on every block's address chain);
+//   0: the 16-byte aligned path copies records by cp.async.cg (L2 only: each warp instruction's 64 bytes
+//      of a record go to L2 on their own, and a sector that two of them share is fetched twice) and
+//      finds a token's page block and row by integer division and remainder (~25 dependent
+//      instructions on every block's address chain);
 //   1: as the small-heads and wgmma producers' gathers (docs/sparse-fp8-decode.md): cp.async.ca with the
-//      L2::256B prefetch size (cp_async_16_ca_l2_256: the record's lines are allocated in L1, so the
-//      pieces of one record that share a 128-byte line become one L2 request, and L2 fetches 256-byte
-//      neighbourhoods from DRAM; cp.async has no L1 eviction-priority qualifier, .ca is its
-//      L1-allocating form, as ld's L1::evict_last), and the page block by multiply-high
+//      L2::256B prefetch size (cp_async_16_ca_l2_256: the record's lines are allocated in L1, so a
+//      shared sector is fetched from L2 once, and L2 fetches 256-byte neighbourhoods from DRAM;
+//      cp.async has no L1 eviction-priority qualifier, .ca is its L1-allocating form, as ld's
+//      L1::evict_last), and the page block by multiply-high
 //      (core::split_page_token with the scope's pbs_magic). The division is exact for every token
 //      index, so the unaligned byte-copy path takes it too; its loads are unchanged. MODEL1's 8-byte
-//      scale copy is cp.async.ca in both.
+//      scale copy is cp.async.ca in both;
+//   2: only the multiply-high division (the gathers as 0), to tell the two changes apart: with 1 the
+//      gathers allocate L1 lines, of which this kernel's shared memory (BM 32: 195 KB, two 41 KB raw
+//      stages in flight) leaves at most ~60 KB.
 #ifndef FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
 #define FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER 0
 #endif
+static_assert(FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER >= 0 && FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER <= 2,
+              "FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER: 0, 1 or 2");
 
 // cp_async_16 allocating in L1 (.ca) with the L2::256B prefetch size; zero-fills without reading `src`
 // when !valid.
@@ -359,7 +365,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       const int vec = is_extra ? p.extra.vec : p.main.vec;
       const bool valid = idx >= 0 && idx < num_tokens;
       const uint32_t u_idx = valid ? static_cast<uint32_t>(idx) : 0u;
-#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
+#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER != 0
       uint32_t blk_id;
       int32_t row;
       core::split_page_token(u_idx, static_cast<uint32_t>(pbs), is_extra ? p.extra.pbs_magic : p.main.pbs_magic,
@@ -373,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       const uint32_t dst_u = sRaw_u + st * CF::kSmemRawStage + g_tok * kRawStride;
       if (vec) {
         for (int c = g_q4; c < FC::kRawChunks; c += 4)
-#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
+#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER == 1
           cp_async_16_ca_l2_256(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
 #else
           cp_async_16(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
