@@ -20,8 +20,8 @@ Rows: the five of issue 24 (b, s_q, h_q) = (128, 1, 16), (128, 2, 16), (128, 2, 
 (8, 1, 16); `--sweep` adds ours native against ours padded for h_q 1, 8, 16, 24, 32, 48 at b 4, 8, 16,
 32, 64, 128 and s_q 1, 2: the "never slower than our own padded kernel" check, across the query-token
 count at which the library moves small head counts onto the 64-row wgmma kernel. `--cases B,S_Q,H_Q ...`
-runs only the given (b, s_q, h_q), each with all three columns (e.g. the rows of one kernel in an A/B). `--d-qk 512` runs
-the same rows and sweep in the MODEL1 format (d_qk 512, s_kv 16384, topk 512, page block 64), FlashMLA
+runs only the given (b, s_q, h_q), each with all three columns (e.g. the rows of one kernel in an A/B).
+`--d-qk 512` runs the same rows and sweep in the MODEL1 format (d_qk 512, s_kv 16384, topk 512, page block 64), FlashMLA
 too (its sm90 kernels take MODEL1 at 64 and 128 heads).
 
 The document also records the ceilings of the same run (`ceilings`: bf16 matmul TFLOP/s and device copy
@@ -29,7 +29,8 @@ GB/s, measured before the workers start) and which package ran (`ours`), written
 `side_by_side_flashmla.py` (the ceilings: `common.measure_ceilings`), as its documents carry them.
 
 Usage (GPU machine, repository root, ours installed, anchor built by `bash .anchor/build.sh`):
-  python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep | --cases B,S_Q,H_Q ...] [--d-qk 512]
+  python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep | --cases B,S_Q,H_Q ...]
+      [--d-qk 512]
 Writes OUT_DIR/<date>-sparse-decode-tp-vs-flashmla.json (MODEL1: <date>-sparse-decode-tp-model1-vs-flashmla.json).
 """
 
