@@ -96,20 +96,26 @@ using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 //      (core::split_page_token with the scope's pbs_magic). The division is exact for every token
 //      index, so the unaligned byte-copy path takes it too; its loads are unchanged. MODEL1's 8-byte
 //      scale copy is cp.async.ca in both;
-//   2: only the multiply-high division (the gathers as 0), to tell the two changes apart: with 1 the
-//      gathers allocate L1 lines, of which this kernel's shared memory (BM 32: 195 KB, two 41 KB raw
-//      stages in flight) leaves at most ~60 KB.
+//   2: only the multiply-high division (the gathers as 0);
+//   3: the division and cp.async.cg with the L2::256B prefetch size (cp_async_16_cg_l2_256: no L1
+//      allocation). 2 and 3 tell the parts of 1 apart: with 1 the gathers allocate L1 lines, of which
+//      this kernel's shared memory (BM 32: 195 KiB, two 41 KiB raw stages in flight) leaves 60 KiB.
 #ifndef FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
 #define FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER 0
 #endif
-static_assert(FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER >= 0 && FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER <= 2,
-              "FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER: 0, 1 or 2");
+static_assert(FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER >= 0 && FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER <= 3,
+              "FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER: 0, 1, 2 or 3");
 
-// cp_async_16 allocating in L1 (.ca) with the L2::256B prefetch size; zero-fills without reading `src`
-// when !valid.
+// cp_async_16 allocating in L1 (.ca) / not (.cg), with the L2::256B prefetch size; both zero-fill without
+// reading `src` when !valid.
 __device__ __forceinline__ void cp_async_16_ca_l2_256(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_16_cg_l2_256(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 
@@ -381,6 +387,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         for (int c = g_q4; c < FC::kRawChunks; c += 4)
 #if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER == 1
           cp_async_16_ca_l2_256(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
+#elif FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER == 3
+          cp_async_16_cg_l2_256(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
 #else
           cp_async_16(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
 #endif
