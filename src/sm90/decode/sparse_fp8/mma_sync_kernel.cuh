@@ -86,20 +86,21 @@ using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 // Gathers of flash_fwd_splitkv_mla_fp8_sparse_kernel (build switch, default 0):
 //   0: the 16-byte aligned path copies records by cp.async.cg (L2 only: each warp instruction's 64 bytes
 //      of a record go to L2 on their own, and a sector that two of them share is fetched twice) and
-//      finds a token's page block and row by integer division and remainder (~25 dependent
-//      instructions on every block's address chain);
+//      finds a token's page block and row by integer division and remainder (~30 instructions a
+//      block, ~13 of them dependent on the token index; the reciprocal of the page size overlaps its load);
 //   1: as the small-heads and wgmma producers' gathers (docs/sparse-fp8-decode.md): cp.async.ca with the
 //      L2::256B prefetch size (cp_async_16_ca_l2_256: the record's lines are allocated in L1, so a
 //      shared sector is fetched from L2 once, and L2 fetches 256-byte neighbourhoods from DRAM;
-//      cp.async has no L1 eviction-priority qualifier, .ca is its L1-allocating form, as ld's
-//      L1::evict_last), and the page block by multiply-high
+//      cp.async has no L1 eviction-priority qualifier; .ca, its L1-allocating form, is the closest to
+//      ld's L1::evict_last), and the page block by multiply-high
 //      (core::split_page_token with the scope's pbs_magic). The division is exact for every token
 //      index, so the unaligned byte-copy path takes it too; its loads are unchanged. MODEL1's 8-byte
 //      scale copy is cp.async.ca in both;
 //   2: only the multiply-high division (the gathers as 0);
 //   3: the division and cp.async.cg with the L2::256B prefetch size (cp_async_16_cg_l2_256: no L1
 //      allocation). 2 and 3 tell the parts of 1 apart: with 1 the gathers allocate L1 lines, of which
-//      this kernel's shared memory (BM 32: 195 KiB, two 41 KiB raw stages in flight) leaves 60 KiB.
+//      this kernel's shared memory (BM 32: 195 KiB, two 41 KiB raw stages in flight) leaves 60 KiB at
+//      the smallest carve-out that holds it.
 #ifndef FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
 #define FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER 0
 #endif
