@@ -19,8 +19,9 @@ and their sum would count the combine's wait), each call after an L2 flush, Flas
 Rows: the five of issue 24 (b, s_q, h_q) = (128, 1, 16), (128, 2, 16), (128, 2, 32), (32, 2, 16),
 (8, 1, 16); `--sweep` adds ours native against ours padded for h_q 1, 8, 16, 24, 32, 48 at b 4, 8, 16,
 32, 64, 128 and s_q 1, 2: the "never slower than our own padded kernel" check, across the query-token
-count at which the library moves small head counts onto the 64-row wgmma kernel. `--d-qk 512` runs
-the same rows and sweep in the MODEL1 format (d_qk 512, s_kv 16384, topk 512, page block 64), FlashMLA
+count at which the library moves small head counts onto the 64-row wgmma kernel. `--cases B,S_Q,H_Q ...`
+runs only the given (b, s_q, h_q), each with all three columns (e.g. the rows of one kernel in an A/B).
+`--d-qk 512` runs the same rows and sweep in the MODEL1 format (d_qk 512, s_kv 16384, topk 512, page block 64), FlashMLA
 too (its sm90 kernels take MODEL1 at 64 and 128 heads).
 
 The document also records the ceilings of the same run (`ceilings`: bf16 matmul TFLOP/s and device copy
@@ -28,7 +29,8 @@ GB/s, measured before the workers start) and which package ran (`ours`), written
 `side_by_side_flashmla.py` (the ceilings: `common.measure_ceilings`), as its documents carry them.
 
 Usage (GPU machine, repository root, ours installed, anchor built by `bash .anchor/build.sh`):
-  python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep] [--d-qk 512]
+  python3 bench/side_by_side_tp.py OUT_DIR [--anchor /tmp/anchor/flashmla] [--sweep | --cases B,S_Q,H_Q ...]
+      [--d-qk 512]
 Writes OUT_DIR/<date>-sparse-decode-tp-vs-flashmla.json (MODEL1: <date>-sparse-decode-tp-model1-vs-flashmla.json).
 """
 
@@ -119,12 +121,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("out", nargs="?", help="output folder")
     ap.add_argument("--anchor", default="/tmp/anchor/flashmla", help="FlashMLA built by the anchor kit")
     ap.add_argument("--sweep", action="store_true", help="also ours native vs ours padded over h_q 1..48, b 4..128")
+    ap.add_argument("--cases", nargs="+", type=case_arg, metavar="B,S_Q,H_Q",
+                    help="only these cases (instead of the five rows), FlashMLA padded on each too")
     ap.add_argument("--d-qk", type=int, default=576, choices=[576, 512], help="576: V3.2 format, 512: MODEL1")
     ap.add_argument("--worker", nargs=2, metavar=("LABEL", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not args.worker and not args.out:
         ap.error("OUT_DIR is required")
+    if args.cases and args.sweep:
+        ap.error("--cases replaces the rows and the sweep: give --cases or --sweep, not both")
     return args
+
+
+def case_arg(text: str) -> tuple:
+    """'B,S_Q,H_Q' -> (b, s_q, h_q), each a positive integer, h_q at most the padded width."""
+    parts = text.split(",")
+    try:
+        b, s_q, h_q = (int(x) for x in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,S_Q,H_Q (three integers), got {text!r}") from None
+    if min(b, s_q, h_q) < 1 or h_q > PAD:
+        raise argparse.ArgumentTypeError(f"expected b, s_q >= 1 and 1 <= h_q <= {PAD}, got {text!r}")
+    return (b, s_q, h_q)
 
 
 def gpu_and_ceilings() -> tuple:
@@ -202,9 +220,9 @@ def main(argv=None) -> str:
         sys.exit(f"no FlashMLA anchor at {args.anchor} (build it with: bash .anchor/build.sh)")
     gpu, ceilings = gpu_and_ceilings()
     print(f"{gpu}: ceilings {ceilings}", flush=True)
-    cases = cases_of(args.sweep)
+    cases = list(dict.fromkeys(args.cases)) if args.cases else cases_of(args.sweep)
     ours = run_worker("ours", None, cases, ["native", "pad64"], cfg)
-    anchor = run_worker("anchor", args.anchor, ROWS, ["pad64"], cfg)
+    anchor = run_worker("anchor", args.anchor, cases if args.cases else ROWS, ["pad64"], cfg)
     doc = build_doc(ours + anchor, cases, cfg, model1, gpu, ceilings, args.anchor)
     for row in doc["rows"]:
         us = {key: row[key] or float("nan") for key in ("ours_native_us", "ours_pad64_us", "anchor_pad64_us")}

@@ -86,6 +86,17 @@ def test_model1_sweep(tmp_path, anchor_dir, stubbed):
     assert sum("ratio" in r for r in doc["rows"]) == len(tp.ROWS)
 
 
+def test_cases_replace_the_rows_and_get_every_column(tmp_path, anchor_dir, stubbed):
+    path = tp.main([str(tmp_path), "--anchor", anchor_dir, "--cases", "4,1,24", "4,1,32", "4,1,24"])
+    with open(path) as f:
+        doc = json.load(f)
+    assert [(r["b"], r["s_q"], r["h_q"]) for r in doc["rows"]] == [(4, 1, 24), (4, 1, 32)]  # once each, in order
+    (lo, _, co, mo, _), (la, _, ca, ma, _) = stubbed
+    assert (lo, co, mo) == ("ours", [(4, 1, 24), (4, 1, 32)], ["native", "pad64"])
+    assert (la, ca, ma) == ("anchor", [(4, 1, 24), (4, 1, 32)], ["pad64"])
+    assert [r["ratio"] for r in doc["rows"]] == pytest.approx([120.0 / 124.0, 120.0 / 132.0])
+
+
 def test_worker_errors_are_recorded_per_row(tmp_path, anchor_dir, monkeypatch):
     monkeypatch.setattr(tp, "gpu_and_ceilings", lambda: ("g", dict(CEILINGS)))
 
@@ -114,6 +125,11 @@ def test_ceilings_come_from_the_shared_helper(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     ([], "OUT_DIR is required"),
     (["out", "--d-qk", "256"], "invalid choice"),
+    (["out", "--cases", "4,1"], "expected B,S_Q,H_Q (three integers), got '4,1'"),
+    (["out", "--cases", "4,1,x"], "expected B,S_Q,H_Q (three integers), got '4,1,x'"),
+    (["out", "--cases", "4,1,65"], "1 <= h_q <= 64, got '4,1,65'"),
+    (["out", "--cases", "0,1,8"], "b, s_q >= 1"),
+    (["out", "--cases", "4,1,24", "--sweep"], "give --cases or --sweep, not both"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
