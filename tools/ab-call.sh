@@ -4,7 +4,7 @@
 # VARIANTS_DIR holds one folder per variant (see tools/ab-variants.sh: replaced files and/or a
 # `cuda-flags` file with -D switches); "main" (created if missing) is the tree as is. Each variant
 # is built, then benchmarked and tested by tools/ab-families.sh according to its name prefix
-# (main: everything + the GPU suite; d*: dense; sd*: sparse decode; p*: prefill). Writes, under
+# (main: everything + the GPU suite; d*: dense; sd*: sparse decode; p*: prefill; mha*: dense MHA prefill). Writes, under
 # $OUT (only a few files come back from the device): call.log (GPU, clocks, every variant's test
 # tail), compare.txt (bench/compare.py of each variant's JSONs against main's) and json.tgz (all
 # benchmark JSONs and C++ grid logs).
@@ -42,6 +42,9 @@ for d in "$AB_JSON"/*/; do
     python3 bench/compare.py "$AB_JSON/main/$(basename "$j")" "$j"
     case $(basename "$j") in  # decode: also the whole call (scheduler + kernel + combine)
       *decode*) python3 bench/compare.py --key call_time_us "$AB_JSON/main/$(basename "$j")" "$j" ;;
+      *dense-prefill*)  # dense MHA prefill: the forward and the backward call, each its own line per case
+        python3 bench/compare.py --key ours_fwd_ms "$AB_JSON/main/$(basename "$j")" "$j"
+        python3 bench/compare.py --key ours_bwd_ms "$AB_JSON/main/$(basename "$j")" "$j" ;;
     esac
   done
 done > "$FINAL/compare.txt" 2>&1
