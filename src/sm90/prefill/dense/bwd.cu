@@ -33,6 +33,25 @@ namespace flashmla::sm90 {
 namespace dense_prefill {
 
 constexpr int kBwdDV = 128;
+
+// FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): put the last
+// GEMM of a step under the CUDA-core work of the next one, within each consumer warpgroup (kTwoKernel only).
+// At 0 every wgmma batch of the two main loops is followed at once by its wait, so a warpgroup's exp2 / dS work
+// overlaps tensor-core work only where the other warpgroup's GEMMs happen to run then (docs/dense-prefill.md,
+// "Backward: ..."). At 1:
+//  * dq kernel: dQ += dS K of key block n - 1 is issued right after S and dP of block n (its own commit group)
+//    and waited for only after dS of block n is computed and packed; block n - 1's stage is released then.
+//  * dk / dv kernel: dK += dS^T Q of query block it - 1 likewise goes under S^T's exp2 and P^T's packing of it.
+//  * end_block_after() between that work and the wait, so ptxas does not schedule the wait above it (as in the
+//    forward, "Forward: softmax overlapping its own P V"), and the masked / unmasked forms of the plain step's
+//    element loop chosen per block instead of a test per element.
+// Steps with masked entries (kChecked) issue their own dS K / dS^T Q and wait for it, as at 0. The GEMMs and
+// their order per accumulator are unchanged (block n - 1's product is still added before block n's), so dq, dk
+// and dv keep their bits and stay deterministic.
+#ifndef FLASHMLA_DENSE_PREFILL_BWD_OVERLAP
+#define FLASHMLA_DENSE_PREFILL_BWD_OVERLAP 0
+#endif
+constexpr bool kBwdOverlap = FLASHMLA_DENSE_PREFILL_BWD_OVERLAP != 0;
 constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
 
 // ------------------------------------------------------------------------------------ preprocess
@@ -157,8 +176,24 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   // in which ks = 0 folds the rare branch away.
   const int masked_lo = max(m0 + off + 1, 0);
   const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kDqBN : n_blocks;
-  auto step = [&](int n, auto checked) {
+  // kBwdOverlap: the plain step leaves its dQ += dS K pending (A fragments a_prev, K tile sk_prev of stage
+  // stage_prev); the next plain step (kPrev) issues it after its S and dP, finish_pending() otherwise. Whether a
+  // step has one pending is a compile-time property of the call: a wgmma issued under a run-time condition on
+  // accumulators still in flight at the join makes ptxas insert warpgroup.arrive and serialize (C7519 / C7520).
+  [[maybe_unused]] uint32_t a_prev[4][4];
+  [[maybe_unused]] uint32_t sk_prev = 0;
+  [[maybe_unused]] int stage_prev = 0;
+  [[maybe_unused]] auto finish_pending = [&]() {
+    gmma::reg_fence(dq);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
+    gmma::commit_wait(dq);
+    mbar_arrive(empty_bar(stage_prev));
+  };
+  auto step = [&](int n, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
+    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kBwdOverlap: the previous block's dQ is pending
     const int stage = n & 1;
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
@@ -169,12 +204,45 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     gmma::fence();
     issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
     issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
-    gmma::commit_wait(s);
-    gmma::reg_fence(dp);
+    if constexpr (kPrev) {
+      gmma::commit();
+      // dQ += dS K of the previous block, its own group: in flight during this block's dS
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
+      gmma::commit();
+      gmma::wait<1>();
+      gmma::reg_fence(s);
+      gmma::reg_fence(dp);
+    } else {
+      gmma::commit_wait(s);
+      gmma::reg_fence(dp);
+    }
 
     const int n0 = n * kDqBN;
     bool nonfinite = false;
-    if constexpr (!kChecked) {
+    if constexpr (!kChecked && kBwdOverlap) {
+      // The masked and the unmasked form, chosen per block (the same operations per element as below).
+      auto ds_block = [&](auto masked) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
+            if constexpr (decltype(masked)::value) {
+              const int col = n0 + 8 * i + 2 * tq + (e & 1);
+              const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
+              pr = vis ? pr : 0.f;
+            }
+            s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
+          }
+        }
+      };
+      if (n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off))
+        ds_block(std::true_type{});
+      else
+        ds_block(std::false_type{});
+    } else if constexpr (!kChecked) {
       const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -211,8 +279,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
         }
       }
     }
+    if constexpr (kPrev) {
+      // The previous block's dQ has run under this block's dS: wait for it here, not above the dS work. dS is packed
+      // after the wait (reg_fence orders it): packed before, its registers would be a_prev's (the loop carries them),
+      // written while the wgmma that reads a_prev is in flight, and ptxas would serialize every wgmma (C7513).
+      end_block_after(s[30], s[31]);
+      gmma::wait<0>();
+      gmma::reg_fence(dq);
+      gmma::reg_fence(s);
+      mbar_arrive(empty_bar(stage_prev));
+    }
     uint32_t a[4][4];
     pack_a<T, 64>(s, a);
+    if constexpr (kBwdOverlap) {
+      if constexpr (!kChecked) {  // leave this block's dQ += dS K to the next step
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a_prev[kk][j] = a[kk][j];
+        }
+        sk_prev = sK;
+        stage_prev = stage;
+        return;
+      }
+    }
     // Checked: keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k
     // rows holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
     // and the rows that see such a key add its products (k from global memory) afterwards. Plain: ks = 0.
@@ -238,8 +328,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(q_bar, 0);
-  for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{});
-  for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{});
+  if constexpr (kBwdOverlap) {
+    const int n_plain = min(check_first, n_blocks);
+    if (n_plain > 0) {
+      step(0, std::false_type{}, std::false_type{});
+      for (int n = 1; n < n_plain; ++n) step(n, std::false_type{}, std::true_type{});
+      finish_pending();  // the last plain block's dQ += dS K
+    }
+  } else {
+    for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{}, std::false_type{});
+  }
+  for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{}, std::false_type{});
 
   T* dqp = static_cast<T*>(p.dq);
 #pragma unroll
@@ -353,8 +452,26 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   // rows past s_q are zero) are kChecked: they also keep inf / NaN of a query row (q, dout) or of a key's own S^T
   // out of the keys / rows that do not see each other. The body is one; the checked parts are compiled into the
   // checked instantiation only, and the other steps run the plain one (ks = 0: its rare branches fold away).
-  auto step = [&](int it, auto checked) {
+  // kDefer (kBwdOverlap, kTwoKernel): the plain step leaves its dK += dS^T Q pending (A fragments as_prev, Q tile
+  // sq_prev of stage stage_prev); the next step issues it after its S^T.
+  // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
+  // serialize the wgmma (C7512).
+  constexpr bool kDefer = kBwdOverlap && !kFusedDq && kD == 128;
+  // Whether a step has one pending is a compile-time property of the call (kPrev), as in the dq kernel.
+  [[maybe_unused]] uint32_t as_prev[4][4];
+  [[maybe_unused]] uint32_t sq_prev = 0;
+  [[maybe_unused]] int stage_prev = 0;
+  [[maybe_unused]] auto finish_pending = [&]() {
+    gmma::reg_fence(dk);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as_prev[kk], desc_mn<kKvBM>(sq_prev, kk));
+    gmma::commit_wait(dk);
+    mbar_arrive(empty_bar(stage_prev));
+  };
+  auto step = [&](int it, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
+    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kDefer: the previous query block's dK is pending
     const int stage = it & 1;
     const int m0 = (m_begin + it % m_count) * kKvBM;
     const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
@@ -374,7 +491,39 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
       issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
-      gmma::commit_wait(st);
+      if constexpr (kDefer) {
+        gmma::commit();
+        if constexpr (kPrev) {  // dK += dS^T Q of the previous query block, its own group: in flight during P^T
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as_prev[kk], desc_mn<kKvBM>(sq_prev, kk));
+          gmma::commit();
+          gmma::wait<1>();
+        } else {
+          gmma::wait<0>();
+        }
+        gmma::reg_fence(st);
+      } else {
+        gmma::commit_wait(st);
+      }
+      if constexpr (kDefer && !kChecked) {
+        // The masked and the unmasked form, chosen per block (the same operations per element as below).
+        auto pt_block = [&](auto masked) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = 8 * i + 2 * tq + (e & 1);
+              float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
+              if constexpr (decltype(masked)::value) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
+              st[4 * i + e] = pr;
+            }
+          }
+        };
+        if (need_mask)
+          pt_block(std::true_type{});
+        else
+          pt_block(std::false_type{});
+      } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -393,7 +542,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           st[4 * i + e] = pr;
         }
       }
+      }
       pack_a<T, 64>(st, ap);
+    }
+    if constexpr (kDefer && kPrev) {
+      // The previous query block's dK has run under this block's P^T: wait for it here, not above that work.
+      end_block_after(__uint_as_float(ap[3][2]), __uint_as_float(ap[3][3]));
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+      mbar_arrive(empty_bar(stage_prev));
     }
     // kTwoKernel, checked, causal: where a query row that some key of this warpgroup does not see holds inf / NaN
     // in q or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
@@ -464,6 +621,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       gmma::fence_proxy_async();
       named_barrier_sync(1, 256);  // both halves of dS^T written
     }
+    if constexpr (kDefer && !kChecked) {  // leave this block's dK += dS^T Q to the next step
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) as_prev[kk][j] = as[kk][j];
+      }
+      sq_prev = sQ;
+      stage_prev = stage;
+      return;
+    }
     gmma::reg_fence(dk);
     if (ks != 0) {  // kTwoKernel, checked only
       mma_b_finite<T, kKvBM, kD, 4>(dk, as, sQ, scratch, ks, 4 + wg, tid & 127);
@@ -513,12 +680,31 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(kv_bar, 0);
-  for (int it = 0; it < n_it; ++it) {
-    const int m0 = (m_begin + it % m_count) * kKvBM;
-    if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
-      step(it, std::true_type{});
-    else
-      step(it, std::false_type{});
+  if constexpr (kDefer) {
+    bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q) {
+        if (pending) finish_pending();
+        step(it, std::true_type{}, std::false_type{});
+        pending = false;
+      } else {
+        if (pending)
+          step(it, std::false_type{}, std::true_type{});
+        else
+          step(it, std::false_type{}, std::false_type{});
+        pending = true;
+      }
+    }
+    if (pending) finish_pending();
+  } else {
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
+        step(it, std::true_type{}, std::false_type{});
+      else
+        step(it, std::false_type{}, std::false_type{});
+    }
   }
 
   T* dkp = static_cast<T*>(p.dk);
