@@ -52,6 +52,24 @@ constexpr int kBwdDV = 128;
 #define FLASHMLA_DENSE_PREFILL_BWD_OVERLAP 0
 #endif
 constexpr bool kBwdOverlap = FLASHMLA_DENSE_PREFILL_BWD_OVERLAP != 0;
+
+/// kBwdOverlap: ends the basic block once every value of x is computed, so that the wgmma wait that follows stays
+/// below all of that work. end_block_after() alone orders only the two values its branch tests: the rest could
+/// still be computed after the wait (LLVM sinks them there). The register fence (an empty volatile asm that reads
+/// and writes every element) keeps all of x before the wait's asm, and with it before the branch.
+template <int N>
+__device__ __forceinline__ void end_block_after_all(float (&x)[N]) {
+  gmma::reg_fence(x);
+  end_block_after(x[N - 2], x[N - 1]);
+}
+__device__ __forceinline__ void end_block_after_all(uint32_t (&x)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+  }
+  end_block_after(__uint_as_float(x[3][2]), __uint_as_float(x[3][3]));
+}
 constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
 
 // ------------------------------------------------------------------------------------ preprocess
@@ -201,28 +219,27 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     gmma::fence_proxy_async();
 
     float s[32], dp[32];
-    gmma::fence();
-    issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
-    issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
-    if constexpr (kPrev) {
-      gmma::commit();
-      // dQ += dS K of the previous block, its own group: in flight during this block's dS
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
-      gmma::commit();
-      gmma::wait<1>();
-      gmma::reg_fence(s);
-      gmma::reg_fence(dp);
-    } else {
-      gmma::commit_wait(s);
-      gmma::reg_fence(dp);
-    }
-
     const int n0 = n * kDqBN;
     bool nonfinite = false;
+    gmma::fence();
     if constexpr (!kChecked && kBwdOverlap) {
-      // The masked and the unmasked form, chosen per block (the same operations per element as below).
-      auto ds_block = [&](auto masked) {
+      // S, dP and (kPrev) the previous block's dQ += dS K, each its own group: P = exp2(S scale log2e - lse2) runs
+      // while dP and that dQ are in flight, dS = P (dP - D) while that dQ is. The same operations per element as
+      // the loop below, in two passes; the masked and the unmasked form chosen per block.
+      issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);  // S = Q K^T
+      gmma::commit();
+      issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      gmma::commit();
+      if constexpr (kPrev) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
+        gmma::commit();
+        gmma::wait<2>();
+      } else {
+        gmma::wait<1>();
+      }
+      gmma::reg_fence(s);
+      auto p_block = [&](auto masked) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -234,15 +251,32 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
               const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
               pr = vis ? pr : 0.f;
             }
-            s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
+            s[4 * i + e] = pr;
           }
         }
       };
       if (n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off))
-        ds_block(std::true_type{});
+        p_block(std::true_type{});
       else
-        ds_block(std::false_type{});
-    } else if constexpr (!kChecked) {
+        p_block(std::false_type{});
+      end_block_after_all(s);  // the wait for dP stays below the exp2 stage
+      if constexpr (kPrev)
+        gmma::wait<1>();
+      else
+        gmma::wait<0>();
+      gmma::reg_fence(dp);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum[e >> 1]);  // dS
+      }
+    } else {
+      issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
+      issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      gmma::commit_wait(s);
+      gmma::reg_fence(dp);
+    }
+    if constexpr (!kChecked && !kBwdOverlap) {
       const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -258,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
           s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
         }
       }
-    } else {
+    } else if constexpr (kChecked) {
       // A key that a row does not see gets dS = 0 with dP's sign (the bits of P (dP - D) with P = 0), also
       // where its v makes dP inf / NaN. nonfinite: some masked S is inf / NaN, which a key with inf / NaN in k
       // makes of every row's S (0 * inf included).
@@ -283,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
       // The previous block's dQ has run under this block's dS: wait for it here, not above the dS work. dS is packed
       // after the wait (reg_fence orders it): packed before, its registers would be a_prev's (the loop carries them),
       // written while the wgmma that reads a_prev is in flight, and ptxas would serialize every wgmma (C7513).
-      end_block_after(s[30], s[31]);
+      end_block_after_all(s);
       gmma::wait<0>();
       gmma::reg_fence(dq);
       gmma::reg_fence(s);
@@ -505,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       } else {
         gmma::commit_wait(st);
       }
-      if constexpr (kDefer && !kChecked) {
+      if constexpr (kBwdOverlap && !kFusedDq && !kChecked) {
         // The masked and the unmasked form, chosen per block (the same operations per element as below).
         auto pt_block = [&](auto masked) {
 #pragma unroll
@@ -547,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     }
     if constexpr (kDefer && kPrev) {
       // The previous query block's dK has run under this block's P^T: wait for it here, not above that work.
-      end_block_after(__uint_as_float(ap[3][2]), __uint_as_float(ap[3][3]));
+      end_block_after_all(ap);
       gmma::wait<0>();
       gmma::reg_fence(dk);
       mbar_arrive(empty_bar(stage_prev));
@@ -564,13 +598,26 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float dpt[32];  // dP^T
       gmma::reg_fence(dv);
+      // kBwdOverlap, plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no registers
+      // beyond main's: P^T is read back from ap there anyway). Checked steps keep the single group: their ks is a
+      // run-time value, and a wgmma still in flight where its two paths join makes ptxas serialize (C7520).
+      constexpr bool kDvUnderDs = kBwdOverlap && !kFusedDq && !kChecked;
       if (ks == 0) {
         gmma::fence();
+        if constexpr (kDvUnderDs) {
+          issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          gmma::commit();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
-        gmma::commit();
-        gmma::wait<0>();
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+          gmma::commit();
+          gmma::wait<1>();
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+          issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          gmma::commit();
+          gmma::wait<0>();
+        }
       } else {  // dV first (dP^T not yet live: registers), then dP^T
         mma_b_finite<T, kKvBM, kBwdDV, 4>(dv, ap, sDO, scratch, ks, 4 + wg, tid & 127);
         add_nonfinite_products_smem<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
@@ -580,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         gmma::commit();
         gmma::wait<0>();
       }
-      gmma::reg_fence(dv);
+      if constexpr (!kDvUnderDs) gmma::reg_fence(dv);
       gmma::reg_fence(dpt);
       // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Checked: masked
       // entries get 0 with the sign of dP^T - D (the bits of 0 (dP^T - D)), also where dP^T - D is inf / NaN (D of
@@ -606,6 +653,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         }
       }
       pack_a<T, 64>(dpt, as);
+      if constexpr (kDvUnderDs) {  // dV has run under dS^T: wait for it here, not above that work
+        end_block_after_all(as);
+        gmma::wait<0>();
+        gmma::reg_fence(dv);
+      }
     }
     if constexpr (kFusedDq) {
       // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
