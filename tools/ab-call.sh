@@ -47,6 +47,11 @@ for d in "$AB_JSON"/*/; do
         python3 bench/compare.py --key ours_bwd_ms "$AB_JSON/main/$(basename "$j")" "$j" ;;
     esac
   done
+  # dense MHA prefill: the bits of out / lse / dq / dk / dv on fixed inputs (bench/dense_prefill_grad_hash.py)
+  if [ -f "$d/grad-hash.txt" ] && [ -f "$AB_JSON/main/grad-hash.txt" ]; then
+    if cmp -s "$AB_JSON/main/grad-hash.txt" "$d/grad-hash.txt"; then echo "--- $n: grad-hash identical to main's"
+    else echo "--- $n: grad-hash DIFFERS from main's:"; diff "$AB_JSON/main/grad-hash.txt" "$d/grad-hash.txt"; fi
+  fi
 done > "$FINAL/compare.txt" 2>&1
 tar -czf "$FINAL/json.tgz" -C "$AB_JSON" .
 exit $rc

@@ -29,9 +29,13 @@ want dense && bench bench_dense_decode.py
 want sparse && bench bench_sparse_decode.py
 want prefill && bench bench_sparse_prefill.py
 # Dense MHA prefill: 16 shapes x (ours forward + backward, cuDNN forward + backward, FA3 forward), ~2-4 min.
+# Also the bits of out / lse / dq / dk / dv on fixed inputs ($J/grad-hash.txt; tools/ab-call.sh compares each
+# variant's with main's): a variant that keeps the operations and their order must match main exactly.
 if want mha; then
   timeout 420 python3 bench/bench_dense_prefill.py --out "$J" ${AB_MHA_ONLY:+--only $AB_MHA_ONLY} 2>&1 | tail -17
   rc=$((rc | ${PIPESTATUS[0]}))
+  timeout 120 python3 bench/dense_prefill_grad_hash.py --out "$J/grad-hash.txt" > /dev/null 2>&1 \
+    || { echo "dense_prefill_grad_hash.py failed"; rc=1; }
 fi
 # AB_TESTS=0: only a smoke test of the variant's family (a few pytest cases, ~10 s), unless AB_SMOKE=0,
 # so that a variant that computes wrong results is caught in the benchmark call already.

@@ -70,6 +70,45 @@ __device__ __forceinline__ void end_block_after_all(uint32_t (&x)[4][4]) {
   }
   end_block_after(__uint_as_float(x[3][2]), __uint_as_float(x[3][3]));
 }
+
+/// Streamed-tile ring of kStages stages: the stage of block n, the phase of its full barrier, the phase of its
+/// stage's empty barrier to wait for before refilling it (n >= kStages). kBwdOverlap gives the rings whose consumer
+/// defers a block's last GEMM (dq; dk / dv at d_qk 128) a third stage: their stage n - 1 is released only late in
+/// step n, so with two stages block n + 1 could not start loading before step n had nearly finished. 2 stages: the
+/// shipped arithmetic (n & 1, ...).
+template <int kStages>
+struct Ring {
+  __device__ __forceinline__ static int stage(int n) {
+    if constexpr (kStages == 2) return n & 1;
+    else return static_cast<int>(static_cast<unsigned>(n) % kStages);
+  }
+  __device__ __forceinline__ static uint32_t full_phase(int n) {
+    if constexpr (kStages == 2) return (n >> 1) & 1;
+    else return (static_cast<unsigned>(n) / kStages) & 1;
+  }
+  __device__ __forceinline__ static uint32_t empty_phase(int n) {
+    if constexpr (kStages == 2) return ((n >> 1) - 1) & 1;
+    else return (static_cast<unsigned>(n) / kStages - 1) & 1;
+  }
+};
+/// kStages pairs of full (128 producer arrivals) and empty (256 consumer arrivals) barriers, then the barrier of the
+/// tiles loaded once: full[s] at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages.
+template <int kStages>
+__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar) {
+  if constexpr (kStages == 2) {
+    init_barriers(tid, bar, {128, 256});
+  } else {
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(bar + 8 * s, 128);
+        mbar_init(bar + 8 * (kStages + s), 256);
+      }
+      mbar_init(bar + 16 * kStages, 128);
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+}
 constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
 
 // ------------------------------------------------------------------------------------ preprocess
@@ -117,8 +156,9 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
   using Tiles = BwdTiles<kD, kDqBM, kDqBN>;
   static constexpr int kStage = Tiles::kK + Tiles::kV;
   static constexpr int kScratch = 16 * kD * 2;  // per consumer warpgroup: 16 K rows without inf / NaN (rare path)
-  static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
-  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + 2 * kStage + 2 * kScratch + kBars;
+  static constexpr int kStages = kBwdOverlap ? 3 : 2;  // Ring
+  static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], q_full
+  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + kStages * kStage + 2 * kScratch + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -130,11 +170,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   smem_align_1024(smem_raw, base);
   const uint32_t sQ = base, sDO = base + Smem::kQ;
   const uint32_t sStage0 = sDO + Smem::kDO;
-  const uint32_t sScratch = sStage0 + 2 * Smem::kStage;  // + wg * kScratch
+  using R = Ring<Smem::kStages>;
+  const uint32_t sScratch = sStage0 + Smem::kStages * Smem::kStage;  // + wg * kScratch
   const uint32_t bar = sScratch + 2 * Smem::kScratch;
   auto full_bar = [&](int s) { return bar + 8 * s; };
-  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
-  const uint32_t q_bar = bar + 32;
+  auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
+  const uint32_t q_bar = bar + 16 * Smem::kStages;
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -145,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], q_bar
+  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], q_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -158,8 +199,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
     const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
     for (int n = 0; n < n_blocks; ++n) {
-      const int stage = n & 1;
-      if (n >= 2) mbar_wait(empty_bar(stage), ((n >> 1) - 1) & 1);
+      const int stage = R::stage(n);
+      if (n >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(n));
       const uint32_t sK = sStage0 + stage * Smem::kStage;
       const int64_t r0 = static_cast<int64_t>(n) * kDqBN;
       load_tile<T, kDqBN, kD>(sK, k + r0 * p.k_row, p.k_row, sb.s_k - n * kDqBN, pt);
@@ -212,10 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   auto step = [&](int n, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
     [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kBwdOverlap: the previous block's dQ is pending
-    const int stage = n & 1;
+    const int stage = R::stage(n);
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
-    mbar_wait(full_bar(stage), (n >> 1) & 1);
+    mbar_wait(full_bar(stage), R::full_phase(n));
     gmma::fence_proxy_async();
 
     float s[32], dp[32];
@@ -389,17 +430,24 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 // ----------------------------------------------------------------------------------------- dkdv
 constexpr int kKvBN = 128, kKvBM = 64;
 
-template <int kD>
+/// kBwdOverlap, dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the
+/// two-kernel schedule (not at 192: registers), and that ring gets a third stage (Ring).
+template <int kD, bool kFusedDq>
+constexpr bool kv_defers_dk() {
+  return kBwdOverlap && !kFusedDq && kD == 128;
+}
+template <int kD, int kStagesT = 2>
 struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
+  static constexpr int kStages = kStagesT;  // Ring
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
   static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
-  static constexpr int kBars = 5 * 8;  // full[2], empty[2], kv_full
-  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + 2 * kStage + kBars;
+  static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], kv_full
+  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + kStages * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
   static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
-  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + 2 * kStageAligned + kDS + kBars;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDS + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
@@ -414,17 +462,18 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 template <class T, int kD, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(const KernelParams p) {
   static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
-  using Smem = KvSmem<kD>;
+  using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+  using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   uint8_t* smem = smem_align_1024(smem_raw, base);
   const uint32_t sK = base, sV = base + Smem::kK;
   const uint32_t sStage0 = sV + Smem::kV;
-  const uint32_t sDS = sStage0 + 2 * Smem::kStageAligned;
+  const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;
   const uint32_t bar = sDS + Smem::kDS;
   auto full_bar = [&](int s) { return bar + 8 * s; };
-  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
-  const uint32_t kv_bar = bar + 32;
+  auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
+  const uint32_t kv_bar = bar + 16 * Smem::kStages;
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -438,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
-  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], kv_bar
+  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], kv_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -449,8 +498,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
                                 pt);
     mbar_arrive_cp_async(kv_bar);
     for (int it = 0; it < n_it; ++it) {
-      const int stage = it & 1;
-      if (it >= 2) mbar_wait(empty_bar(stage), ((it >> 1) - 1) & 1);
+      const int stage = R::stage(it);
+      if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
       const int hq = hk * p.group + it / m_count;
       const int m0 = (m_begin + it % m_count) * kKvBM;
       const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
@@ -490,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   // sq_prev of stage stage_prev); the next step issues it after its S^T.
   // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
   // serialize the wgmma (C7512).
-  constexpr bool kDefer = kBwdOverlap && !kFusedDq && kD == 128;
+  constexpr bool kDefer = kv_defers_dk<kD, kFusedDq>();
   // Whether a step has one pending is a compile-time property of the call (kPrev), as in the dq kernel.
   [[maybe_unused]] uint32_t as_prev[4][4];
   [[maybe_unused]] uint32_t sq_prev = 0;
@@ -506,12 +555,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   auto step = [&](int it, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
     [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kDefer: the previous query block's dK is pending
-    const int stage = it & 1;
+    const int stage = R::stage(it);
     const int m0 = (m_begin + it % m_count) * kKvBM;
     const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
     const uint32_t sDO = sQ + Smem::kQ;
     const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
-    mbar_wait(full_bar(stage), (it >> 1) & 1);
+    mbar_wait(full_bar(stage), R::full_phase(it));
     gmma::fence_proxy_async();
 
     // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
@@ -819,10 +868,11 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
     auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq>;
-    e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
+    using KvSmemT = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+    e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
     if (e != cudaSuccess) return e;
     kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
-                KvSmem<kD>::kBytesAligned, stream>>>(kp);
+                KvSmemT::kBytesAligned, stream>>>(kp);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
