@@ -34,20 +34,21 @@ namespace dense_prefill {
 
 constexpr int kBwdDV = 128;
 
-// FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): put the last
-// GEMM of a step under the CUDA-core work of the next one, within each consumer warpgroup (kTwoKernel only).
-// At 0 every wgmma batch of the two main loops is followed at once by its wait, so a warpgroup's exp2 / dS work
-// overlaps tensor-core work only where the other warpgroup's GEMMs happen to run then (docs/dense-prefill.md,
-// "Backward: ..."). At 1:
-//  * dq kernel: dQ += dS K of key block n - 1 is issued right after S and dP of block n (its own commit group)
-//    and waited for only after dS of block n is computed and packed; block n - 1's stage is released then.
-//  * dk / dv kernel: dK += dS^T Q of query block it - 1 likewise goes under S^T's exp2 and P^T's packing of it.
-//  * end_block_after() between that work and the wait, so ptxas does not schedule the wait above it (as in the
-//    forward, "Forward: softmax overlapping its own P V"), and the masked / unmasked forms of the plain step's
-//    element loop chosen per block instead of a test per element.
-// Steps with masked entries (kChecked) issue their own dS K / dS^T Q and wait for it, as at 0. The GEMMs and
-// their order per accumulator are unchanged (block n - 1's product is still added before block n's), so dq, dk
-// and dv keep their bits and stay deterministic.
+// FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): each consumer
+// warpgroup's exp2 / dS work runs while GEMMs of its own are on the tensor cores (kTwoKernel only; docs/dense-prefill.md,
+// "Backward: exp2 and dS under the warpgroup's own GEMMs"). At 0 every wgmma batch of the two main loops is followed
+// at once by its wait, so that work overlaps tensor-core work only where the other warpgroup's GEMMs happen to run.
+// At 1, in the plain steps (the checked steps, with masked entries, keep the order of 0):
+//  * dq kernel: S, dP and dQ += dS K of the previous key block are three commit groups; exp2 runs under dP and that
+//    dQ, dS = P (dP - D) under that dQ, which is waited for (and its stage released) after dS.
+//  * dk / dv kernel: dP^T is issued before dV += P^T dO, so dS^T runs under dV; at d_qk 128 also dK += dS^T Q of
+//    the previous query block runs under the exp2 of S^T (d_qk 192: too few registers).
+//  * end_block_after_all() before each of those waits, so ptxas does not schedule a wait above the work (as in the
+//    forward, "Forward: softmax overlapping its own P V"); the masked / unmasked element loops chosen per block.
+//  * the rings of the kernels that defer a GEMM get a third stage (Ring), so the late release of a block's stage
+//    does not hold back the load of the block after next.
+// The GEMMs, their order per accumulator (block n - 1's product is added before block n's) and the per-element
+// operations are unchanged, so dq, dk and dv keep their bits and stay deterministic.
 #ifndef FLASHMLA_DENSE_PREFILL_BWD_OVERLAP
 #define FLASHMLA_DENSE_PREFILL_BWD_OVERLAP 0
 #endif
