@@ -54,6 +54,44 @@ constexpr int kBwdDV = 128;
 #endif
 constexpr bool kBwdOverlap = FLASHMLA_DENSE_PREFILL_BWD_OVERLAP != 0;
 
+// FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS (default 0 = machine code unchanged): the K-major m64n64 wgmma batches of
+// both kernels (S, dP; S^T, dP^T) take each k-step's descriptors as one base descriptor per operand plus a
+// compile-time offset added inside the asm (gmma::mma_m64n64k16_off_*), the A operand's base address read from lane 0
+// so that ptxas knows it is warp-uniform, as the forward does (WgmmaOff128). At 0 each of those wgmmas is preceded by
+// ~12 instructions rebuilding its two descriptors, 2 of them R2UR (40 R2UR per step in the d_qk 192 dq kernel). The
+// same descriptors in the same order: the same bits. Independent of FLASHMLA_DENSE_PREFILL_BWD_OVERLAP.
+#ifndef FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS
+#define FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS 0
+#endif
+constexpr bool kBwdDescOffsets = FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS != 0;
+
+/// kBwdDescOffsets: acc = A B^T over kDim / 16 k-steps of m64n64k16, A = the 64 rows whose first row's descriptor is
+/// desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b; k-step kk's
+/// descriptors are desc + (byte offset of desc_k's kk >> 4), as in issue_abt_off128.
+template <class T, int kDim, int kRowsA, int kRowsB, int kK = 0>
+__device__ __forceinline__ void issue_abt_off64(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kK < kDim / 16) {
+    constexpr int kOffA = ((kK >> 2) * (kRowsA * 128) + (kK & 3) * 32) >> 4;
+    constexpr int kOffB = ((kK >> 2) * (kRowsB * 128) + (kK & 3) * 32) >> 4;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      gmma::mma_m64n64k16_off_bf16<0, kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    else
+      gmma::mma_m64n64k16_off_f16<0, kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    issue_abt_off64<T, kDim, kRowsA, kRowsB, kK + 1>(acc, desc_a, desc_b);
+  }
+}
+/// issue_abt<T, 64, ...>, or with kBwdDescOffsets its base-plus-offset form.
+template <class T, int kDim, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_abt64(float (&acc)[32], uint32_t a, int a_row0, uint32_t b) {
+  if constexpr (kBwdDescOffsets) {
+    const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, a + a_row0 * 128, 0);  // warp-uniform for ptxas
+    issue_abt_off64<T, kDim, kRowsA, kRowsB>(acc, gmma::make_desc_sw128(a0, 16, 1024),
+                                             gmma::make_desc_sw128(b, 16, 1024));
+  } else {
+    issue_abt<T, 64, kDim, kRowsA, kRowsB>(acc, a, a_row0, b);
+  }
+}
+
 /// kBwdOverlap: ends the basic block once every value of x is computed, so that the wgmma wait that follows stays
 /// below all of that work. end_block_after() alone orders only the two values its branch tests: the rest could
 /// still be computed after the wait (LLVM sinks them there). The register fence (an empty volatile asm that reads
@@ -268,9 +306,9 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
       // S, dP and (kPrev) the previous block's dQ += dS K, each its own group: P = exp2(S scale log2e - lse2) runs
       // while dP and that dQ are in flight, dS = P (dP - D) while that dQ is. The same operations per element as
       // the loop below, in two passes; the masked and the unmasked form chosen per block.
-      issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);  // S = Q K^T
+      issue_abt64<T, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);  // S = Q K^T
       gmma::commit();
-      issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
       gmma::commit();
       if constexpr (kPrev) {
 #pragma unroll
@@ -313,8 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
         for (int e = 0; e < 4; ++e) s[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum[e >> 1]);  // dS
       }
     } else {
-      issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
-      issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      issue_abt64<T, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
+      issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
       gmma::commit_wait(s);
       gmma::reg_fence(dp);
     }
@@ -574,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
-      issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
+      issue_abt64<T, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
       if constexpr (kDefer) {
         gmma::commit();
         if constexpr (kPrev) {  // dK += dS^T Q of the previous query block, its own group: in flight during P^T
@@ -655,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       if (ks == 0) {
         gmma::fence();
         if constexpr (kDvUnderDs) {
-          issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
           gmma::commit();
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
@@ -664,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         } else {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-          issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
           gmma::commit();
           gmma::wait<0>();
         }
@@ -673,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         add_nonfinite_products_smem<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
         gmma::reg_fence(dv);
         gmma::fence();
-        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+        issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
         gmma::commit();
         gmma::wait<0>();
       }
