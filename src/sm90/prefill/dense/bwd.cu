@@ -35,9 +35,10 @@ namespace dense_prefill {
 constexpr int kBwdDV = 128;
 
 // FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): each consumer
-// warpgroup's exp2 / dS work runs while GEMMs of its own are on the tensor cores (kTwoKernel only; docs/dense-prefill.md,
-// "Backward: exp2 and dS under the warpgroup's own GEMMs"). At 0 every wgmma batch of the two main loops is followed
-// at once by its wait, so that work overlaps tensor-core work only where the other warpgroup's GEMMs happen to run.
+// warpgroup's exp2 / dS work runs while GEMMs of its own are on the tensor cores (kTwoKernel only;
+// docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"). At 0 every wgmma batch of the two
+// main loops is followed at once by its wait, so that work overlaps tensor-core work only where the other
+// warpgroup's GEMMs happen to run.
 // At 1, in the plain steps (the checked steps, with masked entries, keep the order of 0):
 //  * dq kernel: S, dP and dQ += dS K of the previous key block are three commit groups; exp2 runs under dP and that
 //    dQ, dS = P (dP - D) under that dQ, which is waited for (and its stage released) after dS.
