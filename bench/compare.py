@@ -3,7 +3,8 @@
 Usage: python bench/compare.py BASE.json OTHER.json [OTHER2.json ...] [--key time_us]
 
 Each file is a `bench/results/<date>-<family>.json` written by bench_dense_decode.py,
-bench_sparse_decode.py or bench_sparse_prefill.py. For every case name present in BASE and in an
+bench_sparse_decode.py, bench_sparse_prefill.py or bench_dense_prefill.py (no default key there: pass
+--key ours_fwd_ms or ours_bwd_ms, milliseconds). For every case name present in BASE and in an
 OTHER file it prints BASE's and OTHER's value of --key (default: the kernel time, `kernel_us` where
 the family reports one, else `time_us`; microseconds) and the speedup BASE/OTHER (> 1: OTHER is
 faster), then the geometric mean of the speedups over the common cases.
@@ -37,7 +38,9 @@ def main():
             if not a or not b:
                 continue
             logs.append(math.log(a / b))
-            print(f"{name:40s} {a:10.1f} -> {b:10.1f} us  x{a / b:.3f}")
+            unit = "ms" if (args.key or "").endswith("_ms") else "us"
+            print(f"{name:40s} {a:10.3f} -> {b:10.3f} {unit}  x{a / b:.3f}" if unit == "ms"
+                  else f"{name:40s} {a:10.1f} -> {b:10.1f} us  x{a / b:.3f}")
         if logs:
             print(f"geomean speedup x{math.exp(sum(logs) / len(logs)):.4f} over {len(logs)} cases")
 

@@ -4,7 +4,7 @@
 # VARIANTS_DIR holds one folder per variant (see tools/ab-variants.sh: replaced files and/or a
 # `cuda-flags` file with -D switches); "main" (created if missing) is the tree as is. Each variant
 # is built, then benchmarked and tested by tools/ab-families.sh according to its name prefix
-# (main: everything + the GPU suite; d*: dense; sd*: sparse decode; p*: prefill). Writes, under
+# (main: everything + the GPU suite; d*: dense; sd*: sparse decode; p*: prefill; mha*: dense MHA prefill). Writes, under
 # $OUT (only a few files come back from the device): call.log (GPU, clocks, every variant's test
 # tail), compare.txt (bench/compare.py of each variant's JSONs against main's) and json.tgz (all
 # benchmark JSONs and C++ grid logs).
@@ -42,8 +42,16 @@ for d in "$AB_JSON"/*/; do
     python3 bench/compare.py "$AB_JSON/main/$(basename "$j")" "$j"
     case $(basename "$j") in  # decode: also the whole call (scheduler + kernel + combine)
       *decode*) python3 bench/compare.py --key call_time_us "$AB_JSON/main/$(basename "$j")" "$j" ;;
+      *dense-prefill*)  # dense MHA prefill: the forward and the backward call, each its own line per case
+        python3 bench/compare.py --key ours_fwd_ms "$AB_JSON/main/$(basename "$j")" "$j"
+        python3 bench/compare.py --key ours_bwd_ms "$AB_JSON/main/$(basename "$j")" "$j" ;;
     esac
   done
+  # dense MHA prefill: the bits of out / lse / dq / dk / dv on fixed inputs (bench/dense_prefill_grad_hash.py)
+  if [ -f "$d/grad-hash.txt" ] && [ -f "$AB_JSON/main/grad-hash.txt" ]; then
+    if cmp -s "$AB_JSON/main/grad-hash.txt" "$d/grad-hash.txt"; then echo "--- $n: grad-hash identical to main's"
+    else echo "--- $n: grad-hash DIFFERS from main's:"; diff "$AB_JSON/main/grad-hash.txt" "$d/grad-hash.txt"; fi
+  fi
 done > "$FINAL/compare.txt" 2>&1
 tar -czf "$FINAL/json.tgz" -C "$AB_JSON" .
 exit $rc

@@ -33,6 +33,122 @@ namespace flashmla::sm90 {
 namespace dense_prefill {
 
 constexpr int kBwdDV = 128;
+
+// FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): each consumer
+// warpgroup's exp2 / dS work runs while GEMMs of its own are on the tensor cores (kTwoKernel only;
+// docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"). At 0 every wgmma batch of the two
+// main loops is followed at once by its wait, so that work overlaps tensor-core work only where the other
+// warpgroup's GEMMs happen to run.
+// At 1, in the plain steps (the checked steps, with masked entries, keep the order of 0):
+//  * dq kernel: S, dP and dQ += dS K of the previous key block are three commit groups; exp2 runs under dP and that
+//    dQ, dS = P (dP - D) under that dQ, which is waited for (and its stage released) after dS.
+//  * dk / dv kernel: dP^T is issued before dV += P^T dO, so dS^T runs under dV; at d_qk 128 also dK += dS^T Q of
+//    the previous query block runs under the exp2 of S^T (d_qk 192: too few registers).
+//  * end_block_after_all() before each of those waits, so ptxas does not schedule a wait above the work (as in the
+//    forward, "Forward: softmax overlapping its own P V"); the masked / unmasked element loops chosen per block.
+//  * the rings of the kernels that defer a GEMM get a third stage (Ring), so the late release of a block's stage
+//    does not hold back the load of the block after next.
+// The GEMMs, their order per accumulator (block n - 1's product is added before block n's) and the per-element
+// operations are unchanged, so dq, dk and dv keep their bits and stay deterministic.
+#ifndef FLASHMLA_DENSE_PREFILL_BWD_OVERLAP
+#define FLASHMLA_DENSE_PREFILL_BWD_OVERLAP 0
+#endif
+constexpr bool kBwdOverlap = FLASHMLA_DENSE_PREFILL_BWD_OVERLAP != 0;
+
+// FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS (default 0 = machine code unchanged): the K-major m64n64 wgmma batches of
+// both kernels (S, dP; S^T, dP^T) take each k-step's descriptors as one base descriptor per operand plus a
+// compile-time offset added inside the asm (gmma::mma_m64n64k16_off_*), the A operand's base address read from lane 0
+// so that ptxas knows it is warp-uniform, as the forward does (WgmmaOff128). At 0 each of those wgmmas is preceded by
+// ~12 instructions rebuilding its two descriptors, 2 of them R2UR (40 R2UR per step in the d_qk 192 dq kernel). The
+// same descriptors in the same order: the same bits. Independent of FLASHMLA_DENSE_PREFILL_BWD_OVERLAP.
+#ifndef FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS
+#define FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS 0
+#endif
+constexpr bool kBwdDescOffsets = FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS != 0;
+
+/// kBwdDescOffsets: acc = A B^T over kDim / 16 k-steps of m64n64k16, A = the 64 rows whose first row's descriptor is
+/// desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b; k-step kk's
+/// descriptors are desc + (byte offset of desc_k's kk >> 4), as in issue_abt_off128.
+template <class T, int kDim, int kRowsA, int kRowsB, int kK = 0>
+__device__ __forceinline__ void issue_abt_off64(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kK < kDim / 16) {
+    constexpr int kOffA = ((kK >> 2) * (kRowsA * 128) + (kK & 3) * 32) >> 4;
+    constexpr int kOffB = ((kK >> 2) * (kRowsB * 128) + (kK & 3) * 32) >> 4;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      gmma::mma_m64n64k16_off_bf16<0, kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    else
+      gmma::mma_m64n64k16_off_f16<0, kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    issue_abt_off64<T, kDim, kRowsA, kRowsB, kK + 1>(acc, desc_a, desc_b);
+  }
+}
+/// issue_abt<T, 64, ...>, or with kBwdDescOffsets its base-plus-offset form.
+template <class T, int kDim, int kRowsA, int kRowsB>
+__device__ __forceinline__ void issue_abt64(float (&acc)[32], uint32_t a, int a_row0, uint32_t b) {
+  if constexpr (kBwdDescOffsets) {
+    const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, a + a_row0 * 128, 0);  // warp-uniform for ptxas
+    issue_abt_off64<T, kDim, kRowsA, kRowsB>(acc, gmma::make_desc_sw128(a0, 16, 1024),
+                                             gmma::make_desc_sw128(b, 16, 1024));
+  } else {
+    issue_abt<T, 64, kDim, kRowsA, kRowsB>(acc, a, a_row0, b);
+  }
+}
+
+/// kBwdOverlap: ends the basic block once every value of x is computed, so that the wgmma wait that follows stays
+/// below all of that work. end_block_after() alone orders only the two values its branch tests: the rest could
+/// still be computed after the wait (LLVM sinks them there). The register fence (an empty volatile asm that reads
+/// and writes every element) keeps all of x before the wait's asm, and with it before the branch.
+template <int N>
+__device__ __forceinline__ void end_block_after_all(float (&x)[N]) {
+  gmma::reg_fence(x);
+  end_block_after(x[N - 2], x[N - 1]);
+}
+__device__ __forceinline__ void end_block_after_all(uint32_t (&x)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+  }
+  end_block_after(__uint_as_float(x[3][2]), __uint_as_float(x[3][3]));
+}
+
+/// Streamed-tile ring of kStages stages: the stage of block n, the phase of its full barrier, the phase of its
+/// stage's empty barrier to wait for before refilling it (n >= kStages). kBwdOverlap gives the rings whose consumer
+/// defers a block's last GEMM (dq; dk / dv at d_qk 128) a third stage: their stage n - 1 is released only late in
+/// step n, so with two stages block n + 1 could not start loading before step n had nearly finished. 2 stages: the
+/// shipped arithmetic (n & 1, ...).
+template <int kStages>
+struct Ring {
+  __device__ __forceinline__ static int stage(int n) {
+    if constexpr (kStages == 2) return n & 1;
+    else return static_cast<int>(static_cast<unsigned>(n) % kStages);
+  }
+  __device__ __forceinline__ static uint32_t full_phase(int n) {
+    if constexpr (kStages == 2) return (n >> 1) & 1;
+    else return (static_cast<unsigned>(n) / kStages) & 1;
+  }
+  __device__ __forceinline__ static uint32_t empty_phase(int n) {
+    if constexpr (kStages == 2) return ((n >> 1) - 1) & 1;
+    else return (static_cast<unsigned>(n) / kStages - 1) & 1;
+  }
+};
+/// kStages pairs of full (128 producer arrivals) and empty (256 consumer arrivals) barriers, then the barrier of the
+/// tiles loaded once: full[s] at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages.
+template <int kStages>
+__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar) {
+  if constexpr (kStages == 2) {
+    init_barriers(tid, bar, {128, 256});
+  } else {
+    if (tid == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(bar + 8 * s, 128);
+        mbar_init(bar + 8 * (kStages + s), 256);
+      }
+      mbar_init(bar + 16 * kStages, 128);
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
+}
 constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
 
 // ------------------------------------------------------------------------------------ preprocess
@@ -80,8 +196,9 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
   using Tiles = BwdTiles<kD, kDqBM, kDqBN>;
   static constexpr int kStage = Tiles::kK + Tiles::kV;
   static constexpr int kScratch = 16 * kD * 2;  // per consumer warpgroup: 16 K rows without inf / NaN (rare path)
-  static constexpr int kBars = 5 * 8;  // full[2], empty[2], q_full
-  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + 2 * kStage + 2 * kScratch + kBars;
+  static constexpr int kStages = kBwdOverlap ? 3 : 2;  // Ring
+  static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], q_full
+  static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + kStages * kStage + 2 * kScratch + kBars;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
@@ -93,11 +210,12 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   smem_align_1024(smem_raw, base);
   const uint32_t sQ = base, sDO = base + Smem::kQ;
   const uint32_t sStage0 = sDO + Smem::kDO;
-  const uint32_t sScratch = sStage0 + 2 * Smem::kStage;  // + wg * kScratch
+  using R = Ring<Smem::kStages>;
+  const uint32_t sScratch = sStage0 + Smem::kStages * Smem::kStage;  // + wg * kScratch
   const uint32_t bar = sScratch + 2 * Smem::kScratch;
   auto full_bar = [&](int s) { return bar + 8 * s; };
-  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
-  const uint32_t q_bar = bar + 32;
+  auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
+  const uint32_t q_bar = bar + 16 * Smem::kStages;
 
   const int b = blockIdx.z, h = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -108,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], q_bar
+  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], q_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -121,8 +239,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
     const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
     for (int n = 0; n < n_blocks; ++n) {
-      const int stage = n & 1;
-      if (n >= 2) mbar_wait(empty_bar(stage), ((n >> 1) - 1) & 1);
+      const int stage = R::stage(n);
+      if (n >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(n));
       const uint32_t sK = sStage0 + stage * Smem::kStage;
       const int64_t r0 = static_cast<int64_t>(n) * kDqBN;
       load_tile<T, kDqBN, kD>(sK, k + r0 * p.k_row, p.k_row, sb.s_k - n * kDqBN, pt);
@@ -157,24 +275,89 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   // in which ks = 0 folds the rare branch away.
   const int masked_lo = max(m0 + off + 1, 0);
   const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kDqBN : n_blocks;
-  auto step = [&](int n, auto checked) {
+  // kBwdOverlap: the plain step leaves its dQ += dS K pending (A fragments a_prev, K tile sk_prev of stage
+  // stage_prev); the next plain step (kPrev) issues it after its S and dP, finish_pending() otherwise. Whether a
+  // step has one pending is a compile-time property of the call: a wgmma issued under a run-time condition on
+  // accumulators still in flight at the join makes ptxas insert warpgroup.arrive and serialize (C7519 / C7520).
+  [[maybe_unused]] uint32_t a_prev[4][4];
+  [[maybe_unused]] uint32_t sk_prev = 0;
+  [[maybe_unused]] int stage_prev = 0;
+  [[maybe_unused]] auto finish_pending = [&]() {
+    gmma::reg_fence(dq);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
+    gmma::commit_wait(dq);
+    mbar_arrive(empty_bar(stage_prev));
+  };
+  auto step = [&](int n, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
-    const int stage = n & 1;
+    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kBwdOverlap: the previous block's dQ is pending
+    const int stage = R::stage(n);
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
-    mbar_wait(full_bar(stage), (n >> 1) & 1);
+    mbar_wait(full_bar(stage), R::full_phase(n));
     gmma::fence_proxy_async();
 
     float s[32], dp[32];
-    gmma::fence();
-    issue_abt<T, 64, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
-    issue_abt<T, 64, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
-    gmma::commit_wait(s);
-    gmma::reg_fence(dp);
-
     const int n0 = n * kDqBN;
     bool nonfinite = false;
-    if constexpr (!kChecked) {
+    gmma::fence();
+    if constexpr (!kChecked && kBwdOverlap) {
+      // S, dP and (kPrev) the previous block's dQ += dS K, each its own group: P = exp2(S scale log2e - lse2) runs
+      // while dP and that dQ are in flight, dS = P (dP - D) while that dQ is. The same operations per element as
+      // the loop below, in two passes; the masked and the unmasked form chosen per block.
+      issue_abt64<T, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);  // S = Q K^T
+      gmma::commit();
+      issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      gmma::commit();
+      if constexpr (kPrev) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
+        gmma::commit();
+        gmma::wait<2>();
+      } else {
+        gmma::wait<1>();
+      }
+      gmma::reg_fence(s);
+      auto p_block = [&](auto masked) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
+            if constexpr (decltype(masked)::value) {
+              const int col = n0 + 8 * i + 2 * tq + (e & 1);
+              const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
+              pr = vis ? pr : 0.f;
+            }
+            s[4 * i + e] = pr;
+          }
+        }
+      };
+      if (n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off))
+        p_block(std::true_type{});
+      else
+        p_block(std::false_type{});
+      end_block_after_all(s);  // the wait for dP stays below the exp2 stage
+      if constexpr (kPrev)
+        gmma::wait<1>();
+      else
+        gmma::wait<0>();
+      gmma::reg_fence(dp);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - dsum[e >> 1]);  // dS
+      }
+    } else {
+      issue_abt64<T, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);         // S = Q K^T
+      issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
+      gmma::commit_wait(s);
+      gmma::reg_fence(dp);
+    }
+    if constexpr (!kChecked && !kBwdOverlap) {
       const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -190,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
           s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
         }
       }
-    } else {
+    } else if constexpr (kChecked) {
       // A key that a row does not see gets dS = 0 with dP's sign (the bits of P (dP - D) with P = 0), also
       // where its v makes dP inf / NaN. nonfinite: some masked S is inf / NaN, which a key with inf / NaN in k
       // makes of every row's S (0 * inf included).
@@ -211,8 +394,30 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
         }
       }
     }
+    if constexpr (kPrev) {
+      // The previous block's dQ has run under this block's dS: wait for it here, not above the dS work. dS is packed
+      // after the wait (reg_fence orders it): packed before, its registers would be a_prev's (the loop carries them),
+      // written while the wgmma that reads a_prev is in flight, and ptxas would serialize every wgmma (C7513).
+      end_block_after_all(s);
+      gmma::wait<0>();
+      gmma::reg_fence(dq);
+      gmma::reg_fence(s);
+      mbar_arrive(empty_bar(stage_prev));
+    }
     uint32_t a[4][4];
     pack_a<T, 64>(s, a);
+    if constexpr (kBwdOverlap) {
+      if constexpr (!kChecked) {  // leave this block's dQ += dS K to the next step
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a_prev[kk][j] = a[kk][j];
+        }
+        sk_prev = sK;
+        stage_prev = stage;
+        return;
+      }
+    }
     // Checked: keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k
     // rows holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
     // and the rows that see such a key add its products (k from global memory) afterwards. Plain: ks = 0.
@@ -238,8 +443,17 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(q_bar, 0);
-  for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{});
-  for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{});
+  if constexpr (kBwdOverlap) {
+    const int n_plain = min(check_first, n_blocks);
+    if (n_plain > 0) {
+      step(0, std::false_type{}, std::false_type{});
+      for (int n = 1; n < n_plain; ++n) step(n, std::false_type{}, std::true_type{});
+      finish_pending();  // the last plain block's dQ += dS K
+    }
+  } else {
+    for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{}, std::false_type{});
+  }
+  for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{}, std::false_type{});
 
   T* dqp = static_cast<T*>(p.dq);
 #pragma unroll
@@ -256,17 +470,24 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 // ----------------------------------------------------------------------------------------- dkdv
 constexpr int kKvBN = 128, kKvBM = 64;
 
-template <int kD>
+/// kBwdOverlap, dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the
+/// two-kernel schedule (not at 192: registers), and that ring gets a third stage (Ring).
+template <int kD, bool kFusedDq>
+constexpr bool kv_defers_dk() {
+  return kBwdOverlap && !kFusedDq && kD == 128;
+}
+template <int kD, int kStagesT = 2>
 struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
+  static constexpr int kStages = kStagesT;  // Ring
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
   static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
-  static constexpr int kBars = 5 * 8;  // full[2], empty[2], kv_full
-  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + 2 * kStage + kBars;
+  static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], kv_full
+  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + kStages * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
   static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
-  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + 2 * kStageAligned + kDS + kBars;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDS + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
@@ -281,17 +502,18 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 template <class T, int kD, bool kFusedDq>
 __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(const KernelParams p) {
   static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
-  using Smem = KvSmem<kD>;
+  using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+  using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   uint8_t* smem = smem_align_1024(smem_raw, base);
   const uint32_t sK = base, sV = base + Smem::kK;
   const uint32_t sStage0 = sV + Smem::kV;
-  const uint32_t sDS = sStage0 + 2 * Smem::kStageAligned;
+  const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;
   const uint32_t bar = sDS + Smem::kDS;
   auto full_bar = [&](int s) { return bar + 8 * s; };
-  auto empty_bar = [&](int s) { return bar + 16 + 8 * s; };
-  const uint32_t kv_bar = bar + 32;
+  auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
+  const uint32_t kv_bar = bar + 16 * Smem::kStages;
 
   const int b = blockIdx.z, hk = blockIdx.y;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
@@ -305,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
-  init_barriers(tid, bar, {128, 256});  // full[2], empty[2], kv_bar
+  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], kv_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -316,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
                                 pt);
     mbar_arrive_cp_async(kv_bar);
     for (int it = 0; it < n_it; ++it) {
-      const int stage = it & 1;
-      if (it >= 2) mbar_wait(empty_bar(stage), ((it >> 1) - 1) & 1);
+      const int stage = R::stage(it);
+      if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
       const int hq = hk * p.group + it / m_count;
       const int m0 = (m_begin + it % m_count) * kKvBM;
       const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
@@ -353,14 +575,32 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   // rows past s_q are zero) are kChecked: they also keep inf / NaN of a query row (q, dout) or of a key's own S^T
   // out of the keys / rows that do not see each other. The body is one; the checked parts are compiled into the
   // checked instantiation only, and the other steps run the plain one (ks = 0: its rare branches fold away).
-  auto step = [&](int it, auto checked) {
+  // kDefer (kBwdOverlap, kTwoKernel): the plain step leaves its dK += dS^T Q pending (A fragments as_prev, Q tile
+  // sq_prev of stage stage_prev); the next step issues it after its S^T.
+  // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
+  // serialize the wgmma (C7512).
+  constexpr bool kDefer = kv_defers_dk<kD, kFusedDq>();
+  // Whether a step has one pending is a compile-time property of the call (kPrev), as in the dq kernel.
+  [[maybe_unused]] uint32_t as_prev[4][4];
+  [[maybe_unused]] uint32_t sq_prev = 0;
+  [[maybe_unused]] int stage_prev = 0;
+  [[maybe_unused]] auto finish_pending = [&]() {
+    gmma::reg_fence(dk);
+    gmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as_prev[kk], desc_mn<kKvBM>(sq_prev, kk));
+    gmma::commit_wait(dk);
+    mbar_arrive(empty_bar(stage_prev));
+  };
+  auto step = [&](int it, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
-    const int stage = it & 1;
+    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kDefer: the previous query block's dK is pending
+    const int stage = R::stage(it);
     const int m0 = (m_begin + it % m_count) * kKvBM;
     const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
     const uint32_t sDO = sQ + Smem::kQ;
     const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
-    mbar_wait(full_bar(stage), (it >> 1) & 1);
+    mbar_wait(full_bar(stage), R::full_phase(it));
     gmma::fence_proxy_async();
 
     // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
@@ -373,8 +613,40 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float st[32];  // S^T: rows = this warpgroup's 64 keys, columns = the block's 64 queries
       gmma::fence();
-      issue_abt<T, 64, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
-      gmma::commit_wait(st);
+      issue_abt64<T, kD, kKvBN, kKvBM>(st, sK, wg * 64, sQ);
+      if constexpr (kDefer) {
+        gmma::commit();
+        if constexpr (kPrev) {  // dK += dS^T Q of the previous query block, its own group: in flight during P^T
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as_prev[kk], desc_mn<kKvBM>(sq_prev, kk));
+          gmma::commit();
+          gmma::wait<1>();
+        } else {
+          gmma::wait<0>();
+        }
+        gmma::reg_fence(st);
+      } else {
+        gmma::commit_wait(st);
+      }
+      if constexpr (kBwdOverlap && !kFusedDq && !kChecked) {
+        // The masked and the unmasked form, chosen per block (the same operations per element as below).
+        auto pt_block = [&](auto masked) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = 8 * i + 2 * tq + (e & 1);
+              float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
+              if constexpr (decltype(masked)::value) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
+              st[4 * i + e] = pr;
+            }
+          }
+        };
+        if (need_mask)
+          pt_block(std::true_type{});
+        else
+          pt_block(std::false_type{});
+      } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -393,7 +665,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           st[4 * i + e] = pr;
         }
       }
+      }
       pack_a<T, 64>(st, ap);
+    }
+    if constexpr (kDefer && kPrev) {
+      // The previous query block's dK has run under this block's P^T: wait for it here, not above that work.
+      end_block_after_all(ap);
+      gmma::wait<0>();
+      gmma::reg_fence(dk);
+      mbar_arrive(empty_bar(stage_prev));
     }
     // kTwoKernel, checked, causal: where a query row that some key of this warpgroup does not see holds inf / NaN
     // in q or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
@@ -407,23 +687,36 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float dpt[32];  // dP^T
       gmma::reg_fence(dv);
+      // kBwdOverlap, plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no registers
+      // beyond main's: P^T is read back from ap there anyway). Checked steps keep the single group: their ks is a
+      // run-time value, and a wgmma still in flight where its two paths join makes ptxas serialize (C7520).
+      constexpr bool kDvUnderDs = kBwdOverlap && !kFusedDq && !kChecked;
       if (ks == 0) {
         gmma::fence();
+        if constexpr (kDvUnderDs) {
+          issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          gmma::commit();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
-        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
-        gmma::commit();
-        gmma::wait<0>();
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+          gmma::commit();
+          gmma::wait<1>();
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) Wgmma<T, kBwdDV>::template rs<1>(dv, ap[kk], desc_mn<kKvBM>(sDO, kk));
+          issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+          gmma::commit();
+          gmma::wait<0>();
+        }
       } else {  // dV first (dP^T not yet live: registers), then dP^T
         mma_b_finite<T, kKvBM, kBwdDV, 4>(dv, ap, sDO, scratch, ks, 4 + wg, tid & 127);
         add_nonfinite_products_smem<T, kKvBM, kBwdDV, 4>(dv, ap, smem_ptr(sDO), ks, visible, lane);
         gmma::reg_fence(dv);
         gmma::fence();
-        issue_abt<T, 64, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
+        issue_abt64<T, kBwdDV, kKvBN, kKvBM>(dpt, sV, wg * 64, sDO);
         gmma::commit();
         gmma::wait<0>();
       }
-      gmma::reg_fence(dv);
+      if constexpr (!kDvUnderDs) gmma::reg_fence(dv);
       gmma::reg_fence(dpt);
       // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Checked: masked
       // entries get 0 with the sign of dP^T - D (the bits of 0 (dP^T - D)), also where dP^T - D is inf / NaN (D of
@@ -449,6 +742,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
         }
       }
       pack_a<T, 64>(dpt, as);
+      if constexpr (kDvUnderDs) {  // dV has run under dS^T: wait for it here, not above that work
+        end_block_after_all(as);
+        gmma::wait<0>();
+        gmma::reg_fence(dv);
+      }
     }
     if constexpr (kFusedDq) {
       // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
@@ -463,6 +761,16 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       }
       gmma::fence_proxy_async();
       named_barrier_sync(1, 256);  // both halves of dS^T written
+    }
+    if constexpr (kDefer && !kChecked) {  // leave this block's dK += dS^T Q to the next step
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) as_prev[kk][j] = as[kk][j];
+      }
+      sq_prev = sQ;
+      stage_prev = stage;
+      return;
     }
     gmma::reg_fence(dk);
     if (ks != 0) {  // kTwoKernel, checked only
@@ -513,12 +821,31 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(kv_bar, 0);
-  for (int it = 0; it < n_it; ++it) {
-    const int m0 = (m_begin + it % m_count) * kKvBM;
-    if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
-      step(it, std::true_type{});
-    else
-      step(it, std::false_type{});
+  if constexpr (kDefer) {
+    bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q) {
+        if (pending) finish_pending();
+        step(it, std::true_type{}, std::false_type{});
+        pending = false;
+      } else {
+        if (pending)
+          step(it, std::false_type{}, std::true_type{});
+        else
+          step(it, std::false_type{}, std::false_type{});
+        pending = true;
+      }
+    }
+    if (pending) finish_pending();
+  } else {
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
+        step(it, std::true_type{}, std::false_type{});
+      else
+        step(it, std::false_type{}, std::false_type{});
+    }
   }
 
   T* dkp = static_cast<T*>(p.dk);
@@ -581,10 +908,11 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
     auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq>;
-    e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
+    using KvSmemT = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+    e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
     if (e != cudaSuccess) return e;
     kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
-                KvSmem<kD>::kBytesAligned, stream>>>(kp);
+                KvSmemT::kBytesAligned, stream>>>(kp);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
