@@ -111,6 +111,20 @@ __device__ __forceinline__ void end_block_after_all(uint32_t (&x)[4][4]) {
   end_block_after(__uint_as_float(x[3][2]), __uint_as_float(x[3][3]));
 }
 
+/// kBwdOverlap: a step's deferred last GEMM, acc += A B over 4 k-steps (A fragments `a` in registers, B the
+/// MN-major tile of kRowsB rows at shared address `b`), issued and waited, then the ring stage that held B
+/// released on its empty barrier `empty`. The dq kernel defers dQ += dS K, the dk / dv kernel dK += dS^T Q.
+template <class T, int kD, int kRowsB, int N>
+__device__ __forceinline__ void finish_deferred_rs(float (&acc)[N], const uint32_t (&a)[4][4], uint32_t b,
+                                                   uint32_t empty) {
+  gmma::reg_fence(acc);
+  gmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(acc, a[kk], desc_mn<kRowsB>(b, kk));
+  gmma::commit_wait(acc);
+  mbar_arrive(empty);
+}
+
 /// Streamed-tile ring of kStages stages: the stage of block n, the phase of its full barrier, the phase of its
 /// stage's empty barrier to wait for before refilling it (n >= kStages). kBwdOverlap gives the rings whose consumer
 /// defers a block's last GEMM (dq; dk / dv at d_qk 128) a third stage: their stage n - 1 is released only late in
@@ -283,12 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   [[maybe_unused]] uint32_t sk_prev = 0;
   [[maybe_unused]] int stage_prev = 0;
   [[maybe_unused]] auto finish_pending = [&]() {
-    gmma::reg_fence(dq);
-    gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dq, a_prev[kk], desc_mn<kDqBN>(sk_prev, kk));
-    gmma::commit_wait(dq);
-    mbar_arrive(empty_bar(stage_prev));
+    finish_deferred_rs<T, kD, kDqBN>(dq, a_prev, sk_prev, empty_bar(stage_prev));
   };
   auto step = [&](int n, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
@@ -585,12 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   [[maybe_unused]] uint32_t sq_prev = 0;
   [[maybe_unused]] int stage_prev = 0;
   [[maybe_unused]] auto finish_pending = [&]() {
-    gmma::reg_fence(dk);
-    gmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as_prev[kk], desc_mn<kKvBM>(sq_prev, kk));
-    gmma::commit_wait(dk);
-    mbar_arrive(empty_bar(stage_prev));
+    finish_deferred_rs<T, kD, kKvBM>(dk, as_prev, sq_prev, empty_bar(stage_prev));
   };
   auto step = [&](int it, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
