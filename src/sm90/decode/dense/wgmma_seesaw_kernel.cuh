@@ -234,7 +234,7 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
   else masked();
 }
 
-// A/B switch (bench/ab/s27-dense-decode-sparse-prefill-waits.txt; 0 = the shipped kernel, SASS unchanged).
+// A/B switch (bench/ab/dense-decode-sparse-prefill-p-stores.txt; 0 = the shipped kernel, SASS unchanged).
 // The P stores of the pair loop as the sparse prefill seesaw kernel does them (there x1.013 together,
 // docs/sparse-prefill.md), same values and the same bits:
 //   >= 1: each P store (warpgroup 0's P0 * scale1, warpgroup 1's P1) addressed as sP + (p_off ^ (t << 4)),

@@ -96,7 +96,7 @@ static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24 && kProducerRegs <= 
               "FLASHMLA_PREFILL_PRODUCER_REGS: a multiple of 8 in [24, 168]");
 static_assert(kConsumerRegs >= 168 && kConsumerRegs <= 256, "consumer registers out of setmaxnreg's range");
 
-// A/B switch (bench/ab/s27-dense-decode-sparse-prefill-waits.txt; 0 = the shipped kernel, SASS unchanged).
+// A/B switch (bench/ab/dense-decode-sparse-prefill-p-stores.txt; 0 = the shipped kernel, SASS unchanged).
 // 1: warpgroup 1 issues P1 V1_R before the proxy fence of P1's shared-memory stores instead of after it,
 // as the dense decode seesaw kernel does (there part of a x1.023 set of four, docs/dense-decode.md). The
 // fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) waits for the 16 P1 stores to complete, and in the shipped
