@@ -92,7 +92,7 @@ using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 // multiply-high by the scope's pbs_magic instead of the ~30 instructions of an integer division and
 // remainder), exact for every token index, so the unaligned byte-copy path takes it too. MODEL1's 8-byte
 // scale copy is cp.async.ca (cp_async_8).
-// H200 (bench/side_by_side_tp.py, the kernel's TP rows): ~1.3 % less kernel time than cp.async.cg with
+// H200 (bench/side_by_side_tp.py, the kernel's TP rows, main kernel + combine): ~1.3 % less time than cp.async.cg with
 // integer division; the division alone, or with cp.async.cg.L2::256B (no L1 allocation), was within noise.
 
 // cp_async_16 allocating in L1 (.ca), with the L2::256B prefetch size; zero-fills without reading `src`
