@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 V=${1:?variants folder or list file}
-# A list file (e.g. bench/ab/sparse-decode-mma-sync-gathers.txt): one variant per line, "name -DMACRO=1 ... VAR=value
+# A list file (bench/ab/NAME.txt, see bench/ab/README.md): one variant per line, "name -DMACRO=1 ... VAR=value
 # ...", '#' comments; its folders (cuda-flags and env files, plus "main") are made under /tmp/ab-variants.
 if [ -f "$V" ]; then
   list=$V; V=/tmp/ab-variants

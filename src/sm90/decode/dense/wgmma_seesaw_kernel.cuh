@@ -210,7 +210,9 @@ __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, in
 //   warpgroup 1 issues P1 V1_R before P1's proxy fence and announcement.
 // Measured and not used: the metadata and a request's first pages read speculatively up front
 // (x0.998; b128 s_k 256 whole calls -2.6%); the stage reloads issued by lane 0 of every warp instead of
-// by one thread (x0.995).
+// by one thread (x0.995); the P stores addressed by one XOR from a per-thread offset, as sparse prefill
+// does them (x1.008), and with that P0 stored before the Scale1 barrier, rewritten only when some row's
+// scale1 is not 1 (x1.009): both under the 1 % a change must win by (docs/dense-decode.md).
 
 // S -> scale_log2 * S with keys at or past each row's limit set to -inf; row maxima (per thread, not
 // yet reduced over the quad) into mx. need_mask false: no key of the block reaches a limit.
@@ -233,26 +235,6 @@ __device__ __forceinline__ void scale_mask_rowmax(float (&s)[32], float scale_lo
   if (!need_mask) seesaw::scale_rowmax_local(s, scale_log2, mx);
   else masked();
 }
-
-// A/B switch (bench/ab/dense-decode-sparse-prefill-p-stores.txt; 0 = the shipped kernel, SASS unchanged).
-// The P stores of the pair loop as the sparse prefill seesaw kernel does them (there x1.013 together,
-// docs/sparse-prefill.md), same values and the same bits:
-//   >= 1: each P store (warpgroup 0's P0 * scale1, warpgroup 1's P1) addressed as sP + (p_off ^ (t << 4)),
-//         + 1024 for the second row, from one per-thread offset p_off = row_local[0] * 128 + (gq << 4) + 4 tq
-//         (row_local[0] & 7 == gq, so this is slab_off(row, key >> 3) + (key & 7) * 2 for key = 8 t + 2 tq).
-//         The shipped loop holds the 16 slab_off addresses in 16 registers across the pair loop (SASS: STS
-//         [R221..R236]), in a kernel at 255 registers with a 16-byte spill;
-//   2:    and warpgroup 0 stores P0 unscaled right after issuing P0 V0_L, while it waits at the Scale1 barrier,
-//         rewriting it as P0 * scale1 after the barrier only when some row's scale1 is not exactly 1 (with lazy
-//         rescaling nearly never once the max has settled; s * 1.f == s): the 32 FMUL + 16 F2FP + 16 STS leave
-//         the stretch from the Scale1 barrier to the P0 arrival that warpgroup 1's P0 V0_R waits for. From the
-//         fp32 s, not from the fragments a[][], which are the A operand of P0 V0_L, in flight there.
-#ifndef FLASHMLA_DENSE_DECODE_P_STORES
-#define FLASHMLA_DENSE_DECODE_P_STORES 0
-#endif
-static_assert(FLASHMLA_DENSE_DECODE_P_STORES >= 0 && FLASHMLA_DENSE_DECODE_P_STORES <= 2,
-              "FLASHMLA_DENSE_DECODE_P_STORES: 0, 1 or 2");
-constexpr int kPStores = FLASHMLA_DENSE_DECODE_P_STORES;
 
 // kStaged: the epilogue writes O through shared memory and bulk copies (see there); chosen by the
 // host for batches of short requests only (DenseDecodeKernelParams::staged_epilogue).
@@ -319,8 +301,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   int row_local[2], row_global[2], row_sq[2];
   thread_rows(wq, gq, m_tile * kBlockM, p.group, row_local, row_global, row_sq);
-  // Byte offset of the thread's first P pair in a P slab (kPStores >= 1; row_local[0] & 7 == gq).
-  const uint32_t p_off = static_cast<uint32_t>(row_local[0] * 128 + (gq << 4) + 4 * tq);
 
   for (int req = ps.begin_req; req <= ps.end_req; ++req) {
     FLASHMLA_DENSE_TRACE_CTA(1 + dtrace_req, 0);
@@ -502,43 +482,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::commit();
         FLASHMLA_DENSE_TRACE_STEP(0, 4, t_wg == 0);
 
-        if constexpr (kPStores == 0) {
-          named_barrier_sync(kBarScale1, kThreads);
-          FLASHMLA_DENSE_TRACE_STEP(0, 5, t_wg == 0);
-        }
-        // P0 * (f0, f1) -> slab 8 of stage 0 (S0 is done with it)
-        uint8_t* sP0 = sK + 8 * kSlabBytes;
-        auto store_p0 = [&](float f0, float f1) {
-#pragma unroll
-          for (int t = 0; t < 8; ++t) {
-            if constexpr (kPStores == 0) {
-              const int key = 8 * t + 2 * tq;
-              *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
-                  HalfTraits<T>::pack(s[4 * t + 0] * f0, s[4 * t + 1] * f0);
-              *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
-                  HalfTraits<T>::pack(s[4 * t + 2] * f1, s[4 * t + 3] * f1);
-            } else {
-              uint8_t* q0 = sP0 + (p_off ^ static_cast<uint32_t>(t << 4));
-              *reinterpret_cast<uint32_t*>(q0) = HalfTraits<T>::pack(s[4 * t + 0] * f0, s[4 * t + 1] * f0);
-              *reinterpret_cast<uint32_t*>(q0 + 1024) = HalfTraits<T>::pack(s[4 * t + 2] * f1, s[4 * t + 3] * f1);
-            }
-          }
-        };
-        if constexpr (kPStores == 2) store_p0(1.f, 1.f);
-        if constexpr (kPStores != 0) {
-          named_barrier_sync(kBarScale1, kThreads);
-          FLASHMLA_DENSE_TRACE_STEP(0, 5, t_wg == 0);
-        }
+        named_barrier_sync(kBarScale1, kThreads);
+        FLASHMLA_DENSE_TRACE_STEP(0, 5, t_wg == 0);
         float sc1[2];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           sc1[hh] = sS1[row_local[hh]];
           m_run[hh] = sM1[row_local[hh]];
         }
-        if constexpr (kPStores == 2) {
-          if (!__all_sync(0xffffffffu, sc1[0] == 1.f && sc1[1] == 1.f)) store_p0(sc1[0], sc1[1]);
-        } else {
-          store_p0(sc1[0], sc1[1]);
+        // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+        uint8_t* sP0 = sK + 8 * kSlabBytes;
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const int key = 8 * t + 2 * tq;
+          *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[0], key >> 3) + (key & 7) * 2) =
+              HalfTraits<T>::pack(s[4 * t + 0] * sc1[0], s[4 * t + 1] * sc1[0]);
+          *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
+              HalfTraits<T>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
         }
         gmma::fence_proxy_async();
         bar_arrive(kBarP0, kThreads);
@@ -620,17 +580,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
-          if constexpr (kPStores == 0) {
-            seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
-          } else {
-            uint8_t* sP1 = sK + kSmemK + 8 * kSlabBytes;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) {
-              uint8_t* q0 = sP1 + (p_off ^ static_cast<uint32_t>(t << 4));
-              *reinterpret_cast<uint32_t*>(q0) = a[t >> 1][(t & 1) * 2 + 0];
-              *reinterpret_cast<uint32_t*>(q0 + 1024) = a[t >> 1][(t & 1) * 2 + 1];
-            }
-          }
+          seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
           gmma::reg_fence(o);
           gmma::fence();
           pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));

@@ -83,40 +83,23 @@ struct Cfg : mma_core::Tile<R> {
 
 using mma_core::swz;  // Q / K tile addressing (1152-byte rows, swizzled chunks)
 
-// Gathers of flash_fwd_splitkv_mla_fp8_sparse_kernel (build switch, default 0):
-//   0: the 16-byte aligned path copies records by cp.async.cg (L2 only: each warp instruction's 64 bytes
-//      of a record go to L2 on their own, and a sector that two of them share is fetched twice) and
-//      finds a token's page block and row by integer division and remainder (~30 instructions a
-//      block, ~13 of them dependent on the token index; the reciprocal of the page size overlaps its load);
-//   1: as the small-heads and wgmma producers' gathers (docs/sparse-fp8-decode.md): cp.async.ca with the
-//      L2::256B prefetch size (cp_async_16_ca_l2_256: the record's lines are allocated in L1, so a
-//      shared sector is fetched from L2 once, and L2 fetches 256-byte neighbourhoods from DRAM;
-//      cp.async has no L1 eviction-priority qualifier; .ca, its L1-allocating form, is the closest to
-//      ld's L1::evict_last), and the page block by multiply-high
-//      (core::split_page_token with the scope's pbs_magic). The division is exact for every token
-//      index, so the unaligned byte-copy path takes it too; its loads are unchanged. MODEL1's 8-byte
-//      scale copy is cp.async.ca in both;
-//   2: only the multiply-high division (the gathers as 0);
-//   3: the division and cp.async.cg with the L2::256B prefetch size (cp_async_16_cg_l2_256: no L1
-//      allocation). 2 and 3 tell the parts of 1 apart: with 1 the gathers allocate L1 lines, of which
-//      this kernel's shared memory (BM 32: 195 KiB, two 41 KiB raw stages in flight) leaves 60 KiB at
-//      the smallest carve-out that holds it.
-#ifndef FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER
-#define FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER 0
-#endif
-static_assert(FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER >= 0 && FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER <= 3,
-              "FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER: 0, 1, 2 or 3");
+// Gathers of flash_fwd_splitkv_mla_fp8_sparse_kernel, as the small-heads and wgmma producers' gathers
+// (docs/sparse-fp8-decode.md): the 16-byte aligned path copies records by cp.async.ca with the L2::256B
+// prefetch size (cp_async_16_ca_l2_256): a record's lines are allocated in L1, so a sector that two
+// warp instructions share is fetched from L2 once, and L2 fetches 256-byte neighbourhoods from DRAM.
+// cp.async has no L1 eviction-priority qualifier; .ca, its L1-allocating form, is the closest to the
+// producers' ld L1::evict_last. A token's page block and row come from core::split_page_token (a
+// multiply-high by the scope's pbs_magic instead of the ~30 instructions of an integer division and
+// remainder), exact for every token index, so the unaligned byte-copy path takes it too. MODEL1's 8-byte
+// scale copy is cp.async.ca (cp_async_8).
+// H200 (bench/side_by_side_tp.py, the kernel's TP rows, main kernel + combine): ~1.3 % less time than cp.async.cg with
+// integer division; the division alone, or with cp.async.cg.L2::256B (no L1 allocation), was within noise.
 
-// cp_async_16 allocating in L1 (.ca) / not (.cg), with the L2::256B prefetch size; both zero-fill without
-// reading `src` when !valid.
+// cp_async_16 allocating in L1 (.ca), with the L2::256B prefetch size; zero-fills without reading `src`
+// when !valid.
 __device__ __forceinline__ void cp_async_16_ca_l2_256(uint32_t dst, const void* src, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_16_cg_l2_256(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 
@@ -372,27 +355,17 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       const int vec = is_extra ? p.extra.vec : p.main.vec;
       const bool valid = idx >= 0 && idx < num_tokens;
       const uint32_t u_idx = valid ? static_cast<uint32_t>(idx) : 0u;
-#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER != 0
       uint32_t blk_id;
       int32_t row;
       core::split_page_token(u_idx, static_cast<uint32_t>(pbs), is_extra ? p.extra.pbs_magic : p.main.pbs_magic,
                              blk_id, row);  // no integer divider
-#else
-      const uint32_t blk_id = u_idx / static_cast<uint32_t>(pbs), row = u_idx % static_cast<uint32_t>(pbs);
-#endif
       const uint8_t* block_base = cache + static_cast<int64_t>(blk_id) * bstride;
       const uint8_t* rec = block_base + static_cast<int64_t>(row) * (F == Fmt::kV32 ? 656 : 576);
       uint8_t* dst = sRaw + st * CF::kSmemRawStage + g_tok * kRawStride;
       const uint32_t dst_u = sRaw_u + st * CF::kSmemRawStage + g_tok * kRawStride;
       if (vec) {
         for (int c = g_q4; c < FC::kRawChunks; c += 4)
-#if FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER == 1
           cp_async_16_ca_l2_256(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
-#elif FLASHMLA_SPARSE_DECODE_MMA_SYNC_FAST_GATHER == 3
-          cp_async_16_cg_l2_256(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
-#else
-          cp_async_16(dst_u + c * 16, valid ? static_cast<const void*>(rec + c * 16) : cache, valid);
-#endif
         if constexpr (F == Fmt::kModel1) {
           if (g_q4 == 0)
             cp_async_8(dst_u + FC::kScaleRaw,

@@ -16,7 +16,7 @@ struct SparseScope {
   const uint8_t* cache = nullptr;  // page block B starts at cache + B * block_stride (bytes)
   int64_t block_stride = 0;        // bytes
   int page_block_size = 1;
-  uint32_t pbs_magic = 0;  // core::page_div_magic(page_block_size): the producer's page division by multiply
+  uint32_t pbs_magic = 0;  // core::page_div_magic(page_block_size): the kernels' page division by multiply
   int num_tokens = 0;              // num_blocks * page_block_size (< 2^31)
   const int32_t* indices = nullptr;  // (b, s_q, topk) int32
   int64_t idx_stride_b = 0, idx_stride_s = 0, idx_stride_k = 1;

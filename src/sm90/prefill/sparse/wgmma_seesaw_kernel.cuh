@@ -96,19 +96,6 @@ static_assert(kProducerRegs % 8 == 0 && kProducerRegs >= 24 && kProducerRegs <= 
               "FLASHMLA_PREFILL_PRODUCER_REGS: a multiple of 8 in [24, 168]");
 static_assert(kConsumerRegs >= 168 && kConsumerRegs <= 256, "consumer registers out of setmaxnreg's range");
 
-// A/B switch (bench/ab/dense-decode-sparse-prefill-p-stores.txt; 0 = the shipped kernel, SASS unchanged).
-// 1: warpgroup 1 issues P1 V1_R before the proxy fence of P1's shared-memory stores instead of after it,
-// as the dense decode seesaw kernel does (there part of a x1.023 set of four, docs/dense-decode.md). The
-// fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC) waits for the 16 P1 stores to complete, and in the shipped
-// SASS it sits between the last store and the first P1 V1_R wgmma, which reads P1 from registers and
-// does not need it. Only warpgroup 0's P1 V1_L reads P1 from shared memory, after the kBarP1 barrier,
-// and warpgroup 1 arrives there only after issuing P0 V0_R, so the fence still comes first. The
-// stores stay ahead of the issue: the A registers of a wgmma in flight must not be read.
-#ifndef FLASHMLA_SPARSE_PREFILL_P1_FENCE_AFTER_ISSUE
-#define FLASHMLA_SPARSE_PREFILL_P1_FENCE_AFTER_ISSUE 0
-#endif
-constexpr bool kP1FenceAfterIssue = FLASHMLA_SPARSE_PREFILL_P1_FENCE_AFTER_ISSUE != 0;
-
 enum : int { kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarConsumers = 5 };
 // Epilogue, when out's rows are 16-byte aligned (p.out_bulk_ok): O staged as bf16 rows in Q's
 // buffer, each 1 KB row written with one bulk copy (H200: -4% time at d_qk 576 h_q 128,
@@ -620,7 +607,9 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
         exp_pack_store_p_xor(s, m1u, rs, a, sP1, p_off);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
-        if constexpr (!kP1FenceAfterIssue) gmma::fence_proxy_async();
+        // Fenced before P1 V1_R is issued. Issuing first and fencing after it, as dense decode does,
+        // measured x0.998 here (H200, 17 cases; docs/sparse-prefill.md).
+        gmma::fence_proxy_async();
       }
       FLASHMLA_TRACE_EVENT(1, j, 5, t_wg == 0);
       if (has1) {
@@ -630,7 +619,6 @@ __global__ void __launch_bounds__(kThreadsProd, 1)
           pv_rs_chain(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
         }
         gmma::commit();
-        if constexpr (kP1FenceAfterIssue) gmma::fence_proxy_async();
       }
       named_barrier_sync(kBarP0, kThreads);
       FLASHMLA_TRACE_EVENT(1, j, 6, t_wg == 0);
