@@ -34,9 +34,9 @@ namespace dense_prefill {
 
 constexpr int kBwdDV = 128;
 
-// Within a consumer warpgroup, the exp2 / dS work of a plain step (a block without masked entries) runs while GEMMs
-// of its own are on the tensor cores, not only where the other warpgroup's GEMMs happen to run (two-kernel schedule;
-// docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"):
+// Within a consumer warpgroup, the exp2 / dS work of a plain step (any step but the checked ones below) runs while
+// GEMMs of its own are on the tensor cores, not only where the other warpgroup's GEMMs happen to run (two-kernel
+// schedule; docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"):
 //  * dq kernel: S, dP and dQ += dS K of the previous key block are three commit groups; exp2 runs under dP and that
 //    dQ, dS = P (dP - D) under that dQ, which is waited for (and its stage released) after dS.
 //  * dk / dv kernel: dP^T is issued before dV += P^T dO, so dS^T runs under dV; at d_qk 128 also dK += dS^T Q of the
@@ -45,10 +45,11 @@ constexpr int kBwdDV = 128;
 //    forward, "Forward: softmax overlapping its own P V"); the masked / unmasked element loops chosen per block.
 //  * the rings of the kernels that defer a GEMM get a third stage (Ring), so the late release of a block's stage
 //    does not hold back the load of the block after next.
-// The checked steps (blocks with masked entries) and the fused-dQ schedule wait for each wgmma batch right after
-// issuing it. Both forms issue the same GEMMs in the same order per accumulator (block n - 1's product is added
-// before block n's) and do the same per-element operations, so a block's contribution to dq, dk and dv has the same
-// bits whichever form ran it, and the results stay deterministic.
+// The checked steps (the causal diagonal blocks, in the dk / dv kernel also a partial last query block: they also
+// keep inf / NaN out of the rows and keys that do not see each other) and the fused-dQ schedule wait for each wgmma
+// batch right after issuing it. The overlap changes no GEMM, no order of the products added to an accumulator (block
+// n - 1's before block n's) and no per-element operation, so dq, dk and dv have the bits of the order that waits for
+// each batch at once, and stay deterministic.
 
 /// acc = A B^T over kDim / 16 k-steps of m64n64k16, both operands K-major: A = the 64 rows whose first row's
 /// descriptor is desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b.
