@@ -34,41 +34,28 @@ namespace dense_prefill {
 
 constexpr int kBwdDV = 128;
 
-// FLASHMLA_DENSE_PREFILL_BWD_OVERLAP (default 0 = the shipped kernels, machine code unchanged): each consumer
-// warpgroup's exp2 / dS work runs while GEMMs of its own are on the tensor cores (kTwoKernel only;
-// docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"). At 0 every wgmma batch of the two
-// main loops is followed at once by its wait, so that work overlaps tensor-core work only where the other
-// warpgroup's GEMMs happen to run.
-// At 1, in the plain steps (the checked steps, with masked entries, keep the order of 0):
+// Within a consumer warpgroup, the exp2 / dS work of a plain step (any step but the checked ones below) runs while
+// GEMMs of its own are on the tensor cores, not only where the other warpgroup's GEMMs happen to run (two-kernel
+// schedule; docs/dense-prefill.md, "Backward: exp2 and dS under the warpgroup's own GEMMs"):
 //  * dq kernel: S, dP and dQ += dS K of the previous key block are three commit groups; exp2 runs under dP and that
 //    dQ, dS = P (dP - D) under that dQ, which is waited for (and its stage released) after dS.
-//  * dk / dv kernel: dP^T is issued before dV += P^T dO, so dS^T runs under dV; at d_qk 128 also dK += dS^T Q of
-//    the previous query block runs under the exp2 of S^T (d_qk 192: too few registers).
+//  * dk / dv kernel: dP^T is issued before dV += P^T dO, so dS^T runs under dV; at d_qk 128 also dK += dS^T Q of the
+//    previous query block runs under the exp2 of S^T (d_qk 192: too few registers).
 //  * end_block_after_all() before each of those waits, so ptxas does not schedule a wait above the work (as in the
 //    forward, "Forward: softmax overlapping its own P V"); the masked / unmasked element loops chosen per block.
 //  * the rings of the kernels that defer a GEMM get a third stage (Ring), so the late release of a block's stage
 //    does not hold back the load of the block after next.
-// The GEMMs, their order per accumulator (block n - 1's product is added before block n's) and the per-element
-// operations are unchanged, so dq, dk and dv keep their bits and stay deterministic.
-#ifndef FLASHMLA_DENSE_PREFILL_BWD_OVERLAP
-#define FLASHMLA_DENSE_PREFILL_BWD_OVERLAP 0
-#endif
-constexpr bool kBwdOverlap = FLASHMLA_DENSE_PREFILL_BWD_OVERLAP != 0;
+// The checked steps (the causal diagonal blocks, in the dk / dv kernel also a partial last query block: they also
+// keep inf / NaN out of the rows and keys that do not see each other) and the fused-dQ schedule wait for each wgmma
+// batch right after issuing it. The overlap changes no GEMM, no order of the products added to an accumulator (block
+// n - 1's before block n's) and no per-element operation, so dq, dk and dv have the bits of the order that waits for
+// each batch at once, and stay deterministic.
 
-// FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS (default 0 = machine code unchanged): the K-major m64n64 wgmma batches of
-// both kernels (S, dP; S^T, dP^T) take each k-step's descriptors as one base descriptor per operand plus a
-// compile-time offset added inside the asm (gmma::mma_m64n64k16_off_*), the A operand's base address read from lane 0
-// so that ptxas knows it is warp-uniform, as the forward does (WgmmaOff128). At 0 each of those wgmmas is preceded by
-// ~12 instructions rebuilding its two descriptors, 2 of them R2UR (40 R2UR per step in the d_qk 192 dq kernel). The
-// same descriptors in the same order: the same bits. Independent of FLASHMLA_DENSE_PREFILL_BWD_OVERLAP.
-#ifndef FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS
-#define FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS 0
-#endif
-constexpr bool kBwdDescOffsets = FLASHMLA_DENSE_PREFILL_BWD_DESC_OFFSETS != 0;
-
-/// kBwdDescOffsets: acc = A B^T over kDim / 16 k-steps of m64n64k16, A = the 64 rows whose first row's descriptor is
-/// desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b; k-step kk's
-/// descriptors are desc + (byte offset of desc_k's kk >> 4), as in issue_abt_off128.
+/// acc = A B^T over kDim / 16 k-steps of m64n64k16, both operands K-major: A = the 64 rows whose first row's
+/// descriptor is desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b.
+/// k-step kK's descriptors are the base descriptors plus the byte offset of its 16 dims (64-dim slabs of kRows x 128
+/// bytes, 32 bytes per k-step within a slab) >> 4, added inside the asm, as in issue_abt_off128. The first k-step
+/// overwrites acc.
 template <class T, int kDim, int kRowsA, int kRowsB, int kK = 0>
 __device__ __forceinline__ void issue_abt_off64(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
   if constexpr (kK < kDim / 16) {
@@ -81,19 +68,19 @@ __device__ __forceinline__ void issue_abt_off64(float (&acc)[32], uint64_t desc_
     issue_abt_off64<T, kDim, kRowsA, kRowsB, kK + 1>(acc, desc_a, desc_b);
   }
 }
-/// issue_abt<T, 64, ...>, or with kBwdDescOffsets its base-plus-offset form.
+/// acc = A B^T (m64n64k16, both operands K-major): A = the 64 rows from a_row0 of the kRowsA-row tile at a, B = the
+/// first 64 rows of the kRowsB-row tile at b, through issue_abt_off64. A's row address is read from lane 0 so that
+/// ptxas knows it is warp-uniform and keeps the descriptors on the uniform datapath, as the forward does
+/// (WgmmaOff128): building both descriptors from addresses before each wgmma costs ~12 instructions, 2 of them R2UR.
+/// Issues only: the caller fences before, commits and waits after.
 template <class T, int kDim, int kRowsA, int kRowsB>
 __device__ __forceinline__ void issue_abt64(float (&acc)[32], uint32_t a, int a_row0, uint32_t b) {
-  if constexpr (kBwdDescOffsets) {
-    const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, a + a_row0 * 128, 0);  // warp-uniform for ptxas
-    issue_abt_off64<T, kDim, kRowsA, kRowsB>(acc, gmma::make_desc_sw128(a0, 16, 1024),
-                                             gmma::make_desc_sw128(b, 16, 1024));
-  } else {
-    issue_abt<T, 64, kDim, kRowsA, kRowsB>(acc, a, a_row0, b);
-  }
+  const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, a + a_row0 * 128, 0);  // warp-uniform for ptxas
+  issue_abt_off64<T, kDim, kRowsA, kRowsB>(acc, gmma::make_desc_sw128(a0, 16, 1024),
+                                           gmma::make_desc_sw128(b, 16, 1024));
 }
 
-/// kBwdOverlap: ends the basic block once every value of x is computed, so that the wgmma wait that follows stays
+/// Ends the basic block once every value of x is computed, so that the wgmma wait that follows stays
 /// below all of that work. end_block_after() alone orders only the two values its branch tests: the rest could
 /// still be computed after the wait (LLVM sinks them there). The register fence (an empty volatile asm that reads
 /// and writes every element) keeps all of x before the wait's asm, and with it before the branch.
@@ -111,7 +98,7 @@ __device__ __forceinline__ void end_block_after_all(uint32_t (&x)[4][4]) {
   end_block_after(__uint_as_float(x[3][2]), __uint_as_float(x[3][3]));
 }
 
-/// kBwdOverlap: a step's deferred last GEMM, acc += A B over 4 k-steps (A fragments `a` in registers, B the
+/// A step's deferred last GEMM, acc += A B over 4 k-steps (A fragments `a` in registers, B the
 /// MN-major tile of kRowsB rows at shared address `b`), issued and waited, then the ring stage that held B
 /// released on its empty barrier `empty`. The dq kernel defers dQ += dS K, the dk / dv kernel dK += dS^T Q.
 template <class T, int kD, int kRowsB, int N>
@@ -126,10 +113,9 @@ __device__ __forceinline__ void finish_deferred_rs(float (&acc)[N], const uint32
 }
 
 /// Streamed-tile ring of kStages stages: the stage of block n, the phase of its full barrier, the phase of its
-/// stage's empty barrier to wait for before refilling it (n >= kStages). kBwdOverlap gives the rings whose consumer
-/// defers a block's last GEMM (dq; dk / dv at d_qk 128) a third stage: their stage n - 1 is released only late in
-/// step n, so with two stages block n + 1 could not start loading before step n had nearly finished. 2 stages: the
-/// shipped arithmetic (n & 1, ...).
+/// stage's empty barrier to wait for before refilling it (n >= kStages). The rings whose consumer defers a block's
+/// last GEMM (dq; dk / dv at d_qk 128) have three stages: their stage n - 1 is released only late in step n, so with
+/// two stages block n + 1 could not start loading before step n had nearly finished. The others have two.
 template <int kStages>
 struct Ring {
   __device__ __forceinline__ static int stage(int n) {
@@ -210,7 +196,7 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
   using Tiles = BwdTiles<kD, kDqBM, kDqBN>;
   static constexpr int kStage = Tiles::kK + Tiles::kV;
   static constexpr int kScratch = 16 * kD * 2;  // per consumer warpgroup: 16 K rows without inf / NaN (rare path)
-  static constexpr int kStages = kBwdOverlap ? 3 : 2;  // Ring
+  static constexpr int kStages = 3;  // Ring: dQ += dS K is deferred
   static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], q_full
   static constexpr int kBytes = 1024 + Tiles::kQ + Tiles::kDO + kStages * kStage + 2 * kScratch + kBars;
   static_assert(kBytes <= 232448, "shared memory");
@@ -286,22 +272,22 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   // Causal: keys from masked_lo on are not seen by some row of this CTA; the key blocks from check_first on (at
   // most three) are "checked": their step (kChecked) also keeps inf / NaN of masked keys (in v: dP; in k: S, and
   // dS K) out of the rows that do not see them. The body is one; the other steps run the plain instantiation,
-  // in which ks = 0 folds the rare branch away.
+  // which has no rare branch.
   const int masked_lo = max(m0 + off + 1, 0);
   const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kDqBN : n_blocks;
-  // kBwdOverlap: the plain step leaves its dQ += dS K pending (A fragments a_prev, K tile sk_prev of stage
-  // stage_prev); the next plain step (kPrev) issues it after its S and dP, finish_pending() otherwise. Whether a
-  // step has one pending is a compile-time property of the call: a wgmma issued under a run-time condition on
-  // accumulators still in flight at the join makes ptxas insert warpgroup.arrive and serialize (C7519 / C7520).
-  [[maybe_unused]] uint32_t a_prev[4][4];
-  [[maybe_unused]] uint32_t sk_prev = 0;
-  [[maybe_unused]] int stage_prev = 0;
-  [[maybe_unused]] auto finish_pending = [&]() {
+  // The plain step leaves its dQ += dS K pending (A fragments a_prev, K tile sk_prev of stage stage_prev); the next
+  // plain step (kPrev) issues it after its S and dP, finish_pending() otherwise. Whether a step has one pending is a
+  // compile-time property of the call: a wgmma issued under a run-time condition on accumulators still in flight at
+  // the join makes ptxas insert warpgroup.arrive and serialize (C7519 / C7520).
+  uint32_t a_prev[4][4];
+  uint32_t sk_prev = 0;
+  int stage_prev = 0;
+  auto finish_pending = [&]() {
     finish_deferred_rs<T, kD, kDqBN>(dq, a_prev, sk_prev, empty_bar(stage_prev));
   };
   auto step = [&](int n, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
-    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kBwdOverlap: the previous block's dQ is pending
+    [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // the previous block's dQ is pending
     const int stage = R::stage(n);
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
@@ -312,10 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     const int n0 = n * kDqBN;
     bool nonfinite = false;
     gmma::fence();
-    if constexpr (!kChecked && kBwdOverlap) {
+    if constexpr (!kChecked) {
       // S, dP and (kPrev) the previous block's dQ += dS K, each its own group: P = exp2(S scale log2e - lse2) runs
-      // while dP and that dQ are in flight, dS = P (dP - D) while that dQ is. The same operations per element as
-      // the loop below, in two passes; the masked and the unmasked form chosen per block.
+      // while dP and that dQ are in flight, dS = P (dP - D) while that dQ is. The masked and the unmasked form
+      // chosen per block.
       issue_abt64<T, kD, kDqBM, kDqBN>(s, sQ, wg * 64, sK);  // S = Q K^T
       gmma::commit();
       issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
@@ -365,24 +351,6 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
       issue_abt64<T, kBwdDV, kDqBM, kDqBN>(dp, sDO, wg * 64, sV);  // dP = dO V^T
       gmma::commit_wait(s);
       gmma::reg_fence(dp);
-    }
-    if constexpr (!kChecked && !kBwdOverlap) {
-      const bool need_mask = n0 + kDqBN > sb.s_k || (p.causal && n0 + kDqBN - 1 > m0 + off);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float pr = exp2f(s[4 * i + e] * p.scale_log2 - lse2[r]);
-          if (need_mask) {
-            const int col = n0 + 8 * i + 2 * tq + (e & 1);
-            const bool vis = col < sb.s_k && (!p.causal || col <= row[r] + off);
-            pr = vis ? pr : 0.f;
-          }
-          s[4 * i + e] = pr * (dp[4 * i + e] - dsum[r]);  // dS
-        }
-      }
-    } else if constexpr (kChecked) {
       // A key that a row does not see gets dS = 0 with dP's sign (the bits of P (dP - D) with P = 0), also
       // where its v makes dP inf / NaN. nonfinite: some masked S is inf / NaN, which a key with inf / NaN in k
       // makes of every row's S (0 * inf included).
@@ -415,26 +383,22 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     }
     uint32_t a[4][4];
     pack_a<T, 64>(s, a);
-    if constexpr (kBwdOverlap) {
-      if constexpr (!kChecked) {  // leave this block's dQ += dS K to the next step
+    if constexpr (!kChecked) {  // leave this block's dQ += dS K to the next step
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
+      for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-          for (int j = 0; j < 4; ++j) a_prev[kk][j] = a[kk][j];
-        }
-        sk_prev = sK;
-        stage_prev = stage;
-        return;
+        for (int j = 0; j < 4; ++j) a_prev[kk][j] = a[kk][j];
       }
+      sk_prev = sK;
+      stage_prev = stage;
+      return;
     }
     // Checked: keys [wg_lo, wg_hi) of the block are not seen by some row of this warpgroup. Where one of their k
     // rows holds inf / NaN (found by the warpgroup: bar.red.or), dS K reads their k-steps from a copy without it
-    // and the rows that see such a key add its products (k from global memory) afterwards. Plain: ks = 0.
+    // and the rows that see such a key add its products (k from global memory) afterwards.
     uint32_t ks = 0;
     const int wg_lo = max(m0 + wg * 64 + off + 1 - n0, 0), wg_hi = min(sb.s_k - n0, kDqBN);
-    if constexpr (kChecked) {
-      if (wg_lo < wg_hi && bar_red_or(4 + wg, 128, nonfinite)) ks = ksteps_in(wg_lo, wg_hi);
-    }
+    if (wg_lo < wg_hi && bar_red_or(4 + wg, 128, nonfinite)) ks = ksteps_in(wg_lo, wg_hi);
     gmma::reg_fence(dq);
     if (ks == 0) {
       gmma::fence();
@@ -452,15 +416,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(q_bar, 0);
-  if constexpr (kBwdOverlap) {
-    const int n_plain = min(check_first, n_blocks);
-    if (n_plain > 0) {
-      step(0, std::false_type{}, std::false_type{});
-      for (int n = 1; n < n_plain; ++n) step(n, std::false_type{}, std::true_type{});
-      finish_pending();  // the last plain block's dQ += dS K
-    }
-  } else {
-    for (int n = 0; n < min(check_first, n_blocks); ++n) step(n, std::false_type{}, std::false_type{});
+  const int n_plain = min(check_first, n_blocks);
+  if (n_plain > 0) {
+    step(0, std::false_type{}, std::false_type{});
+    for (int n = 1; n < n_plain; ++n) step(n, std::false_type{}, std::true_type{});
+    finish_pending();  // the last plain block's dQ += dS K
   }
   for (int n = check_first; n < n_blocks; ++n) step(n, std::true_type{}, std::false_type{});
 
@@ -479,11 +439,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
 // ----------------------------------------------------------------------------------------- dkdv
 constexpr int kKvBN = 128, kKvBM = 64;
 
-/// kBwdOverlap, dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the
-/// two-kernel schedule (not at 192: registers), and that ring gets a third stage (Ring).
+/// dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the two-kernel
+/// schedule (not at 192: registers), and that ring gets a third stage (Ring).
 template <int kD, bool kFusedDq>
 constexpr bool kv_defers_dk() {
-  return kBwdOverlap && !kFusedDq && kD == 128;
+  return !kFusedDq && kD == 128;
 }
 template <int kD, int kStagesT = 2>
 struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
@@ -584,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   // rows past s_q are zero) are kChecked: they also keep inf / NaN of a query row (q, dout) or of a key's own S^T
   // out of the keys / rows that do not see each other. The body is one; the checked parts are compiled into the
   // checked instantiation only, and the other steps run the plain one (ks = 0: its rare branches fold away).
-  // kDefer (kBwdOverlap, kTwoKernel): the plain step leaves its dK += dS^T Q pending (A fragments as_prev, Q tile
+  // kDefer (kTwoKernel, d_qk 128): the plain step leaves its dK += dS^T Q pending (A fragments as_prev, Q tile
   // sq_prev of stage stage_prev); the next step issues it after its S^T.
   // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
   // serialize the wgmma (C7512).
@@ -607,8 +567,8 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     mbar_wait(full_bar(stage), R::full_phase(it));
     gmma::fence_proxy_async();
 
-    // S^T first, P^T packed, then dV += P^T dO issued together with dP^T = V dO^T; dS^T packed, then
-    // dK += dS^T Q. S^T and dP^T are never live together (d_qk 192: dK 96 + dV 64 accumulators).
+    // S^T first, P^T packed, then dP^T = V dO^T and dV += P^T dO; dS^T packed, then dK += dS^T Q. S^T and dP^T are
+    // never live together (d_qk 192: dK 96 + dV 64 accumulators).
     // Masked: keys a query does not see (causal); checked, also the zero rows past s_q (their S^T = k . 0 is NaN
     // where k holds an inf, and lse2 = +inf does not make that P^T 0).
     const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q);
@@ -632,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
       } else {
         gmma::commit_wait(st);
       }
-      if constexpr (kBwdOverlap && !kFusedDq && !kChecked) {
+      if constexpr (!kFusedDq && !kChecked) {
         // The masked and the unmasked form, chosen per block (the same operations per element as below).
         auto pt_block = [&](auto masked) {
 #pragma unroll
@@ -650,25 +610,26 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
           pt_block(std::true_type{});
         else
           pt_block(std::false_type{});
-      } else {
+      } else {  // checked, or the fused-dQ schedule: the mask tested per element
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
+        for (int i = 0; i < 8; ++i) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
-          float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
-          if constexpr (!kChecked) {
-            if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
-          } else if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
-            // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
-            // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
-            if constexpr (!kFusedDq)
-              nonfinite |= m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
-            pr = 0.f;
+          for (int e = 0; e < 4; ++e) {
+            const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
+            float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
+            if constexpr (!kChecked) {
+              if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
+            } else if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
+              // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
+              // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
+              if constexpr (!kFusedDq)
+                nonfinite |=
+                    m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
+              pr = 0.f;
+            }
+            st[4 * i + e] = pr;
           }
-          st[4 * i + e] = pr;
         }
-      }
       }
       pack_a<T, 64>(st, ap);
     }
@@ -691,10 +652,11 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     {
       float dpt[32];  // dP^T
       gmma::reg_fence(dv);
-      // kBwdOverlap, plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no registers
-      // beyond main's: P^T is read back from ap there anyway). Checked steps keep the single group: their ks is a
-      // run-time value, and a wgmma still in flight where its two paths join makes ptxas serialize (C7520).
-      constexpr bool kDvUnderDs = kBwdOverlap && !kFusedDq && !kChecked;
+      // kTwoKernel, plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no extra
+      // registers: P^T is read back from ap there anyway). Checked steps, and the fused-dQ schedule, wait for dV and
+      // dP^T together before dS^T: a checked step's ks is a run-time value, and a wgmma still in flight where its two
+      // paths join makes ptxas serialize (C7520).
+      constexpr bool kDvUnderDs = !kFusedDq && !kChecked;
       if (ks == 0) {
         gmma::fence();
         if constexpr (kDvUnderDs) {

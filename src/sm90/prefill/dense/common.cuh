@@ -43,27 +43,11 @@ __device__ __forceinline__ uint32_t tile_off(int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-/// K-major operand descriptor: rows [row0, row0 + 64 or N) of a kRows-row tile at `tile`, k-step kk
-/// (elements 16 kk .. 16 kk + 15 of the dims).
-template <int kRows>
-__device__ __forceinline__ uint64_t desc_k(uint32_t tile, int row0, int kk) {
-  return gmma::make_desc_sw128(tile + (kk >> 2) * (kRows * 128) + row0 * 128 + (kk & 3) * 32, 16, 1024);
-}
 /// MN-major B operand descriptor: the kRows-row tile's rows are the K dimension, its dims the N
 /// dimension; k-step kk = rows 16 kk .. 16 kk + 15.
 template <int kRows>
 __device__ __forceinline__ uint64_t desc_mn(uint32_t tile, int kk) {
   return gmma::make_desc_sw128(tile + kk * 16 * 128, kRows * 128, 1024);
-}
-
-/// acc (+)= A B^T over kDim / 16 k-steps (wgmma m64nNk16, both operands K-major): A = the 64 rows from
-/// a_row0 of the kRowsA-row tile at a, B = the first N rows of the kRowsB-row tile at b. The first k-step
-/// overwrites acc. Issues only: the caller fences before, commits and waits after.
-template <class T, int N, int kDim, int kRowsA, int kRowsB>
-__device__ __forceinline__ void issue_abt(float (&acc)[N / 2], uint32_t a, int a_row0, uint32_t b) {
-#pragma unroll
-  for (int kk = 0; kk < kDim / 16; ++kk)
-    Wgmma<T, N>::template ss<0, 0>(acc, desc_k<kRowsA>(a, a_row0, kk), desc_k<kRowsB>(b, 0, kk), kk > 0 ? 1 : 0);
 }
 
 /// m64n128k16 wgmmas (fp32 accumulators d[64]) whose k-step descriptors are a base descriptor plus a compile-time
@@ -100,9 +84,10 @@ FLASHMLA_DENSE_WGMMA_OFF128(__nv_bfloat16, "bf16")
 FLASHMLA_DENSE_WGMMA_OFF128(__half, "f16")
 #undef FLASHMLA_DENSE_WGMMA_OFF128
 
-/// issue_abt for N = 128 through WgmmaOff128: acc = A B^T over kDim / 16 k-steps, A = the 64 rows of the kRowsA-row
-/// tile whose first row's descriptor is desc_a (gmma::make_desc_sw128(row address, 16, 1024)), B = the first 128
-/// rows of the kRowsB-row tile with descriptor desc_b. The same descriptors, in the same order, as issue_abt.
+/// acc = A B^T over kDim / 16 k-steps of m64n128k16 (WgmmaOff128, both operands K-major), A = the 64 rows of the
+/// kRowsA-row tile whose first row's descriptor is desc_a (gmma::make_desc_sw128(row address, 16, 1024)), B = the
+/// first 128 rows of the kRowsB-row tile with descriptor desc_b. k-step kK's operands start kK >> 2 64-dim slabs
+/// (kRows x 128 bytes each) and (kK & 3) x 32 bytes into their first row; the first k-step overwrites acc.
 template <class T, int kDim, int kRowsA, int kRowsB, int kK = 0>
 __device__ __forceinline__ void issue_abt_off128(float (&acc)[64], uint64_t desc_a, uint64_t desc_b) {
   if constexpr (kK < kDim / 16) {
