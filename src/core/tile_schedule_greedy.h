@@ -26,11 +26,13 @@ constexpr int kSchedBlockSizeN = 64;  ///< tokens per scheduling block
 /// Dense decode's overhead: FlashMLA's 5.
 constexpr int kDenseDecodeSchedOverheadBlocks = 5;
 
-/// Sparse FP8 decode's overhead. Measured, not derived: the default is FlashMLA's 5; a build may set
-/// -DFLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD=N to compare values on the GPU. The GPU path computes its
-/// schedule only in the device scheduler (src/sm90/common/scheduler.cu), so a value passed to the CUDA
-/// compiler alone changes the GPU schedule; the CPU backend's schedule (src/core/ops.cpp) uses the
-/// value the host compiler sees.
+/// Sparse FP8 decode's overhead. A measured choice, not a derived one: the default is FlashMLA's 5, and
+/// a build may set -DFLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD=N to compare values on the GPU. The GPU path
+/// computes its schedule only in the device scheduler (src/sm90/common/scheduler.cu), so a value passed
+/// to the CUDA compiler alone changes the GPU schedule; the CPU backend's schedule (src/core/ops.cpp)
+/// uses the value the host compiler sees (the CPU outputs do not depend on the schedule). The functions
+/// of this header take the overhead as an argument and never read these constants, so translation
+/// units built with different values share no definition that differs.
 #ifndef FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD
 #define FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD 5
 #endif
