@@ -64,9 +64,11 @@ Status check_plan_sizes(const char* what, int64_t b, int64_t s_q, int64_t h_q) {
   return Status::Ok();
 }
 
-/// Host schedule written into CPU metadata buffers (spec §4).
-void fill_host_schedule(const std::vector<int64_t>& work, const TensorRef& tsm, const TensorRef& num_splits) {
-  core::compute_tile_schedule(work, tsm.shape[0], static_cast<TileSchedulerMetadataRow*>(tsm.data),
+/// Host schedule written into CPU metadata buffers (spec §4), with the path's per-request overhead
+/// (core::kDenseDecodeSchedOverheadBlocks or core::kSparseDecodeSchedOverheadBlocks).
+void fill_host_schedule(const std::vector<int64_t>& work, int64_t overhead, const TensorRef& tsm,
+                        const TensorRef& num_splits) {
+  core::compute_tile_schedule(work, tsm.shape[0], overhead, static_cast<TileSchedulerMetadataRow*>(tsm.data),
                               static_cast<int32_t*>(num_splits.data));
 }
 
@@ -139,7 +141,7 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
     if (!p.metadata_ready) {
       std::vector<int64_t> work(p.q.shape[0]);
       for (size_t i = 0; i < work.size(); ++i) work[i] = i32(p.cache_seqlens)[i];
-      fill_host_schedule(work, p.tile_scheduler_metadata, p.num_splits);
+      fill_host_schedule(work, core::kDenseDecodeSchedOverheadBlocks, p.tile_scheduler_metadata, p.num_splits);
     }
     return reference::dense_decode(p);
   }
@@ -201,7 +203,7 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
       }
       work[i] = s;
     }
-    fill_host_schedule(work, p.tile_scheduler_metadata, p.num_splits);
+    fill_host_schedule(work, core::kSparseDecodeSchedOverheadBlocks, p.tile_scheduler_metadata, p.num_splits);
   }
   return reference::sparse_decode(p);
 }

@@ -15,8 +15,29 @@
 
 namespace flashmla::core {
 
-constexpr int kSchedBlockSizeN = 64;          ///< tokens per scheduling block
-constexpr int kSchedFixedOverheadBlocks = 5;  ///< per-request overhead, in blocks
+constexpr int kSchedBlockSizeN = 64;  ///< tokens per scheduling block
+
+// Per-request overhead of the greedy (spec §4.3), in scheduling blocks: the cost charged for each
+// request piece on top of its blocks. It stands for a CTA's fixed cost per piece (loading the query,
+// the epilogue, writing a split's partials) and is passed to every function below as `overhead`
+// (any value >= 0). A larger value gives fewer, longer parts; a smaller one spreads a few requests
+// over more parts. Spec §4 gives FlashMLA's value, 5, for dense and sparse decode alike.
+
+/// Dense decode's overhead: FlashMLA's 5.
+constexpr int kDenseDecodeSchedOverheadBlocks = 5;
+
+/// Sparse FP8 decode's overhead. A measured choice, not a derived one: the default is FlashMLA's 5, and
+/// a build may set -DFLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD=N to compare values on the GPU. The GPU path
+/// computes its schedule only in the device scheduler (src/sm90/common/scheduler.cu), so a value passed
+/// to the CUDA compiler alone changes the GPU schedule; the CPU backend's schedule (src/core/ops.cpp)
+/// uses the value the host compiler sees (the CPU outputs do not depend on the schedule). The functions
+/// of this header take the overhead as an argument and never read these constants, so translation
+/// units built with different values share no definition that differs.
+#ifndef FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD
+#define FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD 5
+#endif
+constexpr int kSparseDecodeSchedOverheadBlocks = FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD;
+static_assert(kSparseDecodeSchedOverheadBlocks >= 0, "FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD must be >= 0");
 
 /// Scheduling blocks of a request of `s` tokens: ceil(max(s - 1, 0) / 64) + 1 (an empty request
 /// still costs one block; spec §4.2).
@@ -52,14 +73,17 @@ FLASHMLA_HOST_DEVICE void finish_tile_row(TileSchedulerMetadataRow& row, int64_t
 
 /// Greedy partition of b requests into num_sm_parts rows (spec §4.3). `num_blocks(i)` gives
 /// request i's block count (sched_num_blocks of its length), `empty(i)` whether its length is 0;
-/// `total` = sum_i (num_blocks(i) + overhead). Each part's row goes to `write_row(part, row)`,
+/// `overhead` >= 0 is the per-request overhead in blocks and `total` = sum_i (num_blocks(i) +
+/// overhead). Each part's budget is ceil(total / num_sm_parts) + overhead, so each part does at
+/// least ceil(total / num_sm_parts) of the total and every request is placed for any overhead >= 0;
+/// at most num_sm_parts - 1 parts begin inside a request, so there are at most b + num_sm_parts - 1
+/// splits (the partials buffers' size). Each part's row goes to `write_row(part, row)`,
 /// num_splits[i] (b + 1 entries, exclusive prefix sum of pieces per request) to
 /// `write_split(i, value)`; every entry is written exactly once.
 template <class NumBlocks, class Empty, class WriteRow, class WriteSplit>
-FLASHMLA_HOST_DEVICE void greedy_tile_schedule(int64_t b, int64_t num_sm_parts, int64_t total,
+FLASHMLA_HOST_DEVICE void greedy_tile_schedule(int64_t b, int64_t num_sm_parts, int64_t total, int64_t overhead,
                                                const NumBlocks& num_blocks, const Empty& empty,
                                                const WriteRow& write_row, const WriteSplit& write_split) {
-  const int64_t overhead = kSchedFixedOverheadBlocks;
   const int64_t payload = (total + num_sm_parts - 1) / num_sm_parts + overhead;
   int64_t req = 0, block = 0, split = 0, cum = 0;
   write_split(0, 0);
@@ -122,14 +146,16 @@ FLASHMLA_HOST_DEVICE inline int split_request_of_part(const int32_t* rows, int64
 // Part q's end state is part q + 1's begin state (with q + 1 = num_sm_parts: all done).
 
 /// Serial pass over the requests. Writes pe[i], ps[i], t[i] (int32, b entries each) and
-/// num_splits through `write_split` (as greedy_tile_schedule). Returns the payload P.
+/// num_splits through `write_split` (as greedy_tile_schedule, with the same `total` and `overhead`).
+/// Returns the payload P.
 template <class NumBlocks, class WriteSplit>
-FLASHMLA_HOST_DEVICE int64_t schedule_requests(int64_t b, int64_t num_sm_parts, int64_t total,
+FLASHMLA_HOST_DEVICE int64_t schedule_requests(int64_t b, int64_t num_sm_parts, int64_t total, int64_t overhead,
                                                const NumBlocks& num_blocks, int32_t* pe, int32_t* ps, int32_t* t,
                                                const WriteSplit& write_split) {
-  const int64_t overhead = kSchedFixedOverheadBlocks;
   const int64_t payload = (total + num_sm_parts - 1) / num_sm_parts + overhead;
-  const int64_t step = payload - overhead;  // > 0: payload >= overhead + 1
+  // step = ceil(total / num_sm_parts) > 0 for b >= 1 (every request adds >= 1 block to total), for
+  // any overhead >= 0; the loop below (the only user of step) does not run for b = 0.
+  const int64_t step = payload - overhead;
   int64_t part = 0, r = payload, cum = 0;
   write_split(0, 0);
   for (int64_t i = 0; i < b; ++i) {
@@ -162,8 +188,8 @@ struct SchedPartStart {
 };
 
 template <class Pe>
-FLASHMLA_HOST_DEVICE SchedPartStart schedule_part_start(int64_t q, int64_t b, int64_t payload, const Pe& pe,
-                                                        const int32_t* ps, const int32_t* t) {
+FLASHMLA_HOST_DEVICE SchedPartStart schedule_part_start(int64_t q, int64_t b, int64_t payload, int64_t overhead,
+                                                        const Pe& pe, const int32_t* ps, const int32_t* t) {
   int64_t lo = 0, hi = b;  // first i with pe[i] >= q (pe is non-decreasing)
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
@@ -172,16 +198,18 @@ FLASHMLA_HOST_DEVICE SchedPartStart schedule_part_start(int64_t q, int64_t b, in
   }
   if (lo == b || ps[lo] >= q) return {lo, 0, 0};
   const int64_t whole = q - ps[lo] - 1;
-  return {lo, t[lo] + whole * (payload - kSchedFixedOverheadBlocks), (t[lo] > 0) + whole};
+  return {lo, t[lo] + whole * (payload - overhead), (t[lo] > 0) + whole};
 }
 
-/// Metadata row of part q from the serial pass's arrays (equal to greedy_tile_schedule's row q).
+/// Metadata row of part q from the serial pass's arrays (equal to greedy_tile_schedule's row q);
+/// `payload` is schedule_requests' result and `overhead` the value passed to it.
 template <class NumBlocks, class Empty, class Pe>
 FLASHMLA_HOST_DEVICE TileSchedulerMetadataRow schedule_part_row(int64_t q, int64_t b, int64_t payload,
-                                                                const NumBlocks& num_blocks, const Empty& empty,
-                                                                const Pe& pe, const int32_t* ps, const int32_t* t) {
-  const SchedPartStart begin = schedule_part_start(q, b, payload, pe, ps, t);
-  const SchedPartStart end = schedule_part_start(q + 1, b, payload, pe, ps, t);
+                                                                int64_t overhead, const NumBlocks& num_blocks,
+                                                                const Empty& empty, const Pe& pe, const int32_t* ps,
+                                                                const int32_t* t) {
+  const SchedPartStart begin = schedule_part_start(q, b, payload, overhead, pe, ps, t);
+  const SchedPartStart end = schedule_part_start(q + 1, b, payload, overhead, pe, ps, t);
   TileSchedulerMetadataRow row{};
   row.begin_req_idx = static_cast<int32_t>(begin.req);
   row.begin_block_idx = static_cast<int32_t>(begin.block);

@@ -3,6 +3,7 @@
 // message that names the offending argument.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -572,12 +573,15 @@ TEST(PlanForShapes, AgreesWithThePlanOfTensors) {
   EXPECT_GE(p.num_sm_parts, 1);
 }
 
+// Spec §4's overhead (FlashMLA's) for dense decode; sparse decode's is a build setting whose default is the same.
+static_assert(core::kDenseDecodeSchedOverheadBlocks == 5, "dense decode's scheduler overhead is spec §4's 5 blocks");
+
 TEST(Scheduler, WorkedExampleOfSpec46) {
-  // s' = [1000, 64, 0, 5000], 8 parts -> num_splits = [0, 2, 3, 4, 10] (spec §4.6).
+  // s' = [1000, 64, 0, 5000], 8 parts -> num_splits = [0, 2, 3, 4, 10] (spec §4.6, overhead 5).
   std::vector<int64_t> lens = {1000, 64, 0, 5000};
   std::vector<TileSchedulerMetadataRow> rows(8);
   std::vector<int32_t> splits(5);
-  core::compute_tile_schedule(lens, 8, rows.data(), splits.data());
+  core::compute_tile_schedule(lens, 8, 5, rows.data(), splits.data());
   EXPECT_EQ(splits, (std::vector<int32_t>{0, 2, 3, 4, 10}));
   EXPECT_EQ(rows[0].begin_req_idx, 0);
   EXPECT_EQ(rows[0].end_req_idx, 0);
@@ -598,28 +602,39 @@ TEST(Scheduler, WorkedExampleOfSpec46) {
   }
 }
 
+// Scheduler overheads the partition is checked with (any value >= 0 is valid): 0 and 1 (the smallest
+// budgets, step = payload - overhead = ceil(total / parts)), 2 and spec §4's 5.
+constexpr int64_t kOverheads[] = {0, 1, 2, 5};
+
 TEST(Scheduler, CoversEveryBlockExactlyOnce) {
   std::vector<int64_t> lens = {1, 0, 4096, 63, 64, 65, 20000, 0, 0, 777};
-  for (int64_t parts : {1, 3, 8, 66, 132}) {
-    std::vector<TileSchedulerMetadataRow> rows(parts);
-    std::vector<int32_t> splits(lens.size() + 1);
-    core::compute_tile_schedule(lens, parts, rows.data(), splits.data());
-    std::vector<int64_t> covered(lens.size(), 0);
-    std::vector<int32_t> pieces(lens.size(), 0);
-    for (const auto& r : rows) {
-      if (r.begin_req_idx >= static_cast<int>(lens.size())) continue;
-      for (int req = r.begin_req_idx; req <= r.end_req_idx; ++req) {
-        const int64_t nblk = std::max<int64_t>(lens[req] - 1, 0) / 64 + 1;
-        const int64_t lo = req == r.begin_req_idx ? r.begin_block_idx : 0;
-        const int64_t hi = req == r.end_req_idx ? (r.end_block_idx == 0 && lens[req] == 0 ? 1 : r.end_block_idx) : nblk;
-        covered[req] += hi - lo;
-        pieces[req] += 1;
+  for (int64_t overhead : kOverheads) {
+    for (int64_t parts : {1, 3, 8, 33, 66, 132}) {
+      SCOPED_TRACE("overhead " + std::to_string(overhead));
+      std::vector<TileSchedulerMetadataRow> rows(parts);
+      std::vector<int32_t> splits(lens.size() + 1, -1);
+      core::compute_tile_schedule(lens, parts, overhead, rows.data(), splits.data());
+      EXPECT_EQ(splits[0], 0);
+      // At most one split per part beyond one per request: the partials buffers hold b + parts.
+      EXPECT_LE(splits.back(), static_cast<int32_t>(lens.size() + parts - 1));
+      std::vector<int64_t> covered(lens.size(), 0);
+      std::vector<int32_t> pieces(lens.size(), 0);
+      for (const auto& r : rows) {
+        if (r.begin_req_idx >= static_cast<int>(lens.size())) continue;
+        for (int req = r.begin_req_idx; req <= r.end_req_idx; ++req) {
+          const int64_t nblk = std::max<int64_t>(lens[req] - 1, 0) / 64 + 1;
+          const int64_t lo = req == r.begin_req_idx ? r.begin_block_idx : 0;
+          const int64_t hi =
+              req == r.end_req_idx ? (r.end_block_idx == 0 && lens[req] == 0 ? 1 : r.end_block_idx) : nblk;
+          covered[req] += hi - lo;
+          pieces[req] += 1;
+        }
       }
-    }
-    for (size_t i = 0; i < lens.size(); ++i) {
-      const int64_t nblk = std::max<int64_t>(lens[i] - 1, 0) / 64 + 1;
-      EXPECT_EQ(covered[i], nblk) << "request " << i << " parts " << parts;
-      EXPECT_EQ(splits[i + 1] - splits[i], pieces[i]) << "request " << i << " parts " << parts;
+      for (size_t i = 0; i < lens.size(); ++i) {
+        const int64_t nblk = std::max<int64_t>(lens[i] - 1, 0) / 64 + 1;
+        EXPECT_EQ(covered[i], nblk) << "request " << i << " parts " << parts;
+        EXPECT_EQ(splits[i + 1] - splits[i], pieces[i]) << "request " << i << " parts " << parts;
+      }
     }
   }
 }
@@ -633,6 +648,7 @@ TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
     const int64_t b = 1 + static_cast<int64_t>(rng() % 300);
     const int64_t parts_choice[] = {1, 2, 3, 7, 33, 66, 132};
     const int64_t parts = parts_choice[rng() % 7];
+    const int64_t overhead = kOverheads[trial % 4];
     std::vector<int64_t> lens(b);
     for (auto& l : lens) {
       const int kind = static_cast<int>(rng() % 4);
@@ -640,7 +656,7 @@ TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
     }
     std::vector<TileSchedulerMetadataRow> rows(parts);
     std::vector<int32_t> splits(b + 1);
-    core::compute_tile_schedule(lens, parts, rows.data(), splits.data());
+    core::compute_tile_schedule(lens, parts, overhead, rows.data(), splits.data());
     std::vector<int> named(b, 0);
     const auto* words = reinterpret_cast<const int32_t*>(rows.data());
     for (int64_t q = 0; q < parts; ++q) {
@@ -651,54 +667,153 @@ TEST(Scheduler, SplitRequestOfPartNamesEachSplitRequestOnce) {
       }
     }
     for (int64_t i = 0; i < b; ++i)
-      EXPECT_EQ(named[i], splits[i + 1] - splits[i] > 1 ? 1 : 0) << "request " << i << " b " << b << " parts " << parts;
+      EXPECT_EQ(named[i], splits[i + 1] - splits[i] > 1 ? 1 : 0)
+          << "request " << i << " b " << b << " parts " << parts << " overhead " << overhead;
   }
 }
 
 // The device scheduler (src/sm90/common/scheduler.cu) computes the partition request by request
 // (core::schedule_requests) and then each part's row independently (core::schedule_part_row);
-// both must give greedy_tile_schedule's rows and num_splits exactly.
+// both must give greedy_tile_schedule's rows and num_splits exactly, for any overhead.
 TEST(Scheduler, RequestWisePassEqualsTheGreedy) {
   std::mt19937_64 rng(2026);
   int cases = 0;
-  for (int64_t b : {1, 2, 3, 5, 8, 37, 128, 129, 1000, 3000})
-    for (int64_t parts : {1, 2, 3, 7, 33, 66, 78, 132, 264})
-      for (int mode = 0; mode < 5; ++mode) {
-        std::vector<int64_t> lens(b);
-        for (auto& x : lens) {
-          const uint64_t r = rng();
-          if (mode == 0) x = static_cast<int64_t>(r % 5000);
-          else if (mode == 1) x = (r % 100) < 40 ? 0 : static_cast<int64_t>(r % 5000);
-          else if (mode == 2) x = static_cast<int64_t>(r % 200000);
-          else if (mode == 3) x = static_cast<int64_t>(r % 70);  // one or two blocks each
-          else x = (r % 10) == 0 ? static_cast<int64_t>(r % 300000) : static_cast<int64_t>(r % 64);  // skewed
+  for (int64_t overhead : kOverheads) {
+    for (int64_t b : {1, 2, 3, 5, 8, 37, 128, 129, 1000, 3000})
+      for (int64_t parts : {1, 2, 3, 7, 33, 66, 78, 132, 264})
+        for (int mode = 0; mode < 5; ++mode) {
+          std::vector<int64_t> lens(b);
+          for (auto& x : lens) {
+            const uint64_t r = rng();
+            if (mode == 0) x = static_cast<int64_t>(r % 5000);
+            else if (mode == 1) x = (r % 100) < 40 ? 0 : static_cast<int64_t>(r % 5000);
+            else if (mode == 2) x = static_cast<int64_t>(r % 200000);
+            else if (mode == 3) x = static_cast<int64_t>(r % 70);  // one or two blocks each
+            else x = (r % 10) == 0 ? static_cast<int64_t>(r % 300000) : static_cast<int64_t>(r % 64);  // skewed
+          }
+          std::vector<int64_t> nb(b);
+          int64_t total = 0;
+          for (int64_t i = 0; i < b; ++i) total += (nb[i] = core::sched_num_blocks(lens[i])) + overhead;
+          std::vector<TileSchedulerMetadataRow> want(parts);
+          std::vector<int32_t> want_splits(b + 1, -7), got_splits(b + 1, -9);
+          core::compute_tile_schedule(lens, parts, overhead, want.data(), want_splits.data());
+          std::vector<int32_t> pe(b), ps(b), t(b);
+          auto num_blocks = [&](int64_t i) { return nb[i]; };
+          auto empty = [&](int64_t i) { return lens[i] == 0; };
+          const int64_t payload =
+              core::schedule_requests(b, parts, total, overhead, num_blocks, pe.data(), ps.data(), t.data(),
+                                      [&](int64_t i, int32_t v) { got_splits[i] = v; });
+          ASSERT_EQ(got_splits, want_splits) << "b=" << b << " parts=" << parts << " mode=" << mode
+                                             << " overhead=" << overhead;
+          for (int64_t q = 0; q < parts; ++q) {
+            const TileSchedulerMetadataRow got = core::schedule_part_row(
+                q, b, payload, overhead, num_blocks, empty, [&](int64_t i) { return pe[i]; }, ps.data(), t.data());
+            ASSERT_EQ(0, std::memcmp(&got, &want[q], sizeof(got)))
+                << "b=" << b << " parts=" << parts << " mode=" << mode << " overhead=" << overhead << " part " << q
+                << ": got [" << got.begin_req_idx << " " << got.end_req_idx << " " << got.begin_block_idx << " " << got.end_block_idx
+                << " " << got.begin_split_idx << " " << got.is_first_req_splitted << " " << got.is_last_req_splitted
+                << "] want [" << want[q].begin_req_idx << " " << want[q].end_req_idx << " " << want[q].begin_block_idx
+                << " " << want[q].end_block_idx << " " << want[q].begin_split_idx << " "
+                << want[q].is_first_req_splitted << " " << want[q].is_last_req_splitted << "]";
+          }
+          ++cases;
         }
-        std::vector<int64_t> nb(b);
-        int64_t total = 0;
-        for (int64_t i = 0; i < b; ++i) total += (nb[i] = core::sched_num_blocks(lens[i])) + core::kSchedFixedOverheadBlocks;
-        std::vector<TileSchedulerMetadataRow> want(parts);
-        std::vector<int32_t> want_splits(b + 1, -7), got_splits(b + 1, -9);
-        core::compute_tile_schedule(lens, parts, want.data(), want_splits.data());
-        std::vector<int32_t> pe(b), ps(b), t(b);
-        auto num_blocks = [&](int64_t i) { return nb[i]; };
-        auto empty = [&](int64_t i) { return lens[i] == 0; };
-        const int64_t payload = core::schedule_requests(b, parts, total, num_blocks, pe.data(), ps.data(), t.data(),
-                                                        [&](int64_t i, int32_t v) { got_splits[i] = v; });
-        ASSERT_EQ(got_splits, want_splits) << "b=" << b << " parts=" << parts << " mode=" << mode;
-        for (int64_t q = 0; q < parts; ++q) {
-          const TileSchedulerMetadataRow got = core::schedule_part_row(
-              q, b, payload, num_blocks, empty, [&](int64_t i) { return pe[i]; }, ps.data(), t.data());
-          ASSERT_EQ(0, std::memcmp(&got, &want[q], sizeof(got)))
-              << "b=" << b << " parts=" << parts << " mode=" << mode << " part " << q << ": got ["
-              << got.begin_req_idx << " " << got.end_req_idx << " " << got.begin_block_idx << " " << got.end_block_idx
-              << " " << got.begin_split_idx << " " << got.is_first_req_splitted << " " << got.is_last_req_splitted
-              << "] want [" << want[q].begin_req_idx << " " << want[q].end_req_idx << " " << want[q].begin_block_idx
-              << " " << want[q].end_block_idx << " " << want[q].begin_split_idx << " "
-              << want[q].is_first_req_splitted << " " << want[q].is_last_req_splitted << "]";
-        }
+  }
+  EXPECT_EQ(cases, 4 * 10 * 9 * 5);
+}
+
+// What each path's device kernel computes (src/sm90/common/scheduler.cu, schedule_kernel_body with the
+// path's overhead): staged, block counts in shared memory (-1 for an empty request), the request-wise
+// pass and one row per part; unstaged (large batches), the greedy straight from the lengths.
+void device_body_schedule(const std::vector<int64_t>& lens, int64_t parts, int64_t overhead, bool staged,
+                          std::vector<TileSchedulerMetadataRow>& rows, std::vector<int32_t>& splits) {
+  const int64_t b = static_cast<int64_t>(lens.size());
+  std::vector<int32_t> blocks(b), pe(b), ps(b), t(b);
+  int64_t total = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const int32_t nb = static_cast<int32_t>(core::sched_num_blocks(lens[i]));
+    blocks[i] = lens[i] == 0 ? -1 : nb;
+    total += nb + overhead;
+  }
+  auto write_split = [&](int64_t i, int32_t v) { splits[i] = v; };
+  if (!staged) {
+    core::greedy_tile_schedule(
+        b, parts, total, overhead, [&](int64_t i) { return core::sched_num_blocks(lens[i]); },
+        [&](int64_t i) { return lens[i] == 0; },
+        [&](int64_t part, const TileSchedulerMetadataRow& row) { rows[part] = row; }, write_split);
+    return;
+  }
+  auto nb_staged = [&](int64_t i) -> int64_t { return blocks[i] < 0 ? 1 : blocks[i]; };
+  const int64_t payload = core::schedule_requests(b, parts, total, overhead, nb_staged, pe.data(), ps.data(),
+                                                  t.data(), write_split);
+  for (int64_t q = 0; q < parts; ++q)
+    rows[q] = core::schedule_part_row(
+        q, b, payload, overhead, nb_staged, [&](int64_t i) { return blocks[i] < 0; },
+        [&](int64_t i) -> int64_t { return pe[i]; }, ps.data(), t.data());
+}
+
+// The host schedule (core::compute_tile_schedule: the CPU backend, the tests' oracle) and both device kernel
+// paths agree for dense decode's and sparse decode's overheads (and the values an A/B build may choose).
+TEST(Scheduler, DeviceKernelPathsEqualTheHostScheduleForEachDecodePath) {
+  std::mt19937_64 rng(77);
+  const int64_t path_overheads[] = {core::kDenseDecodeSchedOverheadBlocks, core::kSparseDecodeSchedOverheadBlocks, 0,
+                                    1, 2, 3};
+  int cases = 0;
+  for (int64_t overhead : path_overheads)
+    for (int trial = 0; trial < 60; ++trial) {
+      const int64_t b = 1 + static_cast<int64_t>(rng() % (trial % 3 == 0 ? 4 : 400));
+      const int64_t parts = 1 + static_cast<int64_t>(rng() % 140);
+      std::vector<int64_t> lens(b);
+      for (auto& l : lens) {
+        const int kind = static_cast<int>(rng() % 4);
+        l = kind == 0 ? 0 : kind == 1 ? static_cast<int64_t>(rng() % 130) : static_cast<int64_t>(rng() % 70000);
+      }
+      std::vector<TileSchedulerMetadataRow> want(parts);
+      std::vector<int32_t> want_splits(b + 1, -7);
+      core::compute_tile_schedule(lens, parts, overhead, want.data(), want_splits.data());
+      for (bool staged : {true, false}) {
+        std::vector<TileSchedulerMetadataRow> got(parts);
+        std::vector<int32_t> got_splits(b + 1, -9);
+        device_body_schedule(lens, parts, overhead, staged, got, got_splits);
+        ASSERT_EQ(got_splits, want_splits) << "overhead " << overhead << " b " << b << " parts " << parts;
+        ASSERT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(TileSchedulerMetadataRow) * parts))
+            << "overhead " << overhead << " b " << b << " parts " << parts << " staged " << staged;
         ++cases;
       }
-  EXPECT_EQ(cases, 10 * 9 * 5);
+    }
+  EXPECT_EQ(cases, 6 * 60 * 2);
+}
+
+// V3.2 sparse decode at b = 2, s_q 2, h_q 128 on 132 SMs: num_sm_parts 33, topk 2048 = 32 blocks a request.
+// Overhead 5: payload ceil(74 / 33) + 5 = 8, three blocks a part, 22 parts busy, 11 splits a request;
+// overhead 1: payload ceil(66 / 33) + 1 = 3, two blocks a part, 32 parts busy, 16 splits a request.
+TEST(Scheduler, SparseDecodeBatchTwoSpreadsOverMorePartsWithASmallerOverhead) {
+  const int64_t parts = core::sparse_decode_num_sm_parts(132, 2, 128);
+  ASSERT_EQ(parts, 33);
+  const std::vector<int64_t> lens = {2048, 2048};
+  struct Want {
+    int64_t overhead, busy_parts, max_blocks;
+    std::vector<int32_t> splits;
+  };
+  for (const Want& w : {Want{5, 22, 3, {0, 11, 22}}, Want{1, 32, 2, {0, 16, 32}}}) {
+    std::vector<TileSchedulerMetadataRow> rows(parts);
+    std::vector<int32_t> splits(3);
+    core::compute_tile_schedule(lens, parts, w.overhead, rows.data(), splits.data());
+    EXPECT_EQ(splits, w.splits) << "overhead " << w.overhead;
+    int64_t busy = 0, max_blocks = 0;
+    for (const auto& r : rows) {
+      int64_t blocks = 0;
+      for (int req = r.begin_req_idx; req <= r.end_req_idx && req < 2; ++req) {
+        const int64_t lo = req == r.begin_req_idx ? r.begin_block_idx : 0;
+        const int64_t hi = req == r.end_req_idx ? r.end_block_idx : 32;
+        blocks += hi - lo;
+      }
+      busy += blocks > 0;
+      max_blocks = std::max(max_blocks, blocks);
+    }
+    EXPECT_EQ(busy, w.busy_parts) << "overhead " << w.overhead;
+    EXPECT_EQ(max_blocks, w.max_blocks) << "overhead " << w.overhead;
+  }
 }
 
 }  // namespace

@@ -774,7 +774,8 @@ int main(int argc, char** argv) {
   {
     std::vector<TileSchedulerMetadataRow> rows(parts);
     std::vector<int32_t> ns(b + 1);
-    core::compute_tile_schedule(std::vector<int64_t>(b, s_k), parts, rows.data(), ns.data());
+    core::compute_tile_schedule(std::vector<int64_t>(b, s_k), parts, core::kDenseDecodeSchedOverheadBlocks, rows.data(),
+                                ns.data());
     const bool same = std::memcmp(rows.data(), h_meta.data(), sizeof(int32_t) * parts * 8) == 0 && ns == h_ns;
     int split_reqs = 0, rq_min = 1 << 30, rq_max = 0, bl_min = 1 << 30, bl_max = 0;
     for (int i = 0; i < b; ++i) split_reqs += h_ns[i + 1] - h_ns[i] > 1;

@@ -722,7 +722,7 @@ std::string run_case(const Case& c, Pools& P, int num_sms, RunInfo* info = nullp
     std::vector<TileSchedulerMetadataRow> hm(plan.num_sm_parts), dm(plan.num_sm_parts);
     std::vector<int32_t> hn(c.b + 1), dn(c.b + 1);
     std::vector<int64_t> work(g.seqlens.begin(), g.seqlens.end());
-    core::compute_tile_schedule(work, plan.num_sm_parts, hm.data(), hn.data());
+    core::compute_tile_schedule(work, plan.num_sm_parts, core::kDenseDecodeSchedOverheadBlocks, hm.data(), hn.data());
     CUDA_CHECK(cudaMemcpy(dm.data(), meta, plan.num_sm_parts * 32, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(dn.data(), nsp, (c.b + 1) * 4, cudaMemcpyDeviceToHost));
     if (std::memcmp(hm.data(), dm.data(), plan.num_sm_parts * 32) != 0 || hn != dn)
@@ -1006,7 +1006,8 @@ int scheduler_checks(Stats& stats) {
         CUDA_CHECK(cudaDeviceSynchronize());
         std::vector<TileSchedulerMetadataRow> hm(parts), gm(parts);
         std::vector<int32_t> hn(b + 1), gn(b + 1);
-        core::compute_tile_schedule(std::vector<int64_t>(lens.begin(), lens.end()), parts, hm.data(), hn.data());
+        core::compute_tile_schedule(std::vector<int64_t>(lens.begin(), lens.end()), parts,
+                                    core::kDenseDecodeSchedOverheadBlocks, hm.data(), hn.data());
         CUDA_CHECK(cudaMemcpy(gm.data(), d_m, parts * 32, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(gn.data(), d_n, (b + 1) * 4, cudaMemcpyDeviceToHost));
         ++stats.cases;
