@@ -3,7 +3,7 @@
 // its output equals core::compute_tile_schedule (src/core/scheduler.cpp) with
 // the same per-request overhead element for element: dense decode's kernel uses
 // core::kDenseDecodeSchedOverheadBlocks, sparse decode's
-// core::kSparseDecodeSchedOverheadBlocks (compile-time constants of each kernel).
+// core::sparse_decode_sched_overhead(b, num_sm_parts).
 // The GPU decode paths take their metadata from these kernels only.
 #include <cstdint>
 
@@ -34,14 +34,15 @@ __host__ __device__ inline int64_t sched_smem_bytes(int64_t b, int64_t /*num_sm_
 //     recording where each request starts and ends and the num_splits prefix sums;
 //  3. every thread computes rows core::schedule_part_row for its parts (binary search over
 //     the requests' end parts) and copies num_splits out.
-// kOverhead: the path's per-request overhead in blocks (a compile-time constant of each kernel).
+// overhead: the path's per-request overhead in blocks (dense decode's constant; sparse decode's
+// function of b and num_sm_parts).
 // Equal to the greedy of spec §4.3 element for element (tests/cpp: RequestWisePassEqualsTheGreedy;
 // on the GPU, the C++ test program's device-vs-host scheduler check). Not the part-by-part greedy in
 // one thread: ~350 clk per part, 23 µs at b = 1 and 36 µs at b = 128 on the H200
 // (bench/results/2026-11-30-profile-decode-call-serial-scheduler.log), more than a short decode's kernel.
-template <int64_t kOverhead, class Work>
-__device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, int32_t* __restrict__ metadata,
-                                     int32_t* __restrict__ num_splits) {
+template <class Work>
+__device__ void schedule_kernel_body(const Work& work, int64_t overhead, int b, int num_sm_parts,
+                                     int32_t* __restrict__ metadata, int32_t* __restrict__ num_splits) {
   extern __shared__ int32_t smem[];
   __shared__ long long s_warp_total[kSchedThreads / 32];
   __shared__ long long s_payload;
@@ -56,7 +57,7 @@ __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, 
     const int64_t s = work(i);
     const int32_t nb = static_cast<int32_t>(sched_num_blocks(s));
     if (staged) s_blocks[i] = s == 0 ? -1 : nb;
-    total += nb + kOverhead;
+    total += nb + overhead;
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
@@ -67,12 +68,12 @@ __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, 
     total = 0;
     for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += s_warp_total[w];
     if (staged) {
-      s_payload = core::schedule_requests(b, num_sm_parts, total, kOverhead, nb_staged, s_pe, s_ps, s_t,
+      s_payload = core::schedule_requests(b, num_sm_parts, total, overhead, nb_staged, s_pe, s_ps, s_t,
                                           [&](int64_t i, int32_t v) { s_splits[i] = v; });
     } else {
       auto* rows = reinterpret_cast<TileSchedulerMetadataRow*>(metadata);
       core::greedy_tile_schedule(
-          b, num_sm_parts, total, kOverhead, [&](int64_t i) -> int64_t { return sched_num_blocks(work(i)); },
+          b, num_sm_parts, total, overhead, [&](int64_t i) -> int64_t { return sched_num_blocks(work(i)); },
           [&](int64_t i) -> bool { return work(i) == 0; },
           [&](int64_t part, const TileSchedulerMetadataRow& row) { rows[part] = row; },
           [&](int64_t i, int32_t v) { num_splits[i] = v; });
@@ -84,7 +85,7 @@ __device__ void schedule_kernel_body(const Work& work, int b, int num_sm_parts, 
   auto* rows = reinterpret_cast<TileSchedulerMetadataRow*>(metadata);
   for (int q = threadIdx.x; q < num_sm_parts; q += blockDim.x) {
     rows[q] = core::schedule_part_row(
-        q, b, payload, kOverhead, nb_staged, [&](int64_t i) -> bool { return s_blocks[i] < 0; },
+        q, b, payload, overhead, nb_staged, [&](int64_t i) -> bool { return s_blocks[i] < 0; },
         [&](int64_t i) -> int64_t { return s_pe[i]; }, s_ps, s_t);
   }
   for (int i = threadIdx.x; i <= b; i += blockDim.x) num_splits[i] = s_splits[i];
@@ -94,8 +95,8 @@ __global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_kernel(const i
                                                                          int num_sm_parts,
                                                                          int32_t* __restrict__ metadata,
                                                                          int32_t* __restrict__ num_splits) {
-  schedule_kernel_body<core::kDenseDecodeSchedOverheadBlocks>([&](int64_t i) -> int64_t { return seqlens[i]; }, b,
-                                                              num_sm_parts, metadata, num_splits);
+  schedule_kernel_body([&](int64_t i) -> int64_t { return seqlens[i]; }, core::kDenseDecodeSchedOverheadBlocks, b,
+                       num_sm_parts, metadata, num_splits);
 }
 
 // Sparse decode work of spec §4.2: s = topk_length[i] (or topk), 0 -> 1; with an
@@ -116,9 +117,9 @@ __device__ __forceinline__ int64_t sparse_work(const int32_t* topk_length, const
 __global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_sparse_kernel(
     const int32_t* __restrict__ topk_length, const int32_t* __restrict__ extra_topk_length, int topk,
     int extra_topk, int b, int num_sm_parts, int32_t* __restrict__ metadata, int32_t* __restrict__ num_splits) {
-  schedule_kernel_body<core::kSparseDecodeSchedOverheadBlocks>(
-      [&](int64_t i) -> int64_t { return sparse_work(topk_length, extra_topk_length, topk, extra_topk, i); }, b,
-      num_sm_parts, metadata, num_splits);
+  schedule_kernel_body(
+      [&](int64_t i) -> int64_t { return sparse_work(topk_length, extra_topk_length, topk, extra_topk, i); },
+      core::sparse_decode_sched_overhead(b, num_sm_parts), b, num_sm_parts, metadata, num_splits);
 }
 
 
