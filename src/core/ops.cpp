@@ -65,7 +65,7 @@ Status check_plan_sizes(const char* what, int64_t b, int64_t s_q, int64_t h_q) {
 }
 
 /// Host schedule written into CPU metadata buffers (spec §4), with the path's per-request overhead
-/// (core::kDenseDecodeSchedOverheadBlocks or core::sparse_decode_sched_overhead).
+/// (core::kDenseDecodeSchedOverheadBlocks or core::kSparseDecodeSchedOverheadBlocks).
 void fill_host_schedule(const std::vector<int64_t>& work, int64_t overhead, const TensorRef& tsm,
                         const TensorRef& num_splits) {
   core::compute_tile_schedule(work, tsm.shape[0], overhead, static_cast<TileSchedulerMetadataRow*>(tsm.data),
@@ -203,8 +203,7 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
       }
       work[i] = s;
     }
-    fill_host_schedule(work, core::sparse_decode_sched_overhead(b, p.tile_scheduler_metadata.shape[0]),
-                       p.tile_scheduler_metadata, p.num_splits);
+    fill_host_schedule(work, core::kSparseDecodeSchedOverheadBlocks, p.tile_scheduler_metadata, p.num_splits);
   }
   return reference::sparse_decode(p);
 }

@@ -26,35 +26,11 @@ constexpr int kSchedBlockSizeN = 64;  ///< tokens per scheduling block
 /// Dense decode's overhead: FlashMLA's 5.
 constexpr int kDenseDecodeSchedOverheadBlocks = 5;
 
-/// Sparse FP8 decode's overhead. A measured choice, not a derived one: the default is FlashMLA's 5, and
-/// a build may set -DFLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD=N to compare values on the GPU. The GPU path
-/// computes its schedule only in the device scheduler (src/sm90/common/scheduler.cu), so a value passed
-/// to the CUDA compiler alone changes the GPU schedule; the CPU backend's schedule (src/core/ops.cpp)
-/// uses the value the host compiler sees (the CPU outputs do not depend on the schedule). The greedy's
-/// functions below take the overhead as an argument; only sparse_decode_sched_overhead reads these
-/// constants, and the device scheduler is the only CUDA translation unit that calls it.
-#ifndef FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD
-#define FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD 5
-#endif
-constexpr int kSparseDecodeSchedOverheadBlocks = FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD;
-static_assert(kSparseDecodeSchedOverheadBlocks >= 0, "FLASHMLA_SPARSE_DECODE_SCHED_OVERHEAD must be >= 0");
-
-/// Sparse FP8 decode's overhead for a batch of fewer requests than parts. There the charge mostly
-/// decides how many parts stay idle (V3.2 b 2 over 33 parts: 11 idle at 5, 1 at 1) rather than how
-/// many pieces a request is cut into. Default 5 (the same as above); a build may set
-/// -DFLASHMLA_SPARSE_DECODE_SMALL_BATCH_SCHED_OVERHEAD=N to compare values on the GPU (as above, a
-/// value given to the CUDA compiler alone changes only the device scheduler's schedule).
-#ifndef FLASHMLA_SPARSE_DECODE_SMALL_BATCH_SCHED_OVERHEAD
-#define FLASHMLA_SPARSE_DECODE_SMALL_BATCH_SCHED_OVERHEAD 5
-#endif
-constexpr int kSparseDecodeSmallBatchSchedOverheadBlocks = FLASHMLA_SPARSE_DECODE_SMALL_BATCH_SCHED_OVERHEAD;
-static_assert(kSparseDecodeSmallBatchSchedOverheadBlocks >= 0,
-              "FLASHMLA_SPARSE_DECODE_SMALL_BATCH_SCHED_OVERHEAD must be >= 0");
-
-/// The overhead sparse FP8 decode schedules b requests over num_sm_parts parts with (host and device).
-FLASHMLA_HOST_DEVICE inline int64_t sparse_decode_sched_overhead(int64_t b, int64_t num_sm_parts) {
-  return b < num_sm_parts ? kSparseDecodeSmallBatchSchedOverheadBlocks : kSparseDecodeSchedOverheadBlocks;
-}
+/// Sparse FP8 decode's overhead: FlashMLA's 5 as well. Measured against 1 on the H200
+/// (docs/sparse-fp8-decode.md, "The scheduler's per-request overhead for sparse decode"): 1 shortens
+/// some main kernels by spreading a request over more parts, but the extra splits cost the combine
+/// more than that saves on the call (V3.2 b 2, b 128 and MODEL1 b 128 all slower end to end).
+constexpr int kSparseDecodeSchedOverheadBlocks = 5;
 
 /// Scheduling blocks of a request of `s` tokens: ceil(max(s - 1, 0) / 64) + 1 (an empty request
 /// still costs one block; spec §4.2).

@@ -3,7 +3,7 @@
 // its output equals core::compute_tile_schedule (src/core/scheduler.cpp) with
 // the same per-request overhead element for element: dense decode's kernel uses
 // core::kDenseDecodeSchedOverheadBlocks, sparse decode's
-// core::sparse_decode_sched_overhead(b, num_sm_parts).
+// core::kSparseDecodeSchedOverheadBlocks.
 // The GPU decode paths take their metadata from these kernels only.
 #include <cstdint>
 
@@ -34,8 +34,8 @@ __host__ __device__ inline int64_t sched_smem_bytes(int64_t b, int64_t /*num_sm_
 //     recording where each request starts and ends and the num_splits prefix sums;
 //  3. every thread computes rows core::schedule_part_row for its parts (binary search over
 //     the requests' end parts) and copies num_splits out.
-// overhead: the path's per-request overhead in blocks (dense decode's constant; sparse decode's
-// function of b and num_sm_parts).
+// overhead: the path's per-request overhead in blocks (core::kDenseDecodeSchedOverheadBlocks or
+// core::kSparseDecodeSchedOverheadBlocks).
 // Equal to the greedy of spec §4.3 element for element (tests/cpp: RequestWisePassEqualsTheGreedy;
 // on the GPU, the C++ test program's device-vs-host scheduler check). Not the part-by-part greedy in
 // one thread: ~350 clk per part, 23 µs at b = 1 and 36 µs at b = 128 on the H200
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kSchedThreads) get_mla_metadata_sparse_kernel(
     int extra_topk, int b, int num_sm_parts, int32_t* __restrict__ metadata, int32_t* __restrict__ num_splits) {
   schedule_kernel_body(
       [&](int64_t i) -> int64_t { return sparse_work(topk_length, extra_topk_length, topk, extra_topk, i); },
-      core::sparse_decode_sched_overhead(b, num_sm_parts), b, num_sm_parts, metadata, num_splits);
+      core::kSparseDecodeSchedOverheadBlocks, b, num_sm_parts, metadata, num_splits);
 }
 
 
