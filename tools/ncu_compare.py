@@ -78,7 +78,8 @@ CHOSEN = [
 FULL_SECTIONS = ["Warp State Statistics", "Scheduler Statistics"]
 
 PIPE_BY_CYCLES = re.compile(r"(\w[\w ]*?) is the highest-utilized pipeline \(([\d.]+)%\) based on elapsed cycles")
-PIPE_BY_INST = re.compile(r"Based on the number of executed instructions, the highest utilized pipeline \(([\d.]+)%\) is (\w+)")
+PIPE_BY_INST = re.compile(
+    r"Based on the number of executed instructions, the highest utilized pipeline \(([\d.]+)%\) is (\w+)")
 
 
 def open_text(path):
