@@ -10,6 +10,10 @@ Usage (GPU machine, repository root, our package and fa3_fwd importable):
   ncu --set full --profile-from-start off --nvtx -o OUT/dense-prefill python3 tools/ncu_dense_prefill.py \
       --shape s8192_h128-128_d128_causal
   ncu -i OUT/dense-prefill.ncu-rep --page details --csv > OUT/dense-prefill.csv
+(`--set full` adds the warp-state, scheduler and source sections that name the stalls; the export of
+2026-12-04 in bench/results used `--set detailed`, which has neither. The backward's kernels run on
+autograd's thread, outside the NVTX ranges, which are per thread.) tools/ncu_compare.py prints such an
+export side by side.
 """
 
 from __future__ import annotations
