@@ -266,6 +266,25 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
+// Where the producer issues part B's gathers (build switch, default 0; an A/B variant, not shipped):
+//   0: all of a row's loads (both parts' FP8 groups, the scale halves, the RoPE chunks) at the step's
+//      start, before the first free-buffer wait: 12 loads per thread in flight in the cluster kernel,
+//      24 in the plain one (two rows), nothing issued during the dequantization.
+//   1: only part A's FP8 groups and all scale halves before the free wait; part B's FP8 groups and
+//      RoPE chunks are issued inside part A's dequantization, two after each of part A's first groups
+//      (cluster kernel: after the row's group d; plain kernel: row r's part B inside row r's part A),
+//      so that ~6 loads are in flight when part A's data is awaited and part B's round trips run
+//      under part A's conversion: the rolling window FlashMLA's producer keeps
+//      (docs/sparse-fp8-decode.md, "How FlashMLA's kernel feeds its dequantization"). The point is
+//      that part A's loads, with half as many loads of the thread queued beside them, may come back
+//      sooner, and part A is what the consumers wait for first.
+//   2: part B's FP8 groups and RoPE chunks issued right after part A's arrival (publication): the
+//      fewest loads in flight before part A is published, part B's whole latency after it.
+// ptxas moves loads freely within a basic block, so level 1 fixes each issue point with
+// issue_point_after() below, a never-taken branch on a converted word that ends the basic block.
+#ifndef FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS
+#define FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS 0
+#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -356,6 +375,65 @@ __device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j,
 #pragma unroll
   for (int k = 0; k < 2; ++k) put(slab_off(row, PartMap<F, 1>::kRopeChunk0 + 4 * k + j), r.v[k]);
 }
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS != 0
+static_assert(FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2, "interleaved gathers load the RoPE through registers");
+/// Ends the basic block once `w` (a word of the group just dequantized) exists: a branch that is never
+/// taken in practice (its body, a zero-length nanosleep, is harmless if it is), so that ptxas can
+/// neither hoist the loads that follow it in the source above that group's conversion nor sink them.
+__device__ __forceinline__ void issue_point_after(uint32_t w) {
+  if (w == 0xFFFFFFFFu) asm volatile("nanosleep.u32 0;\n");
+}
+/// Part B of a row without its FP8 groups: the groups and `rope` zeroed (an invalid row keeps the
+/// zeros), the scale half loaded as row_part_load does (the FP8 groups and RoPE follow by part_b_issue).
+template <Fmt F>
+__device__ __forceinline__ void row_part_b_scale_load(RowPart<F, 1>& r, RowRope& rope, uint64_t rec, uint64_t scl) {
+  using M = PartMap<F, 1>;
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
+#pragma unroll
+  for (int d = 0; d < M::kGroups; ++d) r.u[d] = make_uint4(0u, 0u, 0u, 0u);
+  rope.v[0] = rope.v[1] = make_uint4(0u, 0u, 0u, 0u);
+  r.sc = make_uint2(0u, 0u);
+  if (a != nullptr) {
+    if constexpr (F == Fmt::kV32) r.sc = ldg8_fp8(a + FmtCfg<F>::kScaleRaw + 4 * (M::kG0 / 2));
+    else r.sc = ldg8_fp8(reinterpret_cast<const uint8_t*>(scl));
+  }
+}
+/// Part B's 16-byte loads of a row in the order its store uses them: FP8 groups 4.., then the RoPE
+/// chunks j and 4 + j; issued two per issue slot, slots 0 .. kPartBSlots - 1.
+template <Fmt F>
+constexpr int kPartBLoads = PartMap<F, 1>::kGroups + 2;  // 6 (V32), 5 (MODEL1)
+template <Fmt F>
+constexpr int kPartBSlots = (kPartBLoads<F> + 1) / 2;  // 3: after part A's groups 0, 1, 2
+template <Fmt F>
+__device__ __forceinline__ void part_b_issue(RowPart<F, 1>& r, RowRope& rope, uint64_t rec, int j, int slot) {
+  using M = PartMap<F, 1>;
+  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
+  if (a == nullptr) return;
+#pragma unroll
+  for (int k = 2 * slot; k < 2 * slot + 2 && k < kPartBLoads<F>; ++k) {
+    if (k < M::kGroups) r.u[k] = ldg16_fp8(a + 64 * (M::kG0 + k) + 16 * j);
+    else rope.v[k - M::kGroups] = ldg16_fp8(a + FmtCfg<F>::kRopeRaw + 16 * (4 * (k - M::kGroups) + j));
+  }
+}
+/// row_part_store with an issue point after each group: after(d) runs once group d's two chunks are
+/// converted and handed to put (the branch of issue_point_after between them).
+template <Fmt F, int PT, class Put, class After>
+__device__ __forceinline__ void row_part_store_then(const RowPart<F, PT>& r, int row, int j, Put&& put,
+                                                    After&& after) {
+  using M = PartMap<F, PT>;
+#pragma unroll
+  for (int d = 0; d < M::kGroups; ++d) {
+    const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
+    const int c = 8 * (M::kG0 + d) + 2 * j;
+    const uint4 lo = dequant8(make_uint2(r.u[d].x, r.u[d].y), s);
+    const uint4 hi = dequant8(make_uint2(r.u[d].z, r.u[d].w), s);
+    put(slab_off(row, c), lo);
+    put(slab_off(row, c + 1), hi);
+    issue_point_after(lo.x ^ hi.w);
+    after(d);
+  }
+}
+#endif
 
 // ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats,
 // kClusterDefault; docs/sparse-fp8-decode.md): the two head-tile CTAs of a
@@ -694,18 +772,35 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 0> pa;
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 0
           row_part_load<F, 1>(pb, my_rec, my_scl, j);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           RowRope rr;
           row_rope_load<F>(rr, my_rec, j);
 #endif
+#else
+          RowRope rr;
+          row_part_b_scale_load<F>(pb, rr, my_rec, my_scl);  // part B's groups and RoPE: below
+#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 1
+          row_part_store_then<F, 0>(
+              pa, my, j,
+              [&](uint32_t off, uint4 v) {
+                *reinterpret_cast<uint4*>(sKx + off) = v;
+                cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
+              },
+              [&](int d) {
+                if (d < kPartBSlots<F>) part_b_issue<F>(pb, rr, my_rec, j, d);
+              });
+#else
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
           });
+#endif
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
@@ -715,6 +810,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2
+#pragma unroll
+          for (int slot = 0; slot < kPartBSlots<F>; ++slot) part_b_issue<F>(pb, rr, my_rec, j, slot);
+#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
@@ -745,6 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 1> pb0, pb1;
           row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 0
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
@@ -752,12 +852,28 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_rope_load<F>(rr0, ra.rec[0], j);
           row_rope_load<F>(rr1, ra.rec[1], j);
 #endif
+#else
+          RowRope rr0, rr1;
+          row_part_b_scale_load<F>(pb0, rr0, ra.rec[0], ra.scl[0]);  // part B's groups and RoPE: below
+          row_part_b_scale_load<F>(pb1, rr1, ra.rec[1], ra.scl[1]);
+#endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 1
+          // Row r's part B loads inside row r's part A: row 1's part A bytes have had row 0's
+          // conversion to arrive, row 0's part B has row 1's part A conversion and more.
+          row_part_store_then<F, 0>(pa0, row[0], j, put, [&](int d) {
+            if (d < kPartBSlots<F>) part_b_issue<F>(pb0, rr0, ra.rec[0], j, d);
+          });
+          row_part_store_then<F, 0>(pa1, row[1], j, put, [&](int d) {
+            if (d < kPartBSlots<F>) part_b_issue<F>(pb1, rr1, ra.rec[1], j, d);
+          });
+#else
           row_part_store<F, 0>(pa0, row[0], j, put);
           row_part_store<F, 0>(pa1, row[1], j, put);
+#endif
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
@@ -767,6 +883,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
+#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2
+#pragma unroll
+          for (int slot = 0; slot < kPartBSlots<F>; ++slot) {
+            part_b_issue<F>(pb0, rr0, ra.rec[0], j, slot);
+            part_b_issue<F>(pb1, rr1, ra.rec[1], j, slot);
+          }
+#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(0, 2);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
