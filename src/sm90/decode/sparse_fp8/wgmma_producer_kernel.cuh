@@ -280,8 +280,8 @@ struct RowPart {
 //      sooner, and part A is what the consumers wait for first.
 //   2: part B's FP8 groups and RoPE chunks issued right after part A's arrival (publication): the
 //      fewest loads in flight before part A is published, part B's whole latency after it.
-// ptxas moves loads freely within a basic block, so level 1 fixes each issue point with
-// issue_point_after() below, a never-taken branch on a converted word that ends the basic block.
+// ptxas moves loads freely (across basic blocks too), so level 1 fixes each issue point with
+// address_after() below: part B's addresses are made to depend on a converted word of part A's group.
 #ifndef FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS
 #define FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS 0
 #endif
@@ -377,11 +377,19 @@ __device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j,
 }
 #if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS != 0
 static_assert(FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2, "interleaved gathers load the RoPE through registers");
-/// Ends the basic block once `w` (a word of the group just dequantized) exists: a branch that is never
-/// taken in practice (its body, a zero-length nanosleep, is harmless if it is), so that ptxas can
-/// neither hoist the loads that follow it in the source above that group's conversion nor sink them.
-__device__ __forceinline__ void issue_point_after(uint32_t w) {
-  if (w == 0xFFFFFFFFu) asm volatile("nanosleep.u32 0;\n");
+/// `rec`, made to depend on `w` (a word of the group just dequantized), so that loads addressed from
+/// the result cannot be issued before that group's bytes have arrived and been converted. The xor
+/// happens only when w == 0xFFFFFFFF and then xors (w ^ 0xFFFFFFFF) = 0: the value is always `rec`,
+/// but neither NVVM (inline asm) nor ptxas (a predicated xor with a register operand) can tell.
+/// (A never-taken branch with a nanosleep body was tried first: ptxas kept the branches and hoisted
+/// all loads of the step above them anyway, to the step's start.)
+__device__ __forceinline__ uint64_t address_after(uint64_t rec, uint32_t w) {
+  asm volatile(
+      "{\n .reg .pred p;\n .reg .b64 t;\n setp.eq.u32 p, %1, 0xFFFFFFFF;\n cvt.u64.u32 t, %1;\n"
+      " xor.b64 t, t, 0xFFFFFFFF;\n @p xor.b64 %0, %0, t;\n}\n"
+      : "+l"(rec)
+      : "r"(w));
+  return rec;
 }
 /// Part B of a row without its FP8 groups: the groups and `rope` zeroed (an invalid row keeps the
 /// zeros), the scale half loaded as row_part_load does (the FP8 groups and RoPE follow by part_b_issue).
@@ -415,8 +423,8 @@ __device__ __forceinline__ void part_b_issue(RowPart<F, 1>& r, RowRope& rope, ui
     else rope.v[k - M::kGroups] = ldg16_fp8(a + FmtCfg<F>::kRopeRaw + 16 * (4 * (k - M::kGroups) + j));
   }
 }
-/// row_part_store with an issue point after each group: after(d) runs once group d's two chunks are
-/// converted and handed to put (the branch of issue_point_after between them).
+/// row_part_store with an issue point after each group: after(d, w) runs once group d's two chunks are
+/// converted and handed to put, w a word of them for address_after.
 template <Fmt F, int PT, class Put, class After>
 __device__ __forceinline__ void row_part_store_then(const RowPart<F, PT>& r, int row, int j, Put&& put,
                                                     After&& after) {
@@ -429,8 +437,7 @@ __device__ __forceinline__ void row_part_store_then(const RowPart<F, PT>& r, int
     const uint4 hi = dequant8(make_uint2(r.u[d].z, r.u[d].w), s);
     put(slab_off(row, c), lo);
     put(slab_off(row, c + 1), hi);
-    issue_point_after(lo.x ^ hi.w);
-    after(d);
+    after(d, lo.x ^ hi.w);
   }
 }
 #endif
@@ -792,8 +799,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                 *reinterpret_cast<uint4*>(sKx + off) = v;
                 cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
               },
-              [&](int d) {
-                if (d < kPartBSlots<F>) part_b_issue<F>(pb, rr, my_rec, j, d);
+              [&](int d, uint32_t w) {
+                if (d < kPartBSlots<F>) part_b_issue<F>(pb, rr, address_after(my_rec, w), j, d);
               });
 #else
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
@@ -864,11 +871,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 1
           // Row r's part B loads inside row r's part A: row 1's part A bytes have had row 0's
           // conversion to arrive, row 0's part B has row 1's part A conversion and more.
-          row_part_store_then<F, 0>(pa0, row[0], j, put, [&](int d) {
-            if (d < kPartBSlots<F>) part_b_issue<F>(pb0, rr0, ra.rec[0], j, d);
+          row_part_store_then<F, 0>(pa0, row[0], j, put, [&](int d, uint32_t w) {
+            if (d < kPartBSlots<F>) part_b_issue<F>(pb0, rr0, address_after(ra.rec[0], w), j, d);
           });
-          row_part_store_then<F, 0>(pa1, row[1], j, put, [&](int d) {
-            if (d < kPartBSlots<F>) part_b_issue<F>(pb1, rr1, ra.rec[1], j, d);
+          row_part_store_then<F, 0>(pa1, row[1], j, put, [&](int d, uint32_t w) {
+            if (d < kPartBSlots<F>) part_b_issue<F>(pb1, rr1, address_after(ra.rec[1], w), j, d);
           });
 #else
           row_part_store<F, 0>(pa0, row[0], j, put);
