@@ -282,9 +282,14 @@ struct RowPart {
 //      fewest loads in flight before part A is published, part B's whole latency after it.
 // ptxas moves loads freely (across basic blocks too), so level 1 fixes each issue point with
 // address_after() below: part B's addresses are made to depend on a converted word of part A's group.
+// The plain kernel (two rows per thread) takes level 2 only: level 1 there (row r's part B inside row
+// r's part A conversion; or both rows' part B inside row 1's part A) made ptxas spill 120 / 64 bytes
+// (V3.2) and 48 / 28 bytes (MODEL1) against the tree's 8 / 8 at 128 registers; with level 1 the plain
+// kernel is the shipped one.
 #ifndef FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS
 #define FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS 0
 #endif
+#define FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS (FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2 ? 2 : 0)
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -390,6 +395,15 @@ __device__ __forceinline__ uint64_t address_after(uint64_t rec, uint32_t w) {
       : "+l"(rec)
       : "r"(w));
   return rec;
+}
+/// A word read from shared memory after the part's fence and arrival (the producer warps' any-invalid
+/// flags of the buffer): level 2 addresses part B's loads through address_after(rec, this word), since
+/// ptxas moves ld.global.nc above the fence and the arrival otherwise.
+__device__ __forceinline__ uint32_t word_after_arrival(const uint8_t* p) {
+  uint32_t v;
+  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
+               : "memory");
+  return v;
 }
 /// Part B of a row without its FP8 groups: the groups and `rope` zeroed (an invalid row keeps the
 /// zeros), the scale half loaded as row_part_load does (the FP8 groups and RoPE follow by part_b_issue).
@@ -818,8 +832,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
 #if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2
+          {
+            const uint64_t rec_b = address_after(my_rec, word_after_arrival(sInval + x * 4));
 #pragma unroll
-          for (int slot = 0; slot < kPartBSlots<F>; ++slot) part_b_issue<F>(pb, rr, my_rec, j, slot);
+            for (int slot = 0; slot < kPartBSlots<F>; ++slot) part_b_issue<F>(pb, rr, rec_b, j, slot);
+          }
 #endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
@@ -851,7 +868,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 1> pb0, pb1;
           row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 0
+#if FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS == 0
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
@@ -868,19 +885,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 1
-          // Row r's part B loads inside row r's part A: row 1's part A bytes have had row 0's
-          // conversion to arrive, row 0's part B has row 1's part A conversion and more.
-          row_part_store_then<F, 0>(pa0, row[0], j, put, [&](int d, uint32_t w) {
-            if (d < kPartBSlots<F>) part_b_issue<F>(pb0, rr0, address_after(ra.rec[0], w), j, d);
-          });
-          row_part_store_then<F, 0>(pa1, row[1], j, put, [&](int d, uint32_t w) {
-            if (d < kPartBSlots<F>) part_b_issue<F>(pb1, rr1, address_after(ra.rec[1], w), j, d);
-          });
-#else
           row_part_store<F, 0>(pa0, row[0], j, put);
           row_part_store<F, 0>(pa1, row[1], j, put);
-#endif
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
@@ -890,11 +896,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2
+#if FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS == 2
+          {
+            const uint32_t w = word_after_arrival(sInval + x * 4);
+            const uint64_t rec_b0 = address_after(ra.rec[0], w), rec_b1 = address_after(ra.rec[1], w);
 #pragma unroll
-          for (int slot = 0; slot < kPartBSlots<F>; ++slot) {
-            part_b_issue<F>(pb0, rr0, ra.rec[0], j, slot);
-            part_b_issue<F>(pb1, rr1, ra.rec[1], j, slot);
+            for (int slot = 0; slot < kPartBSlots<F>; ++slot) {
+              part_b_issue<F>(pb0, rr0, rec_b0, j, slot);
+              part_b_issue<F>(pb1, rr1, rec_b1, j, slot);
+            }
           }
 #endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
