@@ -266,26 +266,29 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
-// Where the producer issues part B's gathers (build switch, default 0; an A/B variant, not shipped):
-//   0: all of a row's loads (both parts' FP8 groups, the scale halves, the RoPE chunks) at the step's
-//      start, before the first free-buffer wait: 12 loads per thread in flight in the cluster kernel,
-//      24 in the plain one (two rows), nothing issued during the dequantization.
-//   1: only part A's FP8 groups and all scale halves before the free wait; part B's FP8 groups and
-//      RoPE chunks are issued inside part A's dequantization, two after each of part A's first groups
-//      (cluster kernel: after the row's group d; plain kernel: row r's part B inside row r's part A),
-//      so that ~6 loads are in flight when part A's data is awaited and part B's round trips run
-//      under part A's conversion: the rolling window FlashMLA's producer keeps
-//      (docs/sparse-fp8-decode.md, "How FlashMLA's kernel feeds its dequantization"). The point is
-//      that part A's loads, with half as many loads of the thread queued beside them, may come back
-//      sooner, and part A is what the consumers wait for first.
-//   2: part B's FP8 groups and RoPE chunks issued right after part A's arrival (publication): the
-//      fewest loads in flight before part A is published, part B's whole latency after it.
-// ptxas moves loads freely (across basic blocks too), so level 1 fixes each issue point with
-// address_after() below: part B's addresses are made to depend on a converted word of part A's group.
-// The plain kernel (two rows per thread) takes level 2 only: level 1 there (row r's part B inside row
-// r's part A conversion; or both rows' part B inside row 1's part A) made ptxas spill 120 / 64 bytes
-// (V3.2) and 48 / 28 bytes (MODEL1) against the tree's 8 / 8 at 128 registers; with level 1 the plain
-// kernel is the shipped one.
+// Where the producer issues part B's gathers (build switch, default 0; an A/B variant, not shipped;
+// docs/sparse-fp8-decode.md, "FlashMLA's rolling load window"):
+//   0: all of a row's loads (both parts' FP8 groups, the two scale halves, the two RoPE chunks) at the
+//      step's start, before the first free-buffer wait: 12 per thread in the cluster kernel (MODEL1 11),
+//      nothing issued during the dequantization (the plain kernel's 24 (MODEL1 22) in the source; in
+//      its V3.2 SASS ptxas leaves 8 before the first wait and sinks 16 into the conversion).
+//   1 (cluster kernel only): part A's four FP8 groups and both scale halves before the free wait;
+//      part B's FP8 groups and RoPE chunks (6 loads, MODEL1 5) issued inside part A's dequantization,
+//      two after each of part A's groups 0, 1, 2, i.e. once that group's bytes have arrived. This is
+//      the rolling window FlashMLA's producer keeps (~6 loads in flight at the wait, the rest issued
+//      as the first groups are used; "How FlashMLA's kernel feeds its dequantization"): part A's loads
+//      are no longer queued beside part B's, so they may come back sooner, and part A is what the
+//      consumers wait for first; part B's round trips then run under part A's conversion and
+//      publication. ptxas moves ld.global.nc freely, across branches and fences too (a never-taken
+//      branch with a nanosleep body after each group kept the branches, yet all loads went to the
+//      step's start), so each issue point is an address dependence: part B's record address goes
+//      through address_after(rec, a converted word of the group).
+//   2: part B's FP8 groups, scale half and RoPE chunks issued after part A's fence and arrival (their
+//      address through a shared-memory word read there, word_after_arrival): the fewest loads in
+//      flight until part A is published, part B's whole latency after it. Both kernels.
+// The plain kernel (two rows per thread) has no level 1: there (row r's part B inside row r's part A,
+// or both rows' part B inside row 1's part A) ptxas spilled 120 / 64 bytes (V3.2) and 48 / 28 bytes
+// (MODEL1) against the tree's 8 / 8 at 128 registers; with level 1 the plain kernel is the shipped one.
 #ifndef FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS
 #define FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS 0
 #endif
