@@ -159,9 +159,14 @@ constexpr int kLaunchRegs = 168;
 #ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
 #define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 1
 #endif
-constexpr int kWg0Regs = 216;
+// Build switch (A/B; docs/sparse-fp8-decode.md, "A wider producer register budget"): the setmaxnreg
+// split. Default 216 / 160 / 128; FlashMLA's kernel gives its producer 152 (and warpgroup 0 192).
+#ifndef FLASHMLA_SPARSE_DECODE_REG_SPLIT
+#define FLASHMLA_SPARSE_DECODE_REG_SPLIT 0
+#endif
+constexpr int kWg0Regs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 216 : 208;
 constexpr int kWg1Regs = 160;
-constexpr int kProdRegs = 128;
+constexpr int kProdRegs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 128 : 136;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
