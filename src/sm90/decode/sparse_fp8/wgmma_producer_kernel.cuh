@@ -160,13 +160,15 @@ constexpr int kLaunchRegs = 168;
 #define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 1
 #endif
 // Build switch (A/B; docs/sparse-fp8-decode.md, "A wider producer register budget"): the setmaxnreg
-// split. Default 216 / 160 / 128; FlashMLA's kernel gives its producer 152 (and warpgroup 0 192).
+// split warpgroup 0 / warpgroup 1 / producer. 0: 216 / 160 / 128; 1: 208 / 160 / 136; 2: 208 / 160 / 128
+// (warpgroup 0's change alone); 3: 200 / 160 / 144 (warpgroup 0 spills). Warpgroup 1 serializes its wgmma
+// below 160 (C7512). FlashMLA's kernel gives its producer 152 and its warpgroup 0 192.
 #ifndef FLASHMLA_SPARSE_DECODE_REG_SPLIT
 #define FLASHMLA_SPARSE_DECODE_REG_SPLIT 0
 #endif
-constexpr int kWg0Regs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 216 : 208;
+constexpr int kWg0Regs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 216 : FLASHMLA_SPARSE_DECODE_REG_SPLIT == 3 ? 200 : 208;
 constexpr int kWg1Regs = 160;
-constexpr int kProdRegs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 128 : 136;
+constexpr int kProdRegs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 1 ? 136 : FLASHMLA_SPARSE_DECODE_REG_SPLIT == 3 ? 144 : 128;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
