@@ -159,16 +159,13 @@ constexpr int kLaunchRegs = 168;
 #ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
 #define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 1
 #endif
-// Build switch (A/B; docs/sparse-fp8-decode.md, "A wider producer register budget"): the setmaxnreg
-// split warpgroup 0 / warpgroup 1 / producer. 0: 216 / 160 / 128; 1: 208 / 160 / 136; 2: 208 / 160 / 128
-// (warpgroup 0's change alone); 3: 200 / 160 / 144 (warpgroup 0 spills). Warpgroup 1 serializes its wgmma
-// below 160 (C7512). FlashMLA's kernel gives its producer 152 and its warpgroup 0 192.
-#ifndef FLASHMLA_SPARSE_DECODE_REG_SPLIT
-#define FLASHMLA_SPARSE_DECODE_REG_SPLIT 0
-#endif
-constexpr int kWg0Regs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 0 ? 216 : FLASHMLA_SPARSE_DECODE_REG_SPLIT == 3 ? 200 : 208;
+// The setmaxnreg split: warpgroup 0 / warpgroup 1 / producer. 208 / 160 / 136 measured 1.0-1.7 % faster
+// on the producer-bound h_q 128 cases than 216 / 160 / 128 (warpgroup 0's 208 alone gave about half of
+// that); warpgroup 0 spills at 200, warpgroup 1 serializes its wgmma below 160 (C7512), so the producer
+// gets what is left (docs/sparse-fp8-decode.md, "A wider producer register budget").
+constexpr int kWg0Regs = 208;
 constexpr int kWg1Regs = 160;
-constexpr int kProdRegs = FLASHMLA_SPARSE_DECODE_REG_SPLIT == 1 ? 136 : FLASHMLA_SPARSE_DECODE_REG_SPLIT == 3 ? 144 : 128;
+constexpr int kProdRegs = 136;
 static_assert(128 * kWg0Regs + 128 * kWg1Regs + kProducers * kProdRegs <= kThreads * kLaunchRegs,
               "register pool of the CTA");
 static_assert(kWg0Regs >= kLaunchRegs && kProdRegs <= kLaunchRegs, "setmaxnreg directions");
@@ -273,33 +270,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
-// Where the producer issues part B's gathers (build switch, default 0; an A/B variant, not shipped;
-// docs/sparse-fp8-decode.md, "FlashMLA's rolling load window"):
-//   0: all of a row's loads (both parts' FP8 groups, the two scale halves, the two RoPE chunks) at the
-//      step's start, before the first free-buffer wait: 12 per thread in the cluster kernel (MODEL1 11),
-//      nothing issued during the dequantization (the plain kernel's 24 (MODEL1 22) in the source; in
-//      its V3.2 SASS ptxas leaves 8 before the first wait and sinks 16 into the conversion).
-//   1 (cluster kernel only): part A's four FP8 groups and both scale halves before the free wait;
-//      part B's FP8 groups and RoPE chunks (6 loads, MODEL1 5) issued inside part A's dequantization,
-//      two after each of part A's groups 0, 1, 2, i.e. once that group's bytes have arrived. This is
-//      the rolling window FlashMLA's producer keeps (~6 loads in flight at the wait, the rest issued
-//      as the first groups are used; "How FlashMLA's kernel feeds its dequantization"): part A's loads
-//      are no longer queued beside part B's, so they may come back sooner, and part A is what the
-//      consumers wait for first; part B's round trips then run under part A's conversion and
-//      publication. ptxas moves ld.global.nc freely, across branches and fences too (a never-taken
-//      branch with a nanosleep body after each group kept the branches, yet all loads went to the
-//      step's start), so each issue point is an address dependence: part B's record address goes
-//      through address_after(rec, a converted word of the group).
-//   2: part B's FP8 groups, scale half and RoPE chunks issued after part A's fence and arrival (their
-//      address through a shared-memory word read there, word_after_arrival): the fewest loads in
-//      flight until part A is published, part B's whole latency after it. Both kernels.
-// The plain kernel (two rows per thread) has no level 1: there (row r's part B inside row r's part A,
-// or both rows' part B inside row 1's part A) ptxas spilled 120 / 64 bytes (V3.2) and 48 / 28 bytes
-// (MODEL1) against the tree's 8 / 8 at 128 registers; with level 1 the plain kernel is the shipped one.
-#ifndef FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS
-#define FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS 0
-#endif
-#define FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS (FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2 ? 2 : 0)
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -390,81 +360,6 @@ __device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j,
 #pragma unroll
   for (int k = 0; k < 2; ++k) put(slab_off(row, PartMap<F, 1>::kRopeChunk0 + 4 * k + j), r.v[k]);
 }
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS != 0
-static_assert(FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2, "interleaved gathers load the RoPE through registers");
-/// `rec`, made to depend on `w` (a word of the group just dequantized), so that loads addressed from
-/// the result cannot be issued before that group's bytes have arrived and been converted. The xor
-/// happens only when w == 0xFFFFFFFF and then xors (w ^ 0xFFFFFFFF) = 0: the value is always `rec`,
-/// but neither NVVM (inline asm) nor ptxas (a predicated xor with a register operand) can tell.
-/// (A never-taken branch with a nanosleep body was tried first: ptxas kept the branches and hoisted
-/// all loads of the step above them anyway, to the step's start.)
-__device__ __forceinline__ uint64_t address_after(uint64_t rec, uint32_t w) {
-  asm volatile(
-      "{\n .reg .pred p;\n .reg .b64 t;\n setp.eq.u32 p, %1, 0xFFFFFFFF;\n cvt.u64.u32 t, %1;\n"
-      " xor.b64 t, t, 0xFFFFFFFF;\n @p xor.b64 %0, %0, t;\n}\n"
-      : "+l"(rec)
-      : "r"(w));
-  return rec;
-}
-/// A word read from shared memory after the part's fence and arrival (the producer warps' any-invalid
-/// flags of the buffer): level 2 addresses part B's loads through address_after(rec, this word), since
-/// ptxas moves ld.global.nc above the fence and the arrival otherwise.
-__device__ __forceinline__ uint32_t word_after_arrival(const uint8_t* p) {
-  uint32_t v;
-  asm volatile("ld.volatile.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p)))
-               : "memory");
-  return v;
-}
-/// Part B of a row without its FP8 groups: the groups and `rope` zeroed (an invalid row keeps the
-/// zeros), the scale half loaded as row_part_load does (the FP8 groups and RoPE follow by part_b_issue).
-template <Fmt F>
-__device__ __forceinline__ void row_part_b_scale_load(RowPart<F, 1>& r, RowRope& rope, uint64_t rec, uint64_t scl) {
-  using M = PartMap<F, 1>;
-  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
-#pragma unroll
-  for (int d = 0; d < M::kGroups; ++d) r.u[d] = make_uint4(0u, 0u, 0u, 0u);
-  rope.v[0] = rope.v[1] = make_uint4(0u, 0u, 0u, 0u);
-  r.sc = make_uint2(0u, 0u);
-  if (a != nullptr) {
-    if constexpr (F == Fmt::kV32) r.sc = ldg8_fp8(a + FmtCfg<F>::kScaleRaw + 4 * (M::kG0 / 2));
-    else r.sc = ldg8_fp8(reinterpret_cast<const uint8_t*>(scl));
-  }
-}
-/// Part B's 16-byte loads of a row in the order its store uses them: FP8 groups 4.., then the RoPE
-/// chunks j and 4 + j; issued two per issue slot, slots 0 .. kPartBSlots - 1.
-template <Fmt F>
-constexpr int kPartBLoads = PartMap<F, 1>::kGroups + 2;  // 6 (V32), 5 (MODEL1)
-template <Fmt F>
-constexpr int kPartBSlots = (kPartBLoads<F> + 1) / 2;  // 3: after part A's groups 0, 1, 2
-template <Fmt F>
-__device__ __forceinline__ void part_b_issue(RowPart<F, 1>& r, RowRope& rope, uint64_t rec, int j, int slot) {
-  using M = PartMap<F, 1>;
-  const uint8_t* a = reinterpret_cast<const uint8_t*>(rec);
-  if (a == nullptr) return;
-#pragma unroll
-  for (int k = 2 * slot; k < 2 * slot + 2 && k < kPartBLoads<F>; ++k) {
-    if (k < M::kGroups) r.u[k] = ldg16_fp8(a + 64 * (M::kG0 + k) + 16 * j);
-    else rope.v[k - M::kGroups] = ldg16_fp8(a + FmtCfg<F>::kRopeRaw + 16 * (4 * (k - M::kGroups) + j));
-  }
-}
-/// row_part_store with an issue point after each group: after(d, w) runs once group d's two chunks are
-/// converted and handed to put, w a word of them for address_after.
-template <Fmt F, int PT, class Put, class After>
-__device__ __forceinline__ void row_part_store_then(const RowPart<F, PT>& r, int row, int j, Put&& put,
-                                                    After&& after) {
-  using M = PartMap<F, PT>;
-#pragma unroll
-  for (int d = 0; d < M::kGroups; ++d) {
-    const __nv_bfloat162 s = group_scale<F, PT>(r.sc, d);
-    const int c = 8 * (M::kG0 + d) + 2 * j;
-    const uint4 lo = dequant8(make_uint2(r.u[d].x, r.u[d].y), s);
-    const uint4 hi = dequant8(make_uint2(r.u[d].z, r.u[d].w), s);
-    put(slab_off(row, c), lo);
-    put(slab_off(row, c + 1), hi);
-    after(d, lo.x ^ hi.w);
-  }
-}
-#endif
 
 // ---- 2-CTA cluster variant (kCluster; head tiles paired, h_q = 128; the default for both formats,
 // kClusterDefault; docs/sparse-fp8-decode.md): the two head-tile CTAs of a
@@ -803,35 +698,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 0> pa;
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 0
           row_part_load<F, 1>(pb, my_rec, my_scl, j);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           RowRope rr;
           row_rope_load<F>(rr, my_rec, j);
 #endif
-#else
-          RowRope rr;
-          row_part_b_scale_load<F>(pb, rr, my_rec, my_scl);  // part B's groups and RoPE: below
-#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 1
-          row_part_store_then<F, 0>(
-              pa, my, j,
-              [&](uint32_t off, uint4 v) {
-                *reinterpret_cast<uint4*>(sKx + off) = v;
-                cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
-              },
-              [&](int d, uint32_t w) {
-                if (d < kPartBSlots<F>) part_b_issue<F>(pb, rr, address_after(my_rec, w), j, d);
-              });
-#else
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
             cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
           });
-#endif
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
             sValid[x * kBlockN + row[1]] = ra.rec[1] != 0 ? 1 : 0;
@@ -841,13 +719,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
-#if FLASHMLA_SPARSE_DECODE_INTERLEAVED_GATHERS == 2
-          {
-            const uint64_t rec_b = address_after(my_rec, word_after_arrival(sInval + x * 4));
-#pragma unroll
-            for (int slot = 0; slot < kPartBSlots<F>; ++slot) part_b_issue<F>(pb, rr, rec_b, j, slot);
-          }
-#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(hi ? 1 : 0, hi ? 2 : 1);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
@@ -878,18 +749,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           RowPart<F, 1> pb0, pb1;
           row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
-#if FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS == 0
           row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
           row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           RowRope rr0, rr1;
           row_rope_load<F>(rr0, ra.rec[0], j);
           row_rope_load<F>(rr1, ra.rec[1], j);
-#endif
-#else
-          RowRope rr0, rr1;
-          row_part_b_scale_load<F>(pb0, rr0, ra.rec[0], ra.scl[0]);  // part B's groups and RoPE: below
-          row_part_b_scale_load<F>(pb1, rr1, ra.rec[1], ra.scl[1]);
 #endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
@@ -906,17 +771,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           gmma::fence_proxy_async();  // generic-proxy stores -> the consumers' wgmma (async proxy)
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), 0);
-#if FLASHMLA_SPARSE_DECODE_PLAIN_INTERLEAVED_GATHERS == 2
-          {
-            const uint32_t w = word_after_arrival(sInval + x * 4);
-            const uint64_t rec_b0 = address_after(ra.rec[0], w), rec_b1 = address_after(ra.rec[1], w);
-#pragma unroll
-            for (int slot = 0; slot < kPartBSlots<F>; ++slot) {
-              part_b_issue<F>(pb0, rr0, rec_b0, j, slot);
-              part_b_issue<F>(pb1, rr1, rec_b1, j, slot);
-            }
-          }
-#endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
           if (!kLateAddr) next_addresses(0, 2);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
