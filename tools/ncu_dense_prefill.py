@@ -14,6 +14,12 @@ Usage (GPU machine, repository root, our package and fa3_fwd importable):
 2026-12-04 in bench/results used `--set detailed`, which has neither. The backward's kernels run on
 autograd's thread, outside the NVTX ranges, which are per thread.) tools/ncu_compare.py prints such an
 export side by side.
+Only the two forwards, with per-instruction stall samples (add `--import-source yes`); ncu's `-k` matches a
+kernel's base name, which is `device_kernel` for FA3's (not `FlashAttnFwdSm90`):
+  ncu --set full --import-source yes --profile-from-start off -k 'regex:dense_prefill_fwd|device_kernel' \
+      -o OUT/fwd python3 tools/ncu_dense_prefill.py
+  ncu -i OUT/fwd.ncu-rep -k regex:device_kernel --page source --csv --print-source sass > OUT/fa3-source.csv
+tools/ncu_source_top.py condenses such a source export (the hottest instructions and their stall reasons).
 """
 
 from __future__ import annotations
