@@ -14,7 +14,7 @@ Usage (GPU machine, repository root, our package and fa3_fwd importable):
 2026-12-04 in bench/results used `--set detailed`, which has neither. The backward's kernels run on
 autograd's thread, outside the NVTX ranges, which are per thread.) tools/ncu_compare.py prints such an
 export side by side.
-Only the two forwards, with per-instruction stall samples (add `--import-source yes`); ncu's `-k` matches a
+Only the two forwards, with per-instruction stall samples (`--import-source yes`); ncu's `-k` matches a
 kernel's base name, which is `device_kernel` for FA3's (not `FlashAttnFwdSm90`):
   ncu --set full --import-source yes --profile-from-start off -k 'regex:dense_prefill_fwd|device_kernel' \
       -o OUT/fwd python3 tools/ncu_dense_prefill.py

@@ -159,10 +159,11 @@ constexpr int kLaunchRegs = 168;
 #ifndef FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH
 #define FLASHMLA_SPARSE_DECODE_NO_L2_PREFETCH 1
 #endif
-// The setmaxnreg split: warpgroup 0 / warpgroup 1 / producer. 208 / 160 / 136 measured 1.0-1.7 % faster
-// on the producer-bound h_q 128 cases than 216 / 160 / 128 (warpgroup 0's 208 alone gave about half of
-// that); warpgroup 0 spills at 200, warpgroup 1 serializes its wgmma below 160 (C7512), so the producer
-// gets what is left (docs/sparse-fp8-decode.md, "A wider producer register budget").
+// The setmaxnreg split: warpgroup 0 / warpgroup 1 / producer. The producer-bound kernel runs fastest with
+// the producer's budget as wide as the consumers allow: warpgroup 0 spills below 208, warpgroup 1
+// serializes its wgmma below 160 (C7512), and the producer gets the rest of the 384 x 168 pool (on an H200
+// 0.9-1.8 % faster on the h_q 128 cases than 216 / 160 / 128; docs/sparse-fp8-decode.md, "A wider producer
+// register budget").
 constexpr int kWg0Regs = 208;
 constexpr int kWg1Regs = 160;
 constexpr int kProdRegs = 136;
