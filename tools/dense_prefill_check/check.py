@@ -11,7 +11,7 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
 3. extra cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests, rows without a visible key,
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
 4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
-   every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma) and backward schedule
+   every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma, persistent_tma) and backward schedule
    (two_kernel, fused_dq; dense_prefill.h), unless --no-variants;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
@@ -36,7 +36,7 @@ torch.backends.cudnn.allow_tf32 = False
 FAILURES = []
 OUT_DIR = {"path": "."}
 VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
-FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma")
+FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tma")
 BWD_SCHEDULES = ("two_kernel", "fused_dq")
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 

@@ -2,6 +2,8 @@
 // (src/sm90/prefill/dense/) for the standalone GPU check (check.py, through ctypes): raw device pointers,
 // shapes and element strides in, the sm90 launcher's Status message out. It skips the core's validation
 // (check.py passes valid inputs), so the check runs without the Python package or its bindings.
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -9,6 +11,15 @@
 #include "flashmla/ops.h"
 #include "sm90/prefill/dense/dense_prefill.h"
 #include "sm90/sm90.h"
+
+// The persistent forward sizes its grid by the SM count; the package's cached num_sms lives in the dense
+// decode launcher, which this check does not build.
+namespace flashmla::sm90 {
+int num_sms(int device_id) {
+  int n = 0;
+  return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_id) == cudaSuccess && n > 0 ? n : 132;
+}
+}  // namespace flashmla::sm90
 
 namespace {
 using flashmla::DType;
@@ -61,7 +72,7 @@ flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float 
 extern "C" {
 
 // schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong,
-// 3 = pingpong_tma (dense_prefill.h).
+// 3 = pingpong_tma, 4 = persistent_tma (dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -70,7 +81,8 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
   const dp::FwdSchedule sched = schedule == 0   ? dp::FwdSchedule::kSerial
                                 : schedule == 1 ? dp::FwdSchedule::kOverlap
                                 : schedule == 2 ? dp::FwdSchedule::kPingpong
-                                                : dp::FwdSchedule::kPingpongTma;
+                                : schedule == 3 ? dp::FwdSchedule::kPingpongTma
+                                                : dp::FwdSchedule::kPersistentTma;
   return report(dp::fwd_with_schedule(p, sched), err, errlen);
 }
 

@@ -9,8 +9,11 @@ namespace flashmla::sm90::dense_prefill {
 /// Forward schedules (fwd.cu): kSerial = per key block S, softmax, P V one after the other;
 /// kOverlap = S of block n issued with P V of block n - 1, softmax under that P V; kPingpong = kOverlap
 /// with the two consumer warpgroups taking turns to issue their GEMMs; kPingpongTma = kPingpong with K / V
-/// loaded by TMA instead of the producer warpgroup's cp.async (kPingpong where no tensor map can be made).
-enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma };
+/// loaded by TMA instead of the producer warpgroup's cp.async (kPingpong where no tensor map can be made);
+/// kPersistentTma = kPingpongTma in a persistent grid (one CTA per SM walking the tiles; Q by TMA too), so that
+/// the producer loads the next tile's Q and first K / V while the consumers finish the current tile
+/// (kPingpongTma where no tensor map of q can be made).
+enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma, kPersistentTma };
 /// The schedule dense_prefill_fwd uses: kPingpongTma, the fastest on each of the 16 benchmark shapes
 /// (H200, tools/dense_prefill_check/check.py --perf-only, bench/results/2026-12-03-dense-prefill-schedules.log:
 /// 363-511 TFLOP/s against kSerial 240-306, kOverlap 246-323, kPingpong 252-328).

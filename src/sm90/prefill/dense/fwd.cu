@@ -2,7 +2,8 @@
 // §2.5): out = softmax(q k^T * scale [+ bottom-right causal mask]) v and lse (natural log) per query
 // row and head, varlen (cu_seqlens), GQA, bf16 / fp16, d_qk in {128, 192}, d_v 128.
 //
-// One CTA per (128-row query tile, query head, request); 384 threads, warp-specialised:
+// One CTA per (128-row query tile, query head, request), or with the persistent schedule one CTA per SM
+// walking those tiles (dense_prefill_fwd_kernel's kPersistent); 384 threads, warp-specialised:
 //   producer warpgroup 2: cp.async of the Q tile once, then K / V blocks of 128 keys into a
 //     two-stage ring (mbarriers "full" per stage, released through "empty");
 //   consumer warpgroups 0 / 1: 64 query rows each; per key block S = Q K^T (wgmma m64n128k16, both
@@ -16,6 +17,8 @@
 // Causal grids run their query tiles last-to-first so the longest CTAs start first.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +35,11 @@ namespace flashmla::sm90 {
 namespace dense_prefill {
 
 constexpr int kFwdBM = 128, kFwdBN = 128, kDV = 128;
+// The persistent forward's producer walks the tiles as well (tile and ring counters live across its loop), which
+// does not fit in kProducerRegs; its consumers get 8 fewer (the same 504-register pool).
+constexpr int kPersistentProducerRegs = 40;
+constexpr int kPersistentConsumerRegs = (3 * 168 - kPersistentProducerRegs) / 2 / 8 * 8;
+static_assert(kPersistentConsumerRegs == 232, "setmaxnreg budget");
 
 template <int kD>
 struct FwdSmem {
@@ -39,7 +47,7 @@ struct FwdSmem {
   static constexpr int kK = kFwdBN * kD * 2;
   static constexpr int kV = kFwdBN * kDV * 2;
   static constexpr int kStage = kK + kV;
-  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full, v_loaded[2], pad
+  // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full, v_loaded[2], q_empty
   static constexpr int kBars = 12 * 8;
   static constexpr int kMasks = 2 * 16;  // per stage: 128 bits, V rows of masked keys that held inf / NaN
   static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars + kMasks;
@@ -95,6 +103,32 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
     softmax_block<false>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
 }
 
+/// One tile of the forward: query rows [m0, m0 + 128) of head h of one request, and the key blocks it sees.
+struct FwdTile {
+  SeqBounds sb;
+  int h, hk, m0;
+  int off;       // s_k - s_q: key j visible to query i iff j <= i + off (causal)
+  int n_blocks;  // key blocks of 128 the tile sees
+  // Causal: keys from masked_lo on are not seen by some row of the tile (row m0 sees keys <= m0 + off). The
+  // key blocks from check_first on (at most the last two: the visible key end is <= m0 + 128 + off) are
+  // "checked": before the consumers see their V (v_full), the producer replaces the inf / NaN elements of the V
+  // rows in [masked_lo, s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products
+  // of the rows that do see the key after the block's P V. Other blocks (all of them when not causal) go as before.
+  int masked_lo, check_first;
+};
+__device__ __forceinline__ FwdTile fwd_tile(const KernelParams& p, int b, int h, int m0) {
+  FwdTile t;
+  t.sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  t.h = h;
+  t.m0 = m0;
+  t.off = t.sb.s_k - t.sb.s_q;
+  t.n_blocks = (visible_key_end<kFwdBM>(p, t.sb.s_k, m0, t.off) + kFwdBN - 1) / kFwdBN;
+  t.hk = h / p.group;
+  t.masked_lo = max(m0 + t.off + 1, 0);
+  t.check_first = p.causal && t.masked_lo < t.sb.s_k ? t.masked_lo / kFwdBN : t.n_blocks;
+  return t;
+}
+
 /// kOverlap = false: per key block S = Q K^T, wait, softmax, O += P V, wait.
 /// kOverlap = true (FlashAttention-3's intra-warpgroup pipelining, our own code): S_n = Q K_n^T is issued
 /// together with O += P_{n-1} V_{n-1}, and the softmax of block n runs while that P V is on the tensor
@@ -104,17 +138,25 @@ __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int
 /// warpgroups take turns to issue their GEMMs of a step (named barriers 2 and 3: a warpgroup syncs on its
 /// own before issuing and arrives on the other's after), so one's softmax runs under the other's GEMMs.
 /// Warpgroup 0 goes first (warpgroup 1 arrives once up front and not after its last step, so that every
-/// arrival meets a sync).
+/// arrival meets a sync; the arrivals balance within each tile).
 /// kTma: K / V blocks come by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows,
 /// 128B swizzle = the tile layout), one producer thread issuing them; rows past total_k are zero-filled, rows
 /// past the request's end (the next request's) are loaded: masked in S (-> -inf, P = 0), zeroed in V by the
 /// consumers (zero_v_tail). Without kTma the producer warpgroup copies with cp.async and zero-fills every row
 /// past the request's end; the maps are unused.
-template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma>
+/// kPersistent (with kTma and kPingpong): grid = min(tiles, SMs), each CTA walks num_tiles = m_tiles x h_q x b
+/// tiles (for_each_tile). Q comes by TMA too (tmap_q: (d, h_q, total_q), the same boxes; rows past the request's
+/// end are other rows, never stored). The K / V ring counts key blocks across the CTA's tiles (ring block rb:
+/// stage rb & 1, round rb >> 1), Q's buffer has a "Q free" barrier (q_empty) that both consumer warpgroups arrive
+/// on after their tile's last S, so the producer loads the next tile's first K, Q and V while the consumers run
+/// the last P V and the epilogue. Tiles with no key block touch no barrier (their rows get out 0, lse -inf).
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
-                             const __grid_constant__ CUtensorMap tmap_v) {
+                             const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
+                             int m_tiles, int num_tiles) {
   static_assert(kOverlap || !kPingpong, "pingpong needs the overlapped schedule");
+  static_assert(!kPersistent || (kTma && kPingpong), "the persistent forward is the TMA pingpong schedule");
   using Smem = FwdSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
@@ -129,22 +171,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto v_empty = [&](int s) { return bar + 48 + 8 * s; };
   const uint32_t q_bar = bar + 64;
   auto v_loaded = [&](int s) { return bar + 72 + 8 * s; };  // kTma: V of a checked tile landed, not yet cleaned
+  const uint32_t q_empty = bar + 88;                        // kPersistent: Q's tile done with (see above)
   uint32_t* const nonfinite_rows = reinterpret_cast<uint32_t*>(smem_raw + (bar + Smem::kBars - smem_u32(smem_raw)));
 
-  const int b = blockIdx.z, h = blockIdx.y;
-  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int m0 = query_block_row0<kFwdBM>(p);
-  if (m0 >= sb.s_q) return;
-  const int off = sb.s_k - sb.s_q;  // key j visible to query i iff j <= i + off (causal)
-  const int n_blocks = (visible_key_end<kFwdBM>(p, sb.s_k, m0, off) + kFwdBN - 1) / kFwdBN;
-  const int hk = h / p.group;
-  // Causal: keys from masked_lo on are not seen by some row of this CTA (row m0 sees keys <= m0 + off). The
-  // tiles from check_first on (at most the last two: the visible key end is <= m0 + 128 + off) are "checked":
-  // before the consumers see their V (v_full), the producer replaces the inf / NaN elements of the V rows in
-  // [masked_lo, s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products of the
-  // rows that do see the key after the tile's P V. Other tiles (all of them when not causal) go as before.
-  const int masked_lo = max(m0 + off + 1, 0);
-  const int check_first = p.causal && masked_lo < sb.s_k ? masked_lo / kFwdBN : n_blocks;
+  // The tile: this CTA's (blockIdx) without kPersistent; with it, set by for_each_tile before each call of f.
+  FwdTile t;
+  if constexpr (!kPersistent) {
+    t = fwd_tile(p, blockIdx.z, blockIdx.y, query_block_row0<kFwdBM>(p));
+    if (t.m0 >= t.sb.s_q) return;
+  }
+  // kPersistent: tile i of the non-persistent grid's order (query tile fastest, then head, then request: the
+  // query tiles of one (head, request) run together and share its K / V in L2; causal: the last query tile, which
+  // sees the most keys, first) goes to CTA i % grid in even rounds of grid tiles and to CTA grid - 1 - i % grid in
+  // odd ones, so that a CTA given a long tile in one round gets a short one in the next. Tiles without query rows
+  // (a short request's) are skipped. Every role of the CTA walks the same tiles.
+  auto for_each_tile = [&](auto&& f) {
+    const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+    bool reverse = false;
+    for (int r0 = 0; r0 < num_tiles; r0 += grid, reverse = !reverse) {
+      const int i = r0 + (reverse ? grid - 1 - cta : cta);
+      if (i >= num_tiles) continue;
+      const int x = i % m_tiles, hb = i / m_tiles;
+      t = fwd_tile(p, hb / p.h_q, hb % p.h_q, (p.causal ? m_tiles - 1 - x : x) * kFwdBM);
+      if (t.m0 < t.sb.s_q) f();
+    }
+  };
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -155,64 +206,107 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(v_empty(s), 256);
       mbar_init(v_loaded(s), 1);
     }
-    mbar_init(q_bar, 128);
+    mbar_init(q_bar, kPersistent ? 1 : 128);
+    if constexpr (kPersistent) mbar_init(q_empty, 256);
     for (int i = 0; i < 8; ++i) nonfinite_rows[i] = 0u;
     fence_barrier_init();
   }
   __syncthreads();
 
-  // Producer threads st = 0 .. nt - 1, checked tile n in stage: inf / NaN of the V rows of its masked keys -> 0,
-  // rows marked; the writes ordered before the consumers' wgmma reads (async proxy).
+  // Producer threads st = 0 .. nt - 1, checked key block n of the tile in stage: inf / NaN of the V rows of its
+  // masked keys -> 0, rows marked; the writes ordered before the consumers' wgmma reads (async proxy).
   auto clean_v = [&](int stage, int n, int st, int nt) {
-    zero_nonfinite_rows<T, kFwdBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(masked_lo - n * kFwdBN, 0),
-                                        min(sb.s_k - n * kFwdBN, kFwdBN), nonfinite_rows + 4 * stage, st, nt);
+    zero_nonfinite_rows<T, kFwdBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(t.masked_lo - n * kFwdBN, 0),
+                                        min(t.sb.s_k - n * kFwdBN, kFwdBN), nonfinite_rows + 4 * stage, st, nt);
     gmma::fence_proxy_async();
   };
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<kProducerRegs>();
+    setmaxnreg_dec<kPersistent ? kPersistentProducerRegs : kProducerRegs>();
     const int pt = tid - 256;
-    const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(sb.q0) + m0) * p.q_row + h * p.q_head;
-    load_tile<T, kFwdBM, kD>(sQ, q, p.q_row, sb.s_q - m0, pt);
-    mbar_arrive_cp_async(q_bar);
+    if constexpr (!kPersistent) {
+      const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(t.sb.q0) + t.m0) * p.q_row + t.h * p.q_head;
+      load_tile<T, kFwdBM, kD>(sQ, q, p.q_row, t.sb.s_q - t.m0, pt);
+      mbar_arrive_cp_async(q_bar);
+    }
     if constexpr (kTma) {
       if (pt == 0) {
-        for (int n = 0; n < n_blocks; ++n) {
-          const int stage = n & 1, row = sb.k0 + n * kFwdBN;
-          if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
-          mbar_arrive_expect_tx(k_full(stage), Smem::kK);
+        // The tile's K / V blocks n as ring blocks rb = rb0 + n; load_q() right after the first K block.
+        auto load_kv = [&](int rb0, auto&& load_q) {
+          for (int n = 0; n < t.n_blocks; ++n) {
+            const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kFwdBN;
+            if (rb >= 2) mbar_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
+            mbar_arrive_expect_tx(k_full(stage), Smem::kK);
 #pragma unroll
-          for (int c = 0; c < kD / 64; ++c)
-            tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, hk, row);
-          if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
-          const uint32_t vb = n >= check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
-          mbar_arrive_expect_tx(vb, Smem::kV);
+            for (int c = 0; c < kD / 64; ++c)
+              tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, t.hk, row);
+            if (n == 0) load_q();
+            if (rb >= 2) mbar_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
+            const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
+            mbar_arrive_expect_tx(vb, Smem::kV);
 #pragma unroll
-          for (int c = 0; c < kDV / 64; ++c) tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, vb, c * 64, hk, row);
+            for (int c = 0; c < kDV / 64; ++c)
+              tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, vb, c * 64, t.hk, row);
+          }
+        };
+        if constexpr (kPersistent) {
+          int rb0 = 0, q_tiles = 0;  // ring blocks and Q tiles loaded so far
+          for_each_tile([&] {
+            if (t.n_blocks == 0) return;
+            load_kv(rb0, [&] {
+              if (q_tiles > 0) mbar_wait(q_empty, (q_tiles - 1) & 1);
+              mbar_arrive_expect_tx(q_bar, Smem::kQ);
+#pragma unroll
+              for (int c = 0; c < kD / 64; ++c)
+                tma_load_3d(sQ + c * (kFwdBM * 128), &tmap_q, q_bar, c * 64, t.h, t.sb.q0 + t.m0);
+              ++q_tiles;
+            });
+            rb0 += t.n_blocks;
+          });
+        } else {
+          load_kv(0, [] {});
         }
       } else if (pt >= 32) {
-        // Warps 1-3 clean the checked tiles (each stage holds at most one of them: v_loaded parity 0), then
-        // release them to the consumers (v_full, one arrival).
-        for (int n = check_first; n < n_blocks; ++n) {
-          const int stage = n & 1;
-          mbar_wait(v_loaded(stage), 0);
-          clean_v(stage, n, pt - 32, 96);
-          named_barrier_sync(6, 96);
-          if (pt == 32) mbar_arrive(v_full(stage));
+        // Warps 1-3 clean the checked blocks, then release them to the consumers (v_full, one arrival). Without
+        // kPersistent each stage holds at most one checked block (v_loaded parity 0); with it, bit s of `rounds`
+        // is the parity of stage s's next one, and the stage's marks are cleared first.
+        auto clean_tile = [&](int rb0, uint32_t& rounds) {
+          for (int n = t.check_first; n < t.n_blocks; ++n) {
+            const int stage = (rb0 + n) & 1;
+            mbar_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
+            if constexpr (kPersistent) {
+              rounds ^= 1u << stage;
+              if (pt == 32) *reinterpret_cast<uint4*>(nonfinite_rows + 4 * stage) = make_uint4(0u, 0u, 0u, 0u);
+              named_barrier_sync(6, 96);
+            }
+            clean_v(stage, n, pt - 32, 96);
+            named_barrier_sync(6, 96);
+            if (pt == 32) mbar_arrive(v_full(stage));
+          }
+        };
+        uint32_t rounds = 0;
+        if constexpr (kPersistent) {
+          int rb0 = 0;
+          for_each_tile([&] {
+            clean_tile(rb0, rounds);
+            rb0 += t.n_blocks;
+          });
+        } else {
+          clean_tile(0, rounds);
         }
       }
     } else {
-      const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
-      const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
-      for (int n = 0; n < n_blocks; ++n) {
+      const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(t.sb.k0) * p.k_row + t.hk * p.k_head;
+      const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(t.sb.k0) * p.v_row + t.hk * p.v_head;
+      for (int n = 0; n < t.n_blocks; ++n) {
         const int stage = n & 1;
         const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
         if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
-        load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, sb.s_k - n * kFwdBN, pt);
+        load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, t.sb.s_k - n * kFwdBN, pt);
         mbar_arrive_cp_async(k_full(stage));
         if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
-        load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, sb.s_k - n * kFwdBN, pt);
-        if (n < check_first) {
+        load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, t.sb.s_k - n * kFwdBN, pt);
+        if (n < t.check_first) {
           mbar_arrive_cp_async(v_full(stage));
         } else {  // checked tile: cleaned by the producer warpgroup before the consumers see it
           cp_async_commit();  // wait_group waits for committed groups only
@@ -228,19 +322,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kConsumerRegs>();
+  setmaxnreg_inc<kPersistent ? kPersistentConsumerRegs : kConsumerRegs>();
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   int row[2];  // this thread's two query rows (request-local indices)
-  row[0] = m0 + wg * 64 + warp * 16 + g;
-  row[1] = row[0] + 8;
   const bool causal = p.causal != 0;
-
   float o[64];
+  float m_run[2], l[2];
+  // The tile's row state: its rows, O = 0, the running max and sum.
+  auto start_tile = [&] {
+    row[0] = t.m0 + wg * 64 + warp * 16 + g;
+    row[1] = row[0] + 8;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      m_run[e] = -INFINITY;
+      l[e] = 0.f;
+    }
+  };
+  if constexpr (!kPersistent) start_tile();
   auto need_mask = [&](int n) {
-    return n * kFwdBN + kFwdBN > sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > m0 + off);
+    return n * kFwdBN + kFwdBN > t.sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > t.m0 + t.off);
   };
   // This warpgroup's 64 rows of Q; its address read from lane 0 so that ptxas knows it is warp-uniform and keeps
   // the descriptor arithmetic on the uniform datapath.
@@ -254,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // wgmma (fence.proxy.async + a barrier of its 128 threads).
   auto zero_v_tail = [&](int stage, int nb) {
     if constexpr (kTma) {
-      const int r0 = sb.s_k - nb * kFwdBN;
+      const int r0 = t.sb.s_k - nb * kFwdBN;
       if (r0 < kFwdBN) {
         uint8_t* tile = smem_raw + (sV(stage) - smem_u32(smem_raw));
         for (int idx = (tid & 127); idx < (kFwdBN - r0) * (kDV / 8); idx += 128)
@@ -271,26 +373,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       (WgmmaOff128<T>::template rs<kK * 16 * 128 / 16>(o, a[kK], v_desc), ...);
     }(std::make_integer_sequence<int, 8>{});
   };
-  // S = Q K^T of key block n on its own (waited), K's stage released.
-  auto s_block = [&](float (&s)[64], int n) {
-    const int stage = n & 1;
-    mbar_wait(k_full(stage), (n >> 1) & 1);
+  // S = Q K^T of ring block rb on its own (waited), K's stage released.
+  auto s_block = [&](float (&s)[64], int rb) {
+    const int stage = rb & 1;
+    mbar_wait(k_full(stage), (rb >> 1) & 1);
     gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
     gmma::fence();
     issue_s(s, stage);
     gmma::commit_wait(s);
     mbar_arrive(k_empty(stage));
   };
-  // After the P V of checked tile nv (in stage) has landed in o: where the producer zeroed inf / NaN elements of
-  // its V rows, the rows of this thread that see such a key add its products (V read from global memory).
+  // After the P V of checked key block nv (in stage) has landed in o: where the producer zeroed inf / NaN elements
+  // of its V rows, the rows of this thread that see such a key add its products (V read from global memory).
   // Warpgroup-uniform branch (the marks are in shared memory); the common path reads 4 words.
   auto fix_pv = [&](const uint32_t (&a)[8][4], int stage, int nv) {
     const uint4 rows = *reinterpret_cast<const uint4*>(nonfinite_rows + 4 * stage);
     if ((rows.x | rows.y | rows.z | rows.w) == 0u) return;
     const int n0 = nv * kFwdBN;
-    const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(sb.k0) + n0) * p.v_row + hk * p.v_head;
+    const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + n0) * p.v_row + t.hk * p.v_head;
     auto brow = [&](int c) { return vg + c * p.v_row; };
-    auto visible = [&](int c, int e) { return n0 + c <= row[e] + off; };  // marked rows are < s_k
+    auto visible = [&](int c, int e) { return n0 + c <= row[e] + t.off; };  // marked rows are < s_k
     add_nonfinite_products<T, kDV, 8>(o, a, rows, brow, visible, lane);
   };
   // O += P V of the block in `stage` on its own (waited; V's stage full). The caller adds fix_pv for a checked
@@ -303,118 +405,142 @@ __global__ void __launch_bounds__(kThreads, 1)
     gmma::commit_wait(o);
   };
 
-  mbar_wait(q_bar, 0);
-  if constexpr (!kOverlap) {
-    for (int n = 0; n < n_blocks; ++n) {
-      const int stage = n & 1;
-      float s[64];
-      s_block(s, n);
-      float sc[2];
-      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
-      seesaw::scale_rows(o, sc);
-      uint32_t a[8][4];
-      pack_a<T, 128>(s, a);
-      mbar_wait(v_full(stage), (n >> 1) & 1);
-      pv_block(a, stage);
-      if (n >= check_first) fix_pv(a, stage, n);
-      mbar_arrive(v_empty(stage));
-    }
-  } else if (n_blocks > 0) {
-    uint32_t a[8][4];  // P of the previous block, the A operand of its P V
-    {
-      float s[64], sc[2];
-      s_block(s, 0);
-      softmax_step(s, need_mask(0), 0, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
-      pack_a<T, 128>(s, a);  // O is still 0: no rescale
-    }
-    if (kPingpong && wg == 1 && n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
-    // Step n: S_n with P_{n-1} V_{n-1}. kChecked (the step whose P V is of a checked tile, at most one: the last)
-    // adds fix_pv; the loop over the other steps is the plain one.
-    auto step = [&](int n, auto checked) {
-      constexpr bool kChecked = decltype(checked)::value;
-      const int stage = n & 1, pstage = stage ^ 1;
-      float s[64], sc[2];
-      mbar_wait(k_full(stage), (n >> 1) & 1);
-      mbar_wait(v_full(pstage), ((n - 1) >> 1) & 1);
-      zero_v_tail(pstage, n - 1);
-      gmma::fence_proxy_async();
-      if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
-      gmma::reg_fence(o);
-      gmma::fence();
-      issue_s(s, stage);
-      gmma::commit();
-      issue_pv(a, pstage);
-      gmma::commit();
-      if constexpr (kPingpong) {
-        if (!(wg == 1 && n == n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
+  // The tile t: key block n is ring block rb0 + n; Q's tile number q_tile (the parity of q_bar's phase).
+  auto run_tile = [&](int rb0, int q_tile) {
+    if constexpr (kPersistent) start_tile();
+    if (!kPersistent || t.n_blocks > 0) mbar_wait(q_bar, kPersistent ? q_tile & 1 : 0);
+    if constexpr (!kOverlap) {
+      for (int n = 0; n < t.n_blocks; ++n) {
+        const int stage = n & 1;
+        float s[64];
+        s_block(s, n);
+        float sc[2];
+        softmax_step(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        seesaw::scale_rows(o, sc);
+        uint32_t a[8][4];
+        pack_a<T, 128>(s, a);
+        mbar_wait(v_full(stage), (n >> 1) & 1);
+        pv_block(a, stage);
+        if (n >= t.check_first) fix_pv(a, stage, n);
+        mbar_arrive(v_empty(stage));
       }
-      gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
-      gmma::reg_fence(s);
-      mbar_arrive(k_empty(stage));
-      softmax_step(s, need_mask(n), n * kFwdBN, row, tq, sb.s_k, causal, off, p.scale_log2, m_run, l, sc);
-      // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
-      // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
-      // depend on that.
-      end_block_after(l[0], l[1]);
-      gmma::wait<0>();
-      gmma::reg_fence(o);
-      if constexpr (kChecked) fix_pv(a, pstage, n - 1);
-      mbar_arrive(v_empty(pstage));
-      // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
-      if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
-      pack_a<T, 128>(s, a);
-    };
-    const int n_plain = min(n_blocks, check_first + 1);
-    for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
-    for (int n = n_plain; n < n_blocks; ++n) step(n, std::true_type{});
-    const int last = (n_blocks - 1) & 1;
-    mbar_wait(v_full(last), ((n_blocks - 1) >> 1) & 1);
-    zero_v_tail(last, n_blocks - 1);
-    pv_block(a, last);
-    if (n_blocks - 1 >= check_first) fix_pv(a, last, n_blocks - 1);
-    mbar_arrive(v_empty(last));
-  }
+    } else if (t.n_blocks > 0) {
+      uint32_t a[8][4];  // P of the previous block, the A operand of its P V
+      {
+        float s[64], sc[2];
+        s_block(s, rb0);
+        if constexpr (kPersistent) {
+          if (t.n_blocks == 1) mbar_arrive(q_empty);  // the tile's last S
+        }
+        softmax_step(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        pack_a<T, 128>(s, a);  // O is still 0: no rescale
+      }
+      if (kPingpong && wg == 1 && t.n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
+      // Step n: S_n with P_{n-1} V_{n-1}. kChecked (the step whose P V is of a checked tile, at most one: the last)
+      // adds fix_pv; the loop over the other steps is the plain one.
+      auto step = [&](int n, auto checked) {
+        constexpr bool kChecked = decltype(checked)::value;
+        const int rb = rb0 + n, stage = rb & 1, pstage = stage ^ 1;
+        float s[64], sc[2];
+        mbar_wait(k_full(stage), (rb >> 1) & 1);
+        mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
+        zero_v_tail(pstage, n - 1);
+        gmma::fence_proxy_async();
+        if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
+        gmma::reg_fence(o);
+        gmma::fence();
+        issue_s(s, stage);
+        gmma::commit();
+        issue_pv(a, pstage);
+        gmma::commit();
+        if constexpr (kPingpong) {
+          if (!(wg == 1 && n == t.n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
+        }
+        gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
+        gmma::reg_fence(s);
+        mbar_arrive(k_empty(stage));
+        if constexpr (kPersistent) {
+          if (n == t.n_blocks - 1) mbar_arrive(q_empty);  // the tile's last S
+        }
+        softmax_step(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
+        // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
+        // depend on that.
+        end_block_after(l[0], l[1]);
+        gmma::wait<0>();
+        gmma::reg_fence(o);
+        if constexpr (kChecked) fix_pv(a, pstage, n - 1);
+        mbar_arrive(v_empty(pstage));
+        // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
+        if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
+        pack_a<T, 128>(s, a);
+      };
+      const int n_plain = min(t.n_blocks, t.check_first + 1);
+      for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
+      for (int n = n_plain; n < t.n_blocks; ++n) step(n, std::true_type{});
+      const int rb_last = rb0 + t.n_blocks - 1, last = rb_last & 1;
+      mbar_wait(v_full(last), (rb_last >> 1) & 1);
+      zero_v_tail(last, t.n_blocks - 1);
+      pv_block(a, last);
+      if (t.n_blocks - 1 >= t.check_first) fix_pv(a, last, t.n_blocks - 1);
+      mbar_arrive(v_empty(last));
+    }
 
-  // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
+    // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
-    l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
-  }
-  T* out = static_cast<T*>(p.out);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (row[e] >= sb.s_q) continue;
-    // l == 0: no visible score above -inf. A row without a visible key gets out 0 and lse -inf; a row whose
-    // visible keys all score -inf (an inf in q or k: not an empty row) gets out and lse NaN, as the CPU
-    // reference (exp(-inf - -inf)) and the softmax of all -inf do.
-    const bool has_key = sb.s_k > 0 && (!causal || row[e] + off >= 0);
-    const float inv = l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : 0.f) : 1.f / l[e];
-    const int64_t qi = static_cast<int64_t>(sb.q0) + row[e];
-    T* orow = out + qi * p.o_row + h * p.o_head;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int col = 8 * i + 2 * tq;
-      *reinterpret_cast<uint32_t*>(orow + col) =
-          HalfTraits<T>::pack(o[4 * i + 2 * e] * inv, o[4 * i + 2 * e + 1] * inv);
+    for (int e = 0; e < 2; ++e) {
+      l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+      l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
     }
-    if (tq == 0) {
-      const float m = m_run[e] == -INFINITY ? 0.f : m_run[e];
-      p.lse[qi * p.lse_row + h * p.lse_head] =
-          l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : -INFINITY) : (m + log2f(l[e])) * kLn2;
+    T* out = static_cast<T*>(p.out);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (row[e] >= t.sb.s_q) continue;
+      // l == 0: no visible score above -inf. A row without a visible key gets out 0 and lse -inf; a row whose
+      // visible keys all score -inf (an inf in q or k: not an empty row) gets out and lse NaN, as the CPU
+      // reference (exp(-inf - -inf)) and the softmax of all -inf do.
+      const bool has_key = t.sb.s_k > 0 && (!causal || row[e] + t.off >= 0);
+      const float inv = l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : 0.f) : 1.f / l[e];
+      const int64_t qi = static_cast<int64_t>(t.sb.q0) + row[e];
+      T* orow = out + qi * p.o_row + t.h * p.o_head;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int col = 8 * i + 2 * tq;
+        *reinterpret_cast<uint32_t*>(orow + col) =
+            HalfTraits<T>::pack(o[4 * i + 2 * e] * inv, o[4 * i + 2 * e + 1] * inv);
+      }
+      if (tq == 0) {
+        const float m = m_run[e] == -INFINITY ? 0.f : m_run[e];
+        p.lse[qi * p.lse_row + t.h * p.lse_head] =
+            l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : -INFINITY) : (m + log2f(l[e])) * kLn2;
+      }
     }
+  };
+
+  if constexpr (kPersistent) {
+    int rb0 = 0, q_tiles = 0;  // ring blocks and Q tiles consumed so far
+    for_each_tile([&] {
+      run_tile(rb0, q_tiles);
+      rb0 += t.n_blocks;
+      q_tiles += t.n_blocks > 0;
+    });
+  } else {
+    run_tile(0, 0);
   }
 }
 
 template <class T, int kD, FwdSchedule kSchedule>
-cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v, int m_tiles,
-                       int b, cudaStream_t stream) {
-  constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kSchedule == FwdSchedule::kPingpongTma;
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing,
-                                         kSchedule == FwdSchedule::kPingpongTma>;
+cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
+                       const CUtensorMap& tmap_q, int m_tiles, int b, int persistent_ctas, cudaStream_t stream) {
+  constexpr bool kPersistent = kSchedule == FwdSchedule::kPersistentTma;
+  constexpr bool kTma = kSchedule == FwdSchedule::kPingpongTma || kPersistent;
+  constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kTma;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent>;
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
-  kernel<<<dim3(m_tiles, kp.h_q, b), kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v);
+  const dim3 grid = kPersistent ? dim3(persistent_ctas) : dim3(m_tiles, kp.h_q, b);
+  const int num_tiles = kPersistent ? m_tiles * kp.h_q * b : 0;  // < 2^31 (fwd_with_schedule)
+  kernel<<<grid, kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v, tmap_q, m_tiles, num_tiles);
   return cudaGetLastError();
 }
 
@@ -478,20 +604,33 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   CUtensorMap tmap_k, tmap_v;
   std::memset(&tmap_k, 0, sizeof(tmap_k));
   std::memset(&tmap_v, 0, sizeof(tmap_v));
-  if (schedule == FwdSchedule::kPingpongTma && !(make_kv_map(p.k, &tmap_k) && make_kv_map(p.v, &tmap_v)))
+  CUtensorMap tmap_q;
+  std::memset(&tmap_q, 0, sizeof(tmap_q));
+  const int64_t num_tiles = static_cast<int64_t>(m_tiles) * h_q * b;
+  // The persistent grid needs a map of q too and a tile count in int; else the same schedule, one CTA a tile.
+  if (schedule == FwdSchedule::kPersistentTma && !(num_tiles <= INT32_MAX && make_kv_map(p.q, &tmap_q)))
+    schedule = FwdSchedule::kPingpongTma;
+  if ((schedule == FwdSchedule::kPingpongTma || schedule == FwdSchedule::kPersistentTma) &&
+      !(make_kv_map(p.k, &tmap_k) && make_kv_map(p.v, &tmap_v)))
     schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
+  // One CTA per SM (the kernel's registers and shared memory allow no second), never more than the tiles.
+  const int persistent_ctas =
+      schedule == FwdSchedule::kPersistentTma ? static_cast<int>(std::min<int64_t>(num_tiles, num_sms(p.q.device.id))) : 0;
   cudaError_t e;
   auto launch = [&](auto t, auto d) {
     using TT = decltype(t);
     constexpr int kDD = decltype(d)::value;
     switch (schedule) {
       case FwdSchedule::kOverlap:
-        return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+        return launch_fwd<TT, kDD, FwdSchedule::kOverlap>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
       case FwdSchedule::kPingpong:
-        return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
       case FwdSchedule::kPingpongTma:
-        return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
-      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, tmap_k, tmap_v, m_tiles, bi, stream);
+        return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
+      case FwdSchedule::kPersistentTma:
+        return launch_fwd<TT, kDD, FwdSchedule::kPersistentTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
+                                                                 persistent_ctas, stream);
+      default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
     }
   };
   using D128 = std::integral_constant<int, 128>;
