@@ -14,10 +14,11 @@ namespace flashmla::sm90::dense_prefill {
 /// the producer loads the next tile's Q and first K / V while the consumers finish the current tile
 /// (kPingpongTma where no tensor map of q can be made).
 enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma, kPersistentTma };
-/// The schedule dense_prefill_fwd uses: kPingpongTma, the fastest on each of the 16 benchmark shapes
-/// (H200, tools/dense_prefill_check/check.py --perf-only, bench/results/2026-12-03-dense-prefill-schedules.log:
-/// 363-511 TFLOP/s against kSerial 240-306, kOverlap 246-323, kPingpong 252-328).
-constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPingpongTma;
+/// The schedule dense_prefill_fwd uses: kPersistentTma, 1.007-1.147x kPingpongTma's TFLOP/s on the 16 benchmark
+/// shapes (geomean 1.078; H200, same call, out and lse bitwise equal: bench/results/2026-12-04-dense-prefill-fwd-persistent-ab.log);
+/// kPingpongTma was 363-511 TFLOP/s against kSerial 240-306, kOverlap 246-323, kPingpong 252-328
+/// (bench/results/2026-12-03-dense-prefill-schedules.log).
+constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPersistentTma;
 
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies both).
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
