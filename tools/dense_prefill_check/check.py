@@ -12,7 +12,7 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
 4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma, persistent_tma) and backward schedule
-   (two_kernel, fused_dq; dense_prefill.h), unless --no-variants;
+   (two_kernel, fused_dq, two_kernel_tma; dense_prefill.h), unless --no-variants;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
 Exit status 1 if any check fails."""
@@ -37,7 +37,7 @@ FAILURES = []
 OUT_DIR = {"path": "."}
 VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
 FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tma")
-BWD_SCHEDULES = ("two_kernel", "fused_dq")
+BWD_SCHEDULES = ("two_kernel", "fused_dq", "two_kernel_tma")
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 
 

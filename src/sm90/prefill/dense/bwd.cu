@@ -22,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "sm90/common/host_utils.h"
@@ -131,16 +132,16 @@ struct Ring {
     else return (static_cast<unsigned>(n) / kStages - 1) & 1;
   }
 };
-/// kStages pairs of full (128 producer arrivals) and empty (256 consumer arrivals) barriers, then the barrier of the
-/// tiles loaded once: full[s] at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages.
+/// kStages pairs of full (full_count producer arrivals: 128 cp.async threads, or 1 TMA thread) and empty (256 consumer
+/// arrivals) barriers, then the barrier of the tiles loaded once: full[s] at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages.
 template <int kStages>
-__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar) {
+__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar, int full_count = 128) {
   if constexpr (kStages == 2) {
-    init_barriers(tid, bar, {128, 256});
+    init_barriers(tid, bar, {full_count, 256});
   } else {
     if (tid == 0) {
       for (int s = 0; s < kStages; ++s) {
-        mbar_init(bar + 8 * s, 128);
+        mbar_init(bar + 8 * s, full_count);
         mbar_init(bar + 8 * (kStages + s), 256);
       }
       mbar_init(bar + 16 * kStages, 128);
@@ -202,8 +203,13 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
   static_assert(kBytes <= 232448, "shared memory");
 };
 
-template <class T, int kD>
-__global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const KernelParams p) {
+/// kTma: K / V blocks by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 64 rows), one producer
+/// thread issuing them; the rows past the request's end (the next request's) are zeroed by the consumers before
+/// their first use, so the tiles hold what the cp.async loader writes. Without kTma the maps are unused.
+template <class T, int kD, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    dense_prefill_bwd_dq_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
+                                const __grid_constant__ CUtensorMap tmap_v) {
   using Smem = DqSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
@@ -226,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
   const int hk = h / p.group;
 
   const int tid = threadIdx.x;
-  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], q_bar
+  init_ring_barriers<Smem::kStages>(tid, bar, kTma ? 1 : 128);  // full[], empty[], q_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -236,6 +242,23 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     load_tile<T, kDqBM, kBwdDV>(sDO, static_cast<const T*>(p.dout) + qi0 * p.do_row + h * p.do_head, p.do_row,
                                 sb.s_q - m0, pt);
     mbar_arrive_cp_async(q_bar);
+    if constexpr (kTma) {
+      if (pt == 0) {
+        for (int n = 0; n < n_blocks; ++n) {
+          const int stage = R::stage(n), row = sb.k0 + n * kDqBN;
+          if (n >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(n));
+          const uint32_t sK = sStage0 + stage * Smem::kStage;
+          mbar_arrive_expect_tx(full_bar(stage), Smem::kK + Smem::kV);
+#pragma unroll
+          for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kDqBN * 128), &tmap_k, full_bar(stage), c * 64, hk, row);
+#pragma unroll
+          for (int c = 0; c < kBwdDV / 64; ++c)
+            tma_load_3d(sK + Smem::kK + c * (kDqBN * 128), &tmap_v, full_bar(stage), c * 64, hk, row);
+        }
+      }
+      cp_async_wait<0>();
+      return;
+    }
     const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
     const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
     for (int n = 0; n < n_blocks; ++n) {
@@ -292,10 +315,19 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dq_kernel(const
     const uint32_t sK = sStage0 + stage * Smem::kStage;
     const uint32_t sV = sK + Smem::kK;
     mbar_wait(full_bar(stage), R::full_phase(n));
+    const int n0 = n * kDqBN;
+    if constexpr (kTma) {
+      if (n0 + kDqBN > sb.s_k) {  // the request's last block: its rows past s_k are the next request's
+        const int r0 = sb.s_k - n0;
+        zero_tile_rows<kDqBN, kD>(smem_ptr(sK), r0, tid & 127, 128);
+        zero_tile_rows<kDqBN, kBwdDV>(smem_ptr(sV), r0, tid & 127, 128);
+        gmma::fence_proxy_async();
+        named_barrier_sync(4 + wg, 128);
+      }
+    }
     gmma::fence_proxy_async();
 
     float s[32], dp[32];
-    const int n0 = n * kDqBN;
     bool nonfinite = false;
     gmma::fence();
     if constexpr (!kChecked) {
@@ -846,9 +878,11 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
       HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
 
+/// tmaps: K / V maps for the dq kernel's TMA loads, or nullptr for its cp.async loader.
 template <class T, int kD, bool kFusedDq>
 cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
-                       int h_kv, int64_t fused_bytes, cudaStream_t stream, const char** failed) {
+                       int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, cudaStream_t stream,
+                       const char** failed) {
   cudaError_t e = cudaSuccess;
   if constexpr (kFusedDq) {
     *failed = "cudaMemsetAsync (dq accumulator)";
@@ -862,11 +896,13 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
     if (e != cudaSuccess) return e;
     if constexpr (!kFusedDq) {
       *failed = "dense_prefill_bwd_dq_kernel launch";
-      auto dq_kernel = dense_prefill_bwd_dq_kernel<T, kD>;
+      auto dq_kernel = tmaps != nullptr ? dense_prefill_bwd_dq_kernel<T, kD, true> : dense_prefill_bwd_dq_kernel<T, kD, false>;
       e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
       if (e != cudaSuccess) return e;
+      CUtensorMap none;
+      std::memset(&none, 0, sizeof(none));
       dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
-                  stream>>>(kp);
+                  stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none);
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }
@@ -948,6 +984,11 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
   const bool fused = fused_applies(bp, schedule);
+  // kTwoKernelTma: the dq kernel's K / V by TMA where maps can be made (else kTwoKernel's cp.async loader).
+  CUtensorMap kv_maps[2];
+  const bool dq_tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &kv_maps[0]) &&
+                      make_tile_map(p.v, kDqBN, &kv_maps[1]);
+  const CUtensorMap* tm = dq_tma ? kv_maps : nullptr;
   const WsLayout ws = ws_layout(bp, fused);
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
     return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
@@ -987,14 +1028,14 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   cudaError_t e;
   if (d_qk == 128) {
     if (fused)
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
-               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
     else
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
-               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
   } else {
-    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed)
-             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, stream, &failed);
+    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
   }
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
   return Status::Ok();

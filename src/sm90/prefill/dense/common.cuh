@@ -15,9 +15,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "flashmla/ops.h"
+#include "sm90/common/host_utils.h"
 #include "sm90/common/seesaw.cuh"
 #include "sm90/common/utils.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -144,6 +146,36 @@ __device__ __forceinline__ void load_tile(uint32_t dst, const T* src, int64_t ro
     const T* s = ok ? src + row * row_stride + ch * 8 : src;
     cp_async_16(dst + tile_off<kRows>(row, ch), s, ok);
   }
+}
+
+/// Threads st = 0 .. nt - 1: rows [r0, kRows) of a kRows x kDim tile (generic pointer to shared memory) set to zero.
+/// The TMA loaders' tiles past a request's end hold the next request's rows; the consumers zero them where the
+/// cp.async loaders would have zero-filled, so that a NaN or inf there cannot reach this request through 0 * NaN.
+template <int kRows, int kDim>
+__device__ __forceinline__ void zero_tile_rows(uint8_t* tile, int r0, int st, int nt) {
+  for (int idx = st; idx < (kRows - r0) * (kDim / 8); idx += nt)
+    *reinterpret_cast<uint4*>(tile + tile_off<kRows>(r0 + idx / (kDim / 8), idx % (kDim / 8))) = make_uint4(0u, 0u, 0u, 0u);
+}
+
+/// Host: the (d, h, rows) tensor map of a (rows, heads, d) q / k / v / dout tensor with boxes of 64 dims x 1 head x
+/// box_rows rows and 128B swizzle, i.e. one 64-dim slab of the tile layout above per load; rows past the tensor's end
+/// come as zeros. False when the driver entry point is missing or the layout does not allow a map (the caller then
+/// takes its cp.async producer).
+inline bool make_tile_map(const TensorRef& t, int box_rows, CUtensorMap* map) {
+  EncodeTiledFn fn = encode_tiled_fn();
+  if (fn == nullptr || t.shape[0] <= 0 || t.shape[0] > 0xFFFFFFFFLL) return false;
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.stride[2] != 1) return false;
+  for (int i = 0; i < 2; ++i)
+    if (t.stride[i] <= 0 || (t.stride[i] * 2) % 16 != 0 || t.stride[i] * 2 >= (int64_t{1} << 40)) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.shape[2]), static_cast<cuuint64_t>(t.shape[1]),
+                              static_cast<cuuint64_t>(t.shape[0])};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.stride[1] * 2), static_cast<cuuint64_t>(t.stride[0] * 2)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  std::memset(map, 0, sizeof(*map));
+  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.data), dims, strides, box, estr,
+            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 /// 3-D tiled TMA load global -> shared (box of the map at coordinates c0, c1, c2), completing on the

@@ -27,7 +27,9 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 /// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk
 /// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
 /// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
-enum class BwdSchedule { kTwoKernel, kFusedDq };
+/// kTwoKernelTma = kTwoKernel with the dq kernel's K / V blocks loaded by TMA instead of the producer warpgroup's
+/// cp.async (kTwoKernel where no tensor map can be made).
+enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
 /// The schedule dense_prefill_bwd uses: kTwoKernel. kFusedDq measured the same at d_qk 192 (where it is
 /// kTwoKernel) and 0.37-0.68x as fast at d_qk 128 (its dq accumulation in order serialises the key
 /// blocks), same log as above.

@@ -544,25 +544,6 @@ cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const 
   return cudaGetLastError();
 }
 
-/// The (d, h, rows) tensor map of k or v with 64 x 1 x 128 boxes, 128B swizzle; false when the driver entry
-/// point is missing or the layout does not allow one (the caller then takes the cp.async producer).
-bool make_kv_map(const TensorRef& t, CUtensorMap* map) {
-  EncodeTiledFn fn = encode_tiled_fn();
-  if (fn == nullptr || t.shape[0] <= 0 || t.shape[0] > 0xFFFFFFFFLL) return false;
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.stride[2] != 1) return false;
-  for (int i = 0; i < 2; ++i)
-    if (t.stride[i] <= 0 || (t.stride[i] * 2) % 16 != 0 || t.stride[i] * 2 >= (int64_t{1} << 40)) return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(t.shape[2]), static_cast<cuuint64_t>(t.shape[1]),
-                              static_cast<cuuint64_t>(t.shape[0])};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(t.stride[1] * 2), static_cast<cuuint64_t>(t.stride[0] * 2)};
-  const cuuint32_t box[3] = {64, 1, kFwdBN};
-  const cuuint32_t estr[3] = {1, 1, 1};
-  std::memset(map, 0, sizeof(*map));
-  return fn(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.data), dims, strides, box, estr,
-            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
 }  // namespace dense_prefill
 
 namespace {
@@ -608,10 +589,10 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   std::memset(&tmap_q, 0, sizeof(tmap_q));
   const int64_t num_tiles = static_cast<int64_t>(m_tiles) * h_q * b;
   // The persistent grid needs a map of q too and a tile count in int; else the same schedule, one CTA a tile.
-  if (schedule == FwdSchedule::kPersistentTma && !(num_tiles <= INT32_MAX && make_kv_map(p.q, &tmap_q)))
+  if (schedule == FwdSchedule::kPersistentTma && !(num_tiles <= INT32_MAX && make_tile_map(p.q, kFwdBM, &tmap_q)))
     schedule = FwdSchedule::kPingpongTma;
   if ((schedule == FwdSchedule::kPingpongTma || schedule == FwdSchedule::kPersistentTma) &&
-      !(make_kv_map(p.k, &tmap_k) && make_kv_map(p.v, &tmap_v)))
+      !(make_tile_map(p.k, kFwdBN, &tmap_k) && make_tile_map(p.v, kFwdBN, &tmap_v)))
     schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
   // One CTA per SM (the kernel's registers and shared memory allow no second), never more than the tiles.
   const int persistent_ctas =

@@ -1,0 +1,68 @@
+"""A/B of dense prefill backward schedules in one build of the standalone check library
+(tools/dense-prefill-gpu-check.sh builds it): each schedule named on the command line, interleaved, on the 16 benchmark
+shapes (b 2, bf16, d_v 128, FLOPs as spec 5.5: pairs * h * 2 (3 d + 2 dv)). Prints TFLOP/s per schedule (best of
+ROUNDS x 10 calls; check.py's timing, no L2 flush) and whether dq / dk / dv of every schedule are bitwise equal to the
+first one's.
+
+Usage (GPU machine, repository root):
+  python3 tools/dense_prefill_check/ab_bwd.py LIB.so [--rounds N] [--only NAME ...] SCHEDULE SCHEDULE ...
+  (schedules: two_kernel, fused_dq, two_kernel_tma; dense_prefill.h)"""
+import argparse
+import math
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check import cuda_time_ms, make_inputs, visible_pairs  # noqa: E402
+from dense_prefill_lib import DensePrefillLib  # noqa: E402
+
+SHAPES = [(s, h, hk, d, c) for s in (4096, 8192) for (h, hk) in ((128, 128), (32, 4)) for d in (128, 192)
+          for c in (False, True)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("lib")
+    ap.add_argument("schedules", nargs="+")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    lib = DensePrefillLib(args.lib)
+    b, dv = 2, 128
+    res = {}
+    for (s, h, hk, d, c) in SHAPES:
+        name = f"s{s}_h{h}-{hk}_d{d}{'_causal' if c else ''}"
+        if args.only and not any(o in name for o in args.only):
+            continue
+        torch.manual_seed(0)
+        q, k, v, dout, cu_q, cu_k = make_inputs([s] * b, [s] * b, h, hk, d, dv, torch.bfloat16, "cuda")
+        scale = (d + 100) ** -0.5
+        flops = visible_pairs([s] * b, [s] * b, c) * h * 2 * (3 * d + 2 * dv)
+        out, lse = lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, c)
+        grads = {sch: lib.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout, schedule=sch)
+                 for sch in args.schedules}
+        torch.cuda.synchronize()
+        first = args.schedules[0]
+        same = {sch: all(torch.equal(x, y) for x, y in zip(grads[sch], grads[first])) for sch in args.schedules}
+        times = {sch: [] for sch in args.schedules}
+        for _ in range(args.rounds):
+            for sch in args.schedules:
+                g = grads[sch]
+                times[sch].append(cuda_time_ms(lambda: lib.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout,
+                                                               grads=g, poison=False, schedule=sch)))
+        tf = {sch: flops / 1e9 / min(t) for sch, t in times.items()}
+        cols = "  ".join(f"{sch} {tf[sch]:6.1f}" for sch in args.schedules)
+        rel = "  ".join(f"{sch}/{first} {tf[sch] / tf[first]:.3f}" for sch in args.schedules[1:])
+        bits = " ".join(f"{sch}=={first} {same[sch]}" for sch in args.schedules[1:])
+        print(f"{name:28s} {cols}  {rel}  bitwise {bits}", flush=True)
+        res[name] = tf
+    for sch in args.schedules[1:]:
+        g = math.exp(statistics.mean(math.log(r[sch] / r[first]) for r in res.values()))
+        print(f"geomean {sch}/{first} {g:.3f}")
+
+
+if __name__ == "__main__":
+    main()
