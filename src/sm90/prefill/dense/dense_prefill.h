@@ -30,10 +30,11 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 /// kTwoKernelTma = kTwoKernel with the dq kernel's K / V blocks loaded by TMA instead of the producer warpgroup's
 /// cp.async (kTwoKernel where no tensor map can be made).
 enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
-/// The schedule dense_prefill_bwd uses: kTwoKernel. kFusedDq measured the same at d_qk 192 (where it is
-/// kTwoKernel) and 0.37-0.68x as fast at d_qk 128 (its dq accumulation in order serialises the key
-/// blocks), same log as above.
-constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernel;
+/// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.14-1.24 kTwoKernel's backward TFLOP/s on the 16 benchmark
+/// shapes (geomean x1.191; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-dq-tma-ab.log).
+/// kFusedDq measured the same as kTwoKernel at d_qk 192 (where it is kTwoKernel) and 0.37-0.68x as fast at d_qk 128
+/// (its dq accumulation in order serialises the key blocks; bench/results/2026-12-03-dense-prefill-schedules.log).
+constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 
 /// Workspace bytes of dense_prefill_bwd with a given schedule.
 int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
