@@ -500,9 +500,16 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 /// causal starts are non-decreasing in n), adds, fences and increments the counter. The CTAs that it waits
 /// on come earlier in the grid (x = key block), so they are resident or done. A convert kernel then writes
 /// dq = scale * accumulator.
-template <class T, int kD, bool kFusedDq>
-__global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(const KernelParams p) {
+/// kTma (not with kFusedDq): the streamed Q and dO blocks by TMA (tmap_q / tmap_do: (d, h_q, total_q), boxes of 64
+/// dims x 1 head x 64 rows) and their lse2 / D rows by two 256-byte bulk copies, one producer thread issuing them; the
+/// rows past the request's end (the next request's) are zeroed by the consumers before their first use, so the tiles
+/// hold what the cp.async loader writes. Without kTma the maps are unused.
+template <class T, int kD, bool kFusedDq, bool kTma>
+__global__ void __launch_bounds__(kThreads, 1)
+    dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
+                                  const __grid_constant__ CUtensorMap tmap_do) {
   static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
+  static_assert(!(kFusedDq && kTma), "the fused-dQ schedule keeps the cp.async loader");
   using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
   using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -528,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
   const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
-  init_ring_barriers<Smem::kStages>(tid, bar);  // full[], empty[], kv_bar
+  init_ring_barriers<Smem::kStages>(tid, bar, kTma ? 1 : 128);  // full[], empty[], kv_bar
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -538,6 +545,29 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     load_tile<T, kKvBN, kBwdDV>(sV, static_cast<const T*>(p.v) + kr0 * p.v_row + hk * p.v_head, p.v_row, sb.s_k - n0,
                                 pt);
     mbar_arrive_cp_async(kv_bar);
+    if constexpr (kTma) {
+      if (pt == 0) {
+        for (int it = 0; it < n_it; ++it) {
+          const int stage = R::stage(it);
+          if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
+          const int hq = hk * p.group + it / m_count;
+          const int m0 = (m_begin + it % m_count) * kKvBM;
+          const uint32_t sQ = sStage0 + stage * Smem::kStageAligned, full = full_bar(stage);
+          const int row = sb.q0 + m0;
+          mbar_arrive_expect_tx(full, Smem::kQ + Smem::kDO + Smem::kVec);
+#pragma unroll
+          for (int c = 0; c < kD / 64; ++c) tma_load_3d(sQ + c * (kKvBM * 128), &tmap_q, full, c * 64, hq, row);
+#pragma unroll
+          for (int c = 0; c < kBwdDV / 64; ++c)
+            tma_load_3d(sQ + Smem::kQ + c * (kKvBM * 128), &tmap_do, full, c * 64, hq, row);
+          const int64_t w = (static_cast<int64_t>(b) * p.h_q + hq) * p.ws_rows + m0;  // lse2[64] then D[64]
+          bulk_load(sQ + Smem::kQ + Smem::kDO, p.ws_lse2 + w, Smem::kVec / 2, full);
+          bulk_load(sQ + Smem::kQ + Smem::kDO + Smem::kVec / 2, p.ws_dsum + w, Smem::kVec / 2, full);
+        }
+      }
+      cp_async_wait<0>();
+      return;
+    }
     for (int it = 0; it < n_it; ++it) {
       const int stage = R::stage(it);
       if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
@@ -597,6 +627,15 @@ __global__ void __launch_bounds__(kThreads, 1) dense_prefill_bwd_dkdv_kernel(con
     const uint32_t sDO = sQ + Smem::kQ;
     const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
     mbar_wait(full_bar(stage), R::full_phase(it));
+    if constexpr (kTma) {
+      if (m0 + kKvBM > sb.s_q) {  // the request's last query block: its rows past s_q are the next request's
+        const int r0 = sb.s_q - m0;
+        zero_tile_rows<kKvBM, kD>(smem_ptr(sQ), r0, tid & 127, 128);
+        zero_tile_rows<kKvBM, kBwdDV>(smem_ptr(sDO), r0, tid & 127, 128);
+        gmma::fence_proxy_async();
+        named_barrier_sync(4 + wg, 128);
+      }
+    }
     gmma::fence_proxy_async();
 
     // S^T first, P^T packed, then dP^T = V dO^T and dV += P^T dO; dS^T packed, then dK += dS^T Q. S^T and dP^T are
@@ -878,7 +917,8 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
       HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
 
-/// tmaps: K / V maps for the dq kernel's TMA loads, or nullptr for its cp.async loader.
+/// tmaps: the maps of k, v (the dq kernel's TMA loads) and q, dout (the dk / dv kernel's), or nullptr for the cp.async
+/// loaders.
 template <class T, int kD, bool kFusedDq>
 cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
                        int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, cudaStream_t stream,
@@ -899,8 +939,7 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
       auto dq_kernel = tmaps != nullptr ? dense_prefill_bwd_dq_kernel<T, kD, true> : dense_prefill_bwd_dq_kernel<T, kD, false>;
       e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
       if (e != cudaSuccess) return e;
-      CUtensorMap none;
-      std::memset(&none, 0, sizeof(none));
+      const CUtensorMap none{};
       dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
                   stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none);
       e = cudaGetLastError();
@@ -909,12 +948,17 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   }
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
-    auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq>;
+    auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq, false>;
+    if constexpr (!kFusedDq) {
+      if (tmaps != nullptr) kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, false, true>;
+    }
     using KvSmemT = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
     e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
     if (e != cudaSuccess) return e;
+    const CUtensorMap none{};
     kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
-                KvSmemT::kBytesAligned, stream>>>(kp);
+                KvSmemT::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
+                                                  tmaps != nullptr ? tmaps[3] : none);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -984,11 +1028,12 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
   const bool fused = fused_applies(bp, schedule);
-  // kTwoKernelTma: the dq kernel's K / V by TMA where maps can be made (else kTwoKernel's cp.async loader).
-  CUtensorMap kv_maps[2];
-  const bool dq_tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &kv_maps[0]) &&
-                      make_tile_map(p.v, kDqBN, &kv_maps[1]);
-  const CUtensorMap* tm = dq_tma ? kv_maps : nullptr;
+  // kTwoKernelTma: the streamed blocks by TMA where the maps can be made (else kTwoKernel's cp.async loaders).
+  CUtensorMap maps[4];
+  const bool tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &maps[0]) &&
+                   make_tile_map(p.v, kDqBN, &maps[1]) && make_tile_map(p.q, kKvBM, &maps[2]) &&
+                   make_tile_map(bp.dout, kKvBM, &maps[3]);
+  const CUtensorMap* tm = tma ? maps : nullptr;
   const WsLayout ws = ws_layout(bp, fused);
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
     return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");

@@ -189,6 +189,14 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+/// 1-D bulk copy global -> shared of `bytes` (a multiple of 16; both addresses 16-byte aligned), completing on the
+/// mbarrier `bar` with complete_tx bytes.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 /// Packs 16 accumulator columns (k-step kk of a 64-row x N accumulator, N / 16 k-steps) into the
 /// m16n8k16 A fragment that the RS wgmma takes: the accumulator layout of columns 16 kk .. 16 kk + 15
 /// is that fragment's layout.

@@ -27,8 +27,9 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 /// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk
 /// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
 /// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
-/// kTwoKernelTma = kTwoKernel with the dq kernel's K / V blocks loaded by TMA instead of the producer warpgroup's
-/// cp.async (kTwoKernel where no tensor map can be made).
+/// kTwoKernelTma = kTwoKernel with the streamed blocks loaded by TMA instead of the producer warpgroup's cp.async: the
+/// dq kernel's K / V, the dk / dv kernel's Q, dO (and lse2 / D by bulk copies); kTwoKernel where no tensor map can be
+/// made.
 enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
 /// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.14-1.24 kTwoKernel's backward TFLOP/s on the 16 benchmark
 /// shapes (geomean x1.191; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-dq-tma-ab.log).
