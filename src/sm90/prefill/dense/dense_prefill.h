@@ -31,8 +31,9 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
 /// dq kernel's K / V, the dk / dv kernel's Q, dO (and lse2 / D by bulk copies); kTwoKernel where no tensor map can be
 /// made.
 enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
-/// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.14-1.24 kTwoKernel's backward TFLOP/s on the 16 benchmark
-/// shapes (geomean x1.191; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-dq-tma-ab.log).
+/// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.35-1.62 kTwoKernel's backward TFLOP/s on the 16 benchmark
+/// shapes (geomean x1.429; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-tma-ab.log;
+/// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
 /// kFusedDq measured the same as kTwoKernel at d_qk 192 (where it is kTwoKernel) and 0.37-0.68x as fast at d_qk 128
 /// (its dq accumulation in order serialises the key blocks; bench/results/2026-12-03-dense-prefill-schedules.log).
 constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
