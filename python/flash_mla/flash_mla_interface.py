@@ -188,6 +188,9 @@ def _float_arg(name: str, value: Any) -> float:
             value = float(value)
         except (TypeError, ValueError):
             raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}") from None
+        except OverflowError:  # a Python int beyond float64 (10**400): finite as given, but no float holds it
+            raise ValueError(f"{name}: the {type(value).__name__} is too large for a float: it overflows float32 "
+                             "(the kernels take a float32 scale)") from None
     if not math.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
     return value
@@ -202,7 +205,11 @@ def _bool_arg(name: str, value: Any) -> bool:
     kind = type(value)
     if isinstance(value, (str, bytes, bytearray)) or (not hasattr(kind, "__bool__") and hasattr(kind, "__len__")):
         raise TypeError(f"{name}: expected a bool, got {kind.__name__} {value!r}")
-    return bool(value)
+    try:
+        return bool(value)
+    except (ValueError, RuntimeError):  # a tensor / array of several elements: "truth value ... is ambiguous"
+        shape = tuple(int(s) for s in getattr(value, "shape", ()))
+        raise TypeError(f"{name}: expected a bool, got {kind.__name__} of shape {shape}") from None
 
 
 def _default_softmax_scale(d_qk: Any) -> float:
@@ -843,6 +850,16 @@ def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seq
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     fw = _ffi.framework_of(q)
     if fw == "torch":
+        import torch
+
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and isinstance(cu_q, torch.Tensor)
+                and isinstance(cu_k, torch.Tensor)):
+            # A call that mixes frameworks (a torch q with NumPy cu_seqlens, say), which the other operators take:
+            # the autograd.Function below saves its inputs for the backward (torch tensors only) and
+            # _distinct_tensors views repeated ones, so the others become torch tensors over their memory
+            # (DLPack, zero-copy: what the TVM-FFI path reads), or a TypeError naming the argument.
+            k, v, cu_q, cu_k = (t if isinstance(t, torch.Tensor) else _ffi.from_ffi(_ffi.to_ffi(t, name), q)
+                                for name, t in (("k", k), ("v", v), ("cu_seqlens_qo", cu_q), ("cu_seqlens_kv", cu_k)))
         q, k, v, cu_q, cu_k = _distinct_tensors(q, k, v, cu_q, cu_k)
         return tuple(_flash_attn_varlen_function().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
     if fw == "jax" and _jax_use_xla(q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k):

@@ -802,3 +802,47 @@ def test_cupy_or_paddle_if_installed(rng):
                                                  *case.args(conv)[3:], softmax_scale=case.scale)
     for name, a, r in zip(("dq", "dk", "dv"), grads, case.ref_grads()):
         check_grad(name, a.numpy(), r, FP16)
+
+
+def test_torch_q_with_other_frameworks_tensors_forward_and_backward():
+    """A torch q with NumPy cu_seqlens (or k / v) is a mixed-framework call, which the API takes. The torch path
+    used to fail inside the autograd.Function: AttributeError ('numpy.ndarray' object has no attribute
+    'view_as') when one NumPy cu_seqlens served queries and keys -- always so for flash_attn_varlen_qkvpacked_func
+    -- and TypeError from save_for_backward when q required grad. Same results and gradients as all-torch."""
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(9, 4, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(9, 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(9, 2, 128, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    dout = torch.randn(9, 4, 128, generator=gen).to(torch.bfloat16)
+
+    def run(k_, v_, cu_q, cu_k):
+        qg = q.clone().requires_grad_()
+        out, lse = flash_mla.flash_attn_varlen_func(qg, k_, v_, cu_q, cu_k, 5, 5, causal=True)
+        out.backward(dout)
+        return out, lse, qg.grad
+
+    ref = run(k, v, cu, cu)
+    k_np = k.view(torch.int16).numpy().view(BF16)
+    v_np = v.view(torch.int16).numpy().view(BF16)
+    for args in ((k, v, cu.numpy(), cu.numpy()), (k, v, cu.numpy(), cu.numpy().copy()), (k_np, v_np, cu, cu),
+                 (k_np, k_np, cu.numpy(), cu.numpy())):
+        got = run(*args)
+        if args[0] is k_np and args[1] is k_np:
+            got_ref = run(k, k, cu, cu)
+        else:
+            got_ref = ref
+        for a, b in zip(got, got_ref):
+            assert isinstance(a, torch.Tensor)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    qkv = torch.cat([q[:, :2], k, v], -1).requires_grad_()
+    out, _ = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, cu.numpy(), 5, 128, causal=True)
+    qkv_ref = qkv.detach().clone().requires_grad_()
+    out_ref, _ = flash_mla.flash_attn_varlen_qkvpacked_func(qkv_ref, cu, 5, 128, causal=True)
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    out.float().sum().backward()
+    out_ref.float().sum().backward()
+    torch.testing.assert_close(qkv.grad, qkv_ref.grad, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_qo: "):
+        flash_mla.flash_attn_varlen_func(q, k, v, object(), cu, 5, 5)

@@ -540,3 +540,32 @@ def test_num_threads_env_is_read_once_and_a_bad_value_named_once(value, valid):
         assert len(warnings) == 1, proc.stderr
         assert f"FLASHMLA_NUM_THREADS='{value}' is not a positive integer" in warnings[0]
         assert f"uses {threads} threads" in warnings[0]
+
+
+def test_flag_given_as_a_multi_element_array_is_a_type_error_naming_it(dense):
+    """A NumPy array (or torch tensor) of several elements has no truth value: bool() raised NumPy's ValueError /
+    torch's RuntimeError ("... is ambiguous"), which does not name the argument. It is a container given as a
+    flag: a TypeError naming the flag, as for lists and tuples."""
+    with pytest.raises(TypeError, match=r"^causal: expected a bool, got ndarray of shape \(2,\)$"):
+        call_dense(dense, causal=np.array([True, False]))
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"^causal: expected a bool, got Tensor of shape \(2,\)$"):
+        call_dense(dense, causal=torch.tensor([True, False]))
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    x = torch.zeros(3, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^causal: expected a bool, got Tensor of shape \(2,\)$"):
+        flash_mla.flash_attn_varlen_func(x, x, x, cu, cu, 3, 3, causal=torch.tensor([True, False]))
+    ref = call_dense(dense, causal=False)  # one-element arrays keep their truth value
+    np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=np.array([False]))[1]), np.asarray(ref[1]))
+
+
+def test_scale_given_as_an_int_beyond_float64_is_a_value_error_naming_it(dense, sparse, prefill):
+    """float(10**400) raises OverflowError, which escaped unnamed ("int too large to convert to float"); it is
+    a scale that overflows float32, like 1e39: a ValueError naming the argument."""
+    big = 10**400
+    with pytest.raises(ValueError, match=r"^softmax_scale: .*overflows float32"):
+        call_dense(dense, softmax_scale=big)
+    with pytest.raises(ValueError, match=r"^softmax_scale: .*overflows float32"):
+        call_sparse(sparse, softmax_scale=big)
+    with pytest.raises(ValueError, match=r"^sm_scale: .*overflows float32"):
+        call_prefill(prefill, sm_scale=big)
