@@ -5,8 +5,9 @@ ROUNDS x 10 calls; check.py's timing, no L2 flush) and whether dq / dk / dv of e
 first one's.
 
 Usage (GPU machine, repository root):
-  python3 tools/dense_prefill_check/ab_bwd.py LIB.so [--rounds N] [--only NAME ...] SCHEDULE SCHEDULE ...
-  (schedules: two_kernel, fused_dq, two_kernel_tma; dense_prefill.h)"""
+  python3 tools/dense_prefill_check/ab_bwd.py LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...] SCHEDULE ...
+  (schedules: two_kernel, fused_dq, two_kernel_tma; dense_prefill.h; "2:NAME" runs NAME of --lib2, e.g. an older
+  tree's build)"""
 import argparse
 import math
 import os
@@ -27,10 +28,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lib")
     ap.add_argument("schedules", nargs="+")
+    ap.add_argument("--lib2", default=None)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None)
     args = ap.parse_args()
-    lib = DensePrefillLib(args.lib)
+    libs = {"": DensePrefillLib(args.lib)}
+    if args.lib2:
+        libs["2:"] = DensePrefillLib(args.lib2)
+
+    def lib_of(sch):
+        return (libs["2:"], sch[2:]) if sch.startswith("2:") else (libs[""], sch)
+
+    lib = libs[""]
     b, dv = 2, 128
     res = {}
     for (s, h, hk, d, c) in SHAPES:
@@ -42,7 +51,7 @@ def main():
         scale = (d + 100) ** -0.5
         flops = visible_pairs([s] * b, [s] * b, c) * h * 2 * (3 * d + 2 * dv)
         out, lse = lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, c)
-        grads = {sch: lib.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout, schedule=sch)
+        grads = {sch: lib_of(sch)[0].bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout, schedule=lib_of(sch)[1])
                  for sch in args.schedules}
         torch.cuda.synchronize()
         first = args.schedules[0]
@@ -50,9 +59,9 @@ def main():
         times = {sch: [] for sch in args.schedules}
         for _ in range(args.rounds):
             for sch in args.schedules:
-                g = grads[sch]
-                times[sch].append(cuda_time_ms(lambda: lib.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout,
-                                                               grads=g, poison=False, schedule=sch)))
+                g, (lb, name) = grads[sch], lib_of(sch)
+                times[sch].append(cuda_time_ms(lambda: lb.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout,
+                                                              grads=g, poison=False, schedule=name)))
         tf = {sch: flops / 1e9 / min(t) for sch, t in times.items()}
         cols = "  ".join(f"{sch} {tf[sch]:6.1f}" for sch in args.schedules)
         rel = "  ".join(f"{sch}/{first} {tf[sch] / tf[first]:.3f}" for sch in args.schedules[1:])

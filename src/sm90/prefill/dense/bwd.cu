@@ -132,19 +132,20 @@ struct Ring {
     else return (static_cast<unsigned>(n) / kStages - 1) & 1;
   }
 };
-/// kStages pairs of full (full_count producer arrivals: 128 cp.async threads, or 1 TMA thread) and empty (256 consumer
-/// arrivals) barriers, then the barrier of the tiles loaded once: full[s] at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages.
+/// kStages pairs of full and empty (256 consumer arrivals) barriers, then the barrier of the tiles loaded once: full[s]
+/// at bar + 8 s, empty[s] at bar + 8 (kStages + s), the last at bar + 16 kStages. Producer arrivals: 128 (cp.async
+/// threads) or 1 (the TMA thread), `count` for both kinds.
 template <int kStages>
-__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar, int full_count = 128) {
+__device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar, int count = 128) {
   if constexpr (kStages == 2) {
-    init_barriers(tid, bar, {full_count, 256});
+    init_barriers(tid, bar, {count, 256}, count);
   } else {
     if (tid == 0) {
       for (int s = 0; s < kStages; ++s) {
-        mbar_init(bar + 8 * s, full_count);
+        mbar_init(bar + 8 * s, count);
         mbar_init(bar + 8 * (kStages + s), 256);
       }
-      mbar_init(bar + 16 * kStages, 128);
+      mbar_init(bar + 16 * kStages, count);
       fence_barrier_init();
     }
     __syncthreads();
@@ -203,13 +204,16 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
   static_assert(kBytes <= 232448, "shared memory");
 };
 
-/// kTma: K / V blocks by TMA (tmap_k / tmap_v: (d, h_kv, total_k), boxes of 64 dims x 1 head x 64 rows), one producer
-/// thread issuing them; the rows past the request's end (the next request's) are zeroed by the consumers before
-/// their first use, so the tiles hold what the cp.async loader writes. Without kTma the maps are unused.
+/// kTma: every tile by TMA, one producer thread issuing: the CTA's Q / dO (tmap_q / tmap_do: (d, h_q, total_q), boxes
+/// of 64 dims x 1 head x 128 rows) and the K / V blocks (tmap_k / tmap_v: (d, h_kv, total_k), 64-row boxes). K / V
+/// rows past the request's end (the next request's) are zeroed by the consumers before their first use, so those
+/// tiles hold what the cp.async loader writes; Q / dO rows past it need not be (a query row reaches only its own dq,
+/// which is not stored, and its lse2 is +inf). Without kTma the maps are unused.
 template <class T, int kD, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dq_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
-                                const __grid_constant__ CUtensorMap tmap_v) {
+                                const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
+                                const __grid_constant__ CUtensorMap tmap_do) {
   using Smem = DqSmem<kD>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
@@ -238,12 +242,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - 256;
     const int64_t qi0 = static_cast<int64_t>(sb.q0) + m0;
-    load_tile<T, kDqBM, kD>(sQ, static_cast<const T*>(p.q) + qi0 * p.q_row + h * p.q_head, p.q_row, sb.s_q - m0, pt);
-    load_tile<T, kDqBM, kBwdDV>(sDO, static_cast<const T*>(p.dout) + qi0 * p.do_row + h * p.do_head, p.do_row,
-                                sb.s_q - m0, pt);
-    mbar_arrive_cp_async(q_bar);
     if constexpr (kTma) {
       if (pt == 0) {
+        mbar_arrive_expect_tx(q_bar, Smem::kQ + Smem::kDO);
+#pragma unroll
+        for (int c = 0; c < kD / 64; ++c) tma_load_3d(sQ + c * (kDqBM * 128), &tmap_q, q_bar, c * 64, h, sb.q0 + m0);
+#pragma unroll
+        for (int c = 0; c < kBwdDV / 64; ++c)
+          tma_load_3d(sDO + c * (kDqBM * 128), &tmap_do, q_bar, c * 64, h, sb.q0 + m0);
         for (int n = 0; n < n_blocks; ++n) {
           const int stage = R::stage(n), row = sb.k0 + n * kDqBN;
           if (n >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(n));
@@ -256,9 +262,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_3d(sK + Smem::kK + c * (kDqBN * 128), &tmap_v, full_bar(stage), c * 64, hk, row);
         }
       }
-      cp_async_wait<0>();
       return;
     }
+    load_tile<T, kDqBM, kD>(sQ, static_cast<const T*>(p.q) + qi0 * p.q_row + h * p.q_head, p.q_row, sb.s_q - m0, pt);
+    load_tile<T, kDqBM, kBwdDV>(sDO, static_cast<const T*>(p.dout) + qi0 * p.do_row + h * p.do_head, p.do_row,
+                                sb.s_q - m0, pt);
+    mbar_arrive_cp_async(q_bar);
     const T* k = static_cast<const T*>(p.k) + static_cast<int64_t>(sb.k0) * p.k_row + hk * p.k_head;
     const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(sb.k0) * p.v_row + hk * p.v_head;
     for (int n = 0; n < n_blocks; ++n) {
@@ -500,14 +509,17 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 /// causal starts are non-decreasing in n), adds, fences and increments the counter. The CTAs that it waits
 /// on come earlier in the grid (x = key block), so they are resident or done. A convert kernel then writes
 /// dq = scale * accumulator.
-/// kTma (not with kFusedDq): the streamed Q and dO blocks by TMA (tmap_q / tmap_do: (d, h_q, total_q), boxes of 64
-/// dims x 1 head x 64 rows) and their lse2 / D rows by two 256-byte bulk copies, one producer thread issuing them; the
-/// rows past the request's end (the next request's) are zeroed by the consumers before their first use, so the tiles
-/// hold what the cp.async loader writes. Without kTma the maps are unused.
+/// kTma (not with kFusedDq): every tile by TMA, one producer thread issuing: the CTA's K / V (tmap_k / tmap_v:
+/// (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows), the streamed Q and dO blocks (tmap_q / tmap_do:
+/// (d, h_q, total_q), 64-row boxes) and their lse2 / D rows by two 256-byte bulk copies. Q / dO rows past the
+/// request's end (the next request's) are zeroed by the consumers before their first use, so those tiles hold what the
+/// cp.async loader writes; K / V rows past it need not be (a key row reaches only its own dk / dv, which are not
+/// stored). Without kTma the maps are unused.
 template <class T, int kD, bool kFusedDq, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
-                                  const __grid_constant__ CUtensorMap tmap_do) {
+                                  const __grid_constant__ CUtensorMap tmap_do, const __grid_constant__ CUtensorMap tmap_k,
+                                  const __grid_constant__ CUtensorMap tmap_v) {
   static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
   static_assert(!(kFusedDq && kTma), "the fused-dQ schedule keeps the cp.async loader");
   using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
@@ -541,12 +553,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - 256;
     const int64_t kr0 = static_cast<int64_t>(sb.k0) + n0;
-    load_tile<T, kKvBN, kD>(sK, static_cast<const T*>(p.k) + kr0 * p.k_row + hk * p.k_head, p.k_row, sb.s_k - n0, pt);
-    load_tile<T, kKvBN, kBwdDV>(sV, static_cast<const T*>(p.v) + kr0 * p.v_row + hk * p.v_head, p.v_row, sb.s_k - n0,
-                                pt);
-    mbar_arrive_cp_async(kv_bar);
     if constexpr (kTma) {
       if (pt == 0) {
+        mbar_arrive_expect_tx(kv_bar, Smem::kK + Smem::kV);
+#pragma unroll
+        for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kKvBN * 128), &tmap_k, kv_bar, c * 64, hk, sb.k0 + n0);
+#pragma unroll
+        for (int c = 0; c < kBwdDV / 64; ++c)
+          tma_load_3d(sV + c * (kKvBN * 128), &tmap_v, kv_bar, c * 64, hk, sb.k0 + n0);
         for (int it = 0; it < n_it; ++it) {
           const int stage = R::stage(it);
           if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
@@ -565,9 +579,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           bulk_load(sQ + Smem::kQ + Smem::kDO + Smem::kVec / 2, p.ws_dsum + w, Smem::kVec / 2, full);
         }
       }
-      cp_async_wait<0>();
       return;
     }
+    load_tile<T, kKvBN, kD>(sK, static_cast<const T*>(p.k) + kr0 * p.k_row + hk * p.k_head, p.k_row, sb.s_k - n0, pt);
+    load_tile<T, kKvBN, kBwdDV>(sV, static_cast<const T*>(p.v) + kr0 * p.v_row + hk * p.v_head, p.v_row, sb.s_k - n0,
+                                pt);
+    mbar_arrive_cp_async(kv_bar);
     for (int it = 0; it < n_it; ++it) {
       const int stage = R::stage(it);
       if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
@@ -917,8 +934,9 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
       HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
 
-/// tmaps: the maps of k, v (the dq kernel's TMA loads) and q, dout (the dk / dv kernel's), or nullptr for the cp.async
-/// loaders.
+/// tmaps: the maps of the TMA loads, or nullptr for the cp.async loaders: k, v with 64-row boxes and q, dout with
+/// 64-row boxes (the blocks streamed by the dq and the dk / dv kernel), q, dout with 128-row boxes (the dq kernel's
+/// tile) and k, v with 128-row boxes (the dk / dv kernel's).
 template <class T, int kD, bool kFusedDq>
 cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
                        int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, cudaStream_t stream,
@@ -941,7 +959,8 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
       if (e != cudaSuccess) return e;
       const CUtensorMap none{};
       dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
-                  stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none);
+                  stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none,
+                            tmaps != nullptr ? tmaps[4] : none, tmaps != nullptr ? tmaps[5] : none);
       e = cudaGetLastError();
       if (e != cudaSuccess) return e;
     }
@@ -958,7 +977,8 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
     const CUtensorMap none{};
     kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
                 KvSmemT::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
-                                                  tmaps != nullptr ? tmaps[3] : none);
+                                                  tmaps != nullptr ? tmaps[3] : none, tmaps != nullptr ? tmaps[6] : none,
+                                                  tmaps != nullptr ? tmaps[7] : none);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -1029,10 +1049,12 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
     return bwd_value_error("sequence lengths must be < 2^30");
   const bool fused = fused_applies(bp, schedule);
   // kTwoKernelTma: the streamed blocks by TMA where the maps can be made (else kTwoKernel's cp.async loaders).
-  CUtensorMap maps[4];
+  CUtensorMap maps[8];
   const bool tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &maps[0]) &&
                    make_tile_map(p.v, kDqBN, &maps[1]) && make_tile_map(p.q, kKvBM, &maps[2]) &&
-                   make_tile_map(bp.dout, kKvBM, &maps[3]);
+                   make_tile_map(bp.dout, kKvBM, &maps[3]) && make_tile_map(p.q, kDqBM, &maps[4]) &&
+                   make_tile_map(bp.dout, kDqBM, &maps[5]) && make_tile_map(p.k, kKvBN, &maps[6]) &&
+                   make_tile_map(p.v, kKvBN, &maps[7]);
   const CUtensorMap* tm = tma ? maps : nullptr;
   const WsLayout ws = ws_layout(bp, fused);
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))

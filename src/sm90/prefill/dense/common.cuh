@@ -117,16 +117,16 @@ __device__ __forceinline__ void end_block_after(float x, float y) {
 
 /// Thread 0 initialises the kernel's mbarriers, then the CTA syncs. They lie 8 bytes apart from `bar`:
 /// kGroups pairs of per-stage barriers (group g's stage-s barrier at bar + 16 g + 8 s, counts[g] arrivals;
-/// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (128 producer
-/// arrivals). Stage 0's barriers are initialised before stage 1's.
+/// e.g. full and empty of a streamed tile), then the barrier of the tiles loaded once (once_count producer
+/// arrivals: 128 cp.async threads, or 1 TMA thread). Stage 0's barriers are initialised before stage 1's.
 template <int kGroups>
-__device__ __forceinline__ void init_barriers(int tid, uint32_t bar, const int (&counts)[kGroups]) {
+__device__ __forceinline__ void init_barriers(int tid, uint32_t bar, const int (&counts)[kGroups], int once_count = 128) {
   if (tid == 0) {
     for (int s = 0; s < 2; ++s) {
 #pragma unroll
       for (int g = 0; g < kGroups; ++g) mbar_init(bar + 16 * g + 8 * s, counts[g]);
     }
-    mbar_init(bar + 16 * kGroups, 128);
+    mbar_init(bar + 16 * kGroups, once_count);
     fence_barrier_init();
   }
   __syncthreads();
