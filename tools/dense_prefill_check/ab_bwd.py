@@ -59,9 +59,9 @@ def main():
         times = {sch: [] for sch in args.schedules}
         for _ in range(args.rounds):
             for sch in args.schedules:
-                g, (lb, name) = grads[sch], lib_of(sch)
+                g, (lb, sch_name) = grads[sch], lib_of(sch)
                 times[sch].append(cuda_time_ms(lambda: lb.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout,
-                                                              grads=g, poison=False, schedule=name)))
+                                                              grads=g, poison=False, schedule=sch_name)))
         tf = {sch: flops / 1e9 / min(t) for sch, t in times.items()}
         cols = "  ".join(f"{sch} {tf[sch]:6.1f}" for sch in args.schedules)
         rel = "  ".join(f"{sch}/{first} {tf[sch] / tf[first]:.3f}" for sch in args.schedules[1:])
