@@ -20,8 +20,6 @@
 // in exchange for no dQ accumulator in global memory, no atomics and no ordering semaphores.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -494,7 +492,7 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   static constexpr int kStages = kStagesT;  // Ring
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
   static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
-  static constexpr int kBars = (2 * kStages + 2) * 8;  // full[kStages], empty[kStages], kv_full, kv_empty
+  static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], kv_full
   static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + kStages * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
@@ -517,20 +515,13 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 /// request's end (the next request's) are zeroed by the consumers before their first use, so those tiles hold what the
 /// cp.async loader writes; K / V rows past it need not be (a key row reaches only its own dk / dv, which are not
 /// stored). Without kTma the maps are unused.
-/// kPersistent (with kTma): grid = min(tiles, SMs), each CTA walks num_tiles = k_tiles x h_kv x b tiles (key tile
-/// fastest, as the non-persistent grid; for_each_tile); the Q / dO ring counts blocks across the CTA's tiles (ring
-/// block g = g0 + it), the K / V buffer has a "K / V free" barrier (kv_empty) that both consumer warpgroups arrive on
-/// once their tile's last S^T and dP^T are done, and the producer issues the next tile's first ring blocks before it
-/// waits there, so the next tile's loads run under the last steps and the epilogue. Tiles without a query block touch
-/// no barrier (their dk / dv are 0).
-template <class T, int kD, bool kFusedDq, bool kTma, bool kPersistent = false>
+template <class T, int kD, bool kFusedDq, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_do, const __grid_constant__ CUtensorMap tmap_k,
-                                  const __grid_constant__ CUtensorMap tmap_v, int k_tiles, int num_tiles) {
+                                  const __grid_constant__ CUtensorMap tmap_v) {
   static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
   static_assert(!(kFusedDq && kTma), "the fused-dQ schedule keeps the cp.async loader");
-  static_assert(!kPersistent || kTma, "the persistent dk / dv kernel loads by TMA");
   using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
   using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -543,52 +534,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t kv_bar = bar + 16 * Smem::kStages;
-  const uint32_t kv_empty = kv_bar + 8;  // kPersistent: the tile's K / V no longer read
 
-  // The tile (key tile x of kv head h of request bb): this CTA's (blockIdx) without kPersistent; with it, set by
-  // for_each_tile before each call of f.
-  int b, hk, n0, off, m_begin, m_count, n_it;
-  SeqBounds sb;
-  auto set_tile = [&](int bb, int h, int x) {
-    b = bb;
-    hk = h;
-    sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-    n0 = x * kKvBN;
-    off = sb.s_k - sb.s_q;
-    // Query i sees key j iff j <= i + off: the first query block that sees key n0.
-    m_begin = p.causal ? min(max(n0 - off, 0), sb.s_q) / kKvBM : 0;
-    const int m_end = (sb.s_q + kKvBM - 1) / kKvBM;
-    m_count = max(m_end - m_begin, 0);
-    n_it = p.group * m_count;
-  };
-  if constexpr (!kPersistent) {
-    set_tile(blockIdx.z, blockIdx.y, blockIdx.x);
-    if (n0 >= sb.s_k) return;
-  }
-  // kPersistent: tile i of the non-persistent grid's order (key tile fastest, then kv head, then request) goes to CTA
-  // i % grid in even rounds of grid tiles and to CTA grid - 1 - i % grid in odd ones (causal: key tile 0 sees the most
-  // query blocks). Tiles without keys (a short request's) are skipped. Every role walks the same tiles.
-  auto for_each_tile = [&](auto&& f) {
-    const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x), h_kv = p.h_q / p.group;
-    bool reverse = false;
-    for (int r0 = 0; r0 < num_tiles; r0 += grid, reverse = !reverse) {
-      const int i = r0 + (reverse ? grid - 1 - cta : cta);
-      if (i >= num_tiles) continue;
-      const int hb = i / k_tiles;
-      set_tile(hb / h_kv, hb % h_kv, i % k_tiles);
-      if (n0 < sb.s_k) f();
-    }
-  };
+  const int b = blockIdx.z, hk = blockIdx.y;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int n0 = blockIdx.x * kKvBN;
+  if (n0 >= sb.s_k) return;
+  const int off = sb.s_k - sb.s_q;
+  // Query i sees key j iff j <= i + off: the first query block that sees key n0.
+  const int m_begin = p.causal ? min(max(n0 - off, 0), sb.s_q) / kKvBM : 0;
+  const int m_end = (sb.s_q + kKvBM - 1) / kKvBM;
+  const int m_count = max(m_end - m_begin, 0);
+  const int n_it = p.group * m_count;
 
   const int tid = threadIdx.x;
   init_ring_barriers<Smem::kStages>(tid, bar, kTma ? 1 : 128);  // full[], empty[], kv_bar
-  if constexpr (kPersistent) {
-    if (tid == 0) {
-      mbar_init(kv_empty, 256);
-      fence_barrier_init();
-    }
-    __syncthreads();
-  }
 
   if (tid >= 256) {  // ---------------------------------------------------------------- producer
     setmaxnreg_dec<kProducerRegs>();
@@ -596,22 +555,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t kr0 = static_cast<int64_t>(sb.k0) + n0;
     if constexpr (kTma) {
       if (pt == 0) {
-        auto load_kv = [&] {
-          mbar_arrive_expect_tx(kv_bar, Smem::kK + Smem::kV);
+        mbar_arrive_expect_tx(kv_bar, Smem::kK + Smem::kV);
 #pragma unroll
-          for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kKvBN * 128), &tmap_k, kv_bar, c * 64, hk, sb.k0 + n0);
+        for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kKvBN * 128), &tmap_k, kv_bar, c * 64, hk, sb.k0 + n0);
 #pragma unroll
-          for (int c = 0; c < kBwdDV / 64; ++c)
-            tma_load_3d(sV + c * (kKvBN * 128), &tmap_v, kv_bar, c * 64, hk, sb.k0 + n0);
-        };
-        // The tile's Q / dO blocks it as ring blocks g0 + it; kPersistent: K / V after the first min(n_it, kStages)
-        // of them (those wait only for ring stages), once the previous tile's K / V are free (kv_tiles loaded so far).
-        auto load_tile_blocks = [&](int g0, int kv_tiles) {
-          if constexpr (!kPersistent) load_kv();
-          const int kv_after = min(n_it, Smem::kStages) - 1;
+        for (int c = 0; c < kBwdDV / 64; ++c)
+          tma_load_3d(sV + c * (kKvBN * 128), &tmap_v, kv_bar, c * 64, hk, sb.k0 + n0);
         for (int it = 0; it < n_it; ++it) {
-          const int gi = g0 + it, stage = R::stage(gi);
-          if (gi >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(gi));
+          const int stage = R::stage(it);
+          if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
           const int hq = hk * p.group + it / m_count;
           const int m0 = (m_begin + it % m_count) * kKvBM;
           const uint32_t sQ = sStage0 + stage * Smem::kStageAligned, full = full_bar(stage);
@@ -625,24 +577,6 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int64_t w = (static_cast<int64_t>(b) * p.h_q + hq) * p.ws_rows + m0;  // lse2[64] then D[64]
           bulk_load(sQ + Smem::kQ + Smem::kDO, p.ws_lse2 + w, Smem::kVec / 2, full);
           bulk_load(sQ + Smem::kQ + Smem::kDO + Smem::kVec / 2, p.ws_dsum + w, Smem::kVec / 2, full);
-          if constexpr (kPersistent) {
-            if (it == kv_after) {
-              if (kv_tiles > 0) mbar_wait(kv_empty, (kv_tiles - 1) & 1);
-              load_kv();
-            }
-          }
-        }
-        };
-        if constexpr (kPersistent) {
-          int g0 = 0, kv_tiles = 0;
-          for_each_tile([&] {
-            if (n_it == 0) return;
-            load_tile_blocks(g0, kv_tiles);
-            g0 += n_it;
-            ++kv_tiles;
-          });
-        } else {
-          load_tile_blocks(0, 0);
         }
       }
       return;
@@ -676,17 +610,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, tq = lane & 3;
   int krow[2];  // this thread's two keys (request-local)
+  krow[0] = n0 + wg * 64 + warp * 16 + g;
+  krow[1] = krow[0] + 8;
+
   float dk[kD / 2], dv[kBwdDV / 2];
-  auto start_tile = [&] {
-    krow[0] = n0 + wg * 64 + warp * 16 + g;
-    krow[1] = krow[0] + 8;
 #pragma unroll
-    for (int i = 0; i < kD / 2; ++i) dk[i] = 0.f;
+  for (int i = 0; i < kD / 2; ++i) dk[i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < kBwdDV / 2; ++i) dv[i] = 0.f;
-  };
-  if constexpr (!kPersistent) start_tile();
-  int g0 = 0;  // kPersistent: the ring block of the tile's first Q / dO block
+  for (int i = 0; i < kBwdDV / 2; ++i) dv[i] = 0.f;
 
   // Steps whose (key, query) block has masked entries (the causal diagonal blocks, and the last query block, whose
   // rows past s_q are zero) are kChecked: they also keep inf / NaN of a query row (q, dout) or of a key's own S^T
@@ -707,12 +638,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto step = [&](int it, auto checked, auto prev) {
     constexpr bool kChecked = decltype(checked)::value;
     [[maybe_unused]] constexpr bool kPrev = decltype(prev)::value;  // kDefer: the previous query block's dK is pending
-    const int stage = R::stage(g0 + it);
+    const int stage = R::stage(it);
     const int m0 = (m_begin + it % m_count) * kKvBM;
     const uint32_t sQ = sStage0 + stage * Smem::kStageAligned;
     const uint32_t sDO = sQ + Smem::kQ;
     const float* vec = reinterpret_cast<const float*>(smem + (sDO + Smem::kDO - base));
-    mbar_wait(full_bar(stage), R::full_phase(g0 + it));
+    mbar_wait(full_bar(stage), R::full_phase(it));
     if constexpr (kTma) {
       if (m0 + kKvBM > sb.s_q) {  // the request's last query block: its rows past s_q are the next request's
         const int r0 = sb.s_q - m0;
@@ -841,9 +772,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if constexpr (!kDvUnderDs) gmma::reg_fence(dv);
       gmma::reg_fence(dpt);
-      if constexpr (kPersistent) {
-        if (it == n_it - 1) mbar_arrive(kv_empty);  // the tile's last S^T and dP^T have read K / V
-      }
       // dS^T = P^T (dP^T - D), P^T taken back from its packed form (the values the dV GEMM used). Checked: masked
       // entries get 0 with the sign of dP^T - D (the bits of 0 (dP^T - D)), also where dP^T - D is inf / NaN (D of
       // a row that sees a key with inf / NaN in v or k, dP^T of a key with inf / NaN in v): a query row must not
@@ -946,63 +874,49 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_arrive(empty_bar(stage));
   };
-  // The tile: its Q / dO blocks are ring blocks g0 + it; kv_tile = the K / V tiles loaded before it (kv_bar's phase).
-  auto run_tile = [&](int kv_tile) {
-    if constexpr (kPersistent) start_tile();
-    if (!kPersistent || n_it > 0) mbar_wait(kv_bar, kPersistent ? kv_tile & 1 : 0);
-    if constexpr (kDefer) {
-      bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
-      for (int it = 0; it < n_it; ++it) {
-        const int m0 = (m_begin + it % m_count) * kKvBM;
-        if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q) {
-          if (pending) finish_pending();
-          step(it, std::true_type{}, std::false_type{});
-          pending = false;
-        } else {
-          if (pending)
-            step(it, std::false_type{}, std::true_type{});
-          else
-            step(it, std::false_type{}, std::false_type{});
-          pending = true;
-        }
-      }
-      if (pending) finish_pending();
-    } else {
-      for (int it = 0; it < n_it; ++it) {
-        const int m0 = (m_begin + it % m_count) * kKvBM;
-        if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
-          step(it, std::true_type{}, std::false_type{});
+  mbar_wait(kv_bar, 0);
+  if constexpr (kDefer) {
+    bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q) {
+        if (pending) finish_pending();
+        step(it, std::true_type{}, std::false_type{});
+        pending = false;
+      } else {
+        if (pending)
+          step(it, std::false_type{}, std::true_type{});
         else
           step(it, std::false_type{}, std::false_type{});
+        pending = true;
       }
     }
-
-    T* dkp = static_cast<T*>(p.dk);
-    T* dvp = static_cast<T*>(p.dv);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      if (krow[e] >= sb.s_k) continue;
-      const int64_t kj = static_cast<int64_t>(sb.k0) + krow[e];
-      T* rk = dkp + kj * p.dk_row + hk * p.dk_head;
-      T* rv = dvp + kj * p.dv_row + hk * p.dv_head;
-#pragma unroll
-      for (int i = 0; i < kD / 8; ++i)
-        *reinterpret_cast<uint32_t*>(rk + 8 * i + 2 * tq) =
-            HalfTraits<T>::pack(dk[4 * i + 2 * e] * p.scale, dk[4 * i + 2 * e + 1] * p.scale);
-#pragma unroll
-      for (int i = 0; i < kBwdDV / 8; ++i)
-        *reinterpret_cast<uint32_t*>(rv + 8 * i + 2 * tq) = HalfTraits<T>::pack(dv[4 * i + 2 * e], dv[4 * i + 2 * e + 1]);
-    }
-  };
-  if constexpr (kPersistent) {
-    int kv_tiles = 0;
-    for_each_tile([&] {
-      run_tile(kv_tiles);
-      g0 += n_it;
-      kv_tiles += n_it > 0;
-    });
+    if (pending) finish_pending();
   } else {
-    run_tile(0);
+    for (int it = 0; it < n_it; ++it) {
+      const int m0 = (m_begin + it % m_count) * kKvBM;
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
+        step(it, std::true_type{}, std::false_type{});
+      else
+        step(it, std::false_type{}, std::false_type{});
+    }
+  }
+
+  T* dkp = static_cast<T*>(p.dk);
+  T* dvp = static_cast<T*>(p.dv);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (krow[e] >= sb.s_k) continue;
+    const int64_t kj = static_cast<int64_t>(sb.k0) + krow[e];
+    T* rk = dkp + kj * p.dk_row + hk * p.dk_head;
+    T* rv = dvp + kj * p.dv_row + hk * p.dv_head;
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i)
+      *reinterpret_cast<uint32_t*>(rk + 8 * i + 2 * tq) =
+          HalfTraits<T>::pack(dk[4 * i + 2 * e] * p.scale, dk[4 * i + 2 * e + 1] * p.scale);
+#pragma unroll
+    for (int i = 0; i < kBwdDV / 8; ++i)
+      *reinterpret_cast<uint32_t*>(rv + 8 * i + 2 * tq) = HalfTraits<T>::pack(dv[4 * i + 2 * e], dv[4 * i + 2 * e + 1]);
   }
 }
 
@@ -1025,7 +939,7 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
 /// tile) and k, v with 128-row boxes (the dk / dv kernel's).
 template <class T, int kD, bool kFusedDq>
 cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
-                       int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, int sms, cudaStream_t stream,
+                       int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, cudaStream_t stream,
                        const char** failed) {
   cudaError_t e = cudaSuccess;
   if constexpr (kFusedDq) {
@@ -1053,26 +967,18 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   }
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
-    // With TMA the dk / dv kernel is persistent: one CTA per SM (registers and shared memory allow no second), never
-    // more CTAs than tiles; the tile count must fit in int.
-    const int k_tiles = static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN);
-    const int64_t kv_tiles = static_cast<int64_t>(k_tiles) * h_kv * b;
-    const bool persistent = tmaps != nullptr && kv_tiles <= INT32_MAX;
     auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq, false>;
     if constexpr (!kFusedDq) {
-      if (tmaps != nullptr)
-        kv_kernel = persistent ? dense_prefill_bwd_dkdv_kernel<T, kD, false, true, true>
-                               : dense_prefill_bwd_dkdv_kernel<T, kD, false, true, false>;
+      if (tmaps != nullptr) kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, false, true>;
     }
     using KvSmemT = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
     e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
     if (e != cudaSuccess) return e;
-    const dim3 kv_grid = persistent ? dim3(static_cast<unsigned>(std::min<int64_t>(kv_tiles, sms)))
-                                    : dim3(k_tiles, h_kv, b);
     const CUtensorMap none{};
-    kv_kernel<<<kv_grid, kThreads, KvSmemT::kBytesAligned, stream>>>(
-        kp, tmaps != nullptr ? tmaps[2] : none, tmaps != nullptr ? tmaps[3] : none, tmaps != nullptr ? tmaps[6] : none,
-        tmaps != nullptr ? tmaps[7] : none, k_tiles, persistent ? static_cast<int>(kv_tiles) : 0);
+    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
+                KvSmemT::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
+                                                  tmaps != nullptr ? tmaps[3] : none, tmaps != nullptr ? tmaps[6] : none,
+                                                  tmaps != nullptr ? tmaps[7] : none);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -1150,7 +1056,6 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
                    make_tile_map(bp.dout, kDqBM, &maps[5]) && make_tile_map(p.k, kKvBN, &maps[6]) &&
                    make_tile_map(p.v, kKvBN, &maps[7]);
   const CUtensorMap* tm = tma ? maps : nullptr;
-  const int sms = tma ? num_sms(p.q.device.id) : 0;  // the persistent dk / dv kernel's grid
   const WsLayout ws = ws_layout(bp, fused);
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
     return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
@@ -1190,14 +1095,14 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   cudaError_t e;
   if (d_qk == 128) {
     if (fused)
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed)
-               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed);
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
     else
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed)
-               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed);
+      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
   } else {
-    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed)
-             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, sms, stream, &failed);
+    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
+             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
   }
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
   return Status::Ok();
