@@ -35,7 +35,8 @@ class DensePrefillLib:
         meta = _meta(q) + _meta(k) + _meta(v) + _meta(out) + _meta(lse) + _meta(cu_q) + _meta(cu_k) + [max_q, max_k]
         return ptrs, meta
 
-    SCHEDULES = {"default": -1, "serial": 0, "overlap": 1, "pingpong": 2, "pingpong_tma": 3, "persistent_tma": 4}  # forward consumer schedules (dense_prefill.h)
+    SCHEDULES = {"default": -1, "serial": 0, "overlap": 1, "pingpong": 2, "pingpong_tma": 3, "persistent_tma": 4,
+                 "persistent_tma_2cta": 5}  # forward consumer schedules (dense_prefill.h)
     BWD_SCHEDULES = {"default": -1, "two_kernel": 0, "fused_dq": 1, "two_kernel_tma": 2}  # backward schedules (dense_prefill.h)
 
     def fwd(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, out=None, lse=None, poison=True,

@@ -20,8 +20,9 @@ enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma, kPersistent
 /// (bench/results/2026-12-03-dense-prefill-schedules.log).
 constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPersistentTma;
 
-/// dense_prefill_fwd with a given schedule (the GPU check times and verifies both).
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule);
+/// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
+/// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too.
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0);
 
 /// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
 /// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk

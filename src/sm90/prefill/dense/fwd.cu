@@ -539,7 +539,7 @@ cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const 
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid = kPersistent ? dim3(persistent_ctas) : dim3(m_tiles, kp.h_q, b);
-  const int num_tiles = kPersistent ? m_tiles * kp.h_q * b : 0;  // < 2^31 (fwd_with_schedule)
+  const int num_tiles = kPersistent ? m_tiles * kp.h_q * b : 0;  // num_tiles + grid < 2^31 (fwd_with_schedule)
   kernel<<<grid, kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v, tmap_q, m_tiles, num_tiles);
   return cudaGetLastError();
 }
@@ -558,7 +558,7 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
 
 namespace dense_prefill {
 
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
@@ -588,15 +588,18 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule) {
   CUtensorMap tmap_q;
   std::memset(&tmap_q, 0, sizeof(tmap_q));
   const int64_t num_tiles = static_cast<int64_t>(m_tiles) * h_q * b;
-  // The persistent grid needs a map of q too and a tile count in int; else the same schedule, one CTA a tile.
-  if (schedule == FwdSchedule::kPersistentTma && !(num_tiles <= INT32_MAX && make_tile_map(p.q, kFwdBM, &tmap_q)))
+  // One CTA per SM (the kernel's registers and shared memory allow no second), never more than the tiles.
+  int sms = schedule == FwdSchedule::kPersistentTma ? num_sms(p.q.device.id) : 0;
+  if (max_persistent_ctas > 0) sms = std::min(sms, max_persistent_ctas);
+  // The persistent grid needs a map of q too, and its tile walk indices (up to num_tiles + grid) in int; else the same
+  // schedule, one CTA a tile.
+  if (schedule == FwdSchedule::kPersistentTma &&
+      !(num_tiles + sms <= INT32_MAX && make_tile_map(p.q, kFwdBM, &tmap_q)))
     schedule = FwdSchedule::kPingpongTma;
   if ((schedule == FwdSchedule::kPingpongTma || schedule == FwdSchedule::kPersistentTma) &&
       !(make_tile_map(p.k, kFwdBN, &tmap_k) && make_tile_map(p.v, kFwdBN, &tmap_v)))
     schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
-  // One CTA per SM (the kernel's registers and shared memory allow no second), never more than the tiles.
-  const int persistent_ctas =
-      schedule == FwdSchedule::kPersistentTma ? static_cast<int>(std::min<int64_t>(num_tiles, num_sms(p.q.device.id))) : 0;
+  const int persistent_ctas = schedule == FwdSchedule::kPersistentTma ? static_cast<int>(std::min<int64_t>(num_tiles, sms)) : 0;
   cudaError_t e;
   auto launch = [&](auto t, auto d) {
     using TT = decltype(t);
