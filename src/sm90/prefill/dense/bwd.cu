@@ -245,21 +245,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kTma) {
       if (pt == 0) {
         mbar_arrive_expect_tx(q_bar, Smem::kQ + Smem::kDO);
-#pragma unroll
-        for (int c = 0; c < kD / 64; ++c) tma_load_3d(sQ + c * (kDqBM * 128), &tmap_q, q_bar, c * 64, h, sb.q0 + m0);
-#pragma unroll
-        for (int c = 0; c < kBwdDV / 64; ++c)
-          tma_load_3d(sDO + c * (kDqBM * 128), &tmap_do, q_bar, c * 64, h, sb.q0 + m0);
+        tma_load_tile<kDqBM, kD>(sQ, &tmap_q, q_bar, h, sb.q0 + m0);
+        tma_load_tile<kDqBM, kBwdDV>(sDO, &tmap_do, q_bar, h, sb.q0 + m0);
         for (int n = 0; n < n_blocks; ++n) {
           const int stage = R::stage(n), row = sb.k0 + n * kDqBN;
           if (n >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(n));
           const uint32_t sK = sStage0 + stage * Smem::kStage;
           mbar_arrive_expect_tx(full_bar(stage), Smem::kK + Smem::kV);
-#pragma unroll
-          for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kDqBN * 128), &tmap_k, full_bar(stage), c * 64, hk, row);
-#pragma unroll
-          for (int c = 0; c < kBwdDV / 64; ++c)
-            tma_load_3d(sK + Smem::kK + c * (kDqBN * 128), &tmap_v, full_bar(stage), c * 64, hk, row);
+          tma_load_tile<kDqBN, kD>(sK, &tmap_k, full_bar(stage), hk, row);
+          tma_load_tile<kDqBN, kBwdDV>(sK + Smem::kK, &tmap_v, full_bar(stage), hk, row);
         }
       }
       return;
@@ -556,11 +550,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kTma) {
       if (pt == 0) {
         mbar_arrive_expect_tx(kv_bar, Smem::kK + Smem::kV);
-#pragma unroll
-        for (int c = 0; c < kD / 64; ++c) tma_load_3d(sK + c * (kKvBN * 128), &tmap_k, kv_bar, c * 64, hk, sb.k0 + n0);
-#pragma unroll
-        for (int c = 0; c < kBwdDV / 64; ++c)
-          tma_load_3d(sV + c * (kKvBN * 128), &tmap_v, kv_bar, c * 64, hk, sb.k0 + n0);
+        tma_load_tile<kKvBN, kD>(sK, &tmap_k, kv_bar, hk, sb.k0 + n0);
+        tma_load_tile<kKvBN, kBwdDV>(sV, &tmap_v, kv_bar, hk, sb.k0 + n0);
         for (int it = 0; it < n_it; ++it) {
           const int stage = R::stage(it);
           if (it >= Smem::kStages) mbar_wait(empty_bar(stage), R::empty_phase(it));
@@ -569,11 +560,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t sQ = sStage0 + stage * Smem::kStageAligned, full = full_bar(stage);
           const int row = sb.q0 + m0;
           mbar_arrive_expect_tx(full, Smem::kQ + Smem::kDO + Smem::kVec);
-#pragma unroll
-          for (int c = 0; c < kD / 64; ++c) tma_load_3d(sQ + c * (kKvBM * 128), &tmap_q, full, c * 64, hq, row);
-#pragma unroll
-          for (int c = 0; c < kBwdDV / 64; ++c)
-            tma_load_3d(sQ + Smem::kQ + c * (kKvBM * 128), &tmap_do, full, c * 64, hq, row);
+          tma_load_tile<kKvBM, kD>(sQ, &tmap_q, full, hq, row);
+          tma_load_tile<kKvBM, kBwdDV>(sQ + Smem::kQ, &tmap_do, full, hq, row);
           const int64_t w = (static_cast<int64_t>(b) * p.h_q + hq) * p.ws_rows + m0;  // lse2[64] then D[64]
           bulk_load(sQ + Smem::kQ + Smem::kDO, p.ws_lse2 + w, Smem::kVec / 2, full);
           bulk_load(sQ + Smem::kQ + Smem::kDO + Smem::kVec / 2, p.ws_dsum + w, Smem::kVec / 2, full);

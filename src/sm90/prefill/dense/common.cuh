@@ -189,6 +189,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+/// TMA loads of one tile of kRows rows x kDim dims (the tile layout above: kDim / 64 slabs of kRows x 128 bytes) from a
+/// (d, h, rows) map (make_tile_map with box_rows = kRows): rows [row, row + kRows) of head `head`, onto `bar` (the
+/// caller's expect_tx counts the tile's bytes).
+template <int kRows, int kDim>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap* map, uint32_t bar, int head, int row) {
+#pragma unroll
+  for (int c = 0; c < kDim / 64; ++c) tma_load_3d(dst + c * (kRows * 128), map, bar, c * 64, head, row);
+}
+
 /// 1-D bulk copy global -> shared of `bytes` (a multiple of 16; both addresses 16-byte aligned), completing on the
 /// mbarrier `bar` with complete_tx bytes.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {

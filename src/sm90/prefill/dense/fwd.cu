@@ -237,16 +237,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kFwdBN;
             if (rb >= 2) mbar_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
             mbar_arrive_expect_tx(k_full(stage), Smem::kK);
-#pragma unroll
-            for (int c = 0; c < kD / 64; ++c)
-              tma_load_3d(sK(stage) + c * (kFwdBN * 128), &tmap_k, k_full(stage), c * 64, t.hk, row);
+            tma_load_tile<kFwdBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
             if (n == 0) load_q();
             if (rb >= 2) mbar_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
             const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
             mbar_arrive_expect_tx(vb, Smem::kV);
-#pragma unroll
-            for (int c = 0; c < kDV / 64; ++c)
-              tma_load_3d(sV(stage) + c * (kFwdBN * 128), &tmap_v, vb, c * 64, t.hk, row);
+            tma_load_tile<kFwdBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
           }
         };
         if constexpr (kPersistent) {
@@ -256,9 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             load_kv(rb0, [&] {
               if (q_tiles > 0) mbar_wait(q_empty, (q_tiles - 1) & 1);
               mbar_arrive_expect_tx(q_bar, Smem::kQ);
-#pragma unroll
-              for (int c = 0; c < kD / 64; ++c)
-                tma_load_3d(sQ + c * (kFwdBM * 128), &tmap_q, q_bar, c * 64, t.h, t.sb.q0 + t.m0);
+              tma_load_tile<kFwdBM, kD>(sQ, &tmap_q, q_bar, t.h, t.sb.q0 + t.m0);
               ++q_tiles;
             });
             rb0 += t.n_blocks;
