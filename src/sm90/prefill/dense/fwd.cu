@@ -4,12 +4,13 @@
 //
 // One CTA per (128-row query tile, query head, request), or with the persistent schedule one CTA per SM
 // walking those tiles (dense_prefill_fwd_kernel's kPersistent); 384 threads, warp-specialised:
-//   producer warpgroup 2: cp.async of the Q tile once, then K / V blocks of 128 keys into a
-//     two-stage ring (mbarriers "full" per stage, released through "empty");
+//   producer warpgroup 2: the Q tile (cp.async, or TMA in the persistent schedule), then K / V blocks of 128 keys
+//     (TMA from one thread, or cp.async) into a two-stage ring (mbarriers "full" per stage, released through
+//     "empty");
 //   consumer warpgroups 0 / 1: 64 query rows each; per key block S = Q K^T (wgmma m64n128k16, both
 //     operands from shared memory), mask, online softmax in base 2, O += P V (wgmma m64n128k16 with P
-//     from registers, V MN-major). The two consumer warpgroups run independently, so one's softmax
-//     overlaps the other's GEMMs on the tensor cores.
+//     from registers, V MN-major). In the default (persistent) schedule S of one block is issued with P V of the
+//     one before, and the two warpgroups take turns to issue, so one's softmax runs under the other's GEMMs.
 // The running max moves lazily (seesaw::lazy_max): P <= 2^8, O / l rescaled only when it moves.
 // Rows with no visible key give out 0 and lse -inf (rows whose visible keys all score -inf: out and lse
 // NaN); NaN in q or a visible k / v row reaches that row's out and lse (fmaxf skips NaN in the max, the
