@@ -20,9 +20,16 @@ enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma, kPersistent
 /// (bench/results/2026-12-03-dense-prefill-schedules.log).
 constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPersistentTma;
 
+/// kPersistentTma with the softmax scale folded into the exponent's FMA (scale > 0; docs/dense-prefill.md, "The
+/// forward's instruction mix beside FA3's"): one instruction per score less, out / lse not bitwise today's (the
+/// exponent's argument rounds once). Off: not measured on the GPU yet (tools/dense_prefill_check: persistent_tma_fold).
+constexpr bool kFwdFoldScale = false;
+
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
-/// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too.
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0);
+/// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too;
+/// fold_scale: kFwdFoldScale's form (kPersistentTma with a positive scale only).
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0,
+                         bool fold_scale = kFwdFoldScale);
 
 /// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
 /// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk

@@ -60,7 +60,10 @@ struct FwdSmem {
 /// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
 /// (the thread's partial row sums; reduced over the quad in the epilogue). kMask: the block has keys some row
 /// does not see (softmax_step picks the form per block, so the unmasked form carries no per-element tests).
-template <bool kMask>
+/// kFold (scale_log2 > 0 only): the scale is folded into the exponent's FMA, P = exp2(fma(S, scale_log2, -m)), and the
+/// row max is taken over the unscaled scores, then scaled (the same value: x -> x * scale_log2 is monotone); one
+/// instruction per score less, and the exponent's argument rounded once instead of twice.
+template <bool kMask, bool kFold>
 __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int (&row)[2], int tq, int s_k,
                                               bool causal, int off, float scale_log2, float (&m_run)[2], float (&l)[2],
                                               float (&sc)[2]) {
@@ -69,7 +72,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int 
   for (int i = 0; i < 16; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float x = s[4 * i + e] * scale_log2;
+      float x = kFold ? s[4 * i + e] : s[4 * i + e] * scale_log2;
       if constexpr (kMask) {
         const int col = n0 + 8 * i + 2 * tq + (e & 1);
         const bool vis = col < s_k && (!causal || col <= row[e >> 1] + off);
@@ -80,6 +83,10 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int 
     }
   }
   seesaw::quad_rowmax(mx);
+  if constexpr (kFold) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) mx[e] *= scale_log2;
+  }
   float m_use[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -90,18 +97,20 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int 
   for (int i = 0; i < 16; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      s[4 * i + e] = exp2f(s[4 * i + e] - m_use[e >> 1]);
+      const float arg = kFold ? fmaf(s[4 * i + e], scale_log2, -m_use[e >> 1]) : s[4 * i + e] - m_use[e >> 1];
+      s[4 * i + e] = exp2f(arg);
       l[e >> 1] += s[4 * i + e];
     }
   }
 }
+template <bool kFold = false>
 __device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
                                              int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
                                              float (&l)[2], float (&sc)[2]) {
   if (need_mask)
-    softmax_block<true>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+    softmax_block<true, kFold>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
   else
-    softmax_block<false>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+    softmax_block<false, kFold>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
 }
 
 /// One tile of the forward: query rows [m0, m0 + 128) of head h of one request, and the key blocks it sees.
@@ -151,7 +160,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const KernelParams& p, int b, int h,
 /// stage rb & 1, round rb >> 1), Q's buffer has a "Q free" barrier (q_empty) that both consumer warpgroups arrive
 /// on after their tile's last S, so the producer loads the next tile's first K, Q and V while the consumers run
 /// the last P V and the epilogue. Tiles with no key block touch no barrier (their rows get out 0, lse -inf).
-template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent>
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent, bool kFold = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
                              const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
@@ -410,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float s[64];
         s_block(s, n);
         float sc[2];
-        softmax_step(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold>(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         seesaw::scale_rows(o, sc);
         uint32_t a[8][4];
         pack_a<T, 128>(s, a);
@@ -427,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           if (t.n_blocks == 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold>(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         pack_a<T, 128>(s, a);  // O is still 0: no rescale
       }
       if (kPingpong && wg == 1 && t.n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
@@ -457,7 +466,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           if (n == t.n_blocks - 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold>(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
         // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
         // depend on that.
@@ -524,13 +533,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <class T, int kD, FwdSchedule kSchedule>
+template <class T, int kD, FwdSchedule kSchedule, bool kFold = false>
 cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
                        const CUtensorMap& tmap_q, int m_tiles, int b, int persistent_ctas, cudaStream_t stream) {
   constexpr bool kPersistent = kSchedule == FwdSchedule::kPersistentTma;
   constexpr bool kTma = kSchedule == FwdSchedule::kPingpongTma || kPersistent;
   constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kTma;
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent>;
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent, kFold>;
   cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid = kPersistent ? dim3(persistent_ctas) : dim3(m_tiles, kp.h_q, b);
@@ -553,7 +562,7 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
 
 namespace dense_prefill {
 
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas) {
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas, bool fold_scale) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
@@ -606,9 +615,12 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
         return launch_fwd<TT, kDD, FwdSchedule::kPingpong>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
       case FwdSchedule::kPingpongTma:
         return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
-      case FwdSchedule::kPersistentTma:
-        return launch_fwd<TT, kDD, FwdSchedule::kPersistentTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
-                                                                 persistent_ctas, stream);
+      case FwdSchedule::kPersistentTma:  // the scale folded into the exponent's FMA needs a positive scale
+        return fold_scale && kp.scale_log2 > 0.f
+                   ? launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, true>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
+                                                                           persistent_ctas, stream)
+                   : launch_fwd<TT, kDD, FwdSchedule::kPersistentTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
+                                                                      persistent_ctas, stream);
       default: return launch_fwd<TT, kDD, FwdSchedule::kSerial>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
     }
   };
