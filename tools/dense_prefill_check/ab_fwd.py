@@ -1,10 +1,14 @@
-"""A/B of the dense prefill forward between two builds of the standalone check library
-(tools/dense-prefill-gpu-check.sh builds one; build the other from an older tree the same way): OLD's default
-schedule against NEW's pingpong_tma and persistent_tma, interleaved, on the 16 benchmark shapes (b 2, bf16, d_v 128,
-FLOPs as spec 5.5). Prints TFLOP/s per schedule (best of ROUNDS x 10 calls; check.py's timing, no L2 flush) and
-whether out / lse of the three are bitwise equal.
+"""A/B of dense prefill forward schedules, in one build of the standalone check library or two
+(tools/dense-prefill-gpu-check.sh builds one; tools/dense-prefill-ab.sh builds a tree and an older revision): each
+schedule named on the command line, interleaved, on the 16 benchmark shapes (b 2, bf16, d_v 128, FLOPs as spec 5.5:
+pairs * h * 2 (d + dv)). Prints TFLOP/s per schedule (best of ROUNDS x 10 calls; check.py's timing, no L2 flush) and
+whether out / lse of every schedule are bitwise equal to the first one's.
 
-Usage (GPU machine, repository root): python3 tools/dense_prefill_check/ab_fwd.py OLD.so NEW.so [ROUNDS]"""
+Usage (GPU machine, repository root):
+  python3 tools/dense_prefill_check/ab_fwd.py LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...] SCHEDULE ...
+  (schedules: default, serial, overlap, pingpong, pingpong_tma, persistent_tma, persistent_tma_fold,
+  persistent_tma_2cta; dense_prefill.h; "2:NAME" runs NAME of --lib2, e.g. an older tree's build)"""
+import argparse
 import math
 import os
 import statistics
@@ -21,39 +25,51 @@ SHAPES = [(s, h, hk, d, c) for s in (4096, 8192) for (h, hk) in ((128, 128), (32
 
 
 def main():
-    old, new = DensePrefillLib(sys.argv[1]), DensePrefillLib(sys.argv[2])
-    rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    ap = argparse.ArgumentParser()
+    ap.add_argument("lib")
+    ap.add_argument("schedules", nargs="+")
+    ap.add_argument("--lib2", default=None)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", nargs="*", default=None)
+    args = ap.parse_args()
+    libs = {"": DensePrefillLib(args.lib)}
+    if args.lib2:
+        libs["2:"] = DensePrefillLib(args.lib2)
+
+    def lib_of(sch):
+        return (libs["2:"], sch[2:]) if sch.startswith("2:") else (libs[""], sch)
+
     b, dv = 2, 128
+    first = args.schedules[0]
     res = {}
     for (s, h, hk, d, c) in SHAPES:
+        name = f"s{s}_h{h}-{hk}_d{d}{'_causal' if c else ''}"
+        if args.only and not any(o in name for o in args.only):
+            continue
         torch.manual_seed(0)
         q, k, v, _, cu_q, cu_k = make_inputs([s] * b, [s] * b, h, hk, d, dv, torch.bfloat16, "cuda")
         scale = (d + 100) ** -0.5
         flops = visible_pairs([s] * b, [s] * b, c) * h * 2 * (d + dv)
-        runs = {"old": (old, "default"), "new_pp": (new, "pingpong_tma"), "new_persist": (new, "persistent_tma")}
-        outs = {key: lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, c, schedule=sch) for key, (lib, sch) in runs.items()}
+        outs = {sch: lib_of(sch)[0].fwd(q, k, v, cu_q, cu_k, s, s, scale, c, schedule=lib_of(sch)[1])
+                for sch in args.schedules}
         torch.cuda.synchronize()
-
-        def same(x, y):
-            return torch.equal(outs[x][0], outs[y][0]) and torch.equal(outs[x][1].nan_to_num(), outs[y][1].nan_to_num())
-
-        times = {key: [] for key in runs}
-        for _ in range(rounds):
-            for key, (lib, sch) in runs.items():
-                o, lse = outs[key]
-                times[key].append(cuda_time_ms(lambda: lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, c, out=o, lse=lse,
-                                                               poison=False, schedule=sch)))
-        tf = {key: flops / 1e9 / min(t) for key, t in times.items()}
-        name = f"s{s}_h{h}-{hk}_d{d}{'_causal' if c else ''}"
-        print(f"{name:28s} old {tf['old']:6.1f}  new_pp {tf['new_pp']:6.1f}  persist {tf['new_persist']:6.1f}  "
-              f"persist/old {tf['new_persist'] / tf['old']:.3f}  pp/old {tf['new_pp'] / tf['old']:.3f}  "
-              f"bitwise persist==pp {same('new_persist', 'new_pp')} pp==old {same('new_pp', 'old')}", flush=True)
+        same = {sch: torch.equal(outs[sch][0], outs[first][0]) and
+                torch.equal(outs[sch][1].nan_to_num(), outs[first][1].nan_to_num()) for sch in args.schedules}
+        times = {sch: [] for sch in args.schedules}
+        for _ in range(args.rounds):
+            for sch in args.schedules:
+                (o, lse), (lb, sch_name) = outs[sch], lib_of(sch)
+                times[sch].append(cuda_time_ms(lambda: lb.fwd(q, k, v, cu_q, cu_k, s, s, scale, c, out=o, lse=lse,
+                                                              poison=False, schedule=sch_name)))
+        tf = {sch: flops / 1e9 / min(t) for sch, t in times.items()}
+        cols = "  ".join(f"{sch} {tf[sch]:6.1f}" for sch in args.schedules)
+        rel = "  ".join(f"{sch}/{first} {tf[sch] / tf[first]:.3f}" for sch in args.schedules[1:])
+        bits = " ".join(f"{sch}=={first} {same[sch]}" for sch in args.schedules[1:])
+        print(f"{name:28s} {cols}  {rel}  bitwise {bits}", flush=True)
         res[name] = tf
-
-    def geomean(key):
-        return math.exp(statistics.mean(math.log(r[key] / r["old"]) for r in res.values()))
-
-    print(f"geomean persist/old {geomean('new_persist'):.3f}  new_pp/old {geomean('new_pp'):.3f}")
+    for sch in args.schedules[1:]:
+        g = math.exp(statistics.mean(math.log(r[sch] / r[first]) for r in res.values()))
+        print(f"geomean {sch}/{first} {g:.3f}")
 
 
 if __name__ == "__main__":

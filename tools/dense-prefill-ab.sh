@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One device call's worth of dense prefill A/B: builds the standalone check library (the kernels + shim, no package) of
+# this tree and, when REV is given, of that git revision (its src/, include/ and tools/dense_prefill_check/), runs the
+# standalone correctness check of every schedule on this tree's build, then the forward and backward A/Bs, and packs
+# every log into ONE file, $OUT/dense-prefill-ab.tgz (the device returns only a few files).
+#
+# Usage (GPU machine, repository root; carry nothing but the tree, plus an older tree in build-ab/old when the device
+# copy has no git history):
+#   bash tools/dense-prefill-ab.sh [--old DIR] [--fwd "SCHEDULE ..."] [--bwd "SCHEDULE ..."] [--no-check]
+# --old DIR: a tree to build as the "2:" side of the A/Bs (e.g. `git archive REV src include tools/dense_prefill_check |
+#   tar -x -C build-ab/old` on the CPU machine); schedules named "2:NAME" run on it.
+# Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; W=/tmp/dense-prefill-ab; rm -rf "$W"; mkdir -p "$W" "$OUT"
+OLD=""; FWD="persistent_tma persistent_tma_fold"; BWD="two_kernel two_kernel_tma"; CHECK=1
+while [ $# -gt 0 ]; do
+  case $1 in
+    --old) OLD=$2; shift 2 ;;
+    --fwd) FWD=$2; shift 2 ;;
+    --bwd) BWD=$2; shift 2 ;;
+    --no-check) CHECK=0; shift ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+done
+export PYTHONUNBUFFERED=1
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+FLAGS=(-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -DFLASHMLA_WITH_CUDA=1 --expt-relaxed-constexpr
+       -lineinfo -Xptxas=-v,--warn-on-spills --use_fast_math -Xcompiler -fPIC -Iinclude -Isrc)
+build() {  # $1 = tree, $2 = output folder (lib.so and the ptxas logs)
+  local T=$1 B=$2; mkdir -p "$B"
+  ( cd "$T" || exit 1
+    "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/fwd.cu -o "$B/fwd.o" > "$B/ptxas-fwd.log" 2>&1 & a=$!
+    "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/bwd.cu -o "$B/bwd.o" > "$B/ptxas-bwd.log" 2>&1 & b=$!
+    "$NVCC" "${FLAGS[@]}" -x cu -c tools/dense_prefill_check/shim.cpp -o "$B/shim.o" > "$B/shim.log" 2>&1 & c=$!
+    "$NVCC" "${FLAGS[@]}" -x cu -c src/core/status.cpp -o "$B/status.o" > "$B/status.log" 2>&1 & d=$!
+    rc=0; for p in $a $b $c $d; do wait $p || rc=1; done
+    [ $rc = 0 ] && "$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/lib.so" )
+}
+echo "=== build $(date +%T)"
+build "$PWD" "$W/new" & pn=$!
+if [ -n "$OLD" ]; then build "$(cd "$OLD" && pwd)" "$W/old" & po=$!; wait $po || { echo "build of $OLD failed"; exit 1; }; fi
+wait $pn || { cat "$W"/new/*.log; echo "build failed"; exit 1; }
+grep -h "spill\|C75" "$W"/new/ptxas-*.log | sort | uniq -c
+LIB2=(); [ -n "$OLD" ] && LIB2=(--lib2 "$W/old/lib.so")
+rc=0
+if [ $CHECK = 1 ]; then
+  echo "=== check $(date +%T)"
+  timeout "${CHECK_TIMEOUT:-300}" python3 tools/dense_prefill_check/check.py --lib "$W/new/lib.so" --out "$W/check" --no-perf \
+    > "$W/check.log" 2>&1; rc=$?
+  echo "check rc=$rc, $(grep -c '^PASS' "$W/check.log") PASS"; grep "^FAIL\|failure" "$W/check.log" | head -20
+fi
+if [ -n "$FWD" ]; then
+  echo "=== forward A/B $(date +%T): $FWD"
+  timeout 300 python3 tools/dense_prefill_check/ab_fwd.py "$W/new/lib.so" "${LIB2[@]}" $FWD 2>&1 | tee "$W/ab-fwd.log"
+fi
+if [ -n "$BWD" ]; then
+  echo "=== backward A/B $(date +%T): $BWD"
+  timeout 300 python3 tools/dense_prefill_check/ab_bwd.py "$W/new/lib.so" "${LIB2[@]}" $BWD 2>&1 | tee "$W/ab-bwd.log"
+fi
+rm -f "$W"/*/*.o "$W"/*/lib.so
+tar czf "$OUT/dense-prefill-ab.tgz" -C "$W" .
+echo "=== done $(date +%T): $OUT/dense-prefill-ab.tgz"
+exit $rc
