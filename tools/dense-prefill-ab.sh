@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of dense prefill A/B: builds the standalone check library (the kernels + shim, no package) of
 # this tree and, when REV is given, of that git revision (its src/, include/ and tools/dense_prefill_check/), runs the
-# standalone correctness check of every schedule on this tree's build, then the forward and backward A/Bs, and packs
+# standalone correctness check of every schedule on this tree's build, then the forward and backward A/Bs (ab_schedules.py), and packs
 # every log into ONE file, $OUT/dense-prefill-ab.tgz (the device returns only a few files).
 #
 # Usage (GPU machine, repository root; carry nothing but the tree, plus an older tree in build-ab/old when the device
@@ -52,11 +52,11 @@ if [ $CHECK = 1 ]; then
 fi
 if [ -n "$FWD" ]; then
   echo "=== forward A/B $(date +%T): $FWD"
-  timeout 300 python3 tools/dense_prefill_check/ab_fwd.py "$W/new/lib.so" "${LIB2[@]}" $FWD 2>&1 | tee "$W/ab-fwd.log"
+  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py fwd "$W/new/lib.so" "${LIB2[@]}" $FWD 2>&1 | tee "$W/ab-fwd.log"
 fi
 if [ -n "$BWD" ]; then
   echo "=== backward A/B $(date +%T): $BWD"
-  timeout 300 python3 tools/dense_prefill_check/ab_bwd.py "$W/new/lib.so" "${LIB2[@]}" $BWD 2>&1 | tee "$W/ab-bwd.log"
+  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py bwd "$W/new/lib.so" "${LIB2[@]}" $BWD 2>&1 | tee "$W/ab-bwd.log"
 fi
 rm -f "$W"/*/*.o "$W"/*/lib.so
 tar czf "$OUT/dense-prefill-ab.tgz" -C "$W" .

@@ -1,13 +1,15 @@
-"""A/B of dense prefill backward schedules in one build of the standalone check library
-(tools/dense-prefill-gpu-check.sh builds it): each schedule named on the command line, interleaved, on the 16 benchmark
-shapes (b 2, bf16, d_v 128, FLOPs as spec 5.5: pairs * h * 2 (3 d + 2 dv)). Prints TFLOP/s per schedule (best of
-ROUNDS x 10 calls; check.py's timing, no L2 flush) and whether dq / dk / dv of every schedule are bitwise equal to the
-first one's.
+"""A/B of dense prefill schedules, forward or backward, in one build of the standalone check library or two
+(tools/dense-prefill-gpu-check.sh builds one; tools/dense-prefill-ab.sh builds a tree and an older tree): each schedule
+named on the command line, interleaved, on the 16 benchmark shapes (b 2, bf16, d_v 128; FLOPs as spec 5.5: forward
+pairs * h * 2 (d + dv), backward pairs * h * 2 (3 d + 2 dv)). Prints TFLOP/s per schedule (best of ROUNDS x 10 calls;
+check.py's timing, no L2 flush) and whether the outputs of every schedule (out / lse, or dq / dk / dv) are bitwise
+equal to the first one's.
 
 Usage (GPU machine, repository root):
-  python3 tools/dense_prefill_check/ab_bwd.py LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...] SCHEDULE ...
-  (schedules: two_kernel, fused_dq, two_kernel_tma; dense_prefill.h; "2:NAME" runs NAME of --lib2, e.g. an older
-  tree's build)"""
+  python3 tools/dense_prefill_check/ab_schedules.py fwd|bwd LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...]
+      SCHEDULE ...
+  (forward: default, serial, overlap, pingpong, pingpong_tma, persistent_tma, persistent_tma_fold, persistent_tma_2cta;
+  backward: default, two_kernel, fused_dq, two_kernel_tma; dense_prefill.h; "2:NAME" runs NAME of --lib2)"""
 import argparse
 import math
 import os
@@ -26,6 +28,7 @@ SHAPES = [(s, h, hk, d, c) for s in (4096, 8192) for (h, hk) in ((128, 128), (32
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("direction", choices=("fwd", "bwd"))
     ap.add_argument("lib")
     ap.add_argument("schedules", nargs="+")
     ap.add_argument("--lib2", default=None)
@@ -39,8 +42,9 @@ def main():
     def lib_of(sch):
         return (libs["2:"], sch[2:]) if sch.startswith("2:") else (libs[""], sch)
 
-    lib = libs[""]
+    bwd = args.direction == "bwd"
     b, dv = 2, 128
+    first = args.schedules[0]
     res = {}
     for (s, h, hk, d, c) in SHAPES:
         name = f"s{s}_h{h}-{hk}_d{d}{'_causal' if c else ''}"
@@ -49,19 +53,26 @@ def main():
         torch.manual_seed(0)
         q, k, v, dout, cu_q, cu_k = make_inputs([s] * b, [s] * b, h, hk, d, dv, torch.bfloat16, "cuda")
         scale = (d + 100) ** -0.5
-        flops = visible_pairs([s] * b, [s] * b, c) * h * 2 * (3 * d + 2 * dv)
-        out, lse = lib.fwd(q, k, v, cu_q, cu_k, s, s, scale, c)
-        grads = {sch: lib_of(sch)[0].bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout, schedule=lib_of(sch)[1])
-                 for sch in args.schedules}
+        flops = visible_pairs([s] * b, [s] * b, c) * h * 2 * ((3 * d + 2 * dv) if bwd else (d + dv))
+        if bwd:
+            out, lse = libs[""].fwd(q, k, v, cu_q, cu_k, s, s, scale, c)
+
+        def call(sch, into=None):
+            lb, sch_name = lib_of(sch)
+            if bwd:
+                return lb.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout, grads=into, poison=into is None,
+                              schedule=sch_name)
+            o, l2 = into if into is not None else (None, None)
+            return lb.fwd(q, k, v, cu_q, cu_k, s, s, scale, c, out=o, lse=l2, poison=into is None, schedule=sch_name)
+
+        results = {sch: call(sch) for sch in args.schedules}
         torch.cuda.synchronize()
-        first = args.schedules[0]
-        same = {sch: all(torch.equal(x, y) for x, y in zip(grads[sch], grads[first])) for sch in args.schedules}
+        same = {sch: all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(results[sch], results[first]))
+                for sch in args.schedules}
         times = {sch: [] for sch in args.schedules}
         for _ in range(args.rounds):
             for sch in args.schedules:
-                g, (lb, sch_name) = grads[sch], lib_of(sch)
-                times[sch].append(cuda_time_ms(lambda: lb.bwd(q, k, v, cu_q, cu_k, s, s, scale, c, out, lse, dout,
-                                                              grads=g, poison=False, schedule=sch_name)))
+                times[sch].append(cuda_time_ms(lambda: call(sch, results[sch])))
         tf = {sch: flops / 1e9 / min(t) for sch, t in times.items()}
         cols = "  ".join(f"{sch} {tf[sch]:6.1f}" for sch in args.schedules)
         rel = "  ".join(f"{sch}/{first} {tf[sch] / tf[first]:.3f}" for sch in args.schedules[1:])
