@@ -21,9 +21,10 @@ enum class FwdSchedule { kSerial, kOverlap, kPingpong, kPingpongTma, kPersistent
 constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPersistentTma;
 
 /// kPersistentTma with the softmax scale folded into the exponent's FMA (scale > 0; docs/dense-prefill.md, "The
-/// forward's instruction mix beside FA3's"): one instruction per score less, out / lse not bitwise today's (the
-/// exponent's argument rounds once). Off: not measured on the GPU yet (tools/dense_prefill_check: persistent_tma_fold).
-constexpr bool kFwdFoldScale = false;
+/// forward's instruction mix beside FA3's"): one instruction per score less; out / lse are not bitwise equal to the
+/// unfolded form (the exponent's argument rounds once). 0.966-1.065x the unfolded form's TFLOP/s on the 16 benchmark
+/// shapes, geomean 1.030 (H200, same call: bench/results/2026-12-04-dense-prefill-fwd-fold-ab.log).
+constexpr bool kFwdFoldScale = true;
 
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
 /// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too;
