@@ -381,7 +381,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto s_block = [&](float (&s)[64], int rb) {
     const int stage = rb & 1;
     mbar_wait(k_full(stage), (rb >> 1) & 1);
-    gmma::fence_proxy_async();  // cp.async (generic proxy) writes -> wgmma (async proxy) reads
+    // cp.async (generic proxy) writes -> wgmma (async proxy) reads. TMA writes are async-proxy ones, and the generic
+    // writes of a TMA schedule (zero_v_tail, the producer's clean_v) are fenced by their writers before they signal.
+    if constexpr (!kTma) gmma::fence_proxy_async();
     gmma::fence();
     issue_s(s, stage);
     gmma::commit_wait(s);
@@ -402,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // O += P V of the block in `stage` on its own (waited; V's stage full). The caller adds fix_pv for a checked
   // tile, then releases V's stage.
   auto pv_block = [&](const uint32_t (&a)[8][4], int stage) {
-    gmma::fence_proxy_async();
+    if constexpr (!kTma) gmma::fence_proxy_async();  // as in s_block
     gmma::reg_fence(o);
     gmma::fence();
     issue_pv(a, stage);
@@ -449,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(k_full(stage), (rb >> 1) & 1);
         mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
         zero_v_tail(pstage, n - 1);
-        gmma::fence_proxy_async();
+        if constexpr (!kTma) gmma::fence_proxy_async();  // as in s_block
         if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
         gmma::reg_fence(o);
         gmma::fence();
