@@ -16,6 +16,11 @@
 // NaN); NaN in q or a visible k / v row reaches that row's out and lse (fmaxf skips NaN in the max, the
 // NaN then flows through P, l and O).
 // Causal grids run their query tiles last-to-first so the longest CTAs start first.
+// Trace (tools/trace/dense_prefill_fwd_trace.cu; FLASHMLA_TRACE only, else no code): step = the CTA's ring block rb.
+// Roles 0 / 1, a consumer warpgroup's step (rb >= the tile's second block): 0 start, 1 K and V full, 2 its turn,
+// 3 S and P V issued, 4 S complete, 5 softmax done, 6 P V complete, 7 end. Role 2, the TMA thread: 0 before the wait for
+// K's stage, 1 K issued, 2 V issued. Role 3, warpgroup 0 per tile with key blocks (step = its Q tile count): 0 start,
+// 1 Q full, 2 epilogue start, 3 end.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -28,6 +33,7 @@
 #include <utility>
 
 #include "sm90/common/host_utils.h"
+#include "sm90/common/trace.cuh"
 #include "sm90/prefill/dense/common.cuh"
 #include "sm90/prefill/dense/dense_prefill.h"
 #include "sm90/sm90.h"
@@ -184,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_empty = bar + 88;                        // kPersistent: Q's tile done with (see above)
   uint32_t* const nonfinite_rows = reinterpret_cast<uint32_t*>(smem_raw + (bar + Smem::kBars - smem_u32(smem_raw)));
 
+  FLASHMLA_TRACE_DECL();
   // The tile: this CTA's (blockIdx) without kPersistent; with it, set by for_each_tile before each call of f.
   FwdTile t;
   if constexpr (!kPersistent) {
@@ -245,14 +252,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto load_kv = [&](int rb0, auto&& load_q) {
           for (int n = 0; n < t.n_blocks; ++n) {
             const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kFwdBN;
+            FLASHMLA_TRACE_EVENT(2, rb, 0, true);
             if (rb >= 2) mbar_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
             mbar_arrive_expect_tx(k_full(stage), Smem::kK);
             tma_load_tile<kFwdBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
+            FLASHMLA_TRACE_EVENT(2, rb, 1, true);
             if (n == 0) load_q();
             if (rb >= 2) mbar_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
             const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
             mbar_arrive_expect_tx(vb, Smem::kV);
             tma_load_tile<kFwdBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
+            FLASHMLA_TRACE_EVENT(2, rb, 2, true);
           }
         };
         if constexpr (kPersistent) {
@@ -412,9 +422,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
 
   // The tile t: key block n is ring block rb0 + n; Q's tile number q_tile (the parity of q_bar's phase).
+  [[maybe_unused]] const bool trace_thread = (tid & 127) == 0;  // the writer of a warpgroup's trace events
   auto run_tile = [&](int rb0, int q_tile) {
+    FLASHMLA_TRACE_EVENT(3, q_tile, 0, tid == 0);
     if constexpr (kPersistent) start_tile();
     if (!kPersistent || t.n_blocks > 0) mbar_wait(q_bar, kPersistent ? q_tile & 1 : 0);
+    FLASHMLA_TRACE_EVENT(3, q_tile, 1, tid == 0);
     if constexpr (!kOverlap) {
       for (int n = 0; n < t.n_blocks; ++n) {
         const int stage = n & 1;
@@ -448,22 +461,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         constexpr bool kChecked = decltype(checked)::value;
         const int rb = rb0 + n, stage = rb & 1, pstage = stage ^ 1;
         float s[64], sc[2];
+        FLASHMLA_TRACE_EVENT(wg, rb, 0, trace_thread);
         mbar_wait(k_full(stage), (rb >> 1) & 1);
         mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
+        FLASHMLA_TRACE_EVENT(wg, rb, 1, trace_thread);
         zero_v_tail(pstage, n - 1);
         if constexpr (!kTma) gmma::fence_proxy_async();  // as in s_block
         if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
+        FLASHMLA_TRACE_EVENT(wg, rb, 2, trace_thread);
         gmma::reg_fence(o);
         gmma::fence();
         issue_s(s, stage);
         gmma::commit();
         issue_pv(a, pstage);
         gmma::commit();
+        FLASHMLA_TRACE_EVENT(wg, rb, 3, trace_thread);
         if constexpr (kPingpong) {
           if (!(wg == 1 && n == t.n_blocks - 1)) seesaw::bar_arrive(3 - wg, 256);  // the other's turn
         }
         gmma::wait<1>();  // S_n done (groups complete in order); P_{n-1} V_{n-1} may still run
         gmma::reg_fence(s);
+        FLASHMLA_TRACE_EVENT(wg, rb, 4, trace_thread);
         mbar_arrive(k_empty(stage));
         if constexpr (kPersistent) {
           if (n == t.n_blocks - 1) mbar_arrive(q_empty);  // the tile's last S
@@ -473,13 +491,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
         // depend on that.
         end_block_after(l[0], l[1]);
+        FLASHMLA_TRACE_EVENT(wg, rb, 5, trace_thread);
         gmma::wait<0>();
         gmma::reg_fence(o);
+        FLASHMLA_TRACE_EVENT(wg, rb, 6, trace_thread);
         if constexpr (kChecked) fix_pv(a, pstage, n - 1);
         mbar_arrive(v_empty(pstage));
         // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
         if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
         pack_a<T, 128>(s, a);
+        FLASHMLA_TRACE_EVENT(wg, rb, 7, trace_thread);
       };
       const int n_plain = min(t.n_blocks, t.check_first + 1);
       for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
@@ -493,6 +514,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // Epilogue: out = O / l (0 for rows without a visible key), lse = ln(l) + m ln 2.
+    FLASHMLA_TRACE_EVENT(3, q_tile, 2, tid == 0);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
@@ -521,6 +543,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             l[e] == 0.f ? (has_key ? __int_as_float(0x7fc00000) : -INFINITY) : (m + log2f(l[e])) * kLn2;
       }
     }
+    FLASHMLA_TRACE_EVENT(3, q_tile, 3, tid == 0);
   };
 
   if constexpr (kPersistent) {
