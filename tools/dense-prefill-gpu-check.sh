@@ -19,7 +19,7 @@ B=build/dense-prefill-check; mkdir -p "$B"
 FLAGS=(-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -DFLASHMLA_WITH_CUDA=1 --expt-relaxed-constexpr
        -lineinfo -Xptxas=-v,--warn-on-spills --use_fast_math -Xcompiler -fPIC -Iinclude -Isrc)
 LIB="$B/libdense_prefill_check.so"
-SRCS=(src/sm90/prefill/dense/*.cu src/sm90/prefill/dense/*.cuh src/sm90/prefill/dense/*.h tools/dense_prefill_check/shim.cpp
+SRCS=(src/sm90/prefill/dense/*.cu src/sm90/prefill/dense/*.cuh src/sm90/prefill/dense/*.h tools/dense_prefill_check/shim.cpp tools/dense_prefill_check/standalone.h
       src/sm90/common/*.cuh src/sm90/common/*.h include/flashmla/*.h)
 if [ -f "$LIB" ] && [ -z "$(find "${SRCS[@]}" -newer "$LIB" 2>/dev/null)" ]; then
   echo "=== build: $LIB is up to date"

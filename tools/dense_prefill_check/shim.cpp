@@ -10,35 +10,14 @@
 
 #include "flashmla/ops.h"
 #include "sm90/prefill/dense/dense_prefill.h"
-#include "sm90/sm90.h"
-
-// The persistent forward sizes its grid by the SM count; the package's cached num_sms lives in the dense
-// decode launcher, which this check does not build.
-namespace flashmla::sm90 {
-int num_sms(int device_id) {
-  int n = 0;
-  return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_id) == cudaSuccess && n > 0 ? n : 132;
-}
-}  // namespace flashmla::sm90
+#include "standalone.h"
 
 namespace {
 using flashmla::DType;
 using flashmla::TensorRef;
 
-// meta: ndim shape entries then ndim stride entries.
 TensorRef ref(void* data, DType dt, int ndim, const int64_t* meta, int device) {
-  TensorRef t;
-  t.defined = true;
-  t.data = data;
-  t.dtype = dt;
-  t.ndim = ndim;
-  for (int i = 0; i < ndim; ++i) {
-    t.shape[i] = meta[i];
-    t.stride[i] = meta[ndim + i];
-  }
-  t.device.type = flashmla::DeviceType::kCUDA;
-  t.device.id = device;
-  return t;
+  return flashmla::standalone::cuda_ref(data, dt, ndim, meta, device);
 }
 
 int report(const flashmla::Status& s, char* err, int errlen) {

@@ -28,15 +28,7 @@
 
 #include "trace_host.cuh"
 #include "sm90/prefill/dense/fwd.cu"
-
-// The persistent forward sizes its grid by the SM count; the package's cached num_sms lives in the dense decode launcher,
-// which this program does not build.
-namespace flashmla::sm90 {
-int num_sms(int device_id) {
-  int n = 0;
-  return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_id) == cudaSuccess && n > 0 ? n : 132;
-}
-}  // namespace flashmla::sm90
+#include "../dense_prefill_check/standalone.h"
 
 namespace {
 
@@ -140,18 +132,12 @@ int selftest() {
 }
 
 flashmla::TensorRef ref(void* data, flashmla::DType dt, int ndim, const int64_t* shape, const int64_t* stride) {
-  flashmla::TensorRef t;
-  t.defined = true;
-  t.data = data;
-  t.dtype = dt;
-  t.ndim = ndim;
+  int64_t meta[8];
   for (int i = 0; i < ndim; ++i) {
-    t.shape[i] = shape[i];
-    t.stride[i] = stride[i];
+    meta[i] = shape[i];
+    meta[ndim + i] = stride[i];
   }
-  t.device.type = flashmla::DeviceType::kCUDA;
-  t.device.id = 0;
-  return t;
+  return flashmla::standalone::cuda_ref(data, dt, ndim, meta, 0);
 }
 
 __global__ void fill_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed) {
