@@ -908,7 +908,8 @@ def flash_attn_varlen_func(
     is deterministic (bitwise equal dk / dv across runs) and not differentiable itself: with
     ``create_graph=True`` the gradients it returns raise RuntimeError ("... differentiate twice ...")
     when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
-    by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv.
+    by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv; the CPU reference's float32 scratch is
+    about (512 + 32 * h_q / h_kv) * (d_qk + d_v) * 4 bytes per thread, independent of the sequence lengths.
 
     Raises (each message names the argument): ``TypeError`` for non-tensors, wrong dtypes and flags
     (``causal``, ``is_varlen``, ``deterministic``) given as strings, bytes or containers;

@@ -36,6 +36,10 @@ namespace flashmla::reference {
 namespace {
 
 constexpr int64_t kRowBlock = 32;  // query rows (forward, dq) or key rows (dk / dv) per work item
+// Rows of the other sequence (keys for the forward and dq, query rows for dk / dv) converted to float32 at a time, so
+// that a work item's memory does not grow with the sequence: ~kTile x (d_qk + d_v) x 4 bytes per thread besides the
+// item's own rows. The tiles are walked in order, so every sum adds its terms in the order of the untiled loops.
+constexpr int64_t kTile = 512;
 
 struct Problem {
   int64_t b = 0, h_q = 0, h_kv = 0, group = 1, d_qk = 0, d_v = 0;
@@ -104,38 +108,50 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
     parallel_for(static_cast<int64_t>(items.size()), [&](int64_t it) {
       const Item& w = items[it];
       const int64_t i = w.req, g = w.kv_head, q0 = pb.cu_q[i], k0 = pb.cu_k[i];
-      const int64_t row_end = std::min(w.row0 + kRowBlock, pb.s_q(i));
+      const int64_t row_end = std::min(w.row0 + kRowBlock, pb.s_q(i)), nrow = row_end - w.row0;
       const int64_t n_max = pb.visible(i, row_end - 1);  // visible() grows with the row
-      std::vector<float> k(static_cast<size_t>(n_max * pb.d_qk)), v(static_cast<size_t>(n_max * pb.d_v));
-      load_rows(p.k, k0, n_max, g, pb.fp16, k.data());
-      load_rows(p.v, k0, n_max, g, pb.fp16, v.data());
-      std::vector<float> q(static_cast<size_t>(pb.d_qk)), x(static_cast<size_t>(std::max<int64_t>(n_max, 1))),
-          o(static_cast<size_t>(pb.d_v));
-      for (int64_t r = w.row0; r < row_end; ++r) {
-        const int64_t n = pb.visible(i, r);
-        for (int64_t hh = 0; hh < pb.group; ++hh) {
-          const int64_t h = g * pb.group + hh;
-          std::fill(o.begin(), o.end(), 0.f);
-          float lse = -kInf;
-          if (n > 0) {
-            load_rows(p.q, q0 + r, 1, h, pb.fp16, q.data());
-            // The running max skips NaN scores; a NaN score still reaches the sum through exp(NaN).
-            float m = -kInf;
-            for (int64_t j = 0; j < n; ++j) {
-              x[j] = dot_f32(q.data(), k.data() + j * pb.d_qk, pb.d_qk) * pb.scale;
-              if (x[j] > m) m = x[j];
+      const int64_t pairs = nrow * pb.group;             // (row, head) of the item: row-major, heads fastest
+      // Per (row, head): q, the running max m, then sum and o. Two passes over the key tiles: the max of the scores,
+      // then exp(score - m) summed and accumulated into o (the scores recomputed: the same values).
+      std::vector<float> q(static_cast<size_t>(pairs * pb.d_qk)), m(static_cast<size_t>(pairs), -kInf),
+          sum(static_cast<size_t>(pairs), 0.f), o(static_cast<size_t>(pairs * pb.d_v), 0.f);
+      for (int64_t r = w.row0; r < row_end; ++r)
+        for (int64_t hh = 0; hh < pb.group; ++hh)
+          load_rows(p.q, q0 + r, 1, g * pb.group + hh, pb.fp16, q.data() + ((r - w.row0) * pb.group + hh) * pb.d_qk);
+      std::vector<float> k(static_cast<size_t>(kTile * pb.d_qk)), v(static_cast<size_t>(kTile * pb.d_v));
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+          const int64_t nt = std::min(kTile, n_max - j0);
+          load_rows(p.k, k0 + j0, nt, g, pb.fp16, k.data());
+          if (pass == 1) load_rows(p.v, k0 + j0, nt, g, pb.fp16, v.data());
+          for (int64_t r = w.row0; r < row_end; ++r) {
+            const int64_t n = std::min(pb.visible(i, r), j0 + nt);
+            for (int64_t hh = 0; hh < pb.group; ++hh) {
+              const int64_t x = (r - w.row0) * pb.group + hh;
+              const float* qx = q.data() + x * pb.d_qk;
+              for (int64_t j = j0; j < n; ++j) {
+                const float s = dot_f32(qx, k.data() + (j - j0) * pb.d_qk, pb.d_qk) * pb.scale;
+                if (pass == 0) {
+                  if (s > m[x]) m[x] = s;  // the running max skips NaN scores (exp(NaN) still reaches the sum)
+                } else {
+                  const float e = std::exp(s - m[x]);
+                  sum[x] += e;
+                  axpy(e, v.data() + (j - j0) * pb.d_v, o.data() + x * pb.d_v, pb.d_v);
+                }
+              }
             }
-            float sum = 0.f;
-            for (int64_t j = 0; j < n; ++j) {
-              x[j] = std::exp(x[j] - m);
-              sum += x[j];
-            }
-            for (int64_t j = 0; j < n; ++j) axpy(x[j], v.data() + j * pb.d_v, o.data(), pb.d_v);
-            for (float& e : o) e /= sum;
-            lse = m + std::log(sum);
           }
-          store_row(p.out, q0 + r, h, o.data(), pb.fp16);
-          *elem<float>(p.lse, q0 + r, h) = lse;
+        }
+      }
+      for (int64_t r = w.row0; r < row_end; ++r) {
+        const bool seen = pb.visible(i, r) > 0;
+        for (int64_t hh = 0; hh < pb.group; ++hh) {
+          const int64_t x = (r - w.row0) * pb.group + hh, h = g * pb.group + hh;
+          float* ox = o.data() + x * pb.d_v;
+          if (seen)
+            for (int64_t d = 0; d < pb.d_v; ++d) ox[d] /= sum[x];
+          store_row(p.out, q0 + r, h, ox, pb.fp16);
+          *elem<float>(p.lse, q0 + r, h) = seen ? m[x] + std::log(sum[x]) : -kInf;
         }
       }
     });
@@ -159,35 +175,50 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
       }
     });
 
-    // dq: blocks of query rows.
+    // dq: blocks of query rows; per (row, head) dq accumulated over the key tiles in order.
     const std::vector<Item> q_items = make_items(pb, [&](int64_t i) { return pb.s_q(i); });
     parallel_for(static_cast<int64_t>(q_items.size()), [&](int64_t it) {
       const Item& w = q_items[it];
       const int64_t i = w.req, g = w.kv_head, q0 = pb.cu_q[i], k0 = pb.cu_k[i];
-      const int64_t row_end = std::min(w.row0 + kRowBlock, pb.s_q(i));
+      const int64_t row_end = std::min(w.row0 + kRowBlock, pb.s_q(i)), nrow = row_end - w.row0;
       const int64_t n_max = pb.visible(i, row_end - 1);
-      std::vector<float> k(static_cast<size_t>(n_max * pb.d_qk)), v(static_cast<size_t>(n_max * pb.d_v));
-      load_rows(p.k, k0, n_max, g, pb.fp16, k.data());
-      load_rows(p.v, k0, n_max, g, pb.fp16, v.data());
-      std::vector<float> q(static_cast<size_t>(pb.d_qk)), dout(static_cast<size_t>(pb.d_v)),
-          dq(static_cast<size_t>(pb.d_qk));
-      for (int64_t r = w.row0; r < row_end; ++r) {
-        const int64_t n = pb.visible(i, r);
+      const int64_t pairs = nrow * pb.group;  // (row, head) of the item: row-major, heads fastest
+      std::vector<float> q(static_cast<size_t>(pairs * pb.d_qk)), dout(static_cast<size_t>(pairs * pb.d_v)),
+          dq(static_cast<size_t>(pairs * pb.d_qk), 0.f);
+      for (int64_t r = w.row0; r < row_end; ++r)
         for (int64_t hh = 0; hh < pb.group; ++hh) {
-          const int64_t h = g * pb.group + hh, t = q0 + r;
-          std::fill(dq.begin(), dq.end(), 0.f);
-          if (n > 0) {
-            load_rows(p.q, t, 1, h, pb.fp16, q.data());
-            load_rows(bp.dout, t, 1, h, pb.fp16, dout.data());
+          const int64_t x = (r - w.row0) * pb.group + hh, h = g * pb.group + hh;
+          load_rows(p.q, q0 + r, 1, h, pb.fp16, q.data() + x * pb.d_qk);
+          load_rows(bp.dout, q0 + r, 1, h, pb.fp16, dout.data() + x * pb.d_v);
+        }
+      std::vector<float> k(static_cast<size_t>(kTile * pb.d_qk)), v(static_cast<size_t>(kTile * pb.d_v));
+      for (int64_t j0 = 0; j0 < n_max; j0 += kTile) {
+        const int64_t nt = std::min(kTile, n_max - j0);
+        load_rows(p.k, k0 + j0, nt, g, pb.fp16, k.data());
+        load_rows(p.v, k0 + j0, nt, g, pb.fp16, v.data());
+        for (int64_t r = w.row0; r < row_end; ++r) {
+          const int64_t n = std::min(pb.visible(i, r), j0 + nt);
+          for (int64_t hh = 0; hh < pb.group; ++hh) {
+            const int64_t x = (r - w.row0) * pb.group + hh, h = g * pb.group + hh, t = q0 + r;
             const float lse = *elem<const float>(p.lse, t, h), dlt = delta[t * pb.h_q + h];
-            for (int64_t j = 0; j < n; ++j) {
-              const float pr = std::exp(dot_f32(q.data(), k.data() + j * pb.d_qk, pb.d_qk) * pb.scale - lse);
-              const float ds = pr * (dot_f32(dout.data(), v.data() + j * pb.d_v, pb.d_v) - dlt);
-              axpy(ds, k.data() + j * pb.d_qk, dq.data(), pb.d_qk);
+            const float *qx = q.data() + x * pb.d_qk, *dox = dout.data() + x * pb.d_v;
+            for (int64_t j = j0; j < n; ++j) {
+              const float* kj = k.data() + (j - j0) * pb.d_qk;
+              const float pr = std::exp(dot_f32(qx, kj, pb.d_qk) * pb.scale - lse);
+              const float ds = pr * (dot_f32(dox, v.data() + (j - j0) * pb.d_v, pb.d_v) - dlt);
+              axpy(ds, kj, dq.data() + x * pb.d_qk, pb.d_qk);
             }
-            for (float& e : dq) e *= pb.scale;
           }
-          store_row(bp.dq, t, h, dq.data(), pb.fp16);
+        }
+      }
+      for (int64_t r = w.row0; r < row_end; ++r) {
+        const bool seen = pb.visible(i, r) > 0;  // a row without keys keeps dq = 0 (not 0 * scale)
+        for (int64_t hh = 0; hh < pb.group; ++hh) {
+          const int64_t x = (r - w.row0) * pb.group + hh;
+          float* dqx = dq.data() + x * pb.d_qk;
+          if (seen)
+            for (int64_t d = 0; d < pb.d_qk; ++d) dqx[d] *= pb.scale;
+          store_row(bp.dq, q0 + r, g * pb.group + hh, dqx, pb.fp16);
         }
       }
     });
@@ -203,22 +234,26 @@ Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {
       load_rows(p.k, k0 + w.row0, nj, g, pb.fp16, k.data());
       load_rows(p.v, k0 + w.row0, nj, g, pb.fp16, v.data());
       std::vector<float> dk(static_cast<size_t>(nj * pb.d_qk), 0.f), dv(static_cast<size_t>(nj * pb.d_v), 0.f);
-      std::vector<float> q(static_cast<size_t>(nr * pb.d_qk)), dout(static_cast<size_t>(nr * pb.d_v));
+      // Query rows in tiles of kTile (each row's products added in the order of the untiled loop: head, then row).
+      std::vector<float> q(static_cast<size_t>(kTile * pb.d_qk)), dout(static_cast<size_t>(kTile * pb.d_v));
       for (int64_t hh = 0; hh < pb.group && nr > 0; ++hh) {
         const int64_t h = g * pb.group + hh;
-        load_rows(p.q, q0 + r_lo, nr, h, pb.fp16, q.data());
-        load_rows(bp.dout, q0 + r_lo, nr, h, pb.fp16, dout.data());
-        for (int64_t jl = 0; jl < nj; ++jl) {
-          const float* kj = k.data() + jl * pb.d_qk;
-          const float* vj = v.data() + jl * pb.d_v;
-          for (int64_t r = std::max(pb.first_row_seeing(i, w.row0 + jl), r_lo); r < s_q; ++r) {
-            const int64_t t = q0 + r, rl = r - r_lo;
-            const float* qr = q.data() + rl * pb.d_qk;
-            const float* dor = dout.data() + rl * pb.d_v;
-            const float pr = std::exp(dot_f32(qr, kj, pb.d_qk) * pb.scale - *elem<const float>(p.lse, t, h));
-            const float ds = pr * (dot_f32(dor, vj, pb.d_v) - delta[t * pb.h_q + h]);
-            axpy(pr, dor, dv.data() + jl * pb.d_v, pb.d_v);
-            axpy(ds, qr, dk.data() + jl * pb.d_qk, pb.d_qk);
+        for (int64_t t0 = r_lo; t0 < s_q; t0 += kTile) {
+          const int64_t nt = std::min(kTile, s_q - t0);
+          load_rows(p.q, q0 + t0, nt, h, pb.fp16, q.data());
+          load_rows(bp.dout, q0 + t0, nt, h, pb.fp16, dout.data());
+          for (int64_t jl = 0; jl < nj; ++jl) {
+            const float* kj = k.data() + jl * pb.d_qk;
+            const float* vj = v.data() + jl * pb.d_v;
+            for (int64_t r = std::max(pb.first_row_seeing(i, w.row0 + jl), t0); r < t0 + nt; ++r) {
+              const int64_t t = q0 + r, rl = r - t0;
+              const float* qr = q.data() + rl * pb.d_qk;
+              const float* dor = dout.data() + rl * pb.d_v;
+              const float pr = std::exp(dot_f32(qr, kj, pb.d_qk) * pb.scale - *elem<const float>(p.lse, t, h));
+              const float ds = pr * (dot_f32(dor, vj, pb.d_v) - delta[t * pb.h_q + h]);
+              axpy(pr, dor, dv.data() + jl * pb.d_v, pb.d_v);
+              axpy(ds, qr, dk.data() + jl * pb.d_qk, pb.d_qk);
+            }
           }
         }
       }
