@@ -292,6 +292,12 @@ TEST(ReferenceDensePrefill, MlaDimsGqaCausalLong) {
   run_case({"d192 gqa causal 129", {129, 33}, {129, 40}, 4, 1, 192, 128, true, false, 34});
 }
 
+TEST(ReferenceDensePrefill, SequencesAcrossSeveralTiles) {
+  // Keys (forward, dq) and query rows (dk / dv) past the reference's 512-row tiles, causal both ways and not, GQA.
+  run_case({"d128 gqa causal tiles", {530, 2, 1}, {1030, 600, 0}, 2, 1, 128, 128, true, false, 44});
+  run_case({"d192 tiles", {3, 520}, {1030, 40}, 2, 2, 192, 128, false, false, 45});
+}
+
 TEST(ReferenceDensePrefill, D128GqaCausalFp16) {
   run_case({"d128 gqa causal fp16", {40, 7}, {33, 12}, 4, 2, 128, 128, true, true, 35});
 }
