@@ -456,9 +456,9 @@ constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
-// validity bytes [buffer][64], then the any-invalid flags [buffer][4 producer warps]
 // validity bytes [buffer][64], then the any-invalid flags [buffer][4 producer warps] (bytes; alternating whole
-// blocks: 32-bit words, so that a producer warp can send its own to the peer)
+// blocks: 32-bit words, so that a producer warp can send its own to the peer; the build switch, not the kernel, sizes
+// it, so with the switch on the plain kernel's barriers move by 24 bytes too)
 constexpr int kSmemValid = 2 * kBlockN + (FLASHMLA_SPARSE_DECODE_CLUSTER_ALT != 0 ? 32 : 8);
 /// Alternating whole blocks: bytes the owner of a block sends into the peer's buffer for part PT: 64 rows x the part's
 /// 64-dim groups (+ the RoPE for part B) x 128 bytes, and with part A the 64 validity bytes and 4 any-invalid words.
