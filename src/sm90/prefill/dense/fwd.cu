@@ -17,7 +17,7 @@
 // NaN then flows through P, l and O).
 // Causal grids run their query tiles last-to-first so the longest CTAs start first.
 // Trace (tools/trace/dense_prefill_fwd_trace.cu; FLASHMLA_TRACE only, else no code): step = the CTA's ring block rb.
-// Roles 0 / 1, a consumer warpgroup's step (rb >= the tile's second block): 0 start, 1 K and V full, 2 its turn,
+// Roles 0 / 1, a consumer warpgroup's step (rb >= the tile's second block): 0 start, 1 K full (and V's: cp.async schedules), 2 its turn,
 // 3 S and P V issued, 4 S complete, 5 softmax done, 6 P V complete, 7 end. Role 2, the TMA thread: 0 before the wait for
 // K's stage, 1 K issued, 2 V issued. Role 3, warpgroup 0 per tile with key blocks (step = its Q tile count): 0 start,
 // 1 Q full, 2 epilogue start, 3 end.
@@ -463,9 +463,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         float s[64], sc[2];
         FLASHMLA_TRACE_EVENT(wg, rb, 0, trace_thread);
         mbar_wait(k_full(stage), (rb >> 1) & 1);
-        mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
+        // cp.async schedules: V's generic writes are fenced once with K's, before the turn. TMA schedules wait for
+        // V after issuing S (below), so that the wait is off the path from the turn to S.
+        if constexpr (!kTma) mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
         FLASHMLA_TRACE_EVENT(wg, rb, 1, trace_thread);
-        zero_v_tail(pstage, n - 1);
         if constexpr (!kTma) gmma::fence_proxy_async();  // as in s_block
         if constexpr (kPingpong) named_barrier_sync(2 + wg, 256);  // this warpgroup's turn
         FLASHMLA_TRACE_EVENT(wg, rb, 2, trace_thread);
@@ -473,6 +474,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::fence();
         issue_s(s, stage);
         gmma::commit();
+        if constexpr (kTma) {
+          mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
+          zero_v_tail(pstage, n - 1);
+          gmma::reg_fence(o);
+          gmma::fence();
+        }
         issue_pv(a, pstage);
         gmma::commit();
         FLASHMLA_TRACE_EVENT(wg, rb, 3, trace_thread);
