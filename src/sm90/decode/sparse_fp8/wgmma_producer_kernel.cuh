@@ -271,17 +271,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
-// How the cluster kernel's two CTAs share the dequantization (build switch, default 0):
-//   0: each CTA's producers dequantize half of every block's rows (row[rank], one row per thread) into both CTAs;
-//   1: each CTA's producers dequantize whole blocks, every other one (block g by the CTA of rank g & 1, two rows per
-//      thread as the plain kernel), into both CTAs, so that a producer pays its gathers' round trip once per two
-//      consumer steps (docs/sparse-fp8-decode.md, "Whole blocks by alternating CTAs"). RoPE mode 2 only. Built, not
-//      yet measured.
-#ifndef FLASHMLA_SPARSE_DECODE_CLUSTER_ALT
-#define FLASHMLA_SPARSE_DECODE_CLUSTER_ALT 0
-#endif
-static_assert(FLASHMLA_SPARSE_DECODE_CLUSTER_ALT == 0 || FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2,
-              "alternating whole blocks send the RoPE through registers (RoPE mode 2)");
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -414,17 +403,6 @@ __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar
 __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
-/// The same, also expecting `bytes` of transaction (the st.async bytes sent to that barrier's phase).
-__device__ __forceinline__ void arrive_expect_tx_remote(uint32_t cluster_addr, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;\n" ::"r"(cluster_addr), "r"(bytes)
-               : "memory");
-}
-/// 4 bytes into the peer's shared memory, as st16_async.
-__device__ __forceinline__ void st4_async(uint32_t addr, uint32_t v, uint32_t mbar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr), "r"(v),
-               "r"(mbar)
-               : "memory");
-}
 /// Wait (acquire at CTA scope, the PTX default, as CUTLASS's cluster barriers wait; the peer's
 /// bytes arrive by st.async, whose complete_tx is applied once they are in this CTA's shared
 /// memory). Acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try; CTA scope for both
@@ -456,15 +434,8 @@ constexpr uint32_t kPeerPartBytes = 32u * 128u * static_cast<uint32_t>(PartMap<F
 constexpr int kSmemQ = kTileBytes;
 constexpr int kSmemK = kTileBytes;
 constexpr int kSmemRed = 4 * 64 * 4;  // sM[64], sL[64], sScale[2][64]
-// validity bytes [buffer][64], then the any-invalid flags [buffer][4 producer warps] (bytes; alternating whole
-// blocks: 32-bit words, so that a producer warp can send its own to the peer; the build switch, not the kernel, sizes
-// it, so with the switch on the plain kernel's barriers move by 24 bytes too)
-constexpr int kSmemValid = 2 * kBlockN + (FLASHMLA_SPARSE_DECODE_CLUSTER_ALT != 0 ? 32 : 8);
-/// Alternating whole blocks: bytes the owner of a block sends into the peer's buffer for part PT: 64 rows x the part's
-/// 64-dim groups (+ the RoPE for part B) x 128 bytes, and with part A the 64 validity bytes and 4 any-invalid words.
-template <Fmt F, int PT>
-constexpr uint32_t kAltPeerPartBytes = 64u * 128u * static_cast<uint32_t>(PartMap<F, PT>::kGroups) +
-                                       (PT == 1 ? 64u * 128u : 64u + 16u);
+// validity bytes [buffer][64], then the any-invalid flags [buffer][4 producer warps]
+constexpr int kSmemValid = 2 * kBlockN + 8;
 constexpr int kSmemBar = 8 * 8;  // full[buffer][part], free[buffer][part]
 constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
@@ -480,14 +451,13 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
-  constexpr bool kAlt = kCluster && FLASHMLA_SPARSE_DECODE_CLUSTER_ALT != 0;  // alternating whole blocks
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
   float* sL = sRed + 64;
   float* sScale = sRed + 128;  // [buffer][64]
   uint8_t* sValid = reinterpret_cast<uint8_t*>(sRed + 4 * 64);  // [buffer][64]
-  uint8_t* sInval = sValid + 2 * kBlockN;  // [buffer][producer warp]: any slot of the warp's rows invalid (kAlt: words)
+  uint8_t* sInval = sValid + 2 * kBlockN;  // [buffer][producer warp]: any slot of the warp's rows invalid
   const uint32_t bar_u = sK_u + 2 * kSmemK + kSmemRed + kSmemValid;
   auto bar_full = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto bar_free = [&](int buf, int part) { return bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
@@ -537,10 +507,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
 
   if (tid == 0) {
-    // full: kFullCount producer arrivals (kAlt: the 4 warp arrivals of the block's owner, local or remote); free: one
-    // per warp of the part's consumer warpgroup(s).
+    // full: kFullCount producer arrivals; free: one per warp of the part's consumer warpgroup(s).
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, kAlt ? kProducers / 32 : kFullCount);
+    for (int i = 0; i < 4; ++i) mbar_init(bar_u + 8 * i, kFullCount);
 #pragma unroll
     for (int i = 4; i < 8; ++i) mbar_init(bar_u + 8 * i, 4 * (kCluster ? 2 : 1));
     fence_barrier_init();
@@ -654,16 +623,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       if (kCluster && t == 0) mbar_arrive_expect_tx(bar, peer_bytes);
       else mbar_arrive(bar);
     };
-    // kAlt: the owner's arrival on both CTAs' full barriers of part `part` of buffer x (one per warp; thread 0's
-    // remote one expects the `peer_bytes` sent by st.async). The owner waited for its free barrier, which counts both
-    // CTAs' consumers, so the peer's previous phase of that full barrier has completed.
-    [[maybe_unused]] auto alt_arrive = [&](int x, int part, uint32_t peer_bytes) {
-      __syncwarp();
-      if ((t & 31) != 0) return;
-      mbar_arrive(bar_full(x, part));
-      if (t == 0) cl::arrive_expect_tx_remote(r_bar_full(x, part), peer_bytes);
-      else cl::arrive_remote(r_bar_full(x, part));
-    };
     skip_empty();
     if (nreq <= end_req) {
       RowAddr ra;
@@ -730,83 +689,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                 if constexpr (F != Fmt::kV32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(rn.scl[i]));
               }
         };
-        if constexpr (kAlt) {
-          // Block g belongs to the CTA of rank x = g & 1: its producers dequantize both rows of every thread into both
-          // CTAs (st.shared + st.async), write the validity bytes and any-invalid words into both, and arrive on both
-          // CTAs' full barriers (4 warp arrivals each; the peer's with the bytes sent). The other CTA's producers only
-          // walk (the next block, theirs, needs its addresses). The consumers release each part on both CTAs' free
-          // barriers as in the half-rows form; only the owner waits on its own.
-          if (static_cast<uint32_t>(x) != rank) {
-            next_addresses(0, 2);
-          } else {
-            const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-            RowPart<F, 0> pa0, pa1;
-            RowPart<F, 1> pb0, pb1;
-            RowRope rr0, rr1;
-            row_part_load<F, 0>(pa0, ra.rec[0], ra.scl[0], j);
-            row_part_load<F, 0>(pa1, ra.rec[1], ra.scl[1], j);
-            row_part_load<F, 1>(pb0, ra.rec[0], ra.scl[0], j);
-            row_part_load<F, 1>(pb1, ra.rec[1], ra.scl[1], j);
-            row_rope_load<F>(rr0, ra.rec[0], j);
-            row_rope_load<F>(rr1, ra.rec[1], j);
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
-            if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
-            auto put_a = [&](uint32_t off, uint4 v) {
-              *reinterpret_cast<uint4*>(sKx + off) = v;
-              cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
-            };
-            row_part_store<F, 0>(pa0, row[0], j, put_a);
-            row_part_store<F, 0>(pa1, row[1], j, put_a);
-            {
-              // Validity of the warp's 16 rows as 4 words (rows 8w + L .. 8w + L + 3 and the same + 32, L = 0, 4: lanes
-              // L .. L + 3 of the quarter j = 0 hold them), and the warp's any-invalid word; local and sent.
-              const uint32_t v0 = ra.rec[0] != 0 ? 1u : 0u, v1 = ra.rec[1] != 0 ? 1u : 0u;
-              uint32_t w0 = v0, w1 = v1;
-#pragma unroll
-              for (int k = 1; k < 4; ++k) {
-                w0 |= __shfl_down_sync(0xffffffffu, v0, k) << (8 * k);
-                w1 |= __shfl_down_sync(0xffffffffu, v1, k) << (8 * k);
-              }
-              const bool any = __any_sync(0xffffffffu, j == 0 && (v0 == 0u || v1 == 0u));
-              const int lane_p = t & 31, wp = t >> 5;
-              if (lane_p == 0 || lane_p == 4) {
-                uint8_t* vb = sValid + x * kBlockN + 8 * wp + lane_p;
-                *reinterpret_cast<uint32_t*>(vb) = w0;
-                *reinterpret_cast<uint32_t*>(vb + 32) = w1;
-                const uint32_t rv = cl::mapa(smem_u32(vb), rank ^ 1u);
-                cl::st4_async(rv, w0, r_bar_full(x, 0));
-                cl::st4_async(rv + 32, w1, r_bar_full(x, 0));
-              }
-              if (lane_p == 0) {
-                uint32_t* fw = reinterpret_cast<uint32_t*>(sInval) + x * 4 + wp;
-                *fw = any ? 1u : 0u;
-                cl::st4_async(cl::mapa(smem_u32(fw), rank ^ 1u), any ? 1u : 0u, r_bar_full(x, 0));
-              }
-            }
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
-            gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
-            alt_arrive(x, 0, kAltPeerPartBytes<F, 0>);
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
-            rn = ra;  // the next block is the peer's: no addresses needed (the walk computes them in its step)
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 5, t == 0);
-            if (use > 0) cl::wait(bar_free(x, 1), static_cast<uint32_t>((use - 1) & 1));
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 6, t == 0);
-            auto put_b = [&](uint32_t off, uint4 v) {
-              *reinterpret_cast<uint4*>(sKx + off) = v;
-              cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
-            };
-            row_rope_store<F>(rr0, row[0], j, put_b);
-            row_rope_store<F>(rr1, row[1], j, put_b);
-            row_part_store<F, 1>(pb0, row[0], j, put_b);
-            row_part_store<F, 1>(pb1, row[1], j, put_b);
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
-            gmma::fence_proxy_async();
-            alt_arrive(x, 1, kAltPeerPartBytes<F, 1>);
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
-            FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 9, t == 0);
-          }
-        } else if constexpr (kCluster) {
+        if constexpr (kCluster) {
           // One row (row[rank]: this CTA's half of the block) dequantized into both CTAs; the
           // RoPE and validity of both rows locally.
           const bool hi = rank != 0;
@@ -1037,14 +920,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 4, tid == 0);
 
         float mx[2] = {-INFINITY, -INFINITY};
-        bool all_valid;
-        if constexpr (kAlt) {
-          const uint4 f = *reinterpret_cast<const uint4*>(sInval + x * 16);
-          all_valid = (f.x | f.y | f.z | f.w) == 0u;
-        } else {
-          all_valid = *reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0;
-        }
-        if (all_valid) {
+        if (*reinterpret_cast<const uint32_t*>(sInval + x * 4) == 0) {
           scale_rowmax(s, p.scale_log2, mx);
         } else {
           mask_rowmax(s, sValid + x * kBlockN, p.scale_log2, tq, mx);
