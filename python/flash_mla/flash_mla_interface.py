@@ -407,6 +407,12 @@ def flash_mla_with_kvcache(
     presence = (topk_length is not None, extra_topk_length is not None)
     if sched.have_initialized:
         if sched._config_key != config_key:
+            if not isinstance(sched.config, FlashMLASchedMeta.Config):
+                raise SchedMetaMismatchError(
+                    f"sched_meta: have_initialized is True but config is {type(sched.config).__name__}, not a "
+                    "FlashMLASchedMeta.Config; a FlashMLASchedMeta is filled by the first decode call that takes it: "
+                    "pass a new get_mla_metadata()[0]"
+                )
             config = FlashMLASchedMeta.Config(*config_key)
             if sched.config != config:
                 for field in dataclasses.fields(config):

@@ -329,6 +329,16 @@ def test_reuse_with_changed_call_raises(rng, what):
     assert "sched" in str(err) or "cache_seqlens" in str(err)
 
 
+@pytest.mark.parametrize("config", [None, "not a config"])
+def test_hand_made_initialized_sched_meta_raises(rng, config):
+    """A FlashMLASchedMeta built by hand with have_initialized=True and no Config (its fields are public) is
+    refused with SchedMetaMismatchError naming sched_meta, not an AttributeError from inside the reuse check."""
+    case = gen_dense_case(rng, b=2, s_q=1, h_q=16, h_kv=1, d=576, s_k=100)
+    sched = flash_mla.FlashMLASchedMeta(have_initialized=True, config=config)
+    with pytest.raises(flash_mla.SchedMetaMismatchError, match=r"^sched_meta: have_initialized is True but config"):
+        flash_mla.flash_mla_with_kvcache(case.q, case.k_cache, case.block_table, case.cache_seqlens, 512, sched)
+
+
 def test_is_fp8_kvcache_ignored_by_dense_decoding(rng):
     """As FlashMLA (spec §1.3 step 4: the dense path does not pass the flag on): is_fp8_kvcache=True with a
     BF16 cache and no indices decodes as usual; an FP8 (uint8) cache without indices is refused by k_cache's
