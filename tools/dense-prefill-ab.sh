@@ -10,6 +10,8 @@
 # --old DIR: a tree to build as the "2:" side of the A/Bs (e.g. `git archive REV src include tools/dense_prefill_check |
 #   tar -x -C build-ab/old` on the CPU machine); schedules named "2:NAME" run on it.
 # Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
+# NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DFLASHMLA_DENSE_PREFILL_SOFTMAX_ORDER=1
+#   with --old . to A/B a build switch against the same tree without it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; W=/tmp/dense-prefill-ab; rm -rf "$W"; mkdir -p "$W" "$OUT"
@@ -27,18 +29,18 @@ export PYTHONUNBUFFERED=1
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 FLAGS=(-std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -DFLASHMLA_WITH_CUDA=1 --expt-relaxed-constexpr
        -lineinfo -Xptxas=-v,--warn-on-spills --use_fast_math -Xcompiler -fPIC -Iinclude -Isrc)
-build() {  # $1 = tree, $2 = output folder (lib.so and the ptxas logs)
-  local T=$1 B=$2; mkdir -p "$B"
+build() {  # $1 = tree, $2 = output folder (lib.so and the ptxas logs), $3 = extra nvcc flags (one word or none)
+  local T=$1 B=$2 X=${3:-}; mkdir -p "$B"
   ( cd "$T" || exit 1
-    "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/fwd.cu -o "$B/fwd.o" > "$B/ptxas-fwd.log" 2>&1 & a=$!
-    "$NVCC" "${FLAGS[@]}" -c src/sm90/prefill/dense/bwd.cu -o "$B/bwd.o" > "$B/ptxas-bwd.log" 2>&1 & b=$!
+    "$NVCC" "${FLAGS[@]}" ${X:+"$X"} -c src/sm90/prefill/dense/fwd.cu -o "$B/fwd.o" > "$B/ptxas-fwd.log" 2>&1 & a=$!
+    "$NVCC" "${FLAGS[@]}" ${X:+"$X"} -c src/sm90/prefill/dense/bwd.cu -o "$B/bwd.o" > "$B/ptxas-bwd.log" 2>&1 & b=$!
     "$NVCC" "${FLAGS[@]}" -x cu -c tools/dense_prefill_check/shim.cpp -o "$B/shim.o" > "$B/shim.log" 2>&1 & c=$!
     "$NVCC" "${FLAGS[@]}" -x cu -c src/core/status.cpp -o "$B/status.o" > "$B/status.log" 2>&1 & d=$!
     rc=0; for p in $a $b $c $d; do wait $p || rc=1; done
     [ $rc = 0 ] && "$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/lib.so" )
 }
 echo "=== build $(date +%T)"
-build "$PWD" "$W/new" & pn=$!
+build "$PWD" "$W/new" "${NEW_FLAGS:-}" & pn=$!
 if [ -n "$OLD" ]; then build "$(cd "$OLD" && pwd)" "$W/old" & po=$!; wait $po || { echo "build of $OLD failed"; exit 1; }; fi
 wait $pn || { cat "$W"/new/*.log; echo "build failed"; exit 1; }
 grep -h "spill\|C75" "$W"/new/ptxas-*.log | sort | uniq -c
