@@ -19,6 +19,7 @@
 #include <tvm/ffi/optional.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -58,6 +59,43 @@ void check(const Status& st) {
 void check_tagged(const Status& st) {
   if (!st.ok())
     TVM_FFI_THROW(RuntimeError) << "[flash_mla:" << flashmla::error_kind_name(st.kind) << "] " << st.message;
+}
+
+// The dense prefill's packed-sequence arguments as the public function the caller called names them
+// (python/flash_mla/flash_mla_interface.py, VARLEN_ARG_NAMES / QKVPACKED_ARG_NAMES): the XLA custom calls' value
+// errors surface when a jitted function runs, after the Python frame that renames the others. `names`: 0 the
+// core's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), 1 flash_attn_varlen_func's, 2 the qkv-packed
+// function's. Whole words only: cu_seqlens_q inside cu_seqlens_qo is left alone.
+std::string with_seqlen_names(const std::string& msg, int64_t names) {
+  static const char* const kCore[4] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"};
+  static const char* const kVarlen[4] = {"cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"};
+  static const char* const kQkvPacked[4] = {"cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen"};
+  if (names != 1 && names != 2) return msg;
+  const char* const* to = names == 1 ? kVarlen : kQkvPacked;
+  auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
+  std::string r;
+  for (size_t i = 0; i < msg.size();) {
+    bool replaced = false;
+    if (i == 0 || !word_char(msg[i - 1])) {
+      for (int a = 0; a < 4; ++a) {
+        const size_t n = std::strlen(kCore[a]);
+        if (msg.compare(i, n, kCore[a]) == 0 && (i + n == msg.size() || !word_char(msg[i + n]))) {
+          r += to[a];
+          i += n;
+          replaced = true;
+          break;
+        }
+      }
+    }
+    if (!replaced) r += msg[i++];
+  }
+  return r;
+}
+
+void check_tagged(const Status& st, int64_t seqlen_names) {
+  if (!st.ok())
+    TVM_FFI_THROW(RuntimeError) << "[flash_mla:" << flashmla::error_kind_name(st.kind) << "] "
+                                << with_seqlen_names(st.message, seqlen_names);
 }
 
 DType to_dtype(DLDataType t, const char* name) {
@@ -470,41 +508,42 @@ void bind_workspace(const ffi::TensorView& workspace, int64_t needed, flashmla::
 }
 
 /// Dense MHA prefill forward into XLA's buffers: out (total_q, h_q, d_v), lse_t (h_q, total_q) float32,
-/// workspace (>= dense_prefill_check(...) bytes).
+/// workspace (>= dense_prefill_check(...) bytes). `seqlen_names`: the names its value errors give the packed-sequence
+/// arguments (with_seqlen_names).
 void dense_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v, ffi::TensorView cu_seqlens_q,
                            ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                           double softmax_scale, bool causal, ffi::TensorView out, ffi::TensorView lse_t,
-                           ffi::TensorView workspace) {
+                           double softmax_scale, bool causal, int64_t seqlen_names, ffi::TensorView out,
+                           ffi::TensorView lse_t, ffi::TensorView workspace) {
   auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, softmax_scale, causal);
   int64_t ws_bytes = 0;
-  check_tagged(flashmla::dense_prefill_plan(p, &ws_bytes));
+  check_tagged(flashmla::dense_prefill_plan(p, &ws_bytes), seqlen_names);
   p.out = to_ref(out, "out");
   p.lse = transposed(to_ref(lse_t, "lse"));
   bind_workspace(workspace, ws_bytes, p.q.device, &p.workspace, &p.workspace_bytes);
   p.stream = stream_for(p.q);
-  check_tagged(flashmla::dense_prefill_fwd(p));
+  check_tagged(flashmla::dense_prefill_fwd(p), seqlen_names);
 }
 
 /// Dense MHA prefill backward into XLA's buffers; `lse_t` is the forward's (h_q, total_q) buffer.
 void dense_prefill_bwd_dps(ffi::TensorView dout, ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
                            ffi::TensorView out, ffi::TensorView lse_t, ffi::TensorView cu_seqlens_q,
                            ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                           double softmax_scale, bool causal, ffi::TensorView dq, ffi::TensorView dk,
-                           ffi::TensorView dv, ffi::TensorView workspace) {
+                           double softmax_scale, bool causal, int64_t seqlen_names, ffi::TensorView dq,
+                           ffi::TensorView dk, ffi::TensorView dv, ffi::TensorView workspace) {
   auto ref = [](const ffi::TensorView& t, const char* name) {
     return std::strcmp(name, "lse") == 0 ? transposed(to_ref(t, name)) : to_ref(t, name);
   };
   auto p = flashmla::bindings::dense_prefill_bwd_params(ref, dout, q, k, v, out, lse_t, cu_seqlens_q, cu_seqlens_k,
                                                        max_seqlen_q, max_seqlen_k, softmax_scale, causal);
   int64_t ws_bytes = 0;
-  check_tagged(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
+  check_tagged(flashmla::dense_prefill_bwd_plan(p, &ws_bytes), seqlen_names);
   p.dq = to_ref(dq, "dq");
   p.dk = to_ref(dk, "dk");
   p.dv = to_ref(dv, "dv");
   bind_workspace(workspace, ws_bytes, p.fwd.q.device, &p.workspace, &p.workspace_bytes);
   p.stream = stream_for(p.fwd.q);
-  check_tagged(flashmla::dense_prefill_bwd(p));
+  check_tagged(flashmla::dense_prefill_bwd(p), seqlen_names);
 }
 
 // ------------------------------------------------------------------ shape/dtype checks without data

@@ -125,9 +125,9 @@ def _register() -> Tuple[str, ...]:
         "sparse_decode_fwd_dps": ["args", "attrs.head_dim_v", "attrs.softmax_scale", "attrs.present", "rets"],
         "sparse_prefill_fwd_dps": ["args", "attrs.sm_scale", "attrs.d_v", "attrs.present", "rets"],
         "dense_prefill_fwd_dps": ["args", "attrs.max_seqlen_q", "attrs.max_seqlen_k", "attrs.softmax_scale",
-                                  "attrs.causal", "rets"],
+                                  "attrs.causal", "attrs.seqlen_names", "rets"],
         "dense_prefill_bwd_dps": ["args", "attrs.max_seqlen_q", "attrs.max_seqlen_k", "attrs.softmax_scale",
-                                  "attrs.causal", "rets"],
+                                  "attrs.causal", "attrs.seqlen_names", "rets"],
     }
     platforms = ["cpu"]
     if _ffi.has_cuda_backend():
@@ -319,7 +319,19 @@ def _prefill_workspace(bwd: bool, tensors: Tuple[Any, ...], scalars: Tuple[int, 
     return max(sizes) if sizes else 0
 
 
-def _prefill_fwd(q, k, v, cu_q, cu_k, scalars):
+def _seqlen_names_code(names: Tuple[str, ...], args: Tuple[Any, ...]) -> np.int64:
+    """The dps functions' `seqlen_names` (bindings/tvm_ffi/module.cpp): which names their value errors give the
+    packed-sequence arguments. Traced calls (jax.jit), whose errors surface when the computation runs, after the
+    caller's frame: 1 flash_attn_varlen_func's (cu_seqlens_qo, ...), 2 the qkv-packed one's (cu_seqlens,
+    max_seqlen). Eager calls: 0, the core's names, which the caller's frame renames (call_naming_seqlens)."""
+    import jax
+
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        return np.int64(0)
+    return np.int64(2 if names[0] == "cu_seqlens" else 1)
+
+
+def _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names):
     import jax
     import jax.numpy as jnp
 
@@ -334,11 +346,12 @@ def _prefill_fwd(q, k, v, cu_q, cu_k, scalars):
     max_q, max_k, scale, causal = scalars
     out, lse_t, _ = _ffi_call("flash_mla.dense_prefill_fwd_dps", results, q, k, v, cu_q, cu_k,
                               max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
-                              softmax_scale=np.float64(scale), causal=np.bool_(causal))
+                              softmax_scale=np.float64(scale), causal=np.bool_(causal),
+                              seqlen_names=_seqlen_names_code(names, (q, k, v, cu_q, cu_k)))
     return out, lse_t
 
 
-def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars):
+def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars, names):
     import jax
     import jax.numpy as jnp
 
@@ -353,42 +366,46 @@ def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars):
     max_q, max_k, scale, causal = scalars
     dq, dk, dv, _ = _ffi_call("flash_mla.dense_prefill_bwd_dps", results, dout, q, k, v, out, lse_t, cu_q, cu_k,
                               max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
-                              softmax_scale=np.float64(scale), causal=np.bool_(causal))
+                              softmax_scale=np.float64(scale), causal=np.bool_(causal),
+                              seqlen_names=_seqlen_names_code(names, (dout, q, k, v, out, lse_t, cu_q, cu_k)))
     return dq, dk, dv
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_vjp(scalars: Tuple[int, int, float, bool]):
+def _prefill_vjp(scalars: Tuple[int, int, float, bool], names: Tuple[str, ...]):
     """The dense prefill of these static arguments as a jax.custom_vjp of (q, k, v, cu_seqlens_q, cu_seqlens_k)
     -> (out, lse); the cotangent of lse is discarded (as FlashMLA's), cu_seqlens get none."""
     import jax
 
     @jax.custom_vjp
     def attention(q, k, v, cu_q, cu_k):
-        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars)
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names)
         return out, lse_t.T
 
     def fwd(q, k, v, cu_q, cu_k):
-        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars)
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names)
         return (out, lse_t.T), (q, k, v, cu_q, cu_k, out, lse_t)
 
     def bwd(res, cotangents):
         q, k, v, cu_q, cu_k, out, lse_t = res
         dout, _ = cotangents
-        dq, dk, dv = _prefill_bwd(dout.astype(q.dtype), q, k, v, out, lse_t, cu_q, cu_k, scalars)
+        dq, dk, dv = _prefill_bwd(dout.astype(q.dtype), q, k, v, out, lse_t, cu_q, cu_k, scalars, names)
         return dq, dk, dv, None, None
 
     attention.defvjp(fwd, bwd)
     return attention
 
 
-def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
+def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                  names: Tuple[str, ...] = ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv")):
     """Dense MHA prefill as XLA custom calls with a jax.custom_vjp (jax.grad / jax.vjp give dq, dk, dv;
-    usable under jax.jit). Returns (out, lse), lse (total_q, h_q)."""
+    usable under jax.jit). Returns (out, lse), lse (total_q, h_q). `names`: the caller's names of
+    (cu_seqlens of q, of k, max_seqlen of q, of k), which the value errors raised when the call runs give."""
     import jax.numpy as jnp
 
     _register()
-    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)))(jnp.asarray(q), k, v, cu_q, cu_k)
+    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)), tuple(names))(
+        jnp.asarray(q), k, v, cu_q, cu_k)
 
 
 def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
@@ -400,4 +417,5 @@ def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: in
     if lse.ndim != 2:
         raise ValueError(f"lse: expected a 2-D tensor (total_q, h_q), got shape {tuple(lse.shape)}")
     return _prefill_bwd(dout, jnp.asarray(q), k, v, out, lse.T, cu_q, cu_k,
-                        (int(max_q), int(max_k), float(scale), bool(causal)))
+                        (int(max_q), int(max_k), float(scale), bool(causal)),
+                        ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"))

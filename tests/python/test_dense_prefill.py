@@ -788,6 +788,26 @@ def test_jax_custom_vjp_grad_and_jit(rng):
     # (values: checked when the CPU custom call runs, named as flash_attn_varlen_func names them)
     with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 1 has 7 tokens, more than max_seqlen_qo = 6$"):
         jax.block_until_ready(flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, case.max_k))
+    # Under jax.jit the same value errors surface when the compiled function runs (JaxRuntimeError, after the
+    # caller's frame): the custom call names the arguments itself, as the public function the caller called does.
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"\[flash_mla:ValueError\] cu_seqlens_qo: request 1 has 7 tokens, more than max_seqlen_qo = 6"):
+        jax.block_until_ready(jax.jit(
+            lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, case.max_k)[0])(q, k, v))
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"\[flash_mla:ValueError\] cu_seqlens_kv: request 0 has 7 tokens, more than max_seqlen_kv = 6"):
+        jax.block_until_ready(jax.jit(
+            lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, 6)[0])(q, k, v))
+    qkv = jnp.concatenate([q, q, q[..., :128]], axis=-1)  # h_q = h_kv for the packed form
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"\[flash_mla:ValueError\] cu_seqlens: request 1 has 7 tokens, more than max_seqlen = 6"):
+        jax.block_until_ready(jax.jit(
+            lambda x: flash_mla.flash_attn_varlen_qkvpacked_func(x, cu_q, 6, 192)[0])(qkv))
+    # The failed runs leave JAX's runtime token of side-effecting calls in error (jax.effects_barrier would raise
+    # it again); a good run replaces it.
+    jax.block_until_ready(jax.jit(
+        lambda x: flash_mla.flash_attn_varlen_qkvpacked_func(x, cu_q, case.max_q, 192)[0])(qkv))
+    jax.effects_barrier()
 
 
 def test_cupy_or_paddle_if_installed(rng):
