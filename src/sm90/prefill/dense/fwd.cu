@@ -52,6 +52,19 @@ constexpr int kFwdBM = 128, kFwdBN = 128, kDV = 128;
 #endif
 constexpr bool kSoftmaxRowByRow = (FLASHMLA_DENSE_PREFILL_SOFTMAX_ORDER & 1) != 0;
 constexpr bool kSoftmaxFreeTail = (FLASHMLA_DENSE_PREFILL_SOFTMAX_ORDER & 2) != 0;
+// Build switch for an A/B of the TMA producer's waits (default 0, the shipped polling): 1, the TMA thread's waits for
+// free stages and warps 1-3's waits for checked V tiles sleep between polls, so that they take fewer issue slots from
+// the consumer warps on their SM sub-partitions (ncu: ~0.2e9 try-wait instructions at s8192 h128 d128 causal).
+#ifndef FLASHMLA_DENSE_PREFILL_PRODUCER_BACKOFF
+#define FLASHMLA_DENSE_PREFILL_PRODUCER_BACKOFF 0
+#endif
+__device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity) {
+  if constexpr (FLASHMLA_DENSE_PREFILL_PRODUCER_BACKOFF != 0) {
+    while (!mbar_try_wait(bar, parity)) __nanosleep(64);
+  } else {
+    mbar_wait(bar, parity);
+  }
+}
 // The persistent forward's producer walks the tiles as well (tile and ring counters live across its loop), which
 // does not fit in kProducerRegs; its consumers get 8 fewer (the same 504-register pool).
 constexpr int kPersistentProducerRegs = 40;
@@ -300,12 +313,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int n = 0; n < t.n_blocks; ++n) {
             const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kFwdBN;
             FLASHMLA_TRACE_EVENT(2, rb, 0, true);
-            if (rb >= 2) mbar_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
+            if (rb >= 2) producer_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
             mbar_arrive_expect_tx(k_full(stage), Smem::kK);
             tma_load_tile<kFwdBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
             FLASHMLA_TRACE_EVENT(2, rb, 1, true);
             if (n == 0) load_q();
-            if (rb >= 2) mbar_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
+            if (rb >= 2) producer_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
             const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
             mbar_arrive_expect_tx(vb, Smem::kV);
             tma_load_tile<kFwdBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
@@ -317,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for_each_tile([&] {
             if (t.n_blocks == 0) return;
             load_kv(rb0, [&] {
-              if (q_tiles > 0) mbar_wait(q_empty, (q_tiles - 1) & 1);
+              if (q_tiles > 0) producer_wait(q_empty, (q_tiles - 1) & 1);
               mbar_arrive_expect_tx(q_bar, Smem::kQ);
               tma_load_tile<kFwdBM, kD>(sQ, &tmap_q, q_bar, t.h, t.sb.q0 + t.m0);
               ++q_tiles;
@@ -334,7 +347,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto clean_tile = [&](int rb0, uint32_t& rounds) {
           for (int n = t.check_first; n < t.n_blocks; ++n) {
             const int stage = (rb0 + n) & 1;
-            mbar_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
+            producer_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
             if constexpr (kPersistent) {
               rounds ^= 1u << stage;
               if (pt == 32) *reinterpret_cast<uint4*>(nonfinite_rows + 4 * stage) = make_uint4(0u, 0u, 0u, 0u);
