@@ -336,9 +336,14 @@ Status validate_dense_decode_inputs(const DenseDecodeParams& p) {
   const int64_t b = p.q.shape[0], h_q = p.q.shape[2], d_qk = p.q.shape[3];
 
   FLASHMLA_RETURN_IF_ERROR(check_ndim(p.k_cache, "k_cache", 4, "(num_blocks, page_block_size, h_kv, d_qk)"));
-  if (p.k_cache.dtype != p.q.dtype)
+  if (p.k_cache.dtype != p.q.dtype) {
+    // An FP8 cache (its bytes as uint8 / int8 / float8_e4m3fn) passed without indices: say which operator reads it.
+    const bool fp8_bytes = p.k_cache.dtype == DType::kUInt8 || p.k_cache.dtype == DType::kInt8 ||
+                           p.k_cache.dtype == DType::kFloat8E4M3;
     return type_error(cat("k_cache: expected the dtype of q (", dtype_name(p.q.dtype), "), got ",
-                          dtype_name(p.k_cache.dtype)));
+                          dtype_name(p.k_cache.dtype),
+                          fp8_bytes ? " (an FP8 cache is read by the sparse decode only: pass indices)" : ""));
+  }
   const int64_t num_blocks = p.k_cache.shape[0], pbs = p.k_cache.shape[1], h_kv = p.k_cache.shape[2];
   if (pbs <= 0) return value_error(cat("k_cache: page_block_size = k_cache.shape[1] must be > 0, got ", pbs));
   if (h_kv <= 0) return value_error(cat("k_cache: h_kv = k_cache.shape[2] must be > 0, got ", h_kv));

@@ -351,7 +351,8 @@ def test_is_fp8_kvcache_ignored_by_dense_decoding(rng):
     assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(ref_out).view(np.uint16))
     assert np.array_equal(np.asarray(lse), np.asarray(ref_lse))
     packed = oracle.quantize_cache(np.asarray(case.k_cache).astype(np.float32).astype(BF16))
-    with pytest.raises(TypeError, match=r"^k_cache: expected the dtype of q \(bfloat16\), got uint8"):
+    with pytest.raises(TypeError, match=r"^k_cache: expected the dtype of q \(bfloat16\), got uint8 \(an FP8 cache is "
+                                        r"read by the sparse decode only: pass indices\)"):
         flash_mla.flash_mla_with_kvcache(case.q, packed, case.block_table, case.cache_seqlens, 512,
                                          flash_mla.get_mla_metadata()[0], is_fp8_kvcache=True)
 
