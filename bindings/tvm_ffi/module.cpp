@@ -53,14 +53,6 @@ void check(const Status& st) {
   if (!st.ok()) throw_status(st);
 }
 
-/// For the destination-passing forms (XLA custom calls): jax-tvm-ffi hands XLA the message only,
-/// so the Python class travels as a "[flash_mla:<Class>] " prefix that python/flash_mla/_jax.py
-/// turns back into that class (as the torch op library does).
-void check_tagged(const Status& st) {
-  if (!st.ok())
-    TVM_FFI_THROW(RuntimeError) << "[flash_mla:" << flashmla::error_kind_name(st.kind) << "] " << st.message;
-}
-
 // The dense prefill's packed-sequence arguments as the public function the caller called names them
 // (python/flash_mla/flash_mla_interface.py, VARLEN_ARG_NAMES / QKVPACKED_ARG_NAMES): the XLA custom calls' value
 // errors surface when a jitted function runs, after the Python frame that renames the others. `names`: 0 the
@@ -92,7 +84,11 @@ std::string with_seqlen_names(const std::string& msg, int64_t names) {
   return r;
 }
 
-void check_tagged(const Status& st, int64_t seqlen_names) {
+/// For the destination-passing forms (XLA custom calls): jax-tvm-ffi hands XLA the message only,
+/// so the Python class travels as a "[flash_mla:<Class>] " prefix that python/flash_mla/_jax.py
+/// turns back into that class (as the torch op library does). `seqlen_names`: see with_seqlen_names (0 for every
+/// operator but the dense prefill's).
+void check_tagged(const Status& st, int64_t seqlen_names = 0) {
   if (!st.ok())
     TVM_FFI_THROW(RuntimeError) << "[flash_mla:" << flashmla::error_kind_name(st.kind) << "] "
                                 << with_seqlen_names(st.message, seqlen_names);

@@ -397,7 +397,7 @@ def _prefill_vjp(scalars: Tuple[int, int, float, bool], names: Tuple[str, ...]):
 
 
 def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
-                  names: Tuple[str, ...] = ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv")):
+                  names: Tuple[str, ...]):
     """Dense MHA prefill as XLA custom calls with a jax.custom_vjp (jax.grad / jax.vjp give dq, dk, dv;
     usable under jax.jit). Returns (out, lse), lse (total_q, h_q). `names`: the caller's names of
     (cu_seqlens of q, of k, max_seqlen of q, of k), which the value errors raised when the call runs give."""
@@ -408,8 +408,10 @@ def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, cau
         jnp.asarray(q), k, v, cu_q, cu_k)
 
 
-def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool):
-    """The backward as a plain XLA custom call: ``lse`` is the forward's (total_q, h_q). Returns (dq, dk, dv)."""
+def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
+                      names: Tuple[str, ...]):
+    """The backward as a plain XLA custom call: ``lse`` is the forward's (total_q, h_q). Returns (dq, dk, dv).
+    `names` as in dense_prefill."""
     import jax.numpy as jnp
 
     _register()
@@ -417,5 +419,4 @@ def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: in
     if lse.ndim != 2:
         raise ValueError(f"lse: expected a 2-D tensor (total_q, h_q), got shape {tuple(lse.shape)}")
     return _prefill_bwd(dout, jnp.asarray(q), k, v, out, lse.T, cu_q, cu_k,
-                        (int(max_q), int(max_k), float(scale), bool(causal)),
-                        ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"))
+                        (int(max_q), int(max_k), float(scale), bool(causal)), tuple(names))

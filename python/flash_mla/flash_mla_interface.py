@@ -1029,7 +1029,8 @@ def _dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, ma
                                                        cu_seqlens_kv=cu_k):
         from . import _jax
 
-        return _jax.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
+        return _jax.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal,
+                                      VARLEN_ARG_NAMES)
     return _dense_prefill_bwd_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
 
 
