@@ -3,7 +3,7 @@
 named on the command line, interleaved, on the 16 benchmark shapes (b 2, bf16, d_v 128; FLOPs as spec 5.5: forward
 pairs * h * 2 (d + dv), backward pairs * h * 2 (3 d + 2 dv)). Prints TFLOP/s per schedule (best of ROUNDS x 10 calls;
 check.py's timing, no L2 flush) and whether the outputs of every schedule (out / lse, or dq / dk / dv) are bitwise
-equal to the first one's.
+equal to the first one's (True, or per output "=" or "~" and the largest difference relative to the largest value).
 
 Usage (GPU machine, repository root):
   python3 tools/dense_prefill_check/ab_schedules.py fwd|bwd LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...]
@@ -67,8 +67,17 @@ def main():
 
         results = {sch: call(sch) for sch in args.schedules}
         torch.cuda.synchronize()
-        same = {sch: all(torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(results[sch], results[first]))
-                for sch in args.schedules}
+        names = ("dq", "dk", "dv") if bwd else ("out", "lse")
+
+        def compare(xs, ys):  # "all" when bitwise equal, else per output: bitwise or max |x - y| / max |y|
+            eq = [torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(xs, ys)]
+            if all(eq):
+                return True
+            def rel(x, y):
+                return ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()
+            return ",".join(f"{n}=" if e else f"{n}~{rel(x, y):.1e}" for n, e, x, y in zip(names, eq, xs, ys))
+
+        same = {sch: compare(results[sch], results[first]) for sch in args.schedules}
         times = {sch: [] for sch in args.schedules}
         if not res:  # the call's first shape: one untimed round first (the schedule listed second read low there)
             for sch in args.schedules:

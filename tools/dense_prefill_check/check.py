@@ -10,7 +10,7 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    strides;
 3. extra cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests, rows without a visible key,
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
-4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
+4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv; fused_dq: dk, dv) bitwise equal, per schedule;
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma,
    persistent_tma, it with the folded scale and on 2 CTAs) and backward schedule (two_kernel, fused_dq,
    two_kernel_tma; dense_prefill.h), unless --no-variants;
@@ -42,6 +42,7 @@ FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tm
 # persistent_tma_2cta (the persistent grid capped at 2 CTAs: every case walks many tiles per CTA) is checked, not timed.
 FWD_PERF_SCHEDULES = FWD_SCHEDULES[:-1]
 BWD_SCHEDULES = ("two_kernel", "fused_dq", "two_kernel_tma")
+NONDETERMINISTIC_DQ = ("fused_dq",)  # backward schedules whose dq is not bitwise reproducible (dense_prefill.h)
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 
 
@@ -304,11 +305,14 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
             for sched in (BWD_SCHEDULES if VARIANTS["on"] else ("default",)):
                 g1 = [t.clone() for t in lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout,
                                                   schedule=sched)]
+                # fused_dq adds dq's partials by atomics in no fixed order: dk / dv only (as spec 5.5 checks)
+                first = 1 if sched in NONDETERMINISTIC_DQ else 0
                 for _ in range(2):
                     g2 = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout, schedule=sched)
-                    gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(g2, g1))
+                    gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                 for a, b in list(zip(g2, g1))[first:])
         print(f"{'PASS' if same and gsame else 'FAIL'} determinism {name}: 5 forwards bitwise equal (each schedule): {same}; "
-              f"3 backwards (dq, dk, dv) bitwise equal: {gsame if bwd else 'n/a'}")
+              f"3 backwards (dq, dk, dv; fused_dq: dk, dv) bitwise equal: {gsame if bwd else 'n/a'}")
         RESULTS["determinism"].append({"case": name, "fwd": bool(same), "bwd": bool(gsame)})
         if not (same and gsame):
             FAILURES.append("determinism " + name)

@@ -2,22 +2,25 @@
 // out; the gradient through lse is not propagated, as FlashMLA): dq, dk, dv for d_qk in {128, 192},
 // d_v 128, varlen, GQA (dk / dv summed over each kv head's query heads), causal, bf16 / fp16.
 //
-// Deterministic by construction: no atomics, every gradient element is accumulated by one thread in a
-// fixed order. Three kernels on the caller's stream:
-//  1. preprocess: per (query row, head) lse2 = lse * log2(e) (+inf for rows without a visible key, so
-//     their P is 0) and D = rowsum(dout * out) in fp32, into the workspace, per (request, head) padded
-//     to a multiple of 64 rows (padding: lse2 +inf, D 0);
-//  2. dq: one CTA per (128 query rows, query head, request), the forward's structure: the producer
-//     warpgroup streams K / V blocks of 64 keys; each consumer warpgroup (64 rows) computes
-//     S = Q K^T and dP = dO V^T (wgmma, shared-memory operands), P = exp2(S scale log2e - lse2),
-//     dS = P (dP - D), dQ += dS K (wgmma, dS from registers, K MN-major); dq = scale dQ;
-//  3. dkdv: one CTA per (128 keys, kv head, request); K / V stay in shared memory, the producer
-//     streams (Q, dO, lse2, D) blocks of 64 query rows over the group's query heads in order, then
-//     over the query blocks in order; each consumer warpgroup (64 keys) computes S^T = K Q^T,
-//     dP^T = V dO^T, P^T, dS^T and dV += P^T dO, dK += dS^T Q (wgmma, P^T / dS^T from registers,
-//     dO / Q MN-major); dk = scale dK.
-// dq is thus computed from its own recomputation of S and dP (7 GEMMs per block pair instead of 5)
-// in exchange for no dQ accumulator in global memory, no atomics and no ordering semaphores.
+// Kernels on the caller's stream, by schedule (dense_prefill.h):
+//  1. preprocess (every schedule): per (query row, head) lse2 = lse * log2(e) (+inf for rows without a visible key,
+//     so their P is 0) and D = rowsum(dout * out) in fp32, into the workspace, per (request, head) padded to a
+//     multiple of 64 rows (padding: lse2 +inf, D 0);
+//  2. dq (two-kernel schedules): one CTA per (128 query rows, query head, request), the forward's structure: the
+//     producer warpgroup streams K / V blocks of 64 keys; each consumer warpgroup (64 rows) computes S = Q K^T and
+//     dP = dO V^T (wgmma, shared-memory operands), P = exp2(S scale log2e - lse2), dS = P (dP - D),
+//     dQ += dS K (wgmma, dS from registers, K MN-major); dq = scale dQ;
+//  3. dkdv: one CTA per (128 keys, kv head, request); K / V stay in shared memory, the producer streams (Q, dO,
+//     lse2, D) blocks of 64 query rows over the group's query heads in order, then over the query blocks in order;
+//     each consumer warpgroup (64 keys) computes S^T = K Q^T, dP^T = V dO^T, P^T, dS^T and dV += P^T dO,
+//     dK += dS^T Q (wgmma, P^T / dS^T from registers, dO / Q MN-major); dk = scale dK. With the fused-dQ schedule
+//     it also computes dQ_partial = dS K of each (query block, key block) and adds it to an fp32 accumulator in the
+//     workspace by atomics, and a convert kernel writes dq = scale * accumulator.
+// The two-kernel schedules compute dq from its own recomputation of S and dP (7 GEMMs per block pair instead of 5)
+// and are deterministic by construction: no atomics, every gradient element accumulated by one thread in a fixed
+// order. The fused-dQ schedule does the 5 GEMMs; its dk and dv are deterministic the same way, its dq is not bitwise
+// reproducible (the key blocks' partials are added in the order the CTAs reach them), as FlashAttention's and
+// FlashMLA's (spec 5.5 checks dk / dv only).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -475,56 +478,124 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr int kKvBN = 128, kKvBM = 64;
 
 /// dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the two-kernel
-/// schedule (not at 192: registers), and that ring gets a third stage (Ring).
+/// schedules (not at 192: registers; not with the fused dQ, whose step ends with its own dQ GEMM), and that ring gets
+/// a third stage (Ring).
 template <int kD, bool kFusedDq>
 constexpr bool kv_defers_dk() {
   return !kFusedDq && kD == 128;
 }
-template <int kD, int kStagesT = 2>
+template <int kD, bool kFusedDq>
 struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
-  static constexpr int kStages = kStagesT;  // Ring
+  static constexpr int kStages = kv_defers_dk<kD, kFusedDq>() ? 3 : 2;  // Ring
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
   static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
   static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], kv_full
-  static constexpr int kBytes = 1024 + Tiles::kK + Tiles::kV + kStages * kStage + kBars;
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
-  static constexpr int kDS = kKvBN * kKvBM * 2;  // dS^T (128 keys x 64 queries), the fused-dQ schedule's A operand
-  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDS + kBars;
+  // The fused dQ's A operand, dS^T (128 keys x 64 queries), in two buffers (step n in buffer n & 1), so that a
+  // warpgroup can write step n + 1's while the other's dQ GEMM of step n still reads its own.
+  static constexpr int kDS = kKvBN * kKvBM * 2;
+  static constexpr int kDSBuffers = kFusedDq ? 2 : 0;
+  // Per consumer warpgroup, 16 rows of a B operand without inf / NaN (mma_b_finite, rare path of the checked steps);
+  // the two-kernel schedules keep both in a region of one dS^T buffer's size (16 KB >= 2 x 6 KB).
+  static constexpr int kScratch = 16 * kD * 2;
+  static constexpr int kScratchRegion = kFusedDq ? 2 * kScratch : kDS;
+  static_assert(2 * kScratch <= kScratchRegion, "scratch");
+  static constexpr int kBytesAligned =
+      1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDSBuffers * kDS + kScratchRegion + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
-/// kFusedDq (d_qk 128 only): the dq kernel's work done here as well. Per step the two warpgroups store dS^T
-/// to shared memory and each computes dQ_partial = dS K for 64 of the 128 dims (wgmma, both operands
-/// MN-major), then adds it to the fp32 dq accumulator in the workspace in a fixed order: the CTA of key
-/// block n waits until the (request, query head, query block)'s counter says that key blocks 0 .. n-1
-/// have added theirs (every earlier key block of the request adds to every query block this one adds to:
-/// causal starts are non-decreasing in n), adds, fences and increments the counter. The CTAs that it waits
-/// on come earlier in the grid (x = key block), so they are resident or done. A convert kernel then writes
-/// dq = scale * accumulator.
-/// kTma (not with kFusedDq): every tile by TMA, one producer thread issuing: the CTA's K / V (tmap_k / tmap_v:
+/// kFusedDq: the dq kernel's work done here as well (5 GEMMs per block pair instead of the two kernels' 7). Per step
+/// the two warpgroups store dS^T to shared memory; after a named barrier each computes dQ_partial = dS K (wgmma, dS
+/// MN-major as A, K MN-major as B, 64-dim column slabs: d_qk 128: slab wg over the 128 keys; d_qk 192: slab wg over
+/// the 128 keys, then slab 2 over its own 64 keys) and adds it to the fp32 dq accumulator in the workspace by
+/// float2 atomics (reductions: no return value), rows past s_q left out; a convert kernel then writes
+/// dq = scale * accumulator. The adds of the key blocks reach an element in no fixed order, so dq is not bitwise
+/// reproducible; dk and dv are. What dQ must not take in: K rows past s_k (the next request's, by TMA) are zeroed
+/// once, and dS^T of those keys is set to 0 in the checked steps (the last key tile's steps are checked); a key with
+/// inf / NaN in k that some query rows of a causal diagonal block do not see would put 0 * inf into their dQ, so a
+/// CTA whose K tile holds inf / NaN (causal only) computes the dQ of its checked steps on the CUDA cores
+/// (add_dq_exact), visible pairs only. Needs the TMA maps (kTma).
+/// kTma: every tile by TMA, one producer thread issuing: the CTA's K / V (tmap_k / tmap_v:
 /// (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows), the streamed Q and dO blocks (tmap_q / tmap_do:
 /// (d, h_q, total_q), 64-row boxes) and their lse2 / D rows by two 256-byte bulk copies. Q / dO rows past the
 /// request's end (the next request's) are zeroed by the consumers before their first use, so those tiles hold what the
-/// cp.async loader writes; K / V rows past it need not be (a key row reaches only its own dk / dv, which are not
-/// stored). Without kTma the maps are unused.
+/// cp.async loader writes; K / V rows past it need not be for dk / dv (a key row reaches only its own dk / dv, which
+/// are not stored). Without kTma the maps are unused.
+/// acc = dS K over kN k-steps of 16 keys (m64n64k16, both operands MN-major): A = rows of the dS^T tile (keys x 64
+/// queries) from the one whose address is ds, B = the same rows of a 64-dim column slab of the K tile (kKvBN rows)
+/// from k. The addresses are read from lane 0 (warp-uniform for ptxas, so the descriptors stay on the uniform
+/// datapath) and k-step kK's descriptors are the base ones plus its compile-time byte offset >> 4, as
+/// issue_abt_off64. The first k-step overwrites acc. Issues only.
+template <class T, int kN, int kK = 0>
+__device__ __forceinline__ void issue_dq_partial_off(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
+  if constexpr (kK < kN) {
+    constexpr int kOff = (kK * 16 * 128) >> 4;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      gmma::mma_m64n64k16_off_bf16<1, kOff, kOff, (kK > 0 ? 1 : 0), 1>(acc, desc_a, desc_b);
+    else
+      gmma::mma_m64n64k16_off_f16<1, kOff, kOff, (kK > 0 ? 1 : 0), 1>(acc, desc_a, desc_b);
+    issue_dq_partial_off<T, kN, kK + 1>(acc, desc_a, desc_b);
+  }
+}
+template <class T, int kN>
+__device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, uint32_t k) {
+  const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, ds, 0), b0 = __shfl_sync(0xFFFFFFFFu, k, 0);
+  issue_dq_partial_off<T, kN>(acc, gmma::make_desc_sw128(a0, kKvBN * 128, 1024),
+                              gmma::make_desc_sw128(b0, kKvBN * 128, 1024));
+}
+
+/// Adds to the fp32 dq accumulator this thread's elements of a fused-dQ partial computed on the CUDA cores: for the
+/// query rows warp * 16 + g and + 8 of the block at m0 (those below s_q) and the columns slab * 64 + 8 i + 2 tq (+1),
+/// the sum over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
+/// dS[row][key] K[key][column], in key order, from shared memory (ds: the dS^T tile, 128 keys x 64 queries; k: the K
+/// tile; generic pointers). acc_row0: the accumulator's element (row m0, column 0); row_stride: its row stride in
+/// floats. The rare path of a causal CTA whose K tile holds inf / NaN (kFusedDq); out of line, so that the main loop
+/// keeps its wgmma descriptors on the uniform datapath.
+template <class T, int kD>
+__device__ __noinline__ void add_dq_exact(const uint8_t* ds, const uint8_t* k, int slab, int j0, int j1, int row_base,
+                                          int tq, int n0, int m0, int off, int s_q, int s_k, bool causal,
+                                          float* acc_row0, int64_t row_stride) {
+  for (int e = 0; e < 2; ++e) {
+    const int r = row_base + 8 * e, qi = m0 + r;
+    if (qi >= s_q) continue;
+    float acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    for (int j = j0; j < j1; ++j) {
+      const int kj = n0 + j;
+      if (kj >= s_k || (causal && kj > qi + off)) break;  // keys in order: the rest are not seen either
+      const float d = static_cast<float>(*reinterpret_cast<const T*>(ds + tile_off<kKvBN>(j, r >> 3) + (r & 7) * 2));
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(k + tile_off<kKvBN>(j, slab * 8 + i) + 4 * tq);
+        float k0, k1;
+        unpack2<T>(w, k0, k1);
+        acc[2 * i] += d * k0;
+        acc[2 * i + 1] += d * k1;
+      }
+    }
+    float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
+    for (int i = 0; i < 8; ++i) atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[2 * i], acc[2 * i + 1]));
+  }
+}
+
 template <class T, int kD, bool kFusedDq, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_do, const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v) {
-  static_assert(!kFusedDq || kD == 128, "fused dQ: d_qk 128 (registers)");
-  static_assert(!(kFusedDq && kTma), "the fused-dQ schedule keeps the cp.async loader");
-  using Smem = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+  static_assert(!kFusedDq || kTma, "the fused-dQ schedule loads by TMA");
+  using Smem = KvSmem<kD, kFusedDq>;
   using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   uint8_t* smem = smem_align_1024(smem_raw, base);
   const uint32_t sK = base, sV = base + Smem::kK;
   const uint32_t sStage0 = sV + Smem::kV;
-  const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;
-  const uint32_t bar = sDS + Smem::kDS;
+  const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;  // kFusedDq: two dS^T buffers
+  const uint32_t sScratch = sDS + Smem::kDSBuffers * Smem::kDS;
+  const uint32_t bar = sScratch + Smem::kScratchRegion;
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t kv_bar = bar + 16 * Smem::kStages;
@@ -616,6 +687,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
   // serialize the wgmma (C7512).
   constexpr bool kDefer = kv_defers_dk<kD, kFusedDq>();
+  // kFusedDq: the CTA's K tile holds inf / NaN in a key row below s_k (causal only; set after the tile has landed).
+  [[maybe_unused]] bool k_nonfinite = false;
+  // kFusedDq: the last key tile's steps are all checked (dS^T of its keys past s_k set to 0).
+  const bool last_key_tile = kFusedDq && n0 + kKvBN > sb.s_k;
   // Whether a step has one pending is a compile-time property of the call (kPrev), as in the dq kernel.
   [[maybe_unused]] uint32_t as_prev[4][4];
   [[maybe_unused]] uint32_t sq_prev = 0;
@@ -647,7 +722,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // never live together (d_qk 192: dK 96 + dV 64 accumulators).
     // Masked: keys a query does not see (causal); checked, also the zero rows past s_q (their S^T = k . 0 is NaN
     // where k holds an inf, and lse2 = +inf does not make that P^T 0).
-    const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q);
+    // kFusedDq, checked: also the keys past s_k (their dS^T reaches dQ).
+    const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q) ||
+                           (kFusedDq && kChecked && n0 + kKvBN > sb.s_k);
     uint32_t ap[4][4], as[4][4];
     bool nonfinite = false;
     {
@@ -668,7 +745,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {
         gmma::commit_wait(st);
       }
-      if constexpr (!kFusedDq && !kChecked) {
+      if constexpr (!kChecked) {
         // The masked and the unmasked form, chosen per block (the same operations per element as below).
         auto pt_block = [&](auto masked) {
 #pragma unroll
@@ -686,21 +763,18 @@ __global__ void __launch_bounds__(kThreads, 1)
           pt_block(std::true_type{});
         else
           pt_block(std::false_type{});
-      } else {  // checked, or the fused-dQ schedule: the mask tested per element
+      } else {  // checked: the mask tested per element
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = 8 * i + 2 * tq + (e & 1);  // query column in the block
             float pr = exp2f(st[4 * i + e] * p.scale_log2 - vec[c]);
-            if constexpr (!kChecked) {
-              if (need_mask) pr = krow[e >> 1] <= m0 + c + off ? pr : 0.f;
-            } else if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
+            if (need_mask && !((!p.causal || krow[e >> 1] <= m0 + c + off) && m0 + c < sb.s_q)) {
               // A query row this key does not see: an inf / NaN in its q makes every S^T of it inf / NaN, one in
               // its dout makes D inf / NaN (a false alarm from an inf k or a row's NaN out only costs time).
-              if constexpr (!kFusedDq)
-                nonfinite |=
-                    m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
+              nonfinite |=
+                  m0 + c < sb.s_q && (float_is_nonfinite(st[4 * i + e]) || float_is_nonfinite(vec[kKvBM + c]));
               pr = 0.f;
             }
             st[4 * i + e] = pr;
@@ -716,23 +790,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::reg_fence(dk);
       mbar_arrive(empty_bar(stage_prev));
     }
-    // kTwoKernel, checked, causal: where a query row that some key of this warpgroup does not see holds inf / NaN
-    // in q or dout, dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (scratch: sDS,
-    // unused in this schedule) and the keys that see that row add its products afterwards.
+    // Checked, causal: where a query row that some key of this warpgroup does not see holds inf / NaN in q or dout,
+    // dV += P^T dO and dK += dS^T Q take the block's k-steps from copies without them (in the warpgroup's scratch)
+    // and the keys that see that row add its products afterwards.
     uint32_t ks = 0;
-    if constexpr (kChecked && !kFusedDq) {
+    if constexpr (kChecked) {
       if (p.causal && need_mask && bar_red_or(4 + wg, 128, nonfinite)) ks = 0xFu;
     }
-    const uint32_t scratch = sDS + wg * (16 * kD * 2);
+    const uint32_t scratch = sScratch + wg * Smem::kScratch;
     auto visible = [&](int c, int e) { return krow[e] <= m0 + c + off && m0 + c < sb.s_q; };
     {
       float dpt[32];  // dP^T
       gmma::reg_fence(dv);
-      // kTwoKernel, plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no extra
-      // registers: P^T is read back from ap there anyway). Checked steps, and the fused-dQ schedule, wait for dV and
-      // dP^T together before dS^T: a checked step's ks is a run-time value, and a wgmma still in flight where its two
-      // paths join makes ptxas serialize (C7520).
-      constexpr bool kDvUnderDs = !kFusedDq && !kChecked;
+      // Plain step: dP^T first, then dV += P^T dO as its own group, in flight during dS^T (no extra registers: P^T
+      // is read back from ap there anyway). Checked steps wait for dV and dP^T together before dS^T: a checked step's
+      // ks is a run-time value, and a wgmma still in flight where its two paths join makes ptxas serialize (C7520).
+      constexpr bool kDvUnderDs = !kChecked;
       if (ks == 0) {
         gmma::fence();
         if constexpr (kDvUnderDs) {
@@ -777,8 +850,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           dpt[4 * i + e0 + 1] = p1 * d1;
           if (kChecked && need_mask) {
             const int kr = krow[j & 1];
-            if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q)) dpt[4 * i + e0] = copysignf(0.f, d0);
-            if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q))
+            const bool key_in = !kFusedDq || kr < sb.s_k;  // fused: a key past s_k must not reach dQ
+            if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q && key_in)) dpt[4 * i + e0] = copysignf(0.f, d0);
+            if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q && key_in))
               dpt[4 * i + e0 + 1] = copysignf(0.f, d1);
           }
         }
@@ -790,9 +864,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::reg_fence(dv);
       }
     }
+    const uint32_t sDSb = sDS + (it & 1) * Smem::kDS;  // kFusedDq: this step's dS^T buffer
     if constexpr (kFusedDq) {
-      // dS^T of this warpgroup's 64 keys into sDS (rows = keys, 128B-swizzled 64-query rows).
-      uint8_t* ds = smem + (sDS - base);
+      // dS^T of this warpgroup's 64 keys into sDSb (rows = keys, 128B-swizzled 64-query rows).
+      uint8_t* ds = smem + (sDSb - base);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -801,8 +876,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
         }
       }
-      gmma::fence_proxy_async();
-      named_barrier_sync(1, 256);  // both halves of dS^T written
+      gmma::fence_proxy_async();  // before the other warpgroup's wgmma reads it (after the barrier below)
     }
     if constexpr (kDefer && !kChecked) {  // leave this block's dK += dS^T Q to the next step
 #pragma unroll
@@ -815,7 +889,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       return;
     }
     gmma::reg_fence(dk);
-    if (ks != 0) {  // kTwoKernel, checked only
+    if (ks != 0) {  // checked only
       mma_b_finite<T, kKvBM, kD, 4>(dk, as, sQ, scratch, ks, 4 + wg, tid & 127);
       add_nonfinite_products_smem<T, kKvBM, kD, 4>(dk, as, smem_ptr(sQ), ks, visible, lane);
       gmma::reg_fence(dk);
@@ -826,43 +900,89 @@ __global__ void __launch_bounds__(kThreads, 1)
       gmma::commit();
     }
     if constexpr (kFusedDq) {
-      // dQ_partial (64 queries x this warpgroup's 64 dims) = dS (MN-major from sDS) K (MN-major, slab wg).
-      float dqp[32];
-#pragma unroll
-      for (int kk = 0; kk < kKvBN / 16; ++kk)
-        Wgmma<T, 64>::template ss<1, 1>(dqp, desc_mn<kKvBN>(sDS, kk), desc_mn<kKvBN>(sK + wg * (kKvBN * 128), kk),
-                                        kk > 0 ? 1 : 0);
-      gmma::commit_wait(dk);
-      gmma::reg_fence(dqp);
+      // dQ_partial = dS K by 64-dim column slabs (dS^T MN-major from sDSb as A, K MN-major as B): slab wg over the
+      // tile's 128 keys; d_qk 192 also slab 2 over this warpgroup's own 64 keys (both warpgroups add to slab 2).
+      // d_qk 128: dK += dS^T Q runs during the barrier and the first dQ GEMM; d_qk 192 waits for it first (its A
+      // fragments on top of dK 96, dV 64 and dQ_partial 32 registers serialize the wgmma, C7512).
+      if constexpr (kD == 192) {
+        gmma::wait<0>();
+        gmma::reg_fence(dk);
+        mbar_arrive(empty_bar(stage));
+      }
+      named_barrier_sync(1, 256);  // both warpgroups' dS^T in sDSb
       const int hq = hk * p.group + it / m_count;
-      int* sem = p.dq_sem + (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
-      if (tid < 32) {  // one warp waits for key blocks 0 .. n-1 of this query block
-        while (*reinterpret_cast<volatile int*>(sem) != static_cast<int>(blockIdx.x)) {
-        }
-        __threadfence();
-      }
-      named_barrier_sync(1, 256);  // also: every dQ wgmma has read sDS before the next step rewrites it
+      const int64_t row_stride = static_cast<int64_t>(p.h_q) * kD;
+      float* const acc_row0 =
+          p.dq_accum + (static_cast<int64_t>(sb.q0) + m0) * row_stride + static_cast<int64_t>(hq) * kD;
+      const int row_base = warp * 16 + g;
+      auto red_slab = [&](const float (&acc)[32], int slab) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int qrow = m0 + warp * 16 + g + 8 * e;
-        if (qrow >= sb.s_q) continue;
-        float* dst = p.dq_accum + ((static_cast<int64_t>(sb.q0) + qrow) * p.h_q + hq) * kD + wg * 64 + 2 * tq;
+        for (int e = 0; e < 2; ++e) {
+          const int r = row_base + 8 * e;
+          if (m0 + r >= sb.s_q) continue;
+          float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          atomicAdd(dst + 8 * i, dqp[4 * i + 2 * e]);
-          atomicAdd(dst + 8 * i + 1, dqp[4 * i + 2 * e + 1]);
+          for (int i = 0; i < 8; ++i)
+            atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
         }
+      };
+      if (kChecked && k_nonfinite) {  // rare: a causal tile with inf / NaN in k, on its checked steps
+        if constexpr (kD == 128) {
+          gmma::wait<0>();
+          gmma::reg_fence(dk);
+          mbar_arrive(empty_bar(stage));
+        }
+        const uint8_t* ds = smem + (sDSb - base);
+        const uint8_t* kt = smem + (sK - base);
+        add_dq_exact<T, kD>(ds, kt, wg, 0, kKvBN, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal, acc_row0,
+                            row_stride);
+        if constexpr (kD == 192)
+          add_dq_exact<T, kD>(ds, kt, 2, 64 * wg, 64 * wg + 64, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal,
+                              acc_row0, row_stride);
+        return;
       }
-      __threadfence();
-      named_barrier_sync(1, 256);
-      if (tid == 0) atomicAdd(sem, 1);
-    } else {
+      float dqp[32];
+      gmma::fence();
+      issue_dq_partial<T, kKvBN / 16>(dqp, sDSb, sK + wg * (kKvBN * 128));
+      gmma::commit();
+      if constexpr (kD == 128) {
+        gmma::wait<1>();  // dK += dS^T Q has read Q: the stage is free
+        gmma::reg_fence(dk);
+        mbar_arrive(empty_bar(stage));
+      }
       gmma::wait<0>();
-      gmma::reg_fence(dk);
+      gmma::reg_fence(dqp);
+      red_slab(dqp, wg);
+      if constexpr (kD == 192) {
+        gmma::fence();
+        issue_dq_partial<T, 4>(dqp, sDSb + wg * (64 * 128), sK + 2 * (kKvBN * 128) + wg * (64 * 128));
+        gmma::commit_wait(dqp);
+        red_slab(dqp, 2);
+      }
+      return;
     }
+    gmma::wait<0>();
+    gmma::reg_fence(dk);
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(kv_bar, 0);
+  if constexpr (kFusedDq) {
+    // dQ reads every row of the K tile: its rows past s_k (the next request's, or TMA's zero fill) become 0.
+    const int valid = min(sb.s_k - n0, kKvBN);
+    uint8_t* kt = smem + (sK - base);
+    if (valid < kKvBN) zero_tile_rows<kKvBN, kD>(kt, valid, tid, 256);
+    bool found = false;
+    if (p.causal) {
+#pragma unroll 1
+      for (int idx = tid; idx < valid * (kD / 8); idx += 256) {
+        const uint4 x = *reinterpret_cast<const uint4*>(kt + tile_off<kKvBN>(idx / (kD / 8), idx % (kD / 8)));
+        found |= pair_zero_nonfinite<T>(x.x) != x.x || pair_zero_nonfinite<T>(x.y) != x.y ||
+                 pair_zero_nonfinite<T>(x.z) != x.z || pair_zero_nonfinite<T>(x.w) != x.w;
+      }
+    }
+    gmma::fence_proxy_async();  // the zeros, before the wgmma (async proxy) reads of the tile
+    k_nonfinite = bar_red_or(1, 256, found);
+  }
   if constexpr (kDefer) {
     bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
     for (int it = 0; it < n_it; ++it) {
@@ -883,7 +1003,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     for (int it = 0; it < n_it; ++it) {
       const int m0 = (m_begin + it % m_count) * kKvBM;
-      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q || last_key_tile)
         step(it, std::true_type{}, std::false_type{});
       else
         step(it, std::false_type{}, std::false_type{});
@@ -955,11 +1075,11 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   }
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
-    auto kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq, false>;
-    if constexpr (!kFusedDq) {
-      if (tmaps != nullptr) kv_kernel = dense_prefill_bwd_dkdv_kernel<T, kD, false, true>;
-    }
-    using KvSmemT = KvSmem<kD, kv_defers_dk<kD, kFusedDq>() ? 3 : 2>;
+    // kFusedDq: called with the maps only (bwd_with_schedule).
+    auto kv_kernel = kFusedDq           ? dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq, true>
+                     : tmaps != nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, false, true>
+                                        : dense_prefill_bwd_dkdv_kernel<T, kD, false, false>;
+    using KvSmemT = KvSmem<kD, kFusedDq>;
     e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
@@ -987,8 +1107,8 @@ Status bwd_value_error(const std::string& what) { return value_error_status(kBwd
 int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
 int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
-/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each; with the fused-dQ schedule then, 256-byte
-/// aligned, the fp32 dq accumulator (total_q, h_q, d_qk) and the (b, h_q, ws_rows / 64) int32 counters.
+/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each; with the fused-dQ schedule then, 256-byte aligned,
+/// the fp32 dq accumulator (total_q, h_q, d_qk).
 struct WsLayout {
   int64_t ws_rows = 0, vec_bytes = 0, accum_offset = 0, fused_bytes = 0, total = 0;
 };
@@ -1002,16 +1122,12 @@ WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
   w.total = w.vec_bytes;
   if (fused) {
     w.accum_offset = align256(w.vec_bytes);
-    const int64_t accum = align256(p.q.shape[0] * h_q * p.q.shape[2] * static_cast<int64_t>(sizeof(float)));
-    const int64_t sems = b * h_q * (w.ws_rows / kWsAlign) * static_cast<int64_t>(sizeof(int));
-    w.fused_bytes = accum + sems;
+    w.fused_bytes = align256(p.q.shape[0] * h_q * p.q.shape[2] * static_cast<int64_t>(sizeof(float)));
     w.total = w.accum_offset + w.fused_bytes;
   }
   return w;
 }
-bool fused_applies(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
-  return schedule == BwdSchedule::kFusedDq && bp.fwd.q.shape[2] == 128;
-}
+bool fused_applies(const DensePrefillBwdParams&, BwdSchedule schedule) { return schedule == BwdSchedule::kFusedDq; }
 }  // namespace
 
 int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
@@ -1035,16 +1151,17 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
-  const bool fused = fused_applies(bp, schedule);
-  // kTwoKernelTma: the streamed blocks by TMA where the maps can be made (else kTwoKernel's cp.async loaders).
+  // kTwoKernelTma, kFusedDq: the tiles by TMA where the maps can be made, else kTwoKernel (cp.async loaders).
   CUtensorMap maps[8];
-  const bool tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &maps[0]) &&
+  const bool tma = (schedule == BwdSchedule::kTwoKernelTma || schedule == BwdSchedule::kFusedDq) &&
+                   make_tile_map(p.k, kDqBN, &maps[0]) &&
                    make_tile_map(p.v, kDqBN, &maps[1]) && make_tile_map(p.q, kKvBM, &maps[2]) &&
                    make_tile_map(bp.dout, kKvBM, &maps[3]) && make_tile_map(p.q, kDqBM, &maps[4]) &&
                    make_tile_map(bp.dout, kDqBM, &maps[5]) && make_tile_map(p.k, kKvBN, &maps[6]) &&
                    make_tile_map(p.v, kKvBN, &maps[7]);
   const CUtensorMap* tm = tma ? maps : nullptr;
-  const WsLayout ws = ws_layout(bp, fused);
+  const WsLayout ws = ws_layout(bp, fused_applies(bp, schedule));  // what bwd_workspace_bytes_with_schedule asked for
+  const bool fused = fused_applies(bp, schedule) && tma;
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
     return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
   if (reinterpret_cast<uintptr_t>(bp.workspace) % 16 != 0) return bwd_value_error("workspace must be 16-byte aligned");
@@ -1069,8 +1186,6 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   kp.ws_dsum = kp.ws_lse2 + b * h_q * ws.ws_rows;
   if (fused) {
     kp.dq_accum = reinterpret_cast<float*>(wsb + ws.accum_offset);
-    kp.dq_sem = reinterpret_cast<int*>(wsb + ws.accum_offset +
-                                       align256(total_q * h_q * d_qk * static_cast<int64_t>(sizeof(float))));
   }
 
   DeviceGuard guard(p.q.device.id);
@@ -1080,18 +1195,19 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   const char* failed = "";
   const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
   const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k, fb = ws.fused_bytes;
-  cudaError_t e;
-  if (d_qk == 128) {
-    if (fused)
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
-               : launch_bwd<__half, 128, true>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
-    else
-      e = bf16 ? launch_bwd<__nv_bfloat16, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
-               : launch_bwd<__half, 128, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
-  } else {
-    e = bf16 ? launch_bwd<__nv_bfloat16, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed)
-             : launch_bwd<__half, 192, false>(kp, total_q, mq, mk, bi, hk, fb, tm, stream, &failed);
-  }
+  auto launch = [&](auto t, auto d, auto fused_dq) {
+    using T = decltype(t);
+    return launch_bwd<T, decltype(d)::value, decltype(fused_dq)::value>(kp, total_q, mq, mk, bi, hk, fb, tm, stream,
+                                                                          &failed);
+  };
+  using D128 = std::integral_constant<int, 128>;
+  using D192 = std::integral_constant<int, 192>;
+  auto launch_d = [&](auto t) {
+    if (d_qk == 128)
+      return fused ? launch(t, D128{}, std::true_type{}) : launch(t, D128{}, std::false_type{});
+    return fused ? launch(t, D192{}, std::true_type{}) : launch(t, D192{}, std::false_type{});
+  };
+  cudaError_t e = bf16 ? launch_d(__nv_bfloat16{}) : launch_d(__half{});
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
   return Status::Ok();
 }

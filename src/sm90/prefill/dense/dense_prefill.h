@@ -33,18 +33,18 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
                          bool fold_scale = kFwdFoldScale);
 
 /// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
-/// kernel (per key block, over query blocks), each recomputing S and dP; kFusedDq (d_qk 128; other d_qk
-/// use kTwoKernel) = the dk / dv kernel also adds dS K to an fp32 dq accumulator in the workspace, key
-/// blocks in order (a counter per query block), then a convert kernel. Both deterministic.
+/// kernel (per key block, over query blocks), each recomputing S and dP (7 GEMMs per block pair), deterministic.
 /// kTwoKernelTma = kTwoKernel with the streamed blocks loaded by TMA instead of the producer warpgroup's cp.async: the
 /// dq kernel's K / V, the dk / dv kernel's Q, dO (and lse2 / D by bulk copies); kTwoKernel where no tensor map can be
-/// made.
+/// made. kFusedDq = the dk / dv kernel of kTwoKernelTma also computes dQ_partial = dS K per block pair and adds it to
+/// an fp32 dq accumulator in the workspace by atomics (5 GEMMs per block pair), then a convert kernel writes dq:
+/// dk / dv deterministic, dq not bitwise reproducible; kTwoKernel where no tensor map can be made.
 enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
 /// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.35-1.62 kTwoKernel's backward TFLOP/s on the 16 benchmark
 /// shapes (geomean x1.429; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-tma-ab.log;
 /// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
-/// kFusedDq measured the same as kTwoKernel at d_qk 192 (where it is kTwoKernel) and 0.37-0.68x as fast at d_qk 128
-/// (its dq accumulation in order serialises the key blocks; bench/results/2026-12-03-dense-prefill-schedules.log).
+/// kFusedDq: not measured yet (its earlier form, key blocks added in order behind a counter per query block with the
+/// cp.async loader, d_qk 128 only, was 0.37-0.68x kTwoKernel: bench/results/2026-12-03-dense-prefill-schedules.log).
 constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 
 /// Workspace bytes of dense_prefill_bwd with a given schedule.
