@@ -864,7 +864,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::reg_fence(dv);
       }
     }
-    const uint32_t sDSb = sDS + (it & 1) * Smem::kDS;  // kFusedDq: this step's dS^T buffer
+    [[maybe_unused]] const uint32_t sDSb = sDS + (it & 1) * Smem::kDS;  // kFusedDq: this step's dS^T buffer
     if constexpr (kFusedDq) {
       // dS^T of this warpgroup's 64 keys into sDSb (rows = keys, 128B-swizzled 64-query rows).
       uint8_t* ds = smem + (sDSb - base);
@@ -1092,7 +1092,7 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
   }
   if constexpr (kFusedDq) {
     const int64_t pairs = total_q * kp.h_q * (kD / 2);
-    if (pairs > 0) {
+    if (pairs > 0 && max_seqlen_q > 0 && fused_bytes > 0) {  // else no accumulator (ws_layout) and no row to write
       *failed = "dense_prefill_bwd_dq_convert_kernel launch";
       dense_prefill_bwd_dq_convert_kernel<T, kD><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
       e = cudaGetLastError();
