@@ -271,6 +271,15 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
+// How a cluster CTA's producers send their half of a block's rows to the peer (build switch, default 0):
+//   0: every 16-byte chunk by st.async beside its local store (18 per thread and block, V32);
+//   1: local stores only; after a part's stores the four producer warps meet (named barrier) and lanes of
+//      warp 0 copy the CTA's 32 rows of each of the part's slabs (4 KB, contiguous) by one bulk
+//      shared::cta -> shared::cluster copy each, completing on the peer's full barrier: no st.async
+//      operands in the MIO queue ahead of the next block's gathers (docs/sparse-fp8-decode.md, "What is next").
+#ifndef FLASHMLA_SPARSE_DECODE_PEER_BULK
+#define FLASHMLA_SPARSE_DECODE_PEER_BULK 0
+#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -396,6 +405,15 @@ __device__ __forceinline__ void st16_async(uint32_t addr, uint4 v, uint32_t mbar
                ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(mbar)
                : "memory");
 }
+/// `bytes` (a multiple of 16) from this CTA's shared memory at `src` (16-byte aligned) into the peer's at
+/// `dst` (shared::cluster), completing them as transaction bytes on the peer's mbarrier `mbar`
+/// (shared::cluster). The source is read through the async proxy: the writers' fence.proxy.async and a
+/// barrier with them come first.
+__device__ __forceinline__ void bulk_copy_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "r"(src), "r"(bytes), "r"(mbar)
+               : "memory");
+}
 /// Arrival on an mbarrier of the peer CTA: release at CTA scope (the PTX default, as
 /// CUTLASS's ClusterBarrier::arrive(cta_id) issues it); the cluster-scope release cost an ERRBAR
 /// per arrival (12% of the V3.2 kernel's stall samples). What it orders: the consumers' reads of a
@@ -441,7 +459,7 @@ constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducers = 4 };
 
 template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
@@ -451,6 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
+  constexpr bool kPeerBulk = kCluster && FLASHMLA_SPARSE_DECODE_PEER_BULK != 0;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
@@ -696,6 +715,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           const int my = hi ? row[1] : row[0];
           const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
+          // FLASHMLA_SPARSE_DECODE_PEER_BULK: part pt's slabs (part A: 0-3; part B: 4 .. kSlabs - 1, the RoPE
+          // slab included when its bytes go to the peer), this CTA's 32 rows of each (rows 32 rank ..: 4 KB at
+          // 4 KB x rank into the slab), one bulk copy per slab by lane s of warp 0, after every producer's
+          // stores and fence of the part.
+          [[maybe_unused]] auto send_part_to_peer = [&](int xb, int pt) {
+            named_barrier_sync(kBarProducers, kProducers);
+            const int s0 = pt == 0 ? 0 : 4;
+            const int n = pt == 0 ? 4 : (FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2 ? kSlabs : 4 + PartMap<F, 1>::kGroups) - 4;
+            if (t < n) {
+              const uint32_t off = static_cast<uint32_t>((s0 + t) * kSlabBytes) + 4096u * rank;
+              cl::bulk_copy_to_peer(r_sKx_u + off, sKx_u + off, 4096u, r_bar_full(xb, pt));
+            }
+          };
           RowPart<F, 0> pa;
           RowPart<F, 1> pb;
           row_part_load<F, 0>(pa, my_rec, my_scl, j);
@@ -709,7 +741,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
+            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
           });
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
@@ -717,7 +749,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
           publish_any_invalid(ra, x);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
-          gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma
+          gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma (and the bulk copy)
+          if constexpr (kPeerBulk) send_part_to_peer(x, 0);
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
@@ -728,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
+            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
 #else
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);
@@ -736,10 +769,11 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
+            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
+          if constexpr (kPeerBulk) send_part_to_peer(x, 1);
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
