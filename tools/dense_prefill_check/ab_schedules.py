@@ -69,7 +69,7 @@ def main():
         torch.cuda.synchronize()
         names = ("dq", "dk", "dv") if bwd else ("out", "lse")
 
-        def compare(xs, ys):  # "all" when bitwise equal, else per output: bitwise or max |x - y| / max |y|
+        def compare(xs, ys):  # True when all bitwise equal, else per output: "=" or "~" max |x - y| / max |y|
             eq = [torch.equal(x.nan_to_num(), y.nan_to_num()) for x, y in zip(xs, ys)]
             if all(eq):
                 return True
