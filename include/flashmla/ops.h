@@ -105,16 +105,21 @@ struct DenseDecodeParams {
   float softmax_scale = std::numeric_limits<float>::quiet_NaN();
   bool causal = false;         ///< bottom-right aligned causal mask; ignored when s_q == 1
 
-  /// Split-KV scheduler metadata (spec §4): (num_sm_parts, 8) int32 and (b+1,) int32.
+  /// Split-KV scheduler metadata (spec §4): (num_sm_parts, 8) int32 and (b+1,) int32, num_sm_parts from
+  /// DecodePlan (on the CPU it is the reference backend's thread count at plan time, so
+  /// set_reference_num_threads with another count makes earlier metadata the wrong shape).
   /// If `metadata_ready` is false the op computes them (on the op's stream)
   /// into these buffers; otherwise it reads them as computed by an earlier call
-  /// with identical shapes and cache_seqlens.
+  /// with identical shapes and cache_seqlens. The shapes are checked; the contents are not: on the GPU,
+  /// metadata computed for other cache_seqlens gives wrong results (blocks past a shorter length are
+  /// read, or a longer length's last blocks skipped), and the CPU reference does not read the metadata.
+  /// (The Python layer checks the lengths it was computed for: SchedMetaMismatchError.)
   TensorRef tile_scheduler_metadata;
   TensorRef num_splits;
   bool metadata_ready = false;
 
   TensorRef out;  ///< (b, s_q, h_q, 512), dtype of q, written
-  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log, +inf for rows with no key, written
+  TensorRef lse;  ///< (b, h_q, s_q) float32, natural log, +inf for rows with no key, written (any non-overlapping strides)
 
   void* workspace = nullptr;    ///< DecodePlan::workspace_bytes bytes on the device of q
   int64_t workspace_bytes = 0;
@@ -181,7 +186,7 @@ struct SparsePrefillParams {
   int64_t d_v = kDimV;  ///< must be 512
 
   TensorRef out;         ///< (s_q, h_q, 512) bf16, written
-  TensorRef max_logits;  ///< (s_q, h_q) float32, natural units, -inf for empty rows
+  TensorRef max_logits;  ///< (s_q, h_q) float32, max over valid keys of sm_scale * q.k, -inf for empty rows
   TensorRef lse;         ///< (s_q, h_q) float32, natural log, +inf for empty rows
 
   void* workspace = nullptr;
@@ -285,7 +290,9 @@ int num_sms(Device d);
 /// std::thread::hardware_concurrency(). At most 1024.
 int reference_num_threads();
 /// Sets the reference backend's thread count for later CPU calls of this process (n > 1024 acts as
-/// 1024); n <= 0 returns to the default above. Thread-safe; calls in flight keep their count.
+/// 1024); n <= 0 returns to the default above. Thread-safe; calls in flight keep their count. It is also
+/// the CPU's num_sms, hence the num_sm_parts of later CPU decode plans: metadata made before a change of
+/// count no longer has the shape those calls expect.
 void set_reference_num_threads(int n);
 
 }  // namespace flashmla

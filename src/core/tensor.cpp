@@ -33,7 +33,7 @@ const char* dtype_name(DType dtype) {
 }
 
 std::string device_name(Device d) {
-  if (d.type == DeviceType::kCPU) return "cpu";
+  if (d.type == DeviceType::kCPU) return d.id == 0 ? "cpu" : "cpu:" + std::to_string(d.id);
   if (d.type == DeviceType::kCUDA) return "cuda:" + std::to_string(d.id);
   return "unknown device type " + std::to_string(static_cast<int32_t>(d.type));
 }

@@ -732,7 +732,11 @@ Status validate_decode_outputs(const TensorRef& q, const TensorRef& out, const T
   if (tsm.ndim != 2 || tsm.shape[0] != plan.num_sm_parts || tsm.shape[1] != kTileSchedulerMetadataWidth)
     return value_error(cat("tile_scheduler_metadata: expected shape (", plan.num_sm_parts,
                            ", 8) for this call, got ", shape_string(tsm),
-                           "; scheduler metadata can only be reused for calls with the same shapes"));
+                           "; scheduler metadata can only be reused for calls with the same shapes",
+                           q.device.type == DeviceType::kCPU
+                               ? " and, on the CPU, the same reference thread count (set_reference_num_threads, "
+                                 "FLASHMLA_NUM_THREADS), which is its num_sm_parts"
+                               : ""));
   if (num_splits.ndim != 1 || num_splits.shape[0] != plan.num_splits_len)
     return value_error(cat("num_splits: expected shape (", plan.num_splits_len, ",) for this call, got ",
                            shape_string(num_splits),

@@ -164,9 +164,16 @@ TEST(ValidationDense, MixedDevicesAndOutputs) {
 
   DenseRun r;
   r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts + 1;
+  // On the CPU num_sm_parts is the reference thread count: the message says so.
   expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
+  expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "the same reference thread count");
   r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts;
   EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+
+  // CPU device ids: a mismatch names both ids (all tensors on one non-zero CPU id are accepted).
+  DenseCase d;
+  d.p.k_cache.device = {DeviceType::kCPU, 1};
+  expect_error(dense_decode_plan(d.p, &plan), ErrorKind::kValue, "k_cache is on cpu:1 but q is on cpu:");
 }
 
 TEST(ValidationDense, MisalignedWorkspaceIsValueError) {
