@@ -10,8 +10,9 @@
 //
 // Calling sequence used by every binding:
 //   1. fill the inputs of the params struct;
-//   2. call `<op>_plan(params, &plan)`: validates the inputs and returns the
-//      sizes of the buffers the caller must provide (outputs, metadata, workspace);
+//   2. call `<op>_plan(params, &plan)`: validates the inputs (only: the output fields may still be
+//      empty) and returns the sizes of the buffers the caller must provide (outputs, metadata,
+//      workspace; on the CPU every workspace size is 0);
 //   3. allocate them on the device of `q`, fill the output fields;
 //   4. call `<op>_fwd(params)`.
 //
