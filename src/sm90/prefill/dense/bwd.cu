@@ -477,6 +477,30 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ----------------------------------------------------------------------------------------- dkdv
 constexpr int kKvBN = 128, kKvBM = 64;
 
+// How the fused-dQ schedule adds a step's dQ_partial to the fp32 accumulator at d_qk 128 (build switch, default 0):
+//   0: float2 reductions from registers (REDG.E.ADD.F32x2) into a (total_q, h_q, d_qk) accumulator;
+//   1: each warpgroup stores its 64 x 64 partial to 16 KB of shared memory in the accumulator fragments' order
+//      (conflict-free 16-byte stores) and one thread adds it by one bulk reduction (cp.reduce.async.bulk .add.f32)
+//      to a 16 KB block of an accumulator laid out in that order, (b, h_q, ws_rows / 64, d_qk / 64) blocks, which
+//      the convert kernel reads back (FlashAttention-3's form of the dQ accumulation). d_qk 192 keeps 0 (its shared
+//      memory is full).
+#ifndef FLASHMLA_DENSE_PREFILL_DQ_BULK
+#define FLASHMLA_DENSE_PREFILL_DQ_BULK 0
+#endif
+template <int kD>
+constexpr bool dq_bulk() {
+  return FLASHMLA_DENSE_PREFILL_DQ_BULK != 0 && kD == 128;
+}
+/// Float index, within its 4096-float block, of element (row, col) of a 64 x 64 m64n64 accumulator tile stored in
+/// the fragments' order: float4 j of consumer thread t (t = 32 warp + 4 g + tq) at 4 (128 j + t), j = col / 8.
+__host__ __device__ constexpr int dq_frag_index(int row, int col) {
+  return 4 * (128 * (col >> 3) + 32 * (row >> 4) + 4 * (row & 7) + ((col & 7) >> 1)) + 2 * ((row >> 3) & 1) + (col & 1);
+}
+static_assert(dq_frag_index(0, 0) == 0 && dq_frag_index(0, 1) == 1 && dq_frag_index(8, 0) == 2 &&
+                  dq_frag_index(1, 0) == 16 && dq_frag_index(0, 2) == 4 && dq_frag_index(16, 0) == 128 &&
+                  dq_frag_index(0, 8) == 512,
+              "fragment order");
+
 /// dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the two-kernel
 /// schedules (not at 192: registers; not with the fused dQ, whose step ends with its own dQ GEMM), and that ring gets
 /// a third stage (Ring).
@@ -502,8 +526,10 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   static constexpr int kScratch = 16 * kD * 2;
   static constexpr int kScratchRegion = kFusedDq ? 2 * kScratch : kDS;
   static_assert(2 * kScratch <= kScratchRegion, "scratch");
-  static constexpr int kBytesAligned =
-      1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDSBuffers * kDS + kScratchRegion + kBars;
+  // dq_bulk: each consumer warpgroup's 64 x 64 fp32 dQ_partial before its bulk reduction.
+  static constexpr int kDqStage = kFusedDq && dq_bulk<kD>() ? 2 * 64 * 64 * 4 : 0;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDSBuffers * kDS +
+                                       kScratchRegion + kDqStage + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
@@ -517,7 +543,8 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 /// once, and dS^T of those keys is set to 0 in the checked steps (the last key tile's steps are checked); a key with
 /// inf / NaN in k that some query rows of a causal diagonal block do not see would put 0 * inf into their dQ, so a
 /// CTA whose K tile holds inf / NaN (causal only) computes the dQ of its checked steps on the CUDA cores
-/// (add_dq_exact), visible pairs only. Needs the TMA maps (kTma).
+/// (dq_partial_exact), visible pairs only. Needs the TMA maps (kTma). With FLASHMLA_DENSE_PREFILL_DQ_BULK (d_qk 128)
+/// the partials go to the accumulator by bulk reductions from shared memory instead (dq_bulk).
 /// kTma: every tile by TMA, one producer thread issuing: the CTA's K / V (tmap_k / tmap_v:
 /// (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows), the streamed Q and dO blocks (tmap_q / tmap_do:
 /// (d, h_q, total_q), 64-row boxes) and their lse2 / D rows by two 256-byte bulk copies. Q / dO rows past the
@@ -547,22 +574,20 @@ __device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, 
                               gmma::make_desc_sw128(b0, kKvBN * 128, 1024));
 }
 
-/// Adds to the fp32 dq accumulator this thread's elements of a fused-dQ partial computed on the CUDA cores: for the
-/// query rows warp * 16 + g and + 8 of the block at m0 (those below s_q) and the columns slab * 64 + 8 i + 2 tq (+1),
-/// the sum over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
+/// A fused-dQ partial computed on the CUDA cores, into this thread's elements of an m64n64 accumulator
+/// (acc[4 i + 2 e + c]: query row warp * 16 + g + 8 e of the block at m0, column slab * 64 + 8 i + 2 tq + c): the sum
+/// over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
 /// dS[row][key] K[key][column], in key order, from shared memory (ds: the dS^T tile, 128 keys x 64 queries; k: the K
-/// tile; generic pointers). acc_row0: the accumulator's element (row m0, column 0); row_stride: its row stride in
-/// floats. The rare path of a causal CTA whose K tile holds inf / NaN (kFusedDq); out of line, so that the main loop
-/// keeps its wgmma descriptors on the uniform datapath.
-template <class T, int kD>
-__device__ __noinline__ void add_dq_exact(const uint8_t* ds, const uint8_t* k, int slab, int j0, int j1, int row_base,
-                                          int tq, int n0, int m0, int off, int s_q, int s_k, bool causal,
-                                          float* acc_row0, int64_t row_stride) {
+/// tile; generic pointers); rows at or past s_q get 0. The rare path of a causal CTA whose K tile holds inf / NaN
+/// (kFusedDq); out of line, so that the main loop keeps its wgmma descriptors on the uniform datapath.
+template <class T>
+__device__ __noinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab, int j0,
+                                              int j1, int row_base, int tq, int n0, int m0, int off, int s_q, int s_k,
+                                              bool causal) {
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
   for (int e = 0; e < 2; ++e) {
     const int r = row_base + 8 * e, qi = m0 + r;
     if (qi >= s_q) continue;
-    float acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
     for (int j = j0; j < j1; ++j) {
       const int kj = n0 + j;
       if (kj >= s_k || (causal && kj > qi + off)) break;  // keys in order: the rest are not seen either
@@ -571,12 +596,10 @@ __device__ __noinline__ void add_dq_exact(const uint8_t* ds, const uint8_t* k, i
         const uint32_t w = *reinterpret_cast<const uint32_t*>(k + tile_off<kKvBN>(j, slab * 8 + i) + 4 * tq);
         float k0, k1;
         unpack2<T>(w, k0, k1);
-        acc[2 * i] += d * k0;
-        acc[2 * i + 1] += d * k1;
+        acc[4 * i + 2 * e] += d * k0;
+        acc[4 * i + 2 * e + 1] += d * k1;
       }
     }
-    float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
-    for (int i = 0; i < 8; ++i) atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[2 * i], acc[2 * i + 1]));
   }
 }
 
@@ -595,7 +618,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t sStage0 = sV + Smem::kV;
   const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;  // kFusedDq: two dS^T buffers
   const uint32_t sScratch = sDS + Smem::kDSBuffers * Smem::kDS;
-  const uint32_t bar = sScratch + Smem::kScratchRegion;
+  const uint32_t sDqStage = sScratch + Smem::kScratchRegion;  // dq_bulk: + wg * 16 KB
+  const uint32_t bar = sDqStage + Smem::kDqStage;
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t kv_bar = bar + 16 * Smem::kStages;
@@ -909,21 +933,43 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::reg_fence(dk);
         mbar_arrive(empty_bar(stage));
       }
+      constexpr bool kBulk = dq_bulk<kD>();
+      // dq_bulk: this warpgroup's staging buffer was read by its previous bulk reduction before either warpgroup
+      // passes the barrier below (only the issuing thread can wait for that).
+      if constexpr (kBulk) {
+        if ((tid & 127) == 0) bulk_wait_read();
+      }
       named_barrier_sync(1, 256);  // both warpgroups' dS^T in sDSb
       const int hq = hk * p.group + it / m_count;
-      const int64_t row_stride = static_cast<int64_t>(p.h_q) * kD;
-      float* const acc_row0 =
-          p.dq_accum + (static_cast<int64_t>(sb.q0) + m0) * row_stride + static_cast<int64_t>(hq) * kD;
       const int row_base = warp * 16 + g;
-      auto red_slab = [&](const float (&acc)[32], int slab) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int r = row_base + 8 * e;
-          if (m0 + r >= sb.s_q) continue;
-          float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
+      // A partial of column slab `slab` (this thread's m64n64 accumulator elements) into the accumulator.
+      auto add_partial = [&](const float (&acc)[32], int slab) {
+        if constexpr (kBulk) {
+          float4* st = reinterpret_cast<float4*>(smem + (sDqStage - base) + wg * (64 * 64 * 4));
 #pragma unroll
           for (int i = 0; i < 8; ++i)
-            atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
+            st[128 * i + (tid & 127)] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
+          gmma::fence_proxy_async();  // the generic stores -> the bulk reduction (async proxy)
+          named_barrier_sync(4 + wg, 128);
+          if ((tid & 127) == 0) {
+            const int64_t blk = (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
+            bulk_reduce_add_f32(p.dq_accum + (blk * (kD / 64) + slab) * (64 * 64), sDqStage + wg * (64 * 64 * 4),
+                                64 * 64 * 4);
+            bulk_commit();
+          }
+        } else {
+          const int64_t row_stride = static_cast<int64_t>(p.h_q) * kD;
+          float* const acc_row0 =
+              p.dq_accum + (static_cast<int64_t>(sb.q0) + m0) * row_stride + static_cast<int64_t>(hq) * kD;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int r = row_base + 8 * e;
+            if (m0 + r >= sb.s_q) continue;
+            float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+              atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
+          }
         }
       };
       if (kChecked && k_nonfinite) {  // rare: a causal tile with inf / NaN in k, on its checked steps
@@ -934,11 +980,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         const uint8_t* ds = smem + (sDSb - base);
         const uint8_t* kt = smem + (sK - base);
-        add_dq_exact<T, kD>(ds, kt, wg, 0, kKvBN, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal, acc_row0,
-                            row_stride);
-        if constexpr (kD == 192)
-          add_dq_exact<T, kD>(ds, kt, 2, 64 * wg, 64 * wg + 64, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal,
-                              acc_row0, row_stride);
+        float dqx[32];
+        dq_partial_exact<T>(dqx, ds, kt, wg, 0, kKvBN, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal);
+        add_partial(dqx, wg);
+        if constexpr (kD == 192) {
+          dq_partial_exact<T>(dqx, ds, kt, 2, 64 * wg, 64 * wg + 64, row_base, tq, n0, m0, off, sb.s_q, sb.s_k,
+                              p.causal);
+          add_partial(dqx, 2);
+        }
         return;
       }
       float dqp[32];
@@ -952,12 +1001,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       gmma::wait<0>();
       gmma::reg_fence(dqp);
-      red_slab(dqp, wg);
+      add_partial(dqp, wg);
       if constexpr (kD == 192) {
         gmma::fence();
         issue_dq_partial<T, 4>(dqp, sDSb + wg * (64 * 128), sK + 2 * (kKvBN * 128) + wg * (64 * 128));
         gmma::commit_wait(dqp);
-        red_slab(dqp, 2);
+        add_partial(dqp, 2);
       }
       return;
     }
@@ -1010,6 +1059,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
+  if constexpr (kFusedDq && dq_bulk<kD>()) {
+    if ((tid & 127) == 0) bulk_wait_all();  // the warpgroup's last reductions, before its shared memory goes
+  }
+
   T* dkp = static_cast<T*>(p.dk);
   T* dvp = static_cast<T*>(p.dv);
 #pragma unroll
@@ -1040,6 +1093,21 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
   const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + rh * kD + c);
   *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + qi * p.dq_row + hq * p.dq_head + c) =
       HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
+}
+// The same from dq_bulk's accumulator ((b, h_q, ws_rows / 64, d_qk / 64) blocks of 4096 floats in the m64n64 fragments'
+// order, dq_frag_index): grid (ws_rows * kD / 2 / 256, h_q, b), one thread per pair of a request's rows.
+template <class T, int kD>
+__global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_blocks_kernel(const KernelParams p) {
+  const int b = blockIdx.z, hq = blockIdx.y;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
+  const int r = static_cast<int>(idx / (kD / 2)), c = static_cast<int>(idx % (kD / 2)) * 2;
+  if (r >= sb.s_q) return;
+  const int64_t blk = (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / 64) + r / 64;
+  const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + (blk * (kD / 64) + c / 64) * 4096 +
+                                                    dq_frag_index(r % 64, c % 64));
+  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + (static_cast<int64_t>(sb.q0) + r) * p.dq_row +
+                               static_cast<int64_t>(hq) * p.dq_head + c) = HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
 
 /// tmaps: the maps of the TMA loads, or nullptr for the cp.async loaders: k, v with 64-row boxes and q, dout with
@@ -1094,7 +1162,12 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seql
     const int64_t pairs = total_q * kp.h_q * (kD / 2);
     if (pairs > 0 && max_seqlen_q > 0 && fused_bytes > 0) {  // else no accumulator (ws_layout) and no row to write
       *failed = "dense_prefill_bwd_dq_convert_kernel launch";
-      dense_prefill_bwd_dq_convert_kernel<T, kD><<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
+      if constexpr (dq_bulk<kD>())
+        dense_prefill_bwd_dq_convert_blocks_kernel<T, kD>
+            <<<dim3(static_cast<unsigned>(kp.ws_rows * (kD / 2) / 256), kp.h_q, b), 256, 0, stream>>>(kp);
+      else
+        dense_prefill_bwd_dq_convert_kernel<T, kD>
+            <<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
       e = cudaGetLastError();
     }
   }
@@ -1122,7 +1195,9 @@ WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
   w.total = w.vec_bytes;
   if (fused) {
     w.accum_offset = align256(w.vec_bytes);
-    w.fused_bytes = align256(p.q.shape[0] * h_q * p.q.shape[2] * static_cast<int64_t>(sizeof(float)));
+    const int64_t d_qk = p.q.shape[2];
+    const int64_t rows = d_qk == 128 && dq_bulk<128>() ? b * w.ws_rows : p.q.shape[0];  // dq_bulk: per request, padded
+    w.fused_bytes = align256(rows * h_q * d_qk * static_cast<int64_t>(sizeof(float)));
     w.total = w.accum_offset + w.fused_bytes;
   }
   return w;
