@@ -470,6 +470,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   constexpr bool kPeerBulk = kCluster && FLASHMLA_SPARSE_DECODE_PEER_BULK != 0;
+  // kPeerBulk: the RoPE slab goes by the bulk copy too where P does not share it (MODEL1: RoPE in slab 7, P in 8).
+  [[maybe_unused]] constexpr bool kRopeBulk = kPeerBulk && F != Fmt::kV32 && FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
@@ -715,14 +717,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           const int my = hi ? row[1] : row[0];
           const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-          // FLASHMLA_SPARSE_DECODE_PEER_BULK: part pt's slabs (part A: 0-3; part B: 4 .. kSlabs - 1, the RoPE
-          // slab included when its bytes go to the peer), this CTA's 32 rows of each (rows 32 rank ..: 4 KB at
-          // 4 KB x rank into the slab), one bulk copy per slab by lane s of warp 0, after every producer's
-          // stores and fence of the part.
+          // FLASHMLA_SPARSE_DECODE_PEER_BULK: part pt's slabs (part A: 0-3; part B: its FP8 groups' slabs and, MODEL1
+          // with the RoPE through registers, slab 7 that holds the RoPE), this CTA's 32 rows of each (rows 32 rank ..:
+          // 4 KB at 4 KB x rank into the slab), one bulk copy per slab by lane s of warp 0, after every producer's
+          // stores and fence of the part. V3.2's RoPE slab 8 still goes by st.async: this CTA's warpgroup 0 writes P
+          // there once its own part B is full, which does not wait for this CTA's outgoing copy to have read it.
           [[maybe_unused]] auto send_part_to_peer = [&](int xb, int pt) {
             named_barrier_sync(kBarProducers, kProducers);
             const int s0 = pt == 0 ? 0 : 4;
-            const int n = pt == 0 ? 4 : (FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2 ? kSlabs : 4 + PartMap<F, 1>::kGroups) - 4;
+            const int n = pt == 0 ? 4 : PartMap<F, 1>::kGroups + (kRopeBulk ? 1 : 0);
             if (t < n) {
               const uint32_t off = static_cast<uint32_t>((s0 + t) * kSlabBytes) + 4096u * rank;
               cl::bulk_copy_to_peer(r_sKx_u + off, sKx_u + off, 4096u, r_bar_full(xb, pt));
@@ -761,7 +764,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #if FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2
           row_rope_store<F>(rr, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
+            if constexpr (!kRopeBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
 #else
           row_rope<F>(ra.rec[0], row[0], j, sKx_u, p.q);

@@ -481,9 +481,10 @@ constexpr int kKvBN = 128, kKvBM = 64;
 //   0: float2 reductions from registers (REDG.E.ADD.F32x2) into a (total_q, h_q, d_qk) accumulator;
 //   1: each warpgroup stores its 64 x 64 partial to 16 KB of shared memory in the accumulator fragments' order
 //      (conflict-free 16-byte stores) and one thread adds it by one bulk reduction (cp.reduce.async.bulk .add.f32)
-//      to a 16 KB block of an accumulator laid out in that order, (b, h_q, ws_rows / 64, d_qk / 64) blocks, which
-//      the convert kernel reads back (FlashAttention-3's form of the dQ accumulation). d_qk 192 keeps 0 (its shared
-//      memory is full).
+//      to a 16 KB block of an accumulator laid out in that order, (row blocks, h_q, d_qk / 64) blocks, which the
+//      convert kernel reads back (FlashAttention-3's form of the dQ accumulation). Request i's query block m is row
+//      block floor(q0_i / 64) + i + m (dq_row_block): the requests' blocks do not overlap and there are at most
+//      floor(total_q / 64) + b + 1. d_qk 192 keeps 0 (its shared memory is full).
 #ifndef FLASHMLA_DENSE_PREFILL_DQ_BULK
 #define FLASHMLA_DENSE_PREFILL_DQ_BULK 0
 #endif
@@ -491,6 +492,8 @@ template <int kD>
 constexpr bool dq_bulk() {
   return FLASHMLA_DENSE_PREFILL_DQ_BULK != 0 && kD == 128;
 }
+/// dq_bulk: the accumulator's row block of query block m (rows 64 m ..) of request i whose rows start at q0.
+__device__ __forceinline__ int64_t dq_row_block(int q0, int i, int m) { return (q0 >> 6) + i + m; }
 /// Float index, within its 4096-float block, of element (row, col) of a 64 x 64 m64n64 accumulator tile stored in
 /// the fragments' order: float4 j of consumer thread t (t = 32 warp + 4 g + tq) at 4 (128 j + t), j = col / 8.
 __host__ __device__ constexpr int dq_frag_index(int row, int col) {
@@ -952,7 +955,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gmma::fence_proxy_async();  // the generic stores -> the bulk reduction (async proxy)
           named_barrier_sync(4 + wg, 128);
           if ((tid & 127) == 0) {
-            const int64_t blk = (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / kKvBM) + m0 / kKvBM;
+            const int64_t blk = dq_row_block(sb.q0, b, m0 / kKvBM) * p.h_q + hq;
             bulk_reduce_add_f32(p.dq_accum + (blk * (kD / 64) + slab) * (64 * 64), sDqStage + wg * (64 * 64 * 4),
                                 64 * 64 * 4);
             bulk_commit();
@@ -1094,8 +1097,8 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const
   *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + qi * p.dq_row + hq * p.dq_head + c) =
       HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
-// The same from dq_bulk's accumulator ((b, h_q, ws_rows / 64, d_qk / 64) blocks of 4096 floats in the m64n64 fragments'
-// order, dq_frag_index): grid (ws_rows * kD / 2 / 256, h_q, b), one thread per pair of a request's rows.
+// The same from dq_bulk's accumulator ((row blocks, h_q, d_qk / 64) blocks of 4096 floats in the m64n64 fragments'
+// order, dq_frag_index, dq_row_block): grid (ws_rows * kD / 2 / 256, h_q, b), one thread per pair of a request's rows.
 template <class T, int kD>
 __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_blocks_kernel(const KernelParams p) {
   const int b = blockIdx.z, hq = blockIdx.y;
@@ -1103,7 +1106,7 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_blocks_kerne
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
   const int r = static_cast<int>(idx / (kD / 2)), c = static_cast<int>(idx % (kD / 2)) * 2;
   if (r >= sb.s_q) return;
-  const int64_t blk = (static_cast<int64_t>(b) * p.h_q + hq) * (p.ws_rows / 64) + r / 64;
+  const int64_t blk = dq_row_block(sb.q0, b, r / 64) * p.h_q + hq;
   const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + (blk * (kD / 64) + c / 64) * 4096 +
                                                     dq_frag_index(r % 64, c % 64));
   *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + (static_cast<int64_t>(sb.q0) + r) * p.dq_row +
@@ -1196,7 +1199,8 @@ WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
   if (fused) {
     w.accum_offset = align256(w.vec_bytes);
     const int64_t d_qk = p.q.shape[2];
-    const int64_t rows = d_qk == 128 && dq_bulk<128>() ? b * w.ws_rows : p.q.shape[0];  // dq_bulk: per request, padded
+    // dq_bulk: 64-row blocks, dq_row_block's at most floor(total_q / 64) + b + 1
+    const int64_t rows = d_qk == 128 && dq_bulk<128>() ? (p.q.shape[0] / 64 + b + 1) * 64 : p.q.shape[0];
     w.fused_bytes = align256(rows * h_q * d_qk * static_cast<int64_t>(sizeof(float)));
     w.total = w.accum_offset + w.fused_bytes;
   }
