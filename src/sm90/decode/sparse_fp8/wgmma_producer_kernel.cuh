@@ -459,7 +459,7 @@ constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarProducers = 4 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
 
 template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
@@ -718,17 +718,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
           // FLASHMLA_SPARSE_DECODE_PEER_BULK: part pt's slabs (part A: 0-3; part B: its FP8 groups' slabs and, MODEL1
-          // with the RoPE through registers, slab 7 that holds the RoPE), this CTA's 32 rows of each (rows 32 rank ..:
-          // 4 KB at 4 KB x rank into the slab), one bulk copy per slab by lane s of warp 0, after every producer's
-          // stores and fence of the part. V3.2's RoPE slab 8 still goes by st.async: this CTA's warpgroup 0 writes P
-          // there once its own part B is full, which does not wait for this CTA's outgoing copy to have read it.
+          // with the RoPE through registers, slab 7 that holds the RoPE), the warp's 8 rows of each (rows
+          // 32 rank + 8 w ..: 1 KB at 4 KB x rank + 1 KB x w into the slab), one bulk copy per slab by lane s of the
+          // warp, after the warp's stores and fences of the part (no wait for the other producer warps). V3.2's RoPE
+          // slab 8 still goes by st.async: this CTA's warpgroup 0 writes P there once its own part B is full, which does
+          // not wait for this CTA's outgoing copy to have read it.
           [[maybe_unused]] auto send_part_to_peer = [&](int xb, int pt) {
-            named_barrier_sync(kBarProducers, kProducers);
+            __syncwarp();  // the warp's stores, each after its own fence.proxy.async
             const int s0 = pt == 0 ? 0 : 4;
             const int n = pt == 0 ? 4 : PartMap<F, 1>::kGroups + (kRopeBulk ? 1 : 0);
-            if (t < n) {
-              const uint32_t off = static_cast<uint32_t>((s0 + t) * kSlabBytes) + 4096u * rank;
-              cl::bulk_copy_to_peer(r_sKx_u + off, sKx_u + off, 4096u, r_bar_full(xb, pt));
+            const int lane = t & 31;
+            if (lane < n) {
+              const uint32_t off = static_cast<uint32_t>((s0 + lane) * kSlabBytes) + 4096u * rank + 1024u * (t >> 5);
+              cl::bulk_copy_to_peer(r_sKx_u + off, sKx_u + off, 1024u, r_bar_full(xb, pt));
             }
           };
           RowPart<F, 0> pa;
