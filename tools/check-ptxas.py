@@ -80,16 +80,22 @@ def compile_one(nvcc, cutlass, src, outdir, extra=(), sass_dir=None, cuobjdump=N
 
 
 def parse(log):
-    """Per mangled kernel name: regs, stack, spill stores / loads, notes (C75xx codes)."""
-    kernels, cur = {}, None
+    """Per mangled kernel name: regs, stack, spill stores / loads, notes (C75xx codes). The stack / spill line
+    belongs to the function of the "Function properties for" line before it: an entry function's is followed by
+    those of the non-inlined device functions it calls, which are not the kernel's."""
+    kernels, cur, props = {}, None, None
     for line in log.splitlines():
         m = re.search(r"Compiling entry function '([^']+)'", line)
         if m:
             cur = kernels.setdefault(m.group(1), {"regs": None, "stack": 0, "spill_st": 0, "spill_ld": 0, "notes": set()})
             continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            props = m.group(1)
+            continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and cur is not None:
-            cur["stack"], cur["spill_st"], cur["spill_ld"] = map(int, m.groups())
+        if m and cur is not None and props in kernels:
+            kernels[props]["stack"], kernels[props]["spill_st"], kernels[props]["spill_ld"] = map(int, m.groups())
         m = re.search(r"Used (\d+) registers", line)
         if m and cur is not None:
             cur["regs"] = int(m.group(1))

@@ -582,19 +582,25 @@ __device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, 
 /// over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
 /// dS[row][key] K[key][column], in key order, from shared memory (ds: the dS^T tile, 128 keys x 64 queries; k: the K
 /// tile; generic pointers); rows at or past s_q get 0. The rare path of a causal CTA whose K tile holds inf / NaN
-/// (kFusedDq); out of line, so that the main loop keeps its wgmma descriptors on the uniform datapath.
+/// (kFusedDq). Inlined with the key loop not unrolled: as a call (__noinline__) its ABI made the d_qk 192 kernel spill
+/// 40 bytes in the main loop, inlined 4 (bf16); the main loop's HGMMA descriptors stay on the uniform datapath either
+/// way (the same R2UR count).
 template <class T>
-__device__ __noinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab, int j0,
+__device__ __forceinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab, int j0,
                                               int j1, int row_base, int tq, int n0, int m0, int off, int s_q, int s_k,
                                               bool causal) {
+#pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+#pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = row_base + 8 * e, qi = m0 + r;
     if (qi >= s_q) continue;
+#pragma unroll 1
     for (int j = j0; j < j1; ++j) {
       const int kj = n0 + j;
       if (kj >= s_k || (causal && kj > qi + off)) break;  // keys in order: the rest are not seen either
       const float d = static_cast<float>(*reinterpret_cast<const T*>(ds + tile_off<kKvBN>(j, r >> 3) + (r & 7) * 2));
+#pragma unroll
       for (int i = 0; i < 8; ++i) {
         const uint32_t w = *reinterpret_cast<const uint32_t*>(k + tile_off<kKvBN>(j, slab * 8 + i) + 4 * tq);
         float k0, k1;
