@@ -34,6 +34,25 @@ def test_parse_registers_spills_and_notes():
     assert b["notes"] == {"C7519"}
 
 
+# A kernel that calls a non-inlined device function: ptxas lists the function's properties after the kernel's.
+_LOG_CALL = """\
+ptxas warning : Registers are spilled to local memory in function '_Z7kernelCv', 40 bytes spill stores, 56 bytes spill loads
+ptxas info    : Compiling entry function '_Z7kernelCv' for 'sm_90a'
+ptxas info    : Function properties for _Z7kernelCv
+    176 bytes stack frame, 40 bytes spill stores, 56 bytes spill loads
+ptxas info    : Function properties for _Z6helperRA32_f
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 176 bytes cumulative stack size
+"""
+
+
+def test_a_called_functions_figures_are_not_the_kernels():
+    k = check_ptxas.parse(_LOG_CALL)
+    assert set(k) == {"_Z7kernelCv"}
+    c = k["_Z7kernelCv"]
+    assert (c["regs"], c["stack"], c["spill_st"], c["spill_ld"]) == (168, 176, 40, 56)
+
+
 def test_demangled_names_drop_namespaces_and_parameters():
     names = check_ptxas.demangle(["_ZN8flashmla4sm902ns6kernelILi576EEEvi"])
     (pretty,) = names.values()
