@@ -586,9 +586,9 @@ __device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, 
 /// 40 bytes in the main loop, inlined 4 (bf16); the main loop's HGMMA descriptors stay on the uniform datapath either
 /// way (the same R2UR count).
 template <class T>
-__device__ __forceinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab, int j0,
-                                              int j1, int row_base, int tq, int n0, int m0, int off, int s_q, int s_k,
-                                              bool causal) {
+__device__ __forceinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab,
+                                                 int j0, int j1, int row_base, int tq, int n0, int m0, int off, int s_q,
+                                                 int s_k, bool causal) {
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 #pragma unroll
@@ -977,7 +977,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
 #pragma unroll
             for (int i = 0; i < 8; ++i)
-              atomicAdd(reinterpret_cast<float2*>(dst + 8 * i), make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
+              atomicAdd(reinterpret_cast<float2*>(dst + 8 * i),
+                        make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
           }
         }
       };
@@ -1115,8 +1116,8 @@ __global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_blocks_kerne
   const int64_t blk = dq_row_block(sb.q0, b, r / 64) * p.h_q + hq;
   const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + (blk * (kD / 64) + c / 64) * 4096 +
                                                     dq_frag_index(r % 64, c % 64));
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + (static_cast<int64_t>(sb.q0) + r) * p.dq_row +
-                               static_cast<int64_t>(hq) * p.dq_head + c) = HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
+  T* dst = static_cast<T*>(p.dq) + (static_cast<int64_t>(sb.q0) + r) * p.dq_row + static_cast<int64_t>(hq) * p.dq_head;
+  *reinterpret_cast<uint32_t*>(dst + c) = HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
 }
 
 /// tmaps: the maps of the TMA loads, or nullptr for the cp.async loaders: k, v with 64-row boxes and q, dout with
