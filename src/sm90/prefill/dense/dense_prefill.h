@@ -45,7 +45,14 @@ enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
 /// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
 /// kFusedDq: not measured yet (its earlier form, key blocks added in order behind a counter per query block with the
 /// cp.async loader, d_qk 128 only, was 0.37-0.68x kTwoKernel: bench/results/2026-12-03-dense-prefill-schedules.log).
-constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
+/// Build switch FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ=1 makes kFusedDq the default, so that a package build runs the GPU
+/// pytest and the benchmark on it before it is chosen (docs/dense-prefill.md, "Backward: dQ from the dk / dv kernel by
+/// atomics").
+#ifndef FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ
+#define FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ 0
+#endif
+constexpr BwdSchedule kBwdSchedule =
+    FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ != 0 ? BwdSchedule::kFusedDq : BwdSchedule::kTwoKernelTma;
 
 /// Workspace bytes of dense_prefill_bwd with a given schedule.
 int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
