@@ -273,10 +273,10 @@ struct RowPart {
 #endif
 // How a cluster CTA's producers send their half of a block's rows to the peer (build switch, default 0):
 //   0: every 16-byte chunk by st.async beside its local store (18 per thread and block, V32);
-//   1: local stores only; after a part's stores the four producer warps meet (named barrier) and lanes of
-//      warp 0 copy the CTA's 32 rows of each of the part's slabs (4 KB, contiguous) by one bulk
-//      shared::cta -> shared::cluster copy each, completing on the peer's full barrier: no st.async
-//      operands in the MIO queue ahead of the next block's gathers (docs/sparse-fp8-decode.md, "What is next").
+//   1: local stores only; after a part's stores each producer warp (__syncwarp) copies its 8 rows of each of the
+//      part's slabs (1 KB, contiguous) by one bulk shared::cta -> shared::cluster copy per slab, completing on the
+//      peer's full barrier: no st.async operands in the MIO queue ahead of the next block's gathers (V3.2's RoPE,
+//      whose slab P shares, stays on st.async; docs/sparse-fp8-decode.md, "The peer's half by bulk copies").
 #ifndef FLASHMLA_SPARSE_DECODE_PEER_BULK
 #define FLASHMLA_SPARSE_DECODE_PEER_BULK 0
 #endif
