@@ -111,9 +111,9 @@ struct DenseDecodeParams {
   /// set_reference_num_threads with another count makes earlier metadata the wrong shape).
   /// If `metadata_ready` is false the op computes them (on the op's stream)
   /// into these buffers; otherwise it reads them as computed by an earlier call
-  /// with identical shapes and cache_seqlens. The shapes are checked; the contents are not: on the GPU,
-  /// metadata computed for other cache_seqlens gives wrong results (blocks past a shorter length are
-  /// read, or a longer length's last blocks skipped), and the CPU reference does not read the metadata.
+  /// with identical shapes and cache_seqlens. The shapes are checked; the contents are not: on the GPU
+  /// the split of every request's key blocks among the SM parts is read from them, so with metadata computed
+  /// for other cache_seqlens the result is unspecified; the CPU reference does not read the metadata.
   /// (The Python layer checks the lengths it was computed for: SchedMetaMismatchError.)
   TensorRef tile_scheduler_metadata;
   TensorRef num_splits;

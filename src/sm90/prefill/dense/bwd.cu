@@ -582,7 +582,9 @@ __device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, 
 /// over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
 /// dS[row][key] K[key][column], in key order, from shared memory (ds: the dS^T tile, 128 keys x 64 queries; k: the K
 /// tile; generic pointers); rows at or past s_q get 0. The rare path of a causal CTA whose K tile holds inf / NaN
-/// (kFusedDq). Inlined with the key loop not unrolled: as a call (__noinline__) its ABI made the d_qk 192 kernel spill
+/// (kFusedDq). Not mma_b_finite / add_nonfinite_products as in the dq kernel: those take the A operand (dS) as the
+/// warpgroup's register fragments, and here dS is the other warpgroup's too, in shared memory. Inlined with the key
+/// loop not unrolled: as a call (__noinline__) its ABI made the d_qk 192 kernel spill
 /// 40 bytes in the main loop, inlined 4 (bf16); the main loop's HGMMA descriptors stay on the uniform datapath either
 /// way (the same R2UR count).
 template <class T>
