@@ -264,21 +264,12 @@ struct RowPart {
 //   1: the same with cp.async.ca (allocated in L1: the CTA's own rows' RoPE lines are also the lines
 //      of their scales and last FP8 group);
 //   2: through registers, loaded with the FP8 bytes under FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY; a
-//      cluster CTA loads only the rows it dequantizes and sends them to the peer by st.async.
+//      cluster CTA loads only the rows it dequantizes and sends them to the peer (bulk copy, V3.2 st.async).
 #ifndef FLASHMLA_SPARSE_DECODE_ROPE_MODE
 #define FLASHMLA_SPARSE_DECODE_ROPE_MODE 2
 #endif
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
-#endif
-// How a cluster CTA's producers send their half of a block's rows to the peer (build switch, default 0):
-//   0: every 16-byte chunk by st.async beside its local store (18 per thread and block, V32);
-//   1: local stores only; after a part's stores each producer warp (__syncwarp) copies its 8 rows of each of the
-//      part's slabs (1 KB, contiguous) by one bulk shared::cta -> shared::cluster copy per slab, completing on the
-//      peer's full barrier: no st.async operands in the MIO queue ahead of the next block's gathers (V3.2's RoPE,
-//      whose slab P shares, stays on st.async; docs/sparse-fp8-decode.md, "The peer's half by bulk copies").
-#ifndef FLASHMLA_SPARSE_DECODE_PEER_BULK
-#define FLASHMLA_SPARSE_DECODE_PEER_BULK 0
 #endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
@@ -375,10 +366,12 @@ __device__ __forceinline__ void row_rope_store(const RowRope& r, int row, int j,
 // kClusterDefault; docs/sparse-fp8-decode.md): the two head-tile CTAs of a
 // (query token, partition) walk the same blocks. Each CTA's
 // producers dequantize half of every block's rows (thread row row[rank]) into their own slabs
-// (st.shared) and the peer's (st.async to the peer's mapa address, completing 16 bytes of
-// transaction on the peer's full barrier of that part, as FlashMLA's 2-CTA path does), send the
-// RoPE of those rows the same way (FLASHMLA_SPARSE_DECODE_ROPE_MODE 2; modes 0 and 1 copy all 64
-// rows' RoPE locally) and write all 64 validity bytes locally. A full barrier counts the 132 local arrivals
+// (st.shared) and send them to the peer's: per producer warp and slab of a part, one 1 KB bulk copy
+// shared::cta -> shared::cluster completing as transaction bytes on the peer's full barrier of that
+// part (FlashMLA's 2-CTA path stores each 16 bytes by st.async instead, as this kernel did before:
+// 10% slower here), send the RoPE of those rows the same way (FLASHMLA_SPARSE_DECODE_ROPE_MODE 2;
+// V3.2's RoPE by st.async, see send_part_to_peer; modes 0 and 1 copy all 64 rows' RoPE locally) and
+// write all 64 validity bytes locally. A full barrier counts the 132 local arrivals
 // (one per producer warp, warp 0's an arrive.expect_tx for the peer's bytes of the part, + 128
 // cp.async noinc) and the peer's transaction bytes; the consumers release a part on both CTAs'
 // free barriers (one arrival per consumer warp on each: count 8), so a part is refilled only when
@@ -422,7 +415,7 @@ __device__ __forceinline__ void arrive_remote(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
 /// Wait (acquire at CTA scope, the PTX default, as CUTLASS's cluster barriers wait; the peer's
-/// bytes arrive by st.async, whose complete_tx is applied once they are in this CTA's shared
+/// bytes arrive by bulk copy or st.async, whose complete_tx is applied once they are in this CTA's shared
 /// memory). Acquire at cluster scope cost an L1 invalidation (CCTL.IVALL) per try; CTA scope for both
 /// the arrival and the wait measured V3.2 -3.2%, peak h128 -5.3%.
 /// Formally, PTX's scoped model pairs a cross-CTA release only with a cluster-scope acquire; the
@@ -469,9 +462,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
-  constexpr bool kPeerBulk = kCluster && FLASHMLA_SPARSE_DECODE_PEER_BULK != 0;
-  // kPeerBulk: the RoPE slab goes by the bulk copy too where P does not share it (MODEL1: RoPE in slab 7, P in 8).
-  [[maybe_unused]] constexpr bool kRopeBulk = kPeerBulk && F != Fmt::kV32 && FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2;
+  // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
+  // slab 7, P in 8); V3.2's RoPE slab 8 goes by st.async (see send_part_to_peer).
+  [[maybe_unused]] constexpr bool kRopeBulk = F != Fmt::kV32 && FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const auto [sQ_u, sK_u, sQ, sK, sRed] = seesaw::smem_tiles<kSmemQ, kSmemK>(smem_raw);
   float* sM = sRed;
@@ -544,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   auto r_bar_full = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(2 * buf + part); };
   auto r_bar_free = [&](int buf, int part) { return r_bar_u + 8u * static_cast<uint32_t>(4 + 2 * buf + part); };
   // Waits on full barriers (cluster: cl::wait, acquire at CTA scope as CUTLASS's cluster pipelines
-  // wait; the peer's producers write here too, by st.async; see cl::wait).
+  // wait; the peer's producers write here too, by bulk copy and st.async; see cl::wait).
   auto full_wait = [&](uint32_t bar, uint32_t parity) {
     if constexpr (kCluster) cl::wait(bar, parity);
     else mbar_wait(bar, parity);
@@ -717,13 +710,16 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           const int my = hi ? row[1] : row[0];
           const uint64_t my_rec = hi ? ra.rec[1] : ra.rec[0], my_scl = hi ? ra.scl[1] : ra.scl[0];
           const uint32_t r_sKx_u = cl::mapa(sKx_u, rank ^ 1u);
-          // FLASHMLA_SPARSE_DECODE_PEER_BULK: part pt's slabs (part A: 0-3; part B: its FP8 groups' slabs and, MODEL1
-          // with the RoPE through registers, slab 7 that holds the RoPE), the warp's 8 rows of each (rows
-          // 32 rank + 8 w ..: 1 KB at 4 KB x rank + 1 KB x w into the slab), one bulk copy per slab by lane s of the
-          // warp, after the warp's stores and fences of the part (no wait for the other producer warps). V3.2's RoPE
-          // slab 8 still goes by st.async: this CTA's warpgroup 0 writes P there once its own part B is full, which does
-          // not wait for this CTA's outgoing copy to have read it.
-          [[maybe_unused]] auto send_part_to_peer = [&](int xb, int pt) {
+          // The peer's copy of this CTA's rows: every thread stores locally only; after a part's stores each
+          // producer warp sends part pt's slabs (part A: 0-3; part B: its FP8 groups' slabs and, MODEL1 with the RoPE
+          // through registers, slab 7 that holds the RoPE), its 8 rows of each (rows 32 rank + 8 w ..: 1 KB at
+          // 4 KB x rank + 1 KB x w into the slab), by one bulk shared::cta -> shared::cluster copy per slab (lane s
+          // of the warp), completing on the peer's full barrier, with no wait for the other producer warps. So the
+          // next block's gathers do not queue behind ~36 KB of st.async operands per step in the MIO queue
+          // (docs/sparse-fp8-decode.md, "The peer's half by bulk copies": x1.06-1.14 on the cluster cases). V3.2's
+          // RoPE slab 8 goes by st.async beside the local store: this CTA's warpgroup 0 writes P there once its own
+          // part B is full, which does not wait for this CTA's outgoing copy to have read it.
+          auto send_part_to_peer = [&](int xb, int pt) {
             __syncwarp();  // the warp's stores, each after its own fence.proxy.async
             const int s0 = pt == 0 ? 0 : 4;
             const int n = pt == 0 ? 4 : PartMap<F, 1>::kGroups + (kRopeBulk ? 1 : 0);
@@ -746,7 +742,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 0));
           });
           if (j == 0) {
             sValid[x * kBlockN + row[0]] = ra.rec[0] != 0 ? 1 : 0;
@@ -755,7 +750,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           publish_any_invalid(ra, x);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 3, t == 0);
           gmma::fence_proxy_async();  // the local generic stores -> the consumers' wgmma (and the bulk copy)
-          if constexpr (kPeerBulk) send_part_to_peer(x, 0);
+          send_part_to_peer(x, 0);
           mbar_arrive_cp_async(bar_full(x, 0));
           producer_arrive(bar_full(x, 0), kPeerPartBytes<F, 0>);  // t == 0: + the peer's bytes
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 4, t == 0);
@@ -774,11 +769,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           row_part_store<F, 1>(pb, my, j, [&](uint32_t off, uint4 v) {
             *reinterpret_cast<uint4*>(sKx + off) = v;
-            if constexpr (!kPeerBulk) cl::st16_async(r_sKx_u + off, v, r_bar_full(x, 1));
           });
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 7, t == 0);
           gmma::fence_proxy_async();
-          if constexpr (kPeerBulk) send_part_to_peer(x, 1);
+          send_part_to_peer(x, 1);
           mbar_arrive_cp_async(bar_full(x, 1));
           producer_arrive(bar_full(x, 1), kPeerPartBytes<F, 1>);
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 8, t == 0);
