@@ -322,8 +322,9 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
     """Causal (bottom-right), one request s_q 96, s_k 128 (offset 32): key 70 holds NaN in k, so query rows
     0 .. 37 do not see it. Per backward schedule (the default only with --no-variants): dq of those rows must be
     finite and equal, within 1e-3 of the largest |dq|, to a run with a finite key 70 (bitwise for the deterministic
-    schedules); dk / dv of the keys other than 70 finite. The float reference would read the masked key (0 * NaN), so
-    the run with the finite key is the reference here (as tests/gpu/test_dense_prefill_gpu.py's masked-key test)."""
+    schedules). dk / dv are not checked: rows 38 .. 95 see key 70, so their P is NaN, and every key is seen by
+    one of them (row 38 sees keys 0 .. 70). The float reference would read the masked key (0 * NaN), so the run
+    with the finite key is the reference here (as tests/gpu/test_dense_prefill_gpu.py's masked-key test)."""
     torch.manual_seed(7)
     lq, lk, h, dv = [96], [128], 2, 128
     q, k, v, dout, cu_q, cu_k = make_inputs(lq, lk, h, h, d, dv, torch.bfloat16, dev)
@@ -333,18 +334,15 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
     out, lse = lib.fwd(q, k, v, cu_q, cu_k, 96, 128, scale, True)
     clean = torch.zeros(96, dtype=torch.bool, device=dev)
     clean[:70 - 32] = True
-    keys = torch.ones(128, dtype=torch.bool, device=dev)
-    keys[70] = False
     ok = True
     msgs = []
     for sched in (BWD_SCHEDULES if VARIANTS["on"] else ("default",)):
         dq_f, _, _ = [t.clone() for t in lib.bwd(q, k, v, cu_q, cu_k, 96, 128, scale, True, out, lse, dout,
                                                    schedule=sched)]
         out_b, lse_b = lib.fwd(q, k_bad, v, cu_q, cu_k, 96, 128, scale, True)
-        dq_b, dk_b, dv_b = lib.bwd(q, k_bad, v, cu_q, cu_k, 96, 128, scale, True, out_b, lse_b, dout, schedule=sched)
+        dq_b, _, _ = lib.bwd(q, k_bad, v, cu_q, cu_k, 96, 128, scale, True, out_b, lse_b, dout, schedule=sched)
         a, r = dq_b[clean].float(), dq_f[clean].float()
-        fin = bool(torch.isfinite(a).all()) and bool(torch.isfinite(dk_b[keys]).all()) and bool(
-            torch.isfinite(dv_b[keys]).all())
+        fin = bool(torch.isfinite(a).all())
         err = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
         exact = sched in NONDETERMINISTIC_DQ or torch.equal(a, r)
         good = fin and err < 1e-3 and exact
