@@ -167,7 +167,10 @@ def _jax_use_xla(q: Any, **others: Any) -> bool:
 def _int_arg(name: str, value: Any) -> int:
     """An integer argument (Python / NumPy / 0-d array integers, via ``operator.index``), with a
     TypeError naming the argument for anything else: None, strings and floats such as 512.9 are not
-    truncated (FlashMLA's C++ ``int`` parameters reject them too)."""
+    truncated (FlashMLA's C++ ``int`` parameters reject them too), nor are booleans (``True`` is an int to
+    Python, not a length or a head dim: the same rule as _float_arg's)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got bool {value!r}")
     if isinstance(value, int):  # the common case, and the one torch.compile traces
         return int(value)
     try:
@@ -873,7 +876,51 @@ def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seq
         from . import _jax  # XLA custom calls with a jax.custom_vjp (jax.grad, jax.jit)
 
         return _jax.dense_prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, names)
+    if fw == "paddle" and _paddle_needs_grad(q, k, v):
+        return tuple(_paddle_flash_attn_varlen_layer().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
     return _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+
+
+def _paddle_needs_grad(*tensors) -> bool:
+    """True when Paddle records gradients and one of the Paddle tensors among ``tensors`` wants one."""
+    import paddle
+
+    return paddle.is_grad_enabled() and any(isinstance(t, paddle.Tensor) and not t.stop_gradient for t in tensors)
+
+
+_PaddleFlashAttnVarlen = None
+
+
+def _paddle_flash_attn_varlen_layer():
+    """A ``paddle.autograd.PyLayer`` for flash_attn_varlen_func (made on first use: flash_mla imports without
+    Paddle): the forward on the TVM-FFI path, the backward :func:`flash_attn_varlen_backward`'s kernels; lse is
+    not differentiable (as the torch and JAX paths)."""
+    global _PaddleFlashAttnVarlen
+    if _PaddleFlashAttnVarlen is None:
+        import paddle
+
+        class _Layer(paddle.autograd.PyLayer):
+            @staticmethod
+            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+                out, lse = _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+                ctx.args = (max_q, max_k, scale, causal)
+                ctx.wants = [isinstance(t, paddle.Tensor) and not t.stop_gradient for t in (q, k, v)]
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, _dlse):
+                q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensor()
+                if dout is None:
+                    dout = paddle.zeros_like(out)
+                grads = _dense_prefill_bwd_call(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+                # One gradient per tensor input; Paddle wants None for an input with stop_gradient (the int32
+                # cu_seqlens always).
+                return (*(g if w else None for g, w in zip(grads, ctx.wants)), None, None)
+
+        _PaddleFlashAttnVarlen = _Layer
+    return _PaddleFlashAttnVarlen
 
 
 def flash_attn_varlen_func(
@@ -910,8 +957,9 @@ def flash_attn_varlen_func(
 
     Gradients: torch tensors go through a ``torch.autograd.Function`` (``out.backward(g)`` fills
     ``q.grad``, ``k.grad``, ``v.grad``; GQA included, which FlashMLA's SM100 backward rejects); JAX
-    arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); other frameworks call
-    :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
+    arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); Paddle tensors that want a gradient
+    (``stop_gradient=False``, outside ``paddle.no_grad()``) through a ``paddle.autograd.PyLayer``
+    (``loss.backward()`` fills ``.grad``); NumPy and CuPy call :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
     is deterministic (bitwise equal dk / dv across runs) and not differentiable itself: with
     ``create_graph=True`` the gradients it returns raise RuntimeError ("... differentiate twice ...")
     when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized

@@ -372,6 +372,8 @@ def test_errors_name_the_argument(rng):
         f(q, k, None, cu_q, cu_k, mq, mk)
     with pytest.raises(TypeError, match=r"^max_seqlen_qo: expected an int"):
         f(q, k, v, cu_q, cu_k, 3.5, mk)
+    with pytest.raises(TypeError, match=r"^max_seqlen_kv: expected an int, got bool True"):
+        f(q, k, v, cu_q, cu_k, mq, True)
     with pytest.raises(TypeError, match=r"^head_dim_qk: expected an int"):
         flash_mla.flash_attn_varlen_qkvpacked_func(np.concatenate([q, q, q], -1), cu_q, mq, "128")
     out, lse = f(q, k, v, cu_q, cu_k, mq, mk)
@@ -822,6 +824,38 @@ def test_cupy_or_paddle_if_installed(rng):
                                                  *case.args(conv)[3:], softmax_scale=case.scale)
     for name, a, r in zip(("dq", "dk", "dv"), grads, case.ref_grads()):
         check_grad(name, a.numpy(), r, FP16)
+
+
+def test_paddle_autograd_if_installed(rng):
+    """Paddle tensors that want gradients go through a paddle.autograd.PyLayer: loss.backward() fills q / k / v's
+    grad with flash_attn_varlen_backward's values (it used to return a detached out, so the attention's gradients
+    were silently missing); an input with stop_gradient gets none; qkvpacked's gradient reaches qkv; under
+    paddle.no_grad() (or with no input wanting a gradient) out does not record one."""
+    paddle = pytest.importorskip("paddle")
+    case = Case(rng, [3, 6], [5, 6], 2, 1, 128, 128, FP16, True)
+    conv = lambda x: paddle.to_tensor(np.asarray(x))  # noqa: E731
+    q, k, v, cu_q, cu_k, max_q, max_k = case.args(conv)
+    q.stop_gradient = False
+    v.stop_gradient = False
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=case.scale,
+                                                causal=True)
+    assert not out.stop_gradient and lse.stop_gradient
+    (out.astype("float32") * conv(case.dout).astype("float32")).sum().backward()
+    assert k.grad is None
+    for name, a, r in (("dq", q.grad, case.ref_grads()[0]), ("dv", v.grad, case.ref_grads()[2])):
+        check_grad(name, a.numpy(), r, FP16)
+    qkv = paddle.to_tensor(rng.standard_normal((9, 1, 384)).astype(np.float16))
+    qkv.stop_gradient = False
+    cu = conv(np.array([0, 3, 9], np.int32))
+    out_p, _ = flash_mla.flash_attn_varlen_qkvpacked_func(qkv, cu, 6, 128, causal=True)
+    out_p.astype("float32").sum().backward()
+    x = qkv.detach()
+    parts = (x[:, :, :128], x[:, :, 128:256], x[:, :, 256:])
+    o2, l2 = flash_mla.flash_attn_varlen_func(*parts, cu, cu, 6, 6, causal=True)
+    grads = flash_mla.flash_attn_varlen_backward(paddle.ones_like(o2), *parts, o2, l2, cu, cu, 6, 6, causal=True)
+    assert np.array_equal(qkv.grad.numpy(), np.concatenate([g.numpy() for g in grads], -1))
+    with paddle.no_grad():
+        assert flash_mla.flash_attn_varlen_qkvpacked_func(qkv, cu, 6, 128, causal=True)[0].stop_gradient
 
 
 def test_torch_q_with_other_frameworks_tensors_forward_and_backward():

@@ -375,9 +375,10 @@ def test_sparse_non_tensor_optional_arguments_name_the_argument(sparse, name, ba
         call_sparse(sparse, **over)
 
 
-@pytest.mark.parametrize("value", [512.9, 512.0, "512", b"512", None])
+@pytest.mark.parametrize("value", [512.9, 512.0, "512", b"512", None, True])
 def test_integer_arguments_are_not_truncated(dense, sparse, prefill, value):
-    # int(512.9) == 512 once made head_dim_v=512.9 run; FlashMLA's int parameters reject floats.
+    # int(512.9) == 512 once made head_dim_v=512.9 run; FlashMLA's int parameters reject floats. A bool is an int
+    # to Python but not a head dim (as softmax_scale rejects it).
     with pytest.raises(TypeError, match="^head_dim_v: expected an int"):
         call_dense(dense, head_dim_v=value)
     with pytest.raises(TypeError, match="^head_dim_v: expected an int"):
