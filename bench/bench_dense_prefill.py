@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--lib", default=None, help="standalone library (tools/dense-prefill-gpu-check.sh builds it)")
     ap.add_argument("--fwd-schedule", default="default", help="with --lib: default, serial, overlap, pingpong, pingpong_tma, persistent_tma")
-    ap.add_argument("--bwd-schedule", default="default", help="with --lib: default, two_kernel, fused_dq or two_kernel_tma")
+    ap.add_argument("--bwd-schedule", default="default", help="with --lib: default, two_kernel or two_kernel_tma")
     ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
                     help="time only the shapes whose name (e.g. s8192_h128-128_d192_causal) contains one of these")
     args = ap.parse_args()

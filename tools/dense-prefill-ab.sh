@@ -10,7 +10,7 @@
 # --old DIR: a tree to build as the "2:" side of the A/Bs (e.g. `git archive REV src include tools/dense_prefill_check |
 #   tar -x -C build-ab/old` on the CPU machine); schedules named "2:NAME" run on it.
 # Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
-# NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DFLASHMLA_DENSE_PREFILL_DQ_BULK=1
+# NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DSOME_SWITCH=1
 #   with --old . to A/B a build switch against the same tree without it.
 set -uo pipefail
 cd "$(dirname "$0")/.."

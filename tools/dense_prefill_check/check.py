@@ -10,10 +10,10 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    strides;
 3. extra cases: lengths 1, 7, 63, 129, s_q != s_k both ways, empty requests, rows without a visible key,
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
-4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv; fused_dq: dk, dv) bitwise equal, per schedule;
+4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma,
-   persistent_tma, it with the folded scale and on 2 CTAs) and backward schedule (two_kernel, fused_dq,
-   two_kernel_tma; dense_prefill.h), unless --no-variants;
+   persistent_tma, it with the folded scale and on 2 CTAs) and backward schedule (two_kernel, two_kernel_tma;
+   dense_prefill.h), unless --no-variants;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
 Exit status 1 if any check fails."""
@@ -41,8 +41,7 @@ FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tm
                  "persistent_tma_2cta")
 # persistent_tma_2cta (the persistent grid capped at 2 CTAs: every case walks many tiles per CTA) is checked, not timed.
 FWD_PERF_SCHEDULES = FWD_SCHEDULES[:-1]
-BWD_SCHEDULES = ("two_kernel", "fused_dq", "two_kernel_tma")
-NONDETERMINISTIC_DQ = ("fused_dq",)  # backward schedules whose dq is not bitwise reproducible (dense_prefill.h)
+BWD_SCHEDULES = ("two_kernel", "two_kernel_tma")
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 
 
@@ -305,14 +304,11 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
             for sched in (BWD_SCHEDULES if VARIANTS["on"] else ("default",)):
                 g1 = [t.clone() for t in lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout,
                                                   schedule=sched)]
-                # fused_dq adds dq's partials by atomics in no fixed order: dk / dv only (as spec 5.5 checks)
-                first = 1 if sched in NONDETERMINISTIC_DQ else 0
                 for _ in range(2):
                     g2 = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout, schedule=sched)
-                    gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                                 for a, b in list(zip(g2, g1))[first:])
+                    gsame &= all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(g2, g1))
         print(f"{'PASS' if same and gsame else 'FAIL'} determinism {name}: 5 forwards bitwise equal (each schedule): {same}; "
-              f"3 backwards (dq, dk, dv; fused_dq: dk, dv) bitwise equal: {gsame if bwd else 'n/a'}")
+              f"3 backwards (dq, dk, dv) bitwise equal: {gsame if bwd else 'n/a'}")
         RESULTS["determinism"].append({"case": name, "fwd": bool(same), "bwd": bool(gsame)})
         if not (same and gsame):
             FAILURES.append("determinism " + name)
@@ -321,8 +317,8 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
 def run_masked_key_case(lib, name, d, dev="cuda"):
     """Causal (bottom-right), one request s_q 96, s_k 128 (offset 32): key 70 holds NaN in k, so query rows
     0 .. 37 do not see it. Per backward schedule (the default only with --no-variants): dq of those rows must be
-    finite and equal, within 1e-3 of the largest |dq|, to a run with a finite key 70 (bitwise for the deterministic
-    schedules). dk / dv are not checked: rows 38 .. 95 see key 70, so their P is NaN, and every key is seen by
+    finite and equal, within 1e-3 of the largest |dq| and bitwise (every schedule's dq is deterministic), to a run
+    with a finite key 70. dk / dv are not checked: rows 38 .. 95 see key 70, so their P is NaN, and every key is seen by
     one of them (row 38 sees keys 0 .. 70). The float reference would read the masked key (0 * NaN), so the run
     with the finite key is the reference here (as tests/gpu/test_dense_prefill_gpu.py's masked-key test)."""
     torch.manual_seed(7)
@@ -344,7 +340,7 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
         a, r = dq_b[clean].float(), dq_f[clean].float()
         fin = bool(torch.isfinite(a).all())
         err = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
-        exact = sched in NONDETERMINISTIC_DQ or torch.equal(a, r)
+        exact = torch.equal(a, r)
         good = fin and err < 1e-3 and exact
         ok &= good
         msgs.append(f"{sched}: finite {fin}, dq rel {err:.1e}{'' if exact else ' (not bitwise)'}")

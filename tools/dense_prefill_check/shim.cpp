@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -70,8 +71,8 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)
 // workspace_bytes. With workspace == nullptr: writes the workspace size to *ws_bytes and returns.
-// schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 1 = fused dQ, 2 = two kernels with the dq
-// kernel's K / V by TMA (dense_prefill.h).
+// schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 2 = two kernels with the tiles by TMA
+// (dense_prefill.h); 1 was the fused-dQ schedule (removed) and, like any other value, is rejected.
 int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, int64_t* ws_bytes, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -85,15 +86,16 @@ int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int c
   bp.workspace = ptrs[11];
   bp.workspace_bytes = meta[58];
   bp.stream = stream;
-  const dp::BwdSchedule sched = schedule == 1   ? dp::BwdSchedule::kFusedDq
-                                : schedule == 2 ? dp::BwdSchedule::kTwoKernelTma
-                                                : dp::BwdSchedule::kTwoKernel;
-  if (ptrs[11] == nullptr) {
-    *ws_bytes = schedule < 0 ? flashmla::sm90::dense_prefill_bwd_workspace_bytes(bp)
-                             : dp::bwd_workspace_bytes_with_schedule(bp, sched);
+  if (schedule != -1 && schedule != 0 && schedule != 2) {
+    std::snprintf(err, errlen, "dense_prefill_check_bwd: unknown schedule %d", schedule);
+    return 1;
+  }
+  if (ptrs[11] == nullptr) {  // the workspace is the same for every schedule
+    *ws_bytes = flashmla::sm90::dense_prefill_bwd_workspace_bytes(bp);
     return 0;
   }
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_bwd(bp), err, errlen);
+  const dp::BwdSchedule sched = schedule == 2 ? dp::BwdSchedule::kTwoKernelTma : dp::BwdSchedule::kTwoKernel;
   return report(dp::bwd_with_schedule(bp, sched), err, errlen);
 }
 }

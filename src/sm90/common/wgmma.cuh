@@ -98,20 +98,20 @@ FLASHMLA_GMMA_WGMMA_BF16_F16(256, 128, 128, 129, 130, 131, 132, 133)
 // The seesaw kernels' forms, with compile-time byte offsets (>> 4) added to the descriptors inside the
 // asm block: in a fully unrolled chain the compiler then cannot hoist 2 x 36 loop-invariant 64-bit
 // descriptors into registers. B is MN-major when kTnspB = 1.
-//   mma_m64n64k16_off_<t><kTnspB, kOffA, kOffB, kScaleD, kTnspA = 0>(d, desc_a, desc_b): S = Q K^T; kScaleD = 0
-//     overwrites d, 1 accumulates; kTnspA = 1: A MN-major.
+//   mma_m64n64k16_off_<t><kTnspB, kOffA, kOffB, kScaleD>(d, desc_a, desc_b): S = Q K^T; kScaleD = 0
+//     overwrites d, 1 accumulates.
 //   mma_m64n256k16_off_<t><kTnspB, kOffA, kOffB>(d, desc_a, desc_b): d += A B.
 //   mma_m64n256k16_rs_<t><kTnspB, kOffB>(d, a, desc_b): d += A B, A from registers (the m16n8k16 A
 //     fragment of each warp's 16 rows); V read from the K tile as B (kTnspB = 1).
 #define FLASHMLA_GMMA_SEESAW_FORMS(T_NAME, PTX_T)                                                                 \
-  template <int kTnspB, int kOffA, int kOffB, int kScaleD, int kTnspA = 0>                                      \
+  template <int kTnspB, int kOffA, int kOffB, int kScaleD>                                                       \
   __device__ __forceinline__ void mma_m64n64k16_off_##T_NAME(float (&d)[32], uint64_t desc_a, uint64_t desc_b) { \
     asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %34, 0;\n"                                \
                  "add.s64 da, %32, %35;\nadd.s64 db, %33, %36;\n"                                                \
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " " FLASHMLA_WGMMA_ACC_32         \
-                 ", da, db, p, 1, 1, %38, %37;\n}\n"                                                             \
+                 ", da, db, p, 1, 1, 0, %37;\n}\n"                                                               \
                  : FLASHMLA_WGMMA_ACC_OUT_32(d)                                                                  \
-                 : "l"(desc_a), "l"(desc_b), "n"(kScaleD), "n"(kOffA), "n"(kOffB), "n"(kTnspB), "n"(kTnspA));    \
+                 : "l"(desc_a), "l"(desc_b), "n"(kScaleD), "n"(kOffA), "n"(kOffB), "n"(kTnspB));                 \
   }                                                                                                              \
   template <int kTnspB, int kOffA, int kOffB>                                                                    \
   __device__ __forceinline__ void mma_m64n256k16_off_##T_NAME(float (&d)[128], uint64_t desc_a, uint64_t desc_b) { \

@@ -2,25 +2,20 @@
 // out; the gradient through lse is not propagated, as FlashMLA): dq, dk, dv for d_qk in {128, 192},
 // d_v 128, varlen, GQA (dk / dv summed over each kv head's query heads), causal, bf16 / fp16.
 //
-// Kernels on the caller's stream, by schedule (dense_prefill.h):
-//  1. preprocess (every schedule): per (query row, head) lse2 = lse * log2(e) (+inf for rows without a visible key,
+// Kernels on the caller's stream (both schedules, dense_prefill.h):
+//  1. preprocess: per (query row, head) lse2 = lse * log2(e) (+inf for rows without a visible key,
 //     so their P is 0) and D = rowsum(dout * out) in fp32, into the workspace, per (request, head) padded to a
 //     multiple of 64 rows (padding: lse2 +inf, D 0);
-//  2. dq (two-kernel schedules): one CTA per (128 query rows, query head, request), the forward's structure: the
+//  2. dq: one CTA per (128 query rows, query head, request), the forward's structure: the
 //     producer warpgroup streams K / V blocks of 64 keys; each consumer warpgroup (64 rows) computes S = Q K^T and
 //     dP = dO V^T (wgmma, shared-memory operands), P = exp2(S scale log2e - lse2), dS = P (dP - D),
 //     dQ += dS K (wgmma, dS from registers, K MN-major); dq = scale dQ;
 //  3. dkdv: one CTA per (128 keys, kv head, request); K / V stay in shared memory, the producer streams (Q, dO,
 //     lse2, D) blocks of 64 query rows over the group's query heads in order, then over the query blocks in order;
 //     each consumer warpgroup (64 keys) computes S^T = K Q^T, dP^T = V dO^T, P^T, dS^T and dV += P^T dO,
-//     dK += dS^T Q (wgmma, P^T / dS^T from registers, dO / Q MN-major); dk = scale dK. With the fused-dQ schedule
-//     it also computes dQ_partial = dS K of each (query block, key block) and adds it to an fp32 accumulator in the
-//     workspace by atomics, and a convert kernel writes dq = scale * accumulator.
-// The two-kernel schedules compute dq from its own recomputation of S and dP (7 GEMMs per block pair instead of 5)
-// and are deterministic by construction: no atomics, every gradient element accumulated by one thread in a fixed
-// order. The fused-dQ schedule does the 5 GEMMs; its dk and dv are deterministic the same way, its dq is not bitwise
-// reproducible (the key blocks' partials are added in the order the CTAs reach them), as FlashAttention's and
-// FlashMLA's (spec 5.5 checks dk / dv only).
+//     dK += dS^T Q (wgmma, P^T / dS^T from registers, dO / Q MN-major); dk = scale dK.
+// dq is computed from its own recomputation of S and dP (7 GEMMs per block pair instead of 5), so the backward is
+// deterministic by construction: no atomics, every gradient element accumulated by one thread in a fixed order.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -50,10 +45,10 @@ constexpr int kBwdDV = 128;
 //  * the rings of the kernels that defer a GEMM get a third stage (Ring), so the late release of a block's stage
 //    does not hold back the load of the block after next.
 // The checked steps (the causal diagonal blocks, in the dk / dv kernel also a partial last query block: they also
-// keep inf / NaN out of the rows and keys that do not see each other) and the fused-dQ schedule wait for each wgmma
-// batch right after issuing it. The overlap changes no GEMM, no order of the products added to an accumulator (block
-// n - 1's before block n's) and no per-element operation, so dq, dk and dv have the bits of the order that waits for
-// each batch at once, and stay deterministic.
+// keep inf / NaN out of the rows and keys that do not see each other) wait for each wgmma batch right after issuing
+// it. The overlap changes no GEMM, no order of the products added to an accumulator (block n - 1's before block n's)
+// and no per-element operation, so dq, dk and dv have the bits of the order that waits for each batch at once, and
+// stay deterministic.
 
 /// acc = A B^T over kDim / 16 k-steps of m64n64k16, both operands K-major: A = the 64 rows whose first row's
 /// descriptor is desc_a in a kRowsA-row tile, B = the first 64 rows of the kRowsB-row tile with descriptor desc_b.
@@ -477,160 +472,50 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ----------------------------------------------------------------------------------------- dkdv
 constexpr int kKvBN = 128, kKvBM = 64;
 
-// How the fused-dQ schedule adds a step's dQ_partial to the fp32 accumulator at d_qk 128 (build switch, default 0):
-//   0: float2 reductions from registers (REDG.E.ADD.F32x2) into a (total_q, h_q, d_qk) accumulator;
-//   1: each warpgroup stores its 64 x 64 partial to 16 KB of shared memory in the accumulator fragments' order
-//      (conflict-free 16-byte stores) and one thread adds it by one bulk reduction (cp.reduce.async.bulk .add.f32)
-//      to a 16 KB block of an accumulator laid out in that order, (row blocks, h_q, d_qk / 64) blocks, which the
-//      convert kernel reads back (FlashAttention-3's form of the dQ accumulation). Request i's query block m is row
-//      block floor(q0_i / 64) + i + m (dq_row_block): the requests' blocks do not overlap and there are at most
-//      floor(total_q / 64) + b + 1. d_qk 192 keeps 0 (its shared memory is full).
-#ifndef FLASHMLA_DENSE_PREFILL_DQ_BULK
-#define FLASHMLA_DENSE_PREFILL_DQ_BULK 0
-#endif
+/// dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 (not at 192: registers),
+/// and that ring gets a third stage (Ring).
 template <int kD>
-constexpr bool dq_bulk() {
-  return FLASHMLA_DENSE_PREFILL_DQ_BULK != 0 && kD == 128;
-}
-/// dq_bulk: the accumulator's row block of query block m (rows 64 m ..) of request i whose rows start at q0.
-__device__ __forceinline__ int64_t dq_row_block(int q0, int i, int m) { return (q0 >> 6) + i + m; }
-/// Float index, within its 4096-float block, of element (row, col) of a 64 x 64 m64n64 accumulator tile stored in
-/// the fragments' order: float4 j of consumer thread t (t = 32 warp + 4 g + tq) at 4 (128 j + t), j = col / 8.
-__host__ __device__ constexpr int dq_frag_index(int row, int col) {
-  return 4 * (128 * (col >> 3) + 32 * (row >> 4) + 4 * (row & 7) + ((col & 7) >> 1)) + 2 * ((row >> 3) & 1) + (col & 1);
-}
-static_assert(dq_frag_index(0, 0) == 0 && dq_frag_index(0, 1) == 1 && dq_frag_index(8, 0) == 2 &&
-                  dq_frag_index(1, 0) == 16 && dq_frag_index(0, 2) == 4 && dq_frag_index(16, 0) == 128 &&
-                  dq_frag_index(0, 8) == 512,
-              "fragment order");
-
-/// dk / dv kernel: dK += dS^T Q of a query block is deferred into the next step at d_qk 128 in the two-kernel
-/// schedules (not at 192: registers; not with the fused dQ, whose step ends with its own dQ GEMM), and that ring gets
-/// a third stage (Ring).
-template <int kD, bool kFusedDq>
 constexpr bool kv_defers_dk() {
-  return !kFusedDq && kD == 128;
+  return kD == 128;
 }
-template <int kD, bool kFusedDq>
+template <int kD>
 struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
   using Tiles = BwdTiles<kD, kKvBM, kKvBN>;
-  static constexpr int kStages = kv_defers_dk<kD, kFusedDq>() ? 3 : 2;  // Ring
+  static constexpr int kStages = kv_defers_dk<kD>() ? 3 : 2;  // Ring
   static constexpr int kVec = 2 * kKvBM * 4;  // lse2[64], D[64]
   static constexpr int kStage = Tiles::kQ + Tiles::kDO + kVec;
   static constexpr int kBars = (2 * kStages + 1) * 8;  // full[kStages], empty[kStages], kv_full
   static_assert(kStage % 1024 == 512 || kStage % 1024 == 0, "stage size");
   static constexpr int kStageAligned = (kStage + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
-  // The fused dQ's A operand, dS^T (128 keys x 64 queries), in two buffers (step n in buffer n & 1), so that a
-  // warpgroup can write step n + 1's while the other's dQ GEMM of step n still reads its own.
-  static constexpr int kDS = kKvBN * kKvBM * 2;
-  static constexpr int kDSBuffers = kFusedDq ? 2 : 0;
-  // Per consumer warpgroup, 16 rows of a B operand without inf / NaN (mma_b_finite, rare path of the checked steps);
-  // the two-kernel schedules keep both in a region of one dS^T buffer's size (16 KB >= 2 x 6 KB).
+  // Per consumer warpgroup, 16 rows of a B operand without inf / NaN (mma_b_finite, rare path of the checked steps),
+  // both in a 16 KB region (more than the 2 x 4 / 6 KB they need: the layout the kernels were measured with).
   static constexpr int kScratch = 16 * kD * 2;
-  static constexpr int kScratchRegion = kFusedDq ? 2 * kScratch : kDS;
+  static constexpr int kScratchRegion = 16 * 1024;
   static_assert(2 * kScratch <= kScratchRegion, "scratch");
-  // dq_bulk: each consumer warpgroup's 64 x 64 fp32 dQ_partial before its bulk reduction.
-  static constexpr int kDqStage = kFusedDq && dq_bulk<kD>() ? 2 * 64 * 64 * 4 : 0;
-  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kDSBuffers * kDS +
-                                       kScratchRegion + kDqStage + kBars;
+  static constexpr int kBytesAligned = 1024 + Tiles::kK + Tiles::kV + kStages * kStageAligned + kScratchRegion + kBars;
   static_assert(kBytesAligned <= 232448, "shared memory");
 };
 
-/// kFusedDq: the dq kernel's work done here as well (5 GEMMs per block pair instead of the two kernels' 7). Per step
-/// the two warpgroups store dS^T to shared memory; after a named barrier each computes dQ_partial = dS K (wgmma, dS
-/// MN-major as A, K MN-major as B, 64-dim column slabs: d_qk 128: slab wg over the 128 keys; d_qk 192: slab wg over
-/// the 128 keys, then slab 2 over its own 64 keys) and adds it to the fp32 dq accumulator in the workspace by
-/// float2 atomics (reductions: no return value), rows past s_q left out; a convert kernel then writes
-/// dq = scale * accumulator. The adds of the key blocks reach an element in no fixed order, so dq is not bitwise
-/// reproducible; dk and dv are. What dQ must not take in: K rows past s_k (the next request's, by TMA) are zeroed
-/// once, and dS^T of those keys is set to 0 in the checked steps (the last key tile's steps are checked); a key with
-/// inf / NaN in k that some query rows of a causal diagonal block do not see would put 0 * inf into their dQ, so a
-/// CTA whose K tile holds inf / NaN (causal only) computes the dQ of its checked steps on the CUDA cores
-/// (dq_partial_exact), visible pairs only. Needs the TMA maps (kTma). With FLASHMLA_DENSE_PREFILL_DQ_BULK (d_qk 128)
-/// the partials go to the accumulator by bulk reductions from shared memory instead (dq_bulk).
 /// kTma: every tile by TMA, one producer thread issuing: the CTA's K / V (tmap_k / tmap_v:
 /// (d, h_kv, total_k), boxes of 64 dims x 1 head x 128 rows), the streamed Q and dO blocks (tmap_q / tmap_do:
 /// (d, h_q, total_q), 64-row boxes) and their lse2 / D rows by two 256-byte bulk copies. Q / dO rows past the
 /// request's end (the next request's) are zeroed by the consumers before their first use, so those tiles hold what the
-/// cp.async loader writes; K / V rows past it need not be for dk / dv (a key row reaches only its own dk / dv, which
-/// are not stored). Without kTma the maps are unused.
-/// acc = dS K over kN k-steps of 16 keys (m64n64k16, both operands MN-major): A = rows of the dS^T tile (keys x 64
-/// queries) from the one whose address is ds, B = the same rows of a 64-dim column slab of the K tile (kKvBN rows)
-/// from k. The addresses are read from lane 0 (warp-uniform for ptxas, so the descriptors stay on the uniform
-/// datapath) and k-step kK's descriptors are the base ones plus its compile-time byte offset >> 4, as
-/// issue_abt_off64. The first k-step overwrites acc. Issues only.
-template <class T, int kN, int kK = 0>
-__device__ __forceinline__ void issue_dq_partial_off(float (&acc)[32], uint64_t desc_a, uint64_t desc_b) {
-  if constexpr (kK < kN) {
-    constexpr int kOff = (kK * 16 * 128) >> 4;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>)
-      gmma::mma_m64n64k16_off_bf16<1, kOff, kOff, (kK > 0 ? 1 : 0), 1>(acc, desc_a, desc_b);
-    else
-      gmma::mma_m64n64k16_off_f16<1, kOff, kOff, (kK > 0 ? 1 : 0), 1>(acc, desc_a, desc_b);
-    issue_dq_partial_off<T, kN, kK + 1>(acc, desc_a, desc_b);
-  }
-}
-template <class T, int kN>
-__device__ __forceinline__ void issue_dq_partial(float (&acc)[32], uint32_t ds, uint32_t k) {
-  const uint32_t a0 = __shfl_sync(0xFFFFFFFFu, ds, 0), b0 = __shfl_sync(0xFFFFFFFFu, k, 0);
-  issue_dq_partial_off<T, kN>(acc, gmma::make_desc_sw128(a0, kKvBN * 128, 1024),
-                              gmma::make_desc_sw128(b0, kKvBN * 128, 1024));
-}
-
-/// A fused-dQ partial computed on the CUDA cores, into this thread's elements of an m64n64 accumulator
-/// (acc[4 i + 2 e + c]: query row warp * 16 + g + 8 e of the block at m0, column slab * 64 + 8 i + 2 tq + c): the sum
-/// over keys j0 .. j1 - 1 of the tile at n0 that the row sees (key < s_k; causal: key <= row + off) of
-/// dS[row][key] K[key][column], in key order, from shared memory (ds: the dS^T tile, 128 keys x 64 queries; k: the K
-/// tile; generic pointers); rows at or past s_q get 0. The rare path of a causal CTA whose K tile holds inf / NaN
-/// (kFusedDq). Not mma_b_finite / add_nonfinite_products as in the dq kernel: those take the A operand (dS) as the
-/// warpgroup's register fragments, and here dS is the other warpgroup's too, in shared memory. Inlined with the key
-/// loop not unrolled: as a call (__noinline__) its ABI made the d_qk 192 kernel spill
-/// 40 bytes in the main loop, inlined 4 (bf16); the main loop's HGMMA descriptors stay on the uniform datapath either
-/// way (the same R2UR count).
-template <class T>
-__device__ __forceinline__ void dq_partial_exact(float (&acc)[32], const uint8_t* ds, const uint8_t* k, int slab,
-                                                 int j0, int j1, int row_base, int tq, int n0, int m0, int off, int s_q,
-                                                 int s_k, bool causal) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int r = row_base + 8 * e, qi = m0 + r;
-    if (qi >= s_q) continue;
-#pragma unroll 1
-    for (int j = j0; j < j1; ++j) {
-      const int kj = n0 + j;
-      if (kj >= s_k || (causal && kj > qi + off)) break;  // keys in order: the rest are not seen either
-      const float d = static_cast<float>(*reinterpret_cast<const T*>(ds + tile_off<kKvBN>(j, r >> 3) + (r & 7) * 2));
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(k + tile_off<kKvBN>(j, slab * 8 + i) + 4 * tq);
-        float k0, k1;
-        unpack2<T>(w, k0, k1);
-        acc[4 * i + 2 * e] += d * k0;
-        acc[4 * i + 2 * e + 1] += d * k1;
-      }
-    }
-  }
-}
-
-template <class T, int kD, bool kFusedDq, bool kTma>
+/// cp.async loader writes; K / V rows past it need not be (a key row reaches only its own dk / dv, which are not
+/// stored). Without kTma the maps are unused.
+template <class T, int kD, bool kTma>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_do, const __grid_constant__ CUtensorMap tmap_k,
                                   const __grid_constant__ CUtensorMap tmap_v) {
-  static_assert(!kFusedDq || kTma, "the fused-dQ schedule loads by TMA");
-  using Smem = KvSmem<kD, kFusedDq>;
+  using Smem = KvSmem<kD>;
   using R = Ring<Smem::kStages>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   uint8_t* smem = smem_align_1024(smem_raw, base);
   const uint32_t sK = base, sV = base + Smem::kK;
   const uint32_t sStage0 = sV + Smem::kV;
-  const uint32_t sDS = sStage0 + Smem::kStages * Smem::kStageAligned;  // kFusedDq: two dS^T buffers
-  const uint32_t sScratch = sDS + Smem::kDSBuffers * Smem::kDS;
-  const uint32_t sDqStage = sScratch + Smem::kScratchRegion;  // dq_bulk: + wg * 16 KB
-  const uint32_t bar = sDqStage + Smem::kDqStage;
+  const uint32_t sScratch = sStage0 + Smem::kStages * Smem::kStageAligned;
+  const uint32_t bar = sScratch + Smem::kScratchRegion;
   auto full_bar = [&](int s) { return bar + 8 * s; };
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t kv_bar = bar + 16 * Smem::kStages;
@@ -721,11 +606,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // sq_prev of stage stage_prev); the next step issues it after its S^T.
   // d_qk 192 does not: the 16 registers of as_prev on top of dK 96, dV 64 and S^T 32 spill (52-100 bytes) and
   // serialize the wgmma (C7512).
-  constexpr bool kDefer = kv_defers_dk<kD, kFusedDq>();
-  // kFusedDq: the CTA's K tile holds inf / NaN in a key row below s_k (causal only; set after the tile has landed).
-  [[maybe_unused]] bool k_nonfinite = false;
-  // kFusedDq: the last key tile's steps are all checked (dS^T of its keys past s_k set to 0).
-  const bool last_key_tile = kFusedDq && n0 + kKvBN > sb.s_k;
+  constexpr bool kDefer = kv_defers_dk<kD>();
   // Whether a step has one pending is a compile-time property of the call (kPrev), as in the dq kernel.
   [[maybe_unused]] uint32_t as_prev[4][4];
   [[maybe_unused]] uint32_t sq_prev = 0;
@@ -757,9 +638,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // never live together (d_qk 192: dK 96 + dV 64 accumulators).
     // Masked: keys a query does not see (causal); checked, also the zero rows past s_q (their S^T = k . 0 is NaN
     // where k holds an inf, and lse2 = +inf does not make that P^T 0).
-    // kFusedDq, checked: also the keys past s_k (their dS^T reaches dQ).
-    const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q) ||
-                           (kFusedDq && kChecked && n0 + kKvBN > sb.s_k);
+    const bool need_mask = (p.causal && n0 + kKvBN - 1 > m0 + off) || (kChecked && m0 + kKvBM > sb.s_q);
     uint32_t ap[4][4], as[4][4];
     bool nonfinite = false;
     {
@@ -885,9 +764,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           dpt[4 * i + e0 + 1] = p1 * d1;
           if (kChecked && need_mask) {
             const int kr = krow[j & 1];
-            const bool key_in = !kFusedDq || kr < sb.s_k;  // fused: a key past s_k must not reach dQ
-            if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q && key_in)) dpt[4 * i + e0] = copysignf(0.f, d0);
-            if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q && key_in))
+            if (!((!p.causal || kr <= m0 + c + off) && m0 + c < sb.s_q)) dpt[4 * i + e0] = copysignf(0.f, d0);
+            if (!((!p.causal || kr <= m0 + c + 1 + off) && m0 + c + 1 < sb.s_q))
               dpt[4 * i + e0 + 1] = copysignf(0.f, d1);
           }
         }
@@ -898,20 +776,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(dv);
       }
-    }
-    [[maybe_unused]] const uint32_t sDSb = sDS + (it & 1) * Smem::kDS;  // kFusedDq: this step's dS^T buffer
-    if constexpr (kFusedDq) {
-      // dS^T of this warpgroup's 64 keys into sDSb (rows = keys, 128B-swizzled 64-query rows).
-      uint8_t* ds = smem + (sDSb - base);
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int r = wg * 64 + warp * 16 + g + 8 * (j & 1), c = 16 * kk + 8 * (j >> 1);
-          *reinterpret_cast<uint32_t*>(ds + tile_off<kKvBN>(r, c >> 3) + 4 * tq) = as[kk][j];
-        }
-      }
-      gmma::fence_proxy_async();  // before the other warpgroup's wgmma reads it (after the barrier below)
     }
     if constexpr (kDefer && !kChecked) {  // leave this block's dK += dS^T Q to the next step
 #pragma unroll
@@ -934,116 +798,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kk = 0; kk < 4; ++kk) Wgmma<T, kD>::template rs<1>(dk, as[kk], desc_mn<kKvBM>(sQ, kk));
       gmma::commit();
     }
-    if constexpr (kFusedDq) {
-      // dQ_partial = dS K by 64-dim column slabs (dS^T MN-major from sDSb as A, K MN-major as B): slab wg over the
-      // tile's 128 keys; d_qk 192 also slab 2 over this warpgroup's own 64 keys (both warpgroups add to slab 2).
-      // d_qk 128: dK += dS^T Q runs during the barrier and the first dQ GEMM; d_qk 192 waits for it first (its A
-      // fragments on top of dK 96, dV 64 and dQ_partial 32 registers serialize the wgmma, C7512).
-      if constexpr (kD == 192) {
-        gmma::wait<0>();
-        gmma::reg_fence(dk);
-        mbar_arrive(empty_bar(stage));
-      }
-      constexpr bool kBulk = dq_bulk<kD>();
-      // dq_bulk: this warpgroup's staging buffer was read by its previous bulk reduction before either warpgroup
-      // passes the barrier below (only the issuing thread can wait for that).
-      if constexpr (kBulk) {
-        if ((tid & 127) == 0) bulk_wait_read();
-      }
-      named_barrier_sync(1, 256);  // both warpgroups' dS^T in sDSb
-      const int hq = hk * p.group + it / m_count;
-      const int row_base = warp * 16 + g;
-      // A partial of column slab `slab` (this thread's m64n64 accumulator elements) into the accumulator.
-      auto add_partial = [&](const float (&acc)[32], int slab) {
-        if constexpr (kBulk) {
-          float4* st = reinterpret_cast<float4*>(smem + (sDqStage - base) + wg * (64 * 64 * 4));
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            st[128 * i + (tid & 127)] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
-          gmma::fence_proxy_async();  // the generic stores -> the bulk reduction (async proxy)
-          named_barrier_sync(4 + wg, 128);
-          if ((tid & 127) == 0) {
-            const int64_t blk = dq_row_block(sb.q0, b, m0 / kKvBM) * p.h_q + hq;
-            bulk_reduce_add_f32(p.dq_accum + (blk * (kD / 64) + slab) * (64 * 64), sDqStage + wg * (64 * 64 * 4),
-                                64 * 64 * 4);
-            bulk_commit();
-          }
-        } else {
-          const int64_t row_stride = static_cast<int64_t>(p.h_q) * kD;
-          float* const acc_row0 =
-              p.dq_accum + (static_cast<int64_t>(sb.q0) + m0) * row_stride + static_cast<int64_t>(hq) * kD;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int r = row_base + 8 * e;
-            if (m0 + r >= sb.s_q) continue;
-            float* dst = acc_row0 + r * row_stride + slab * 64 + 2 * tq;
-#pragma unroll
-            for (int i = 0; i < 8; ++i)
-              atomicAdd(reinterpret_cast<float2*>(dst + 8 * i),
-                        make_float2(acc[4 * i + 2 * e], acc[4 * i + 2 * e + 1]));
-          }
-        }
-      };
-      if (kChecked && k_nonfinite) {  // rare: a causal tile with inf / NaN in k, on its checked steps
-        if constexpr (kD == 128) {
-          gmma::wait<0>();
-          gmma::reg_fence(dk);
-          mbar_arrive(empty_bar(stage));
-        }
-        const uint8_t* ds = smem + (sDSb - base);
-        const uint8_t* kt = smem + (sK - base);
-        float dqx[32];
-        dq_partial_exact<T>(dqx, ds, kt, wg, 0, kKvBN, row_base, tq, n0, m0, off, sb.s_q, sb.s_k, p.causal);
-        add_partial(dqx, wg);
-        if constexpr (kD == 192) {
-          dq_partial_exact<T>(dqx, ds, kt, 2, 64 * wg, 64 * wg + 64, row_base, tq, n0, m0, off, sb.s_q, sb.s_k,
-                              p.causal);
-          add_partial(dqx, 2);
-        }
-        return;
-      }
-      float dqp[32];
-      gmma::fence();
-      issue_dq_partial<T, kKvBN / 16>(dqp, sDSb, sK + wg * (kKvBN * 128));
-      gmma::commit();
-      if constexpr (kD == 128) {
-        gmma::wait<1>();  // dK += dS^T Q has read Q: the stage is free
-        gmma::reg_fence(dk);
-        mbar_arrive(empty_bar(stage));
-      }
-      gmma::wait<0>();
-      gmma::reg_fence(dqp);
-      add_partial(dqp, wg);
-      if constexpr (kD == 192) {
-        gmma::fence();
-        issue_dq_partial<T, 4>(dqp, sDSb + wg * (64 * 128), sK + 2 * (kKvBN * 128) + wg * (64 * 128));
-        gmma::commit_wait(dqp);
-        add_partial(dqp, 2);
-      }
-      return;
-    }
     gmma::wait<0>();
     gmma::reg_fence(dk);
     mbar_arrive(empty_bar(stage));
   };
   mbar_wait(kv_bar, 0);
-  if constexpr (kFusedDq) {
-    // dQ reads every row of the K tile: its rows past s_k (the next request's, or TMA's zero fill) become 0.
-    const int valid = min(sb.s_k - n0, kKvBN);
-    uint8_t* kt = smem + (sK - base);
-    if (valid < kKvBN) zero_tile_rows<kKvBN, kD>(kt, valid, tid, 256);
-    bool found = false;
-    if (p.causal) {
-#pragma unroll 1
-      for (int idx = tid; idx < valid * (kD / 8); idx += 256) {
-        const uint4 x = *reinterpret_cast<const uint4*>(kt + tile_off<kKvBN>(idx / (kD / 8), idx % (kD / 8)));
-        found |= pair_zero_nonfinite<T>(x.x) != x.x || pair_zero_nonfinite<T>(x.y) != x.y ||
-                 pair_zero_nonfinite<T>(x.z) != x.z || pair_zero_nonfinite<T>(x.w) != x.w;
-      }
-    }
-    gmma::fence_proxy_async();  // the zeros, before the wgmma (async proxy) reads of the tile
-    k_nonfinite = bar_red_or(1, 256, found);
-  }
   if constexpr (kDefer) {
     bool pending = false;  // the previous step was plain: its dK += dS^T Q is pending
     for (int it = 0; it < n_it; ++it) {
@@ -1064,15 +823,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     for (int it = 0; it < n_it; ++it) {
       const int m0 = (m_begin + it % m_count) * kKvBM;
-      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q || last_key_tile)
+      if ((p.causal && n0 + kKvBN - 1 > m0 + off) || m0 + kKvBM > sb.s_q)
         step(it, std::true_type{}, std::false_type{});
       else
         step(it, std::false_type{}, std::false_type{});
     }
-  }
-
-  if constexpr (kFusedDq && dq_bulk<kD>()) {
-    if ((tid & 127) == 0) bulk_wait_all();  // the warpgroup's last reductions, before its shared memory goes
   }
 
   T* dkp = static_cast<T*>(p.dk);
@@ -1093,95 +848,42 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// dq = scale * dq_accum (fused-dQ schedule): one thread per pair of elements.
-template <class T, int kD>
-__global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_kernel(const KernelParams p, int64_t total_q) {
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= total_q * p.h_q * (kD / 2)) return;
-  const int64_t rh = idx / (kD / 2);
-  const int c = static_cast<int>(idx % (kD / 2)) * 2;
-  const int64_t qi = rh / p.h_q;
-  const int hq = static_cast<int>(rh % p.h_q);
-  const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + rh * kD + c);
-  *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dq) + qi * p.dq_row + hq * p.dq_head + c) =
-      HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
-}
-// The same from dq_bulk's accumulator ((row blocks, h_q, d_qk / 64) blocks of 4096 floats in the m64n64 fragments'
-// order, dq_frag_index, dq_row_block): grid (ws_rows * kD / 2 / 256, h_q, b), one thread per pair of a request's rows.
-template <class T, int kD>
-__global__ void __launch_bounds__(256) dense_prefill_bwd_dq_convert_blocks_kernel(const KernelParams p) {
-  const int b = blockIdx.z, hq = blockIdx.y;
-  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int r = static_cast<int>(idx / (kD / 2)), c = static_cast<int>(idx % (kD / 2)) * 2;
-  if (r >= sb.s_q) return;
-  const int64_t blk = dq_row_block(sb.q0, b, r / 64) * p.h_q + hq;
-  const float2 v = *reinterpret_cast<const float2*>(p.dq_accum + (blk * (kD / 64) + c / 64) * 4096 +
-                                                    dq_frag_index(r % 64, c % 64));
-  T* dst = static_cast<T*>(p.dq) + (static_cast<int64_t>(sb.q0) + r) * p.dq_row + static_cast<int64_t>(hq) * p.dq_head;
-  *reinterpret_cast<uint32_t*>(dst + c) = HalfTraits<T>::pack(v.x * p.scale, v.y * p.scale);
-}
-
 /// tmaps: the maps of the TMA loads, or nullptr for the cp.async loaders: k, v with 64-row boxes and q, dout with
 /// 64-row boxes (the blocks streamed by the dq and the dk / dv kernel), q, dout with 128-row boxes (the dq kernel's
 /// tile) and k, v with 128-row boxes (the dk / dv kernel's).
-template <class T, int kD, bool kFusedDq>
-cudaError_t launch_bwd(const KernelParams& kp, int64_t total_q, int64_t max_seqlen_q, int64_t max_seqlen_k, int b,
-                       int h_kv, int64_t fused_bytes, const CUtensorMap* tmaps, cudaStream_t stream,
-                       const char** failed) {
+template <class T, int kD>
+cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max_seqlen_k, int b, int h_kv,
+                       const CUtensorMap* tmaps, cudaStream_t stream, const char** failed) {
   cudaError_t e = cudaSuccess;
-  if constexpr (kFusedDq) {
-    *failed = "cudaMemsetAsync (dq accumulator)";
-    e = cudaMemsetAsync(kp.dq_accum, 0, static_cast<size_t>(fused_bytes), stream);
-    if (e != cudaSuccess) return e;
-  }
   if (max_seqlen_q > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
     *failed = "dense_prefill_bwd_preprocess_kernel launch";
     dense_prefill_bwd_preprocess_kernel<T><<<dim3(kp.ws_rows / 16, kp.h_q, b), 256, 0, stream>>>(kp);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    if constexpr (!kFusedDq) {
-      *failed = "dense_prefill_bwd_dq_kernel launch";
-      auto dq_kernel = tmaps != nullptr ? dense_prefill_bwd_dq_kernel<T, kD, true> : dense_prefill_bwd_dq_kernel<T, kD, false>;
-      e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
-      if (e != cudaSuccess) return e;
-      const CUtensorMap none{};
-      dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
-                  stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none,
-                            tmaps != nullptr ? tmaps[4] : none, tmaps != nullptr ? tmaps[5] : none);
-      e = cudaGetLastError();
-      if (e != cudaSuccess) return e;
-    }
-  }
-  if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
-    *failed = "dense_prefill_bwd_dkdv_kernel launch";
-    // kFusedDq: called with the maps only (bwd_with_schedule).
-    auto kv_kernel = kFusedDq           ? dense_prefill_bwd_dkdv_kernel<T, kD, kFusedDq, true>
-                     : tmaps != nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, false, true>
-                                        : dense_prefill_bwd_dkdv_kernel<T, kD, false, false>;
-    using KvSmemT = KvSmem<kD, kFusedDq>;
-    e = set_max_dynamic_smem(kv_kernel, KvSmemT::kBytesAligned);
+    *failed = "dense_prefill_bwd_dq_kernel launch";
+    auto dq_kernel = tmaps != nullptr ? dense_prefill_bwd_dq_kernel<T, kD, true> : dense_prefill_bwd_dq_kernel<T, kD, false>;
+    e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
-    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
-                KvSmemT::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
-                                                  tmaps != nullptr ? tmaps[3] : none, tmaps != nullptr ? tmaps[6] : none,
-                                                  tmaps != nullptr ? tmaps[7] : none);
+    dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
+                stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none,
+                          tmaps != nullptr ? tmaps[4] : none, tmaps != nullptr ? tmaps[5] : none);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  if constexpr (kFusedDq) {
-    const int64_t pairs = total_q * kp.h_q * (kD / 2);
-    if (pairs > 0 && max_seqlen_q > 0 && fused_bytes > 0) {  // else no accumulator (ws_layout) and no row to write
-      *failed = "dense_prefill_bwd_dq_convert_kernel launch";
-      if constexpr (dq_bulk<kD>())
-        dense_prefill_bwd_dq_convert_blocks_kernel<T, kD>
-            <<<dim3(static_cast<unsigned>(kp.ws_rows * (kD / 2) / 256), kp.h_q, b), 256, 0, stream>>>(kp);
-      else
-        dense_prefill_bwd_dq_convert_kernel<T, kD>
-            <<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, stream>>>(kp, total_q);
-      e = cudaGetLastError();
-    }
+  if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
+    *failed = "dense_prefill_bwd_dkdv_kernel launch";
+    auto kv_kernel =
+        tmaps != nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, true> : dense_prefill_bwd_dkdv_kernel<T, kD, false>;
+    e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
+    if (e != cudaSuccess) return e;
+    const CUtensorMap none{};
+    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
+                KvSmem<kD>::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
+                                                     tmaps != nullptr ? tmaps[3] : none,
+                                                     tmaps != nullptr ? tmaps[6] : none,
+                                                     tmaps != nullptr ? tmaps[7] : none);
+    e = cudaGetLastError();
   }
   return e;
 }
@@ -1190,37 +892,21 @@ namespace {
 const char* const kBwdOp = "flash_attn_varlen_func backward";
 Status bwd_value_error(const std::string& what) { return value_error_status(kBwdOp, what); }
 int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
-int64_t align256(int64_t x) { return (x + 255) / 256 * 256; }
 
-/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each; with the fused-dQ schedule then, 256-byte aligned,
-/// the fp32 dq accumulator (total_q, h_q, d_qk).
+/// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each.
 struct WsLayout {
-  int64_t ws_rows = 0, vec_bytes = 0, accum_offset = 0, fused_bytes = 0, total = 0;
+  int64_t ws_rows = 0, total = 0;
 };
-WsLayout ws_layout(const DensePrefillBwdParams& bp, bool fused) {
+WsLayout ws_layout(const DensePrefillBwdParams& bp) {
   const DensePrefillParams& p = bp.fwd;
   WsLayout w;
   const int64_t b = p.cu_seqlens_q.shape[0] - 1, h_q = p.q.shape[1];
   if (b <= 0 || p.max_seqlen_q <= 0) return w;
   w.ws_rows = ws_rows_for(p.max_seqlen_q);
-  w.vec_bytes = 2 * b * h_q * w.ws_rows * static_cast<int64_t>(sizeof(float));
-  w.total = w.vec_bytes;
-  if (fused) {
-    w.accum_offset = align256(w.vec_bytes);
-    const int64_t d_qk = p.q.shape[2];
-    // dq_bulk: 64-row blocks, dq_row_block's at most floor(total_q / 64) + b + 1
-    const int64_t rows = d_qk == 128 && dq_bulk<128>() ? (p.q.shape[0] / 64 + b + 1) * 64 : p.q.shape[0];
-    w.fused_bytes = align256(rows * h_q * d_qk * static_cast<int64_t>(sizeof(float)));
-    w.total = w.accum_offset + w.fused_bytes;
-  }
+  w.total = 2 * b * h_q * w.ws_rows * static_cast<int64_t>(sizeof(float));
   return w;
 }
-bool fused_applies(const DensePrefillBwdParams&, BwdSchedule schedule) { return schedule == BwdSchedule::kFusedDq; }
 }  // namespace
-
-int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
-  return ws_layout(bp, fused_applies(bp, schedule)).total;
-}
 
 Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
   const DensePrefillParams& p = bp.fwd;
@@ -1239,17 +925,15 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
-  // kTwoKernelTma, kFusedDq: the tiles by TMA where the maps can be made, else kTwoKernel (cp.async loaders).
+  // kTwoKernelTma: the tiles by TMA where the maps can be made, else kTwoKernel (cp.async loaders).
   CUtensorMap maps[8];
-  const bool tma = (schedule == BwdSchedule::kTwoKernelTma || schedule == BwdSchedule::kFusedDq) &&
-                   make_tile_map(p.k, kDqBN, &maps[0]) &&
+  const bool tma = schedule == BwdSchedule::kTwoKernelTma && make_tile_map(p.k, kDqBN, &maps[0]) &&
                    make_tile_map(p.v, kDqBN, &maps[1]) && make_tile_map(p.q, kKvBM, &maps[2]) &&
                    make_tile_map(bp.dout, kKvBM, &maps[3]) && make_tile_map(p.q, kDqBM, &maps[4]) &&
                    make_tile_map(bp.dout, kDqBM, &maps[5]) && make_tile_map(p.k, kKvBN, &maps[6]) &&
                    make_tile_map(p.v, kKvBN, &maps[7]);
   const CUtensorMap* tm = tma ? maps : nullptr;
-  const WsLayout ws = ws_layout(bp, fused_applies(bp, schedule));  // what bwd_workspace_bytes_with_schedule asked for
-  const bool fused = fused_applies(bp, schedule) && tma;
+  const WsLayout ws = ws_layout(bp);  // what dense_prefill_bwd_workspace_bytes asked for
   if (bp.workspace_bytes < ws.total || (ws.total > 0 && bp.workspace == nullptr))
     return bwd_value_error("workspace must hold " + std::to_string(ws.total) + " bytes");
   if (reinterpret_cast<uintptr_t>(bp.workspace) % 16 != 0) return bwd_value_error("workspace must be 16-byte aligned");
@@ -1272,9 +956,6 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   uint8_t* wsb = static_cast<uint8_t*>(bp.workspace);
   kp.ws_lse2 = reinterpret_cast<float*>(wsb);
   kp.ws_dsum = kp.ws_lse2 + b * h_q * ws.ws_rows;
-  if (fused) {
-    kp.dq_accum = reinterpret_cast<float*>(wsb + ws.accum_offset);
-  }
 
   DeviceGuard guard(p.q.device.id);
   if (guard.error() != cudaSuccess) return cuda_error_status(kBwdOp, "cudaSetDevice", guard.error());
@@ -1282,18 +963,11 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const char* failed = "";
   const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
-  const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k, fb = ws.fused_bytes;
-  auto launch = [&](auto t, auto d, auto fused_dq) {
-    using T = decltype(t);
-    return launch_bwd<T, decltype(d)::value, decltype(fused_dq)::value>(kp, total_q, mq, mk, bi, hk, fb, tm, stream,
-                                                                          &failed);
-  };
-  using D128 = std::integral_constant<int, 128>;
-  using D192 = std::integral_constant<int, 192>;
+  const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k;
   auto launch_d = [&](auto t) {
-    if (d_qk == 128)
-      return fused ? launch(t, D128{}, std::true_type{}) : launch(t, D128{}, std::false_type{});
-    return fused ? launch(t, D192{}, std::true_type{}) : launch(t, D192{}, std::false_type{});
+    using T = decltype(t);
+    if (d_qk == 128) return launch_bwd<T, 128>(kp, mq, mk, bi, hk, tm, stream, &failed);
+    return launch_bwd<T, 192>(kp, mq, mk, bi, hk, tm, stream, &failed);
   };
   cudaError_t e = bf16 ? launch_d(__nv_bfloat16{}) : launch_d(__half{});
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);
@@ -1303,7 +977,7 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
 }  // namespace dense_prefill
 
 int64_t dense_prefill_bwd_workspace_bytes(const DensePrefillBwdParams& bp) {
-  return dense_prefill::bwd_workspace_bytes_with_schedule(bp, dense_prefill::kBwdSchedule);
+  return dense_prefill::ws_layout(bp).total;
 }
 
 Status dense_prefill_bwd(const DensePrefillBwdParams& bp) {

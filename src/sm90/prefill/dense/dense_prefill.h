@@ -36,26 +36,13 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
 /// kernel (per key block, over query blocks), each recomputing S and dP (7 GEMMs per block pair), deterministic.
 /// kTwoKernelTma = kTwoKernel with the streamed blocks loaded by TMA instead of the producer warpgroup's cp.async: the
 /// dq kernel's K / V, the dk / dv kernel's Q, dO (and lse2 / D by bulk copies); kTwoKernel where no tensor map can be
-/// made. kFusedDq = the dk / dv kernel of kTwoKernelTma also computes dQ_partial = dS K per block pair and adds it to
-/// an fp32 dq accumulator in the workspace by atomics (5 GEMMs per block pair), then a convert kernel writes dq:
-/// dk / dv deterministic, dq not bitwise reproducible; kTwoKernel where no tensor map can be made.
-enum class BwdSchedule { kTwoKernel, kFusedDq, kTwoKernelTma };
+/// made. Both use the workspace of dense_prefill_bwd_workspace_bytes.
+enum class BwdSchedule { kTwoKernel, kTwoKernelTma };
 /// The schedule dense_prefill_bwd uses: kTwoKernelTma, x1.35-1.62 kTwoKernel's backward TFLOP/s on the 16 benchmark
 /// shapes (geomean x1.429; H200, same call, dq / dk / dv bitwise equal: bench/results/2026-12-04-dense-prefill-bwd-tma-ab.log;
 /// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
-/// kFusedDq: not measured yet (its earlier form, key blocks added in order behind a counter per query block with the
-/// cp.async loader, d_qk 128 only, was 0.37-0.68x kTwoKernel: bench/results/2026-12-03-dense-prefill-schedules.log).
-/// Build switch FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ=1 makes kFusedDq the default, so that a package build runs the GPU
-/// pytest and the benchmark on it before it is chosen (docs/dense-prefill.md, "Backward: dQ from the dk / dv kernel by
-/// atomics").
-#ifndef FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ
-#define FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ 0
-#endif
-constexpr BwdSchedule kBwdSchedule =
-    FLASHMLA_DENSE_PREFILL_BWD_FUSED_DQ != 0 ? BwdSchedule::kFusedDq : BwdSchedule::kTwoKernelTma;
+constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 
-/// Workspace bytes of dense_prefill_bwd with a given schedule.
-int64_t bwd_workspace_bytes_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
 /// dense_prefill_bwd with a given schedule (the GPU check verifies and times both).
 Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
 
