@@ -456,7 +456,6 @@ struct KernelParams {
   void* dv;
   float* ws_lse2;  // backward workspace: (b, h_q, ws_rows) lse * log2(e), +inf for rows without keys / padding
   float* ws_dsum;  // backward workspace: (b, h_q, ws_rows) D = rowsum(dout * out), 0 for padding
-  float* unused_slot;  // unused (was the removed fused-dQ backward's accumulator): keeps the later fields' offsets
   const int32_t* cu_q;
   const int32_t* cu_k;
   int64_t cu_q_stride, cu_k_stride;
