@@ -271,6 +271,13 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
+// Build switch (default 0; docs/sparse-fp8-decode.md, "Side by side after the bulk copies", candidate (a)):
+// 1, warpgroup 0 issues the next request's Q copy (cp.async, its 128 threads) after the last block's P V, before
+// the epilogue, so that at the request boundary only the copy's wait is left (the copy runs under the epilogue)
+// instead of the whole copy by all 256 consumer threads after the epilogue. Only with 16-byte aligned q (p.q_vec) and when both requests have blocks.
+#ifndef FLASHMLA_SPARSE_DECODE_Q_AHEAD
+#define FLASHMLA_SPARSE_DECODE_Q_AHEAD 0
+#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -855,9 +862,14 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
   int g = 0;  // the CTA's block counter (same sequence as the producers')
 
+  // Q_AHEAD: whether request `req`'s Q was copied by warpgroup 0 during the previous request (same rule in both
+  // warpgroups: the previous request had blocks, this one has, and q is 16-byte aligned).
+  [[maybe_unused]] int prev_n_blk = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const ReqInfo ri = req_info(req);
     const int n_blk = ri.n_blk;
+    [[maybe_unused]] const bool q_ahead =
+        FLASHMLA_SPARSE_DECODE_Q_AHEAD != 0 && p.q_vec && req > begin_req && prev_n_blk > 0 && n_blk > 0;
     bool no_split;
     if (req == begin_req) no_split = !first_splitted;
     else if (req == end_req) no_split = !last_splitted;
@@ -880,7 +892,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       const int h = ht * 64 + r;
       const bool valid = h < p.h_q;
       const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
-      if (p.q_vec) {
+      if (q_ahead) {
+        // warpgroup 0 issued this request's copy after the previous request's last S: the wait below completes it
+      } else if (p.q_vec) {
 #pragma unroll
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
       } else {
@@ -984,6 +998,22 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 7, tid == 0);
         wait_pv_release(x, 8);  // slabs 0-3 of the buffer are free
       }
+      if constexpr (FLASHMLA_SPARSE_DECODE_Q_AHEAD != 0) {
+        // The request's S are done with Q: copy the next request's Q now, under the epilogue (the rule of q_ahead
+        // above). 2 threads per row, each every 2nd 16-byte chunk. (Issued here rather than right after the last
+        // S: there, beside S, P and O in registers, it cost ptxas 36-44 bytes of spill.)
+        if (n_blk > 0 && p.q_vec && req < end_req && req_info(req + 1).n_blk > 0) {
+          const __nv_bfloat16* qb =
+              static_cast<const __nv_bfloat16*>(p.q) + (req + 1) * p.q_stride_b + sq * p.q_stride_s;
+          const int r = tid >> 1, c0 = tid & 1;
+          const int h = ht * 64 + r;
+          const bool valid = h < p.h_q;
+          const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
+#pragma unroll 4
+          for (int c = c0; c < kChunks; c += 2) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
+          cp_async_commit();
+        }
+      }
     } else {
       for (int j = 0; j < n_blk; ++j, ++g) {
         const int x = g & 1;
@@ -1038,6 +1068,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     store_sparse_decode_rows<32, 256>(
         p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, head, sq, req, split_slot, no_split, kWg, tq);
     FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
+    prev_n_blk = n_blk;
   }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(8, tid == 0, g);
   };
