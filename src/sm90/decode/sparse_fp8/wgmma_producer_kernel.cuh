@@ -893,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       const bool valid = h < p.h_q;
       const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
       if (q_ahead) {
-        // warpgroup 0 issued this request's copy after the previous request's last S: the wait below completes it
+        // warpgroup 0 issued this request's copy after the previous request's last P V: the wait below completes it
       } else if (p.q_vec) {
 #pragma unroll
         for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
