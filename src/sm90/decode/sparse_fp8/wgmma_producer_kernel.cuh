@@ -274,7 +274,9 @@ struct RowPart {
 // Build switch (default 0; docs/sparse-fp8-decode.md, "Side by side after the bulk copies", candidate (a)):
 // 1, warpgroup 0 issues the next request's Q copy (cp.async, its 128 threads) after the last block's P V, before
 // the epilogue, so that at the request boundary only the copy's wait is left (the copy runs under the epilogue)
-// instead of the whole copy by all 256 consumer threads after the epilogue. Only with 16-byte aligned q (p.q_vec) and when both requests have blocks.
+// instead of the whole copy by all 256 consumer threads after the epilogue. Only with 16-byte aligned q (p.q_vec)
+// and when both requests have blocks. 1: the cluster kernel only (in the plain kernel ptxas spills inside the
+// consumers' block loop with it); 2: both kernels.
 #ifndef FLASHMLA_SPARSE_DECODE_Q_AHEAD
 #define FLASHMLA_SPARSE_DECODE_Q_AHEAD 0
 #endif
@@ -467,6 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
+  constexpr bool kQAhead = FLASHMLA_SPARSE_DECODE_Q_AHEAD == 2 || (FLASHMLA_SPARSE_DECODE_Q_AHEAD == 1 && kCluster);
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
@@ -869,7 +872,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     const ReqInfo ri = req_info(req);
     const int n_blk = ri.n_blk;
     [[maybe_unused]] const bool q_ahead =
-        FLASHMLA_SPARSE_DECODE_Q_AHEAD != 0 && p.q_vec && req > begin_req && prev_n_blk > 0 && n_blk > 0;
+        kQAhead && p.q_vec && req > begin_req && prev_n_blk > 0 && n_blk > 0;
     bool no_split;
     if (req == begin_req) no_split = !first_splitted;
     else if (req == end_req) no_split = !last_splitted;
@@ -998,7 +1001,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(0, g, 7, tid == 0);
         wait_pv_release(x, 8);  // slabs 0-3 of the buffer are free
       }
-      if constexpr (FLASHMLA_SPARSE_DECODE_Q_AHEAD != 0) {
+      if constexpr (kQAhead) {
         // The request's S are done with Q: copy the next request's Q now, under the epilogue (the rule of q_ahead
         // above). 2 threads per row, each every 2nd 16-byte chunk. (Issued here rather than right after the last
         // S: there, beside S, P and O in registers, it cost ptxas 36-44 bytes of spill.)
