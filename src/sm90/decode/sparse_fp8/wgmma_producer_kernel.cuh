@@ -865,6 +865,19 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
   int g = 0;  // the CTA's block counter (same sequence as the producers')
 
+  // Row r (0-63) of request rq's Q tile: its address and whether it exists (h < h_q; q's base otherwise).
+  auto q_row = [&](int rq, int r, bool& valid) {
+    const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + rq * p.q_stride_b + sq * p.q_stride_s;
+    const int h = ht * 64 + r;
+    valid = h < p.h_q;
+    return valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
+  };
+  // cp.async of every kStep-th 16-byte chunk of that row from chunk c0 into sQ (zero-filled where !valid).
+  auto copy_q_row = [&](const __nv_bfloat16* qrow, bool valid, int r, int c0, auto step) {
+    constexpr int kStep = decltype(step)::value;
+#pragma unroll
+    for (int c = c0; c < kChunks; c += kStep) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
+  };
   // Q_AHEAD: whether request `req`'s Q was copied by warpgroup 0 during the previous request (same rule in both
   // warpgroups: the previous request had blocks, this one has, and q is 16-byte aligned).
   [[maybe_unused]] int prev_n_blk = 0;
@@ -888,18 +901,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 0, tid == 0);
       named_barrier_sync(kBarConsumers, kConsumers);  // S of the previous request done, its sM / sL read
       FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 1, tid == 0);
-      const __nv_bfloat16* qb = static_cast<const __nv_bfloat16*>(p.q) + req * p.q_stride_b + sq * p.q_stride_s;
       // Q tile: 4 threads per row, each every 4th 16-byte chunk of it (the row's address once per
       // thread and request, as in the dense decode seesaw kernel, wgmma_seesaw_kernel.cuh).
       const int r = tid >> 2, c0 = tid & 3;
-      const int h = ht * 64 + r;
-      const bool valid = h < p.h_q;
-      const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
+      bool valid;
+      const __nv_bfloat16* qrow = q_row(req, r, valid);
       if (q_ahead) {
         // warpgroup 0 issued this request's copy after the previous request's last P V: the wait below completes it
       } else if (p.q_vec) {
-#pragma unroll
-        for (int c = c0; c < kChunks; c += 4) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
+        copy_q_row(qrow, valid, r, c0, std::integral_constant<int, 4>{});
       } else {
 #pragma unroll 1
         for (int c = c0; c < kChunks; c += 4) {
@@ -1006,14 +1016,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
         // above). 2 threads per row, each every 2nd 16-byte chunk. (Issued here rather than right after the last
         // S: there, beside S, P and O in registers, it cost ptxas 36-44 bytes of spill.)
         if (n_blk > 0 && p.q_vec && req < end_req && req_info(req + 1).n_blk > 0) {
-          const __nv_bfloat16* qb =
-              static_cast<const __nv_bfloat16*>(p.q) + (req + 1) * p.q_stride_b + sq * p.q_stride_s;
           const int r = tid >> 1, c0 = tid & 1;
-          const int h = ht * 64 + r;
-          const bool valid = h < p.h_q;
-          const __nv_bfloat16* qrow = valid ? qb + h * p.q_stride_h : static_cast<const __nv_bfloat16*>(p.q);
-#pragma unroll 4
-          for (int c = c0; c < kChunks; c += 2) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
+          bool valid;
+          const __nv_bfloat16* qrow = q_row(req + 1, r, valid);
+          copy_q_row(qrow, valid, r, c0, std::integral_constant<int, 2>{});
           cp_async_commit();
         }
       }
