@@ -959,9 +959,10 @@ def flash_attn_varlen_func(
     ``q.grad``, ``k.grad``, ``v.grad``; GQA included, which FlashMLA's SM100 backward rejects); JAX
     arrays through a ``jax.custom_vjp`` (``jax.grad``, ``jax.jit``); Paddle tensors that want a gradient
     (``stop_gradient=False``, outside ``paddle.no_grad()``) through a ``paddle.autograd.PyLayer``
-    (``loss.backward()`` fills ``.grad``); NumPy and CuPy call :func:`flash_attn_varlen_backward`. The gradient through ``lse`` is not propagated. The backward
-    is deterministic (bitwise equal dk / dv across runs) and not differentiable itself: with
-    ``create_graph=True`` the gradients it returns raise RuntimeError ("... differentiate twice ...")
+    (``loss.backward()`` fills ``.grad``); NumPy and CuPy call :func:`flash_attn_varlen_backward`. The
+    gradient through ``lse`` is not propagated. The backward is deterministic (bitwise equal dq / dk / dv
+    across runs) and not differentiable itself: with ``create_graph=True`` the gradients it returns raise
+    RuntimeError ("... differentiate twice ...")
     when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
     by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv; the CPU reference's float32 scratch is
     about (512 + 32 * h_q / h_kv) * (d_qk + d_v) * 4 bytes per thread, independent of the sequence lengths.
