@@ -222,6 +222,19 @@ __device__ __forceinline__ void load_q_tile(const SparseDecodeKernelParams& p, u
   }
 }
 
+/// Head h's output row scale in the main kernel's epilogue: 1 / L (0 for a row without a valid key), times
+/// the attention sink's share 1 / (1 + exp(sink - lse)) when the row is final (no_split) and attn_sink is
+/// given. lse2: the row's base-2 LSE, log2(L) + m_run (+inf for an empty final row, -inf for an empty split). The
+/// same as store_sparse_decode_rows computes inline (kept there as is: its machine code is the measured one).
+__device__ __forceinline__ float sparse_decode_row_scale(const SparseDecodeKernelParams& p, float L, float m_run, int h,
+                                                         bool no_split, float& lse2) {
+  const bool empty = row_sum_empty(L);  // no valid key (a NaN L is not empty)
+  lse2 = empty ? (no_split ? INFINITY : -INFINITY) : log2f(L) + m_run;
+  float inv = empty ? 0.f : 1.f / L;
+  if (no_split && p.attn_sink != nullptr && !empty) inv *= 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
+  return inv;
+}
+
 /// Writes the heads head[hh] (hh = 0, 1; heads >= h_q are padding and skipped) of query position sq
 /// that this thread holds in an mma-layout accumulator: kFrags fragments of 8 columns in the column
 /// group col_group (the warp's or warpgroup's kGroupCols columns), of which the thread holds columns

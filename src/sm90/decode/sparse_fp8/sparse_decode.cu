@@ -234,6 +234,7 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.num_head_tiles = static_cast<int>((h_q + bm - 1) / bm);
     kp.q_vec = q_vec_ok(p.q) ? 1 : 0;
     kp.out_vec_ok = vec ? 1 : 0;
+    kp.out_vec16 = vec && rows_16b_aligned(p.out, 3) ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
     kp.main_kernel = sparse_decode_main_kernel(b, s_q, h_q);
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)

@@ -55,6 +55,7 @@ struct SparseDecodeKernelParams {
   int b, s_q, h_q, num_head_tiles;
   int q_vec;       // q 16-byte aligned rows: cp.async
   int out_vec_ok;  // out's last dim contiguous and 4-byte aligned pairs; else every request goes through the combine
+  int out_vec16;   // out_vec_ok and out's rows 16-byte aligned (rows_16b_aligned): the wgmma kernel's 16-byte stores
   float scale_log2;  // softmax_scale * log2(e)
   SparseDecodeMainKernel main_kernel;  // chosen by shape in sparse_decode.cu (sparse_decode_main_kernel)
 };

@@ -280,6 +280,18 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_Q_AHEAD
 #define FLASHMLA_SPARSE_DECODE_Q_AHEAD 0
 #endif
+// Build switch (default 0; docs/sparse-fp8-decode.md, "O through shared memory"): 1, an unsplit request's bf16 O
+// goes through Q's buffer (stmatrix, then 16-byte stores of whole 512-byte row halves) instead of 64 4-byte stores
+// per thread straight from the accumulator, each of which fills half of 8 sectors. Excludes Q_AHEAD (both use
+// Q's buffer at the request boundary).
+#ifndef FLASHMLA_SPARSE_DECODE_STAGE_O
+#define FLASHMLA_SPARSE_DECODE_STAGE_O 0
+#endif
+// Build switch (default 0; same section): 1, at each request's top warpgroup 0 prefetches the next request's Q
+// tile into L2 (one bulk prefetch; contiguous 16-byte aligned rows only), so that the next Q copy reads L2.
+#ifndef FLASHMLA_SPARSE_DECODE_Q_L2_NEXT
+#define FLASHMLA_SPARSE_DECODE_Q_L2_NEXT 0
+#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -461,7 +473,13 @@ constexpr int kSmemBytes =
     1024 /*alignment slack*/ + kSmemQ + 2 * kSmemK + kSmemRed + kSmemValid + kSmemBar;
 static_assert(kSmemBytes <= 232448, "shared memory");
 
-enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3 };
+enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarStage0 = 4 /* and 5: one per consumer warpgroup */ };
+
+// STAGE_O: a consumer warpgroup's 64 x 256 bf16 half of O in Q's buffer, rows padded by 16 bytes so that the 8 rows
+// of a stmatrix matrix fall in 8 different 16-byte bank groups.
+constexpr int kStageRowBytes = 256 * 2 + 16;
+constexpr int kStageWgBytes = 64 * kStageRowBytes;
+static_assert(2 * kStageWgBytes <= kSmemQ, "both warpgroups' O halves fit in Q's buffer");
 
 template <Fmt F, bool kCluster>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
@@ -470,6 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kQAhead = FLASHMLA_SPARSE_DECODE_Q_AHEAD == 2 || (FLASHMLA_SPARSE_DECODE_Q_AHEAD == 1 && kCluster);
+  constexpr bool kStageO = FLASHMLA_SPARSE_DECODE_STAGE_O != 0;
+  static_assert(!(kStageO && kQAhead), "STAGE_O and Q_AHEAD both use Q's buffer at the request boundary");
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
@@ -927,6 +947,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       gmma::fence_proxy_async();
       named_barrier_sync(kBarConsumers, kConsumers);  // Q in shared memory, visible to wgmma
       FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 2, tid == 0);
+      if constexpr (FLASHMLA_SPARSE_DECODE_Q_L2_NEXT != 0) {
+        if (tid == 0 && req < end_req && p.q_vec && p.q_stride_h == kD)
+          prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + (req + 1) * p.q_stride_b + sq * p.q_stride_s +
+                               ht * 64 * p.q_stride_h,
+                           static_cast<uint32_t>(min(64, p.h_q - ht * 64) * kD * 2));
+      }
     }
 
     float o[128];
@@ -1074,8 +1100,48 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
 
     const int head[2] = {ht * 64 + row_local[0], ht * 64 + row_local[1]};
-    store_sparse_decode_rows<32, 256>(
-        p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, head, sq, req, split_slot, no_split, kWg, tq);
+    if (kStageO && n_blk > 0 && no_split && p.out_vec16) {
+      // Q's buffer is free: warpgroup 0's last S completed before the barrier above, and the next writer of the
+      // buffer (the next request's Q copy, or its epilogue) comes after a barrier of both warpgroups.
+      float inv[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        inv[hh] = 0.f;
+        if (head[hh] < p.h_q) {
+          float lse2;
+          inv[hh] = sparse_decode_row_scale(p, L[hh], m_run[hh], head[hh], true, lse2);
+          if (kWg == 0 && tq == 0)
+            p.lse[req * p.lse_stride_b + head[hh] * p.lse_stride_h + sq * p.lse_stride_s] = lse2 * kLn2;
+        }
+      }
+      // stmatrix x4 of matrices (rows hh 0 / 1) x (columns 8j / 8j + 8): lane l gives row (l & 7) of matrix l / 8.
+      const uint32_t stage_u = sQ_u + static_cast<uint32_t>(kWg * kStageWgBytes);
+      const uint32_t st_u = stage_u + static_cast<uint32_t>((wq * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) *
+                                                                kStageRowBytes + (lane >> 4) * 16);
+      using H = HalfTraits<__nv_bfloat16>;
+#pragma unroll
+      for (int j = 0; j < 32; j += 2)
+        stmatrix_x4(st_u + static_cast<uint32_t>(j * 16), H::pack(o[4 * j] * inv[0], o[4 * j + 1] * inv[0]),
+                    H::pack(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
+                    H::pack(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
+                    H::pack(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
+      named_barrier_sync(kBarStage0 + kWg, 128);
+      // Warp wq writes rows wq, wq + 4, ...: lane l the row's 16-byte chunk l (the warpgroup's 512-byte half of
+      // the row is contiguous in out).
+      const uint8_t* stage = sQ + kWg * kStageWgBytes;
+      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + kWg * 256 +
+                          lane * 8;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int r = 4 * i + wq, h = ht * 64 + r;
+        if (h < p.h_q)
+          *reinterpret_cast<uint4*>(ob + h * p.o_stride_h) =
+              *reinterpret_cast<const uint4*>(stage + r * kStageRowBytes + lane * 16);
+      }
+    } else {
+      store_sparse_decode_rows<32, 256>(
+          p, [&](int j, int e) { return o[4 * j + e]; }, L, m_run, head, sq, req, split_slot, no_split, kWg, tq);
+    }
     FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
     prev_n_blk = n_blk;
   }
