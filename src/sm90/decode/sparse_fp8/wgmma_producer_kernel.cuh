@@ -280,9 +280,10 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_Q_AHEAD
 #define FLASHMLA_SPARSE_DECODE_Q_AHEAD 0
 #endif
-// Build switch (default 0; docs/sparse-fp8-decode.md, "O through shared memory"): 1, an unsplit request's bf16 O
-// goes through Q's buffer (stmatrix, then 16-byte stores of whole 512-byte row halves) instead of 64 4-byte stores
-// per thread straight from the accumulator, each of which fills half of 8 sectors. Excludes Q_AHEAD (both use
+// Build switch (default 0; docs/sparse-fp8-decode.md, "O through shared memory"): an unsplit request's bf16 O
+// goes through Q's buffer (stmatrix) instead of 64 4-byte stores per thread straight from the accumulator, each of
+// which fills half of 8 sectors; from there 1: 16-byte loads and stores of whole 512-byte row halves by every
+// thread; 2: one bulk copy (shared -> global) per 512-byte row half, 16 lanes per warp. Excludes Q_AHEAD (both use
 // Q's buffer at the request boundary).
 #ifndef FLASHMLA_SPARSE_DECODE_STAGE_O
 #define FLASHMLA_SPARSE_DECODE_STAGE_O 0
@@ -1125,18 +1126,34 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                     H::pack(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                     H::pack(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
                     H::pack(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
-      named_barrier_sync(kBarStage0 + kWg, 128);
-      // Warp wq writes rows wq, wq + 4, ...: lane l the row's 16-byte chunk l (the warpgroup's 512-byte half of
-      // the row is contiguous in out).
-      const uint8_t* stage = sQ + kWg * kStageWgBytes;
-      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + kWg * 256 +
-                          lane * 8;
+      if constexpr (FLASHMLA_SPARSE_DECODE_STAGE_O == 2) {
+        // Bulk copies: lanes 0-15 of warp wq copy rows 16 wq .. 16 wq + 15 (512 bytes each) to out, then wait until
+        // the copies have read shared memory (the next writer of Q's buffer comes after a barrier these lanes join).
+        gmma::fence_proxy_async();  // generic-proxy stmatrix stores -> the bulk copies' reads
+        named_barrier_sync(kBarStage0 + kWg, 128);
+        if (lane < 16) {
+          const int r = wq * 16 + lane, h = ht * 64 + r;
+          if (h < p.h_q)
+            bulk_store(static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h +
+                           kWg * 256,
+                       stage_u + static_cast<uint32_t>(r * kStageRowBytes), 512u);
+          bulk_commit();
+          bulk_wait_read();
+        }
+      } else {
+        named_barrier_sync(kBarStage0 + kWg, 128);
+        // Warp wq writes rows wq, wq + 4, ...: lane l the row's 16-byte chunk l (the warpgroup's 512-byte half of
+        // the row is contiguous in out).
+        const uint8_t* stage = sQ + kWg * kStageWgBytes;
+        __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s +
+                            kWg * 256 + lane * 8;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int r = 4 * i + wq, h = ht * 64 + r;
-        if (h < p.h_q)
-          *reinterpret_cast<uint4*>(ob + h * p.o_stride_h) =
-              *reinterpret_cast<const uint4*>(stage + r * kStageRowBytes + lane * 16);
+        for (int i = 0; i < 16; ++i) {
+          const int r = 4 * i + wq, h = ht * 64 + r;
+          if (h < p.h_q)
+            *reinterpret_cast<uint4*>(ob + h * p.o_stride_h) =
+                *reinterpret_cast<const uint4*>(stage + r * kStageRowBytes + lane * 16);
+        }
       }
     } else {
       store_sparse_decode_rows<32, 256>(
