@@ -271,28 +271,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
-// Build switch (default 0; docs/sparse-fp8-decode.md, "Side by side after the bulk copies", candidate (a)):
-// 1, warpgroup 0 issues the next request's Q copy (cp.async, its 128 threads) after the last block's P V, before
-// the epilogue, so that at the request boundary only the copy's wait is left (the copy runs under the epilogue)
-// instead of the whole copy by all 256 consumer threads after the epilogue. Only with 16-byte aligned q (p.q_vec)
-// and when both requests have blocks. 1: the cluster kernel only (in the plain kernel ptxas spills inside the
-// consumers' block loop with it); 2: both kernels.
-#ifndef FLASHMLA_SPARSE_DECODE_Q_AHEAD
-#define FLASHMLA_SPARSE_DECODE_Q_AHEAD 0
-#endif
-// Build switch (default 0; docs/sparse-fp8-decode.md, "O through shared memory"): an unsplit request's bf16 O
-// goes through Q's buffer (stmatrix) instead of 64 4-byte stores per thread straight from the accumulator, each of
-// which fills half of 8 sectors; from there 1: 16-byte loads and stores of whole 512-byte row halves by every
-// thread; 2: one bulk copy (shared -> global) per 512-byte row half, 16 lanes per warp. Excludes Q_AHEAD (both use
-// Q's buffer at the request boundary).
-#ifndef FLASHMLA_SPARSE_DECODE_STAGE_O
-#define FLASHMLA_SPARSE_DECODE_STAGE_O 0
-#endif
-// Build switch (default 0; same section): 1, at each request's top warpgroup 0 prefetches the next request's Q
-// tile into L2 (one bulk prefetch; contiguous 16-byte aligned rows only), so that the next Q copy reads L2.
-#ifndef FLASHMLA_SPARSE_DECODE_Q_L2_NEXT
-#define FLASHMLA_SPARSE_DECODE_Q_L2_NEXT 0
-#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -476,21 +454,31 @@ static_assert(kSmemBytes <= 232448, "shared memory");
 
 enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarStage0 = 4 /* and 5: one per consumer warpgroup */ };
 
-// STAGE_O: a consumer warpgroup's 64 x 256 bf16 half of O in Q's buffer, rows padded by 16 bytes so that the 8 rows
-// of a stmatrix matrix fall in 8 different 16-byte bank groups.
+// The kernel's two request-boundary forms (template parameter kBatched, chosen by shape in `launch`):
+// * batched (from kBatchedMinTokens query tokens, where a CTA walks several requests): an unsplit request's bf16 O
+//   goes through Q's buffer (stmatrix, then 16-byte loads and stores of whole 512-byte row halves) instead of 64
+//   4-byte stores per thread straight from the accumulator (each filling half of 8 sectors), and at each request's
+//   top warpgroup 0 prefetches the next request's Q tile into L2 (one bulk prefetch where its rows are contiguous);
+// * otherwise (few query tokens: latency-bound, mostly split requests), in the cluster kernel warpgroup 0 copies
+//   the next request's Q (cp.async) after the last block's P V, under the epilogue, so that only the copy's wait is
+//   left at the boundary. Not in the plain kernel, where ptxas spills inside the consumers' block loop with it.
+// The two use Q's buffer at the boundary and exclude each other. Measured in docs/sparse-fp8-decode.md, "O through
+// shared memory, and the next Q in L2" (each form x0.95-1.05 where the other is used).
+constexpr int kBatchedMinTokens = 32;
+// Batched form: a consumer warpgroup's 64 x 256 bf16 half of O in Q's buffer, rows padded by 16 bytes so that the 8
+// rows of a stmatrix matrix fall in 8 different 16-byte bank groups.
 constexpr int kStageRowBytes = 256 * 2 + 16;
 constexpr int kStageWgBytes = 64 * kStageRowBytes;
 static_assert(2 * kStageWgBytes <= kSmemQ, "both warpgroups' O halves fit in Q's buffer");
 
-template <Fmt F, bool kCluster>
+template <Fmt F, bool kCluster, bool kBatched>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
   launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
-  constexpr bool kQAhead = FLASHMLA_SPARSE_DECODE_Q_AHEAD == 2 || (FLASHMLA_SPARSE_DECODE_Q_AHEAD == 1 && kCluster);
-  constexpr bool kStageO = FLASHMLA_SPARSE_DECODE_STAGE_O != 0;
-  static_assert(!(kStageO && kQAhead), "STAGE_O and Q_AHEAD both use Q's buffer at the request boundary");
+  constexpr bool kQAhead = kCluster && !kBatched;  // the request-boundary forms: above kBatchedMinTokens
+  constexpr bool kStageO = kBatched;
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
@@ -899,7 +887,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
     for (int c = c0; c < kChunks; c += kStep) cp_async_16(sQ_u + slab_off(r, c), valid ? qrow + c * 8 : qrow, valid);
   };
-  // Q_AHEAD: whether request `req`'s Q was copied by warpgroup 0 during the previous request (same rule in both
+  // kQAhead: whether request `req`'s Q was copied by warpgroup 0 during the previous request (same rule in both
   // warpgroups: the previous request had blocks, this one has, and q is 16-byte aligned).
   [[maybe_unused]] int prev_n_blk = 0;
   for (int req = begin_req; req <= end_req; ++req) {
@@ -948,7 +936,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       gmma::fence_proxy_async();
       named_barrier_sync(kBarConsumers, kConsumers);  // Q in shared memory, visible to wgmma
       FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, 2, tid == 0);
-      if constexpr (FLASHMLA_SPARSE_DECODE_Q_L2_NEXT != 0) {
+      if constexpr (kBatched) {
         if (tid == 0 && req < end_req && p.q_vec && p.q_stride_h == kD)
           prefetch_l2_bulk(static_cast<const __nv_bfloat16*>(p.q) + (req + 1) * p.q_stride_b + sq * p.q_stride_s +
                                ht * 64 * p.q_stride_h,
@@ -1126,34 +1114,18 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
                     H::pack(o[4 * j + 2] * inv[1], o[4 * j + 3] * inv[1]),
                     H::pack(o[4 * j + 4] * inv[0], o[4 * j + 5] * inv[0]),
                     H::pack(o[4 * j + 6] * inv[1], o[4 * j + 7] * inv[1]));
-      if constexpr (FLASHMLA_SPARSE_DECODE_STAGE_O == 2) {
-        // Bulk copies: lanes 0-15 of warp wq copy rows 16 wq .. 16 wq + 15 (512 bytes each) to out, then wait until
-        // the copies have read shared memory (the next writer of Q's buffer comes after a barrier these lanes join).
-        gmma::fence_proxy_async();  // generic-proxy stmatrix stores -> the bulk copies' reads
-        named_barrier_sync(kBarStage0 + kWg, 128);
-        if (lane < 16) {
-          const int r = wq * 16 + lane, h = ht * 64 + r;
-          if (h < p.h_q)
-            bulk_store(static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h +
-                           kWg * 256,
-                       stage_u + static_cast<uint32_t>(r * kStageRowBytes), 512u);
-          bulk_commit();
-          bulk_wait_read();
-        }
-      } else {
-        named_barrier_sync(kBarStage0 + kWg, 128);
-        // Warp wq writes rows wq, wq + 4, ...: lane l the row's 16-byte chunk l (the warpgroup's 512-byte half of
-        // the row is contiguous in out).
-        const uint8_t* stage = sQ + kWg * kStageWgBytes;
-        __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s +
-                            kWg * 256 + lane * 8;
+      named_barrier_sync(kBarStage0 + kWg, 128);
+      // Warp wq writes rows wq, wq + 4, ...: lane l the row's 16-byte chunk l (the warpgroup's 512-byte half of
+      // the row is contiguous in out). (One bulk copy per row half instead: x0.994, docs.)
+      const uint8_t* stage = sQ + kWg * kStageWgBytes;
+      __nv_bfloat16* ob = static_cast<__nv_bfloat16*>(p.out) + req * p.o_stride_b + sq * p.o_stride_s + kWg * 256 +
+                          lane * 8;
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int r = 4 * i + wq, h = ht * 64 + r;
-          if (h < p.h_q)
-            *reinterpret_cast<uint4*>(ob + h * p.o_stride_h) =
-                *reinterpret_cast<const uint4*>(stage + r * kStageRowBytes + lane * 16);
-        }
+      for (int i = 0; i < 16; ++i) {
+        const int r = 4 * i + wq, h = ht * 64 + r;
+        if (h < p.h_q)
+          *reinterpret_cast<uint4*>(ob + h * p.o_stride_h) =
+              *reinterpret_cast<const uint4*>(stage + r * kStageRowBytes + lane * 16);
       }
     } else {
       store_sparse_decode_rows<32, 256>(
@@ -1189,15 +1161,15 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
-template <Fmt F, bool kCluster>
+template <Fmt F, bool kCluster, bool kBatched>
 cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>;
+  auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster, kBatched>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
   // instantiations_v32.cu / instantiations_model1.cu then run the mma.sync kernel).
   static const int regs = [] {
     cudaFuncAttributes a{};
-    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster>) == cudaSuccess
+    return cudaFuncGetAttributes(&a, flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster, kBatched>) == cudaSuccess
                ? a.numRegs
                : 0;
   }();
@@ -1236,7 +1208,7 @@ int max_active_clusters() {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
   if (!done[dev]) {
-    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, true>;
+    auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, true, false>;  // both forms alike
     int n = 0;
     if (set_max_dynamic_smem(kernel, kSmemBytes) == cudaSuccess) {
       cudaLaunchConfig_t cfg{};
@@ -1273,11 +1245,13 @@ cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cuda
   SparseDecodeKernelParams kp = kp_in;
   kp.num_head_tiles = (kp.h_q + 63) / 64;
   const bool on = kClusterDefault<F>;
+  const bool batched = static_cast<long long>(kp.b) * kp.s_q >= kBatchedMinTokens;  // the request-boundary form
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
-    if (clusters <= max_active_clusters<F>()) return launch_k<F, true>(kp, num_sm_parts, stream);
+    if (clusters <= max_active_clusters<F>())
+      return batched ? launch_k<F, true, true>(kp, num_sm_parts, stream) : launch_k<F, true, false>(kp, num_sm_parts, stream);
   }
-  return launch_k<F, false>(kp, num_sm_parts, stream);
+  return batched ? launch_k<F, false, true>(kp, num_sm_parts, stream) : launch_k<F, false, false>(kp, num_sm_parts, stream);
 }
 
 }  // namespace flashmla::sm90::sparse::wgmma_producer
