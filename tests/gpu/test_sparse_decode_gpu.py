@@ -318,6 +318,22 @@ def test_zero_lengths():
                 assert bool((out[i] == 0).all()) and bool((lse[i] == math.inf).all())
 
 
+@pytest.mark.parametrize("h_q,d_qk", [(128, 576), (64, 512)])
+def test_zero_lengths_batched_form(h_q, d_qk):
+    """From 32 query tokens the wgmma kernel stages an unsplit request's O through shared memory: requests with
+    topk_length 0 among the others (first, middle, last; the sink on) still give out 0 and lse +inf, and the rest
+    match the reference."""
+    b = 20
+    tl = [0] + [60 + 37 * i for i in range(1, b - 1)] + [0]
+    tl[b // 2] = 0
+    case = Case(22 + h_q, b=b, s_q=2, h_q=h_q, d_qk=d_qk, main=(1500, 512, 64), topk_len=False)
+    case.main.topk_length = torch.tensor(tl, dtype=torch.int32)
+    out, lse, _, _ = check_case(case)
+    for i, l in enumerate(tl):
+        if l == 0:
+            assert bool((out[i] == 0).all()) and bool((lse[i] == math.inf).all())
+
+
 def test_huge_batch_times_sq():
     """b * s_q > 65535 (grid-y limit): a small shared cache, many requests."""
     g = torch.Generator().manual_seed(5)

@@ -800,6 +800,7 @@ int main(int argc, char** argv) {
   kp.num_head_tiles = (h_q + 63) / 64;
   kp.q_vec = 1;
   kp.out_vec_ok = 1;
+  kp.out_vec16 = 1;  // out below is contiguous and 16-byte aligned (the launcher's rows_16b_aligned)
   kp.scale_log2 = static_cast<float>(std::pow(static_cast<double>(cfg.d_qk), -0.55)) * 1.4426950408889634f;
   kp.main_kernel = SparseDecodeMainKernel::kWgmmaProducer;
   if (!wp::usable(kp)) {

@@ -479,6 +479,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kQAhead = kCluster && !kBatched;  // the request-boundary forms: above kBatchedMinTokens
   constexpr bool kStageO = kBatched;
+  static_assert(!(kStageO && kQAhead), "the staged O and the early Q copy both use Q's buffer at the boundary");
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
