@@ -463,7 +463,8 @@ enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarStage0 = 4 /* and 5:
 //   the next request's Q (cp.async) after the last block's P V, under the epilogue, so that only the copy's wait is
 //   left at the boundary. Not in the plain kernel, where ptxas spills inside the consumers' block loop with it.
 // The two use Q's buffer at the boundary and exclude each other. Measured in docs/sparse-fp8-decode.md, "O through
-// shared memory, and the next Q in L2" (each form x0.95-1.05 where the other is used).
+// shared memory, and the next Q in L2": the batched form x1.02-1.05 on FlashMLA's b >= 64 cases but x0.92-0.95 on
+// its b = 2 cases, where the early Q copy gains x1.04 (V3.2) and is neutral above.
 constexpr int kBatchedMinTokens = 32;
 // Batched form: a consumer warpgroup's 64 x 256 bf16 half of O in Q's buffer, rows padded by 16 bytes so that the 8
 // rows of a stmatrix matrix fall in 8 different 16-byte bank groups.
@@ -477,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kD = FmtCfg<F>::kDQK;
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
-  constexpr bool kQAhead = kCluster && !kBatched;  // the request-boundary forms: above kBatchedMinTokens
+  constexpr bool kQAhead = kCluster && !kBatched;  // the small-batch form's early Q copy (see kBatchedMinTokens)
   constexpr bool kStageO = kBatched;
   static_assert(!(kStageO && kQAhead), "the staged O and the early Q copy both use Q's buffer at the boundary");
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
