@@ -289,14 +289,9 @@ bool library_picks_cluster(const SparseDecodeKernelParams& kp, int num_sm_parts)
   return false;
 }
 
-// The request-boundary form the library uses for these shapes (wgmma_producer_kernel.cuh, launch).
-bool batched_form(const SparseDecodeKernelParams& kp) {
-  return static_cast<long long>(kp.b) * kp.s_q >= wp::kBatchedMinTokens;
-}
-
 template <Fmt F>
 cudaError_t launch_variant(bool cluster, const SparseDecodeKernelParams& kp, int num_sm_parts) {
-  if (batched_form(kp))
+  if (wp::batched_form(kp))
     return cluster ? wp::launch_k<F, true, true>(kp, num_sm_parts, 0) : wp::launch_k<F, false, true>(kp, num_sm_parts, 0);
   return cluster ? wp::launch_k<F, true, false>(kp, num_sm_parts, 0) : wp::launch_k<F, false, false>(kp, num_sm_parts, 0);
 }
@@ -829,10 +824,10 @@ int main(int argc, char** argv) {
   {
     cudaFuncAttributes fa{};
 #if SPARSE_TRACE_FMT != 2
-    if (v32) CHECK(kernel_attributes<Fmt::kV32>(&fa, cluster, batched_form(kp)));
+    if (v32) CHECK(kernel_attributes<Fmt::kV32>(&fa, cluster, wp::batched_form(kp)));
 #endif
 #if SPARSE_TRACE_FMT != 1
-    if (!v32) CHECK(kernel_attributes<Fmt::kModel1>(&fa, cluster, batched_form(kp)));
+    if (!v32) CHECK(kernel_attributes<Fmt::kModel1>(&fa, cluster, wp::batched_form(kp)));
 #endif
     std::printf("kernel: wgmma_producer %s %s (FLASHMLA_TRACE_CLUSTER=%s), grid (%u, %u) = %d CTAs%s, num_sm_parts %d, "
                 "%d regs, %zu B local (traced build)\n",

@@ -466,6 +466,10 @@ enum : int { kBarP0 = 1, kBarP1 = 2, kBarConsumers = 3, kBarStage0 = 4 /* and 5:
 // shared memory, and the next Q in L2": the batched form x1.02-1.05 on FlashMLA's b >= 64 cases but x0.92-0.95 on
 // its b = 2 cases, where the early Q copy gains x1.04 (V3.2) and is neutral above.
 constexpr int kBatchedMinTokens = 32;
+/// The request-boundary form for a call's shapes (the kernel's kBatched).
+inline bool batched_form(const SparseDecodeKernelParams& kp) {
+  return static_cast<long long>(kp.b) * kp.s_q >= kBatchedMinTokens;
+}
 // Batched form: a consumer warpgroup's 64 x 256 bf16 half of O in Q's buffer, rows padded by 16 bytes so that the 8
 // rows of a stmatrix matrix fall in 8 different 16-byte bank groups.
 constexpr int kStageRowBytes = 256 * 2 + 16;
@@ -479,8 +483,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr int kSlabs = kD / 64;  // 9 or 8
   constexpr int kChunks = kD / 8;  // 72 or 64
   constexpr bool kQAhead = kCluster && !kBatched;  // the small-batch form's early Q copy (see kBatchedMinTokens)
-  constexpr bool kStageO = kBatched;
-  static_assert(!(kStageO && kQAhead), "the staged O and the early Q copy both use Q's buffer at the boundary");
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
@@ -1091,7 +1093,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
 
     const int head[2] = {ht * 64 + row_local[0], ht * 64 + row_local[1]};
-    if (kStageO && n_blk > 0 && no_split && p.out_vec16) {
+    if (kBatched && n_blk > 0 && no_split && p.out_vec16) {
       // Q's buffer is free: warpgroup 0's last S completed before the barrier above, and the next writer of the
       // buffer (the next request's Q copy, or its epilogue) comes after a barrier of both warpgroups.
       float inv[2];
@@ -1247,7 +1249,7 @@ cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cuda
   SparseDecodeKernelParams kp = kp_in;
   kp.num_head_tiles = (kp.h_q + 63) / 64;
   const bool on = kClusterDefault<F>;
-  const bool batched = static_cast<long long>(kp.b) * kp.s_q >= kBatchedMinTokens;  // the request-boundary form
+  const bool batched = batched_form(kp);
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
     if (clusters <= max_active_clusters<F>())
