@@ -216,6 +216,10 @@ CORRECTNESS = [
     (512, 128, 74, 1, (1024, 576, 61), (512, 64, 2), True, False, True),
     (512, 64, 4, 1, (2046, 2048, 576), (1024, 576, 61), True, False, True),
     (512, 128, 74, 3, (512, 64, 64), (512, 64, 69), False, False, False),
+    # FlashMLA's MODEL1 config 3 / 4 at b 2 (extra cache of page size 2, extra_topk_length only): one block per CTA,
+    # most CTAs start in the extra cache (the small-batch form's block-0 index speculation)
+    (512, 64, 2, 2, (1024, 128, 256), (2046, 1024, 2), False, True, True),
+    (512, 128, 2, 2, (1024, 128, 256), (2046, 1024, 2), False, True, True),
 ]
 
 
