@@ -53,7 +53,7 @@ extern "C" {
 
 // schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong,
 // 3 = pingpong_tma, 4 = persistent_tma, 5 = persistent_tma on 2 CTAs, 6 = persistent_tma with the scale folded into
-// the exponent's FMA (dense_prefill.h).
+// the exponent's FMA, 7 = 6 with 176-key blocks (d_qk 128; 128 elsewhere), 8 = 7 on 2 CTAs (dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -65,8 +65,10 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
                                 : schedule == 3 ? dp::FwdSchedule::kPingpongTma
                                                 : dp::FwdSchedule::kPersistentTma;
   // 5: kPersistentTma on 2 CTAs, so that every case walks many tiles per CTA (state carried across tiles);
-  // 6: kPersistentTma with the scale folded into the exponent's FMA.
-  return report(dp::fwd_with_schedule(p, sched, schedule == 5 ? 2 : 0, schedule == 6), err, errlen);
+  // 6: kPersistentTma with the scale folded into the exponent's FMA; 7 / 8: 6 / 6 on 2 CTAs with 176-key blocks.
+  const bool wide = schedule == 7 || schedule == 8;
+  return report(dp::fwd_with_schedule(p, sched, schedule == 5 || schedule == 8 ? 2 : 0, schedule >= 6, wide ? 176 : 128),
+                err, errlen);
 }
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)

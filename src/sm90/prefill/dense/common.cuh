@@ -86,6 +86,26 @@ FLASHMLA_DENSE_WGMMA_OFF128(__nv_bfloat16, "bf16")
 FLASHMLA_DENSE_WGMMA_OFF128(__half, "f16")
 #undef FLASHMLA_DENSE_WGMMA_OFF128
 
+/// WgmmaOff128::ss for m64n176k16 (d[88]): S = Q K^T over 176-key blocks (the forward's wide key blocks).
+template <class T>
+struct WgmmaOff176;
+#define FLASHMLA_DENSE_WGMMA_OFF176(T, PTX_T)                                                                    \
+  template <>                                                                                                    \
+  struct WgmmaOff176<T> {                                                                                        \
+    template <int kOffA, int kOffB, int kScaleD>                                                                 \
+    __device__ __forceinline__ static void ss(float (&d)[88], uint64_t desc_a, uint64_t desc_b) {                \
+      asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, %90, 0;\n"                               \
+                   "add.s64 da, %88, %91;\nadd.s64 db, %89, %92;\n"                                              \
+                   "wgmma.mma_async.sync.aligned.m64n176k16.f32." PTX_T "." PTX_T " " FLASHMLA_WGMMA_ACC_88      \
+                   ", da, db, p, 1, 1, 0, 0;\n}\n"                                                               \
+                   : FLASHMLA_WGMMA_ACC_OUT_88(d)                                                                \
+                   : "l"(desc_a), "l"(desc_b), "n"(kScaleD), "n"(kOffA), "n"(kOffB));                            \
+    }                                                                                                            \
+  };
+FLASHMLA_DENSE_WGMMA_OFF176(__nv_bfloat16, "bf16")
+FLASHMLA_DENSE_WGMMA_OFF176(__half, "f16")
+#undef FLASHMLA_DENSE_WGMMA_OFF176
+
 /// acc = A B^T over kDim / 16 k-steps of m64n128k16 (WgmmaOff128, both operands K-major), A = the 64 rows of the
 /// kRowsA-row tile whose first row's descriptor is desc_a (gmma::make_desc_sw128(row address, 16, 1024)), B = the
 /// first 128 rows of the kRowsB-row tile with descriptor desc_b. k-step kK's operands start kK >> 2 64-dim slabs
@@ -97,6 +117,19 @@ __device__ __forceinline__ void issue_abt_off128(float (&acc)[64], uint64_t desc
     constexpr int kOffB = ((kK >> 2) * (kRowsB * 128) + (kK & 3) * 32) >> 4;
     WgmmaOff128<T>::template ss<kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
     issue_abt_off128<T, kDim, kRowsA, kRowsB, kK + 1>(acc, desc_a, desc_b);
+  }
+}
+/// issue_abt_off128 with B's first kN rows, kN = 128 (WgmmaOff128) or 176 (WgmmaOff176; acc[88]).
+template <class T, int kDim, int kRowsA, int kRowsB, int kN, int kK = 0>
+__device__ __forceinline__ void issue_abt_off(float (&acc)[kN / 2], uint64_t desc_a, uint64_t desc_b) {
+  static_assert(kN == 128 || kN == 176, "S GEMM width");
+  if constexpr (kN == 128) {
+    issue_abt_off128<T, kDim, kRowsA, kRowsB>(acc, desc_a, desc_b);
+  } else if constexpr (kK < kDim / 16) {
+    constexpr int kOffA = ((kK >> 2) * (kRowsA * 128) + (kK & 3) * 32) >> 4;
+    constexpr int kOffB = ((kK >> 2) * (kRowsB * 128) + (kK & 3) * 32) >> 4;
+    WgmmaOff176<T>::template ss<kOffA, kOffB, (kK > 0 ? 1 : 0)>(acc, desc_a, desc_b);
+    issue_abt_off<T, kDim, kRowsA, kRowsB, kN, kK + 1>(acc, desc_a, desc_b);
   }
 }
 
@@ -382,11 +415,11 @@ __device__ __forceinline__ void add_row_nonfinite_products(float (&acc)[kN / 2],
   }
 }
 
-/// After acc += A B with the rows of B in `rows` (bits of 4 words; B = a 128-row tile of kN columns whose inf / NaN
-/// elements in those rows were read as 0): acc += a b for those inf / NaN elements b, taken from global memory
-/// (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e); a and acc as in
-/// add_row_nonfinite_products. Called by whole warps with the same `rows`. Rare path: loops at run time.
-template <class T, int kN, int kKSteps, class RowPtr, class Visible>
+/// After acc += A B with the rows of B in `rows` (bits of 4 words: rows kRow0 .. kRow0 + 127 of B, a tile of kN
+/// columns whose inf / NaN elements in those rows were read as 0): acc += a b for those inf / NaN elements b, taken
+/// from global memory (row c of B at brow(c)), for this thread's accumulator rows e = 0, 1 with visible(c, e); a and
+/// acc as in add_row_nonfinite_products. Called by whole warps with the same `rows`. Rare path: loops at run time.
+template <class T, int kN, int kKSteps, int kRow0 = 0, class RowPtr, class Visible>
 __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], const uint32_t (&a)[kKSteps][4],
                                                        uint4 rows, RowPtr brow, Visible visible, int lane) {
   const int tq = lane & 3;
@@ -399,7 +432,7 @@ __device__ __forceinline__ void add_nonfinite_products(float (&acc)[kN / 2], con
     const uint32_t word = i4 == 0 ? rows.x : i4 == 1 ? rows.y : i4 == 2 ? rows.z : rows.w;  // no local array
 #pragma unroll 1
     for (uint32_t bits = word; bits != 0; bits &= bits - 1) {
-      const int c = 32 * i4 + __ffs(bits) - 1;
+      const int c = kRow0 + 32 * i4 + __ffs(bits) - 1;
       add_row_nonfinite_products<T, kN, kKSteps>(acc, a, c, c >> 4, c & 15, row_of, visible, lane);
     }
   }

@@ -26,11 +26,21 @@ constexpr FwdSchedule kFwdSchedule = FwdSchedule::kPersistentTma;
 /// shapes, geomean 1.030 (H200, same call: bench/results/2026-12-04-dense-prefill-fwd-fold-ab.log).
 constexpr bool kFwdFoldScale = true;
 
+/// Key blocks of kPersistentTma at d_qk 128: 176 keys instead of 128 (S by m64n176k16, P V over 11 k-steps; shared
+/// memory holds no 176-key stages at d_qk 192). FlashAttention-3's block for d 128 without a causal mask: the per-step
+/// waits, rescale and barriers spread over 37 % more GEMM work. Built and compiled (ptxas: the folded persistent
+/// kernel spills 8-24 bytes, one store and one load per step, where the 128-key one spills none), not yet measured on
+/// a GPU, so the library keeps 128 (docs/dense-prefill.md, "Forward: 176-key blocks at d 128").
+constexpr bool kFwdWideKeyBlocks = false;
+/// The forward's key block for a shape: 176 where kFwdWideKeyBlocks, d_qk 128 and no causal mask, else 128.
+inline int fwd_key_block(int64_t d_qk, bool causal) { return kFwdWideKeyBlocks && d_qk == 128 && !causal ? 176 : 128; }
+
 /// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
 /// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too;
-/// fold_scale: kFwdFoldScale's form (kPersistentTma with a positive scale only).
+/// fold_scale: kFwdFoldScale's form (kPersistentTma with a positive scale only); key_block: 0 = fwd_key_block's, or
+/// 128 / 176 (176 only where kPersistentTma runs at d_qk 128; elsewhere 128).
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0,
-                         bool fold_scale = kFwdFoldScale);
+                         bool fold_scale = kFwdFoldScale, int key_block = 0);
 
 /// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
 /// kernel (per key block, over query blocks), each recomputing S and dP (7 GEMMs per block pair), deterministic.

@@ -5,6 +5,7 @@
 // One CTA per (128-row query tile, query head, request), or with the persistent schedule one CTA per SM
 // walking those tiles (dense_prefill_fwd_kernel's kPersistent); 384 threads, warp-specialised:
 //   producer warpgroup 2: the Q tile (cp.async, or TMA in the persistent schedule), then K / V blocks of 128 keys
+//     (176 in the persistent schedule's wide form at d_qk 128: fwd_key_block, dense_prefill.h)
 //     (TMA from one thread, or cp.async) into a two-stage ring (mbarriers "full" per stage, released through
 //     "empty");
 //   consumer warpgroups 0 / 1: 64 query rows each; per key block S = Q K^T (wgmma m64n128k16, both
@@ -41,7 +42,7 @@
 namespace flashmla::sm90 {
 namespace dense_prefill {
 
-constexpr int kFwdBM = 128, kFwdBN = 128, kDV = 128;
+constexpr int kFwdBM = 128, kDV = 128;
 /// A producer wait on an mbarrier phase (polling; sleeping between polls measured x0.997, 2026-12-05).
 __device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity) { mbar_wait(bar, parity); }
 // The persistent forward's producer walks the tiles as well (tile and ring counters live across its loop), which
@@ -50,20 +51,24 @@ constexpr int kPersistentProducerRegs = 40;
 constexpr int kPersistentConsumerRegs = (3 * 168 - kPersistentProducerRegs) / 2 / 8 * 8;
 static_assert(kPersistentConsumerRegs == 232, "setmaxnreg budget");
 
-template <int kD>
+/// Key blocks of kBN keys (a template parameter of the kernel; FwdKeyBlock in dense_prefill.h): 128, or 176 at d_qk 128
+/// (S m64n176k16, P V over 11 k-steps; shared memory allows no 176 at d_qk 192).
+template <int kD, int kBN = 128>
 struct FwdSmem {
+  static_assert(kBN == 128 || kBN == 176, "key block");
   static constexpr int kQ = kFwdBM * kD * 2;
-  static constexpr int kK = kFwdBN * kD * 2;
-  static constexpr int kV = kFwdBN * kDV * 2;
+  static constexpr int kK = kBN * kD * 2;
+  static constexpr int kV = kBN * kDV * 2;
   static constexpr int kStage = kK + kV;
   // k_full[2], k_empty[2], v_full[2], v_empty[2], q_full, v_loaded[2], q_empty
   static constexpr int kBars = 12 * 8;
-  static constexpr int kMasks = 2 * 16;  // per stage: 128 bits, V rows of masked keys that held inf / NaN
+  static constexpr int kMaskWords = kBN <= 128 ? 4 : 8;  // per stage: a bit per V row of a masked key that held inf / NaN
+  static constexpr int kMasks = 2 * 4 * kMaskWords;
   static constexpr int kBytes = 1024 + kQ + 2 * kStage + kBars + kMasks;
   static_assert(kBytes <= 232448, "shared memory");
 };
 
-/// One key block's online-softmax step on the thread's S fragment (64 rows x 128 keys of the warpgroup,
+/// One key block's online-softmax step on the thread's S fragment (64 rows x kBN keys of the warpgroup,
 /// two rows per thread): scale to base 2, mask invisible keys to -inf (kMask), move the running max
 /// m_run lazily, leave P = exp2(S - m) in s, the factor that rescales O in sc, and l = l * sc + rowsum(P)
 /// (the thread's partial row sums; reduced over the quad in the epilogue). kMask: the block has keys some row
@@ -71,13 +76,13 @@ struct FwdSmem {
 /// kFold (scale_log2 > 0 only): the scale is folded into the exponent's FMA, P = exp2(fma(S, scale_log2, -m)), and the
 /// row max is taken over the unscaled scores, then scaled (the same value: x -> x * scale_log2 is monotone); one
 /// instruction per score less, and the exponent's argument rounded once instead of twice.
-template <bool kMask, bool kFold>
-__device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int (&row)[2], int tq, int s_k,
+template <bool kMask, bool kFold, int kBN>
+__device__ __forceinline__ void softmax_block(float (&s)[kBN / 2], int n0, const int (&row)[2], int tq, int s_k,
                                               bool causal, int off, float scale_log2, float (&m_run)[2], float (&l)[2],
                                               float (&sc)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kBN / 8; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = kFold ? s[4 * i + e] : s[4 * i + e] * scale_log2;
@@ -102,7 +107,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int 
     l[e] *= sc[e];
   }
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kBN / 8; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float arg = kFold ? fmaf(s[4 * i + e], scale_log2, -m_use[e >> 1]) : s[4 * i + e] - m_use[e >> 1];
@@ -111,14 +116,14 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], int n0, const int 
     }
   }
 }
-template <bool kFold = false>
-__device__ __forceinline__ void softmax_step(float (&s)[64], bool need_mask, int n0, const int (&row)[2], int tq,
+template <bool kFold, int kBN>
+__device__ __forceinline__ void softmax_step(float (&s)[kBN / 2], bool need_mask, int n0, const int (&row)[2], int tq,
                                              int s_k, bool causal, int off, float scale_log2, float (&m_run)[2],
                                              float (&l)[2], float (&sc)[2]) {
   if (need_mask)
-    softmax_block<true, kFold>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+    softmax_block<true, kFold, kBN>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
   else
-    softmax_block<false, kFold>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
+    softmax_block<false, kFold, kBN>(s, n0, row, tq, s_k, causal, off, scale_log2, m_run, l, sc);
 }
 
 /// One tile of the forward: query rows [m0, m0 + 128) of head h of one request, and the key blocks it sees.
@@ -126,24 +131,25 @@ struct FwdTile {
   SeqBounds sb;
   int h, hk, m0;
   int off;       // s_k - s_q: key j visible to query i iff j <= i + off (causal)
-  int n_blocks;  // key blocks of 128 the tile sees
+  int n_blocks;  // key blocks of kBN the tile sees
   // Causal: keys from masked_lo on are not seen by some row of the tile (row m0 sees keys <= m0 + off). The
-  // key blocks from check_first on (at most the last two: the visible key end is <= m0 + 128 + off) are
+  // key blocks from check_first on (at most the last two: the visible key end is <= m0 + 128 + off, kBN >= 128) are
   // "checked": before the consumers see their V (v_full), the producer replaces the inf / NaN elements of the V
   // rows in [masked_lo, s_k) by 0 and marks those rows; a consumer warpgroup that finds a mark adds the products
   // of the rows that do see the key after the block's P V. Other blocks (all of them when not causal) go as before.
   int masked_lo, check_first;
 };
+template <int kBN>
 __device__ __forceinline__ FwdTile fwd_tile(const KernelParams& p, int b, int h, int m0) {
   FwdTile t;
   t.sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
   t.h = h;
   t.m0 = m0;
   t.off = t.sb.s_k - t.sb.s_q;
-  t.n_blocks = (visible_key_end<kFwdBM>(p, t.sb.s_k, m0, t.off) + kFwdBN - 1) / kFwdBN;
+  t.n_blocks = (visible_key_end<kFwdBM>(p, t.sb.s_k, m0, t.off) + kBN - 1) / kBN;
   t.hk = h / p.group;
   t.masked_lo = max(m0 + t.off + 1, 0);
-  t.check_first = p.causal && t.masked_lo < t.sb.s_k ? t.masked_lo / kFwdBN : t.n_blocks;
+  t.check_first = p.causal && t.masked_lo < t.sb.s_k ? t.masked_lo / kBN : t.n_blocks;
   return t;
 }
 
@@ -168,14 +174,15 @@ __device__ __forceinline__ FwdTile fwd_tile(const KernelParams& p, int b, int h,
 /// stage rb & 1, round rb >> 1), Q's buffer has a "Q free" barrier (q_empty) that both consumer warpgroups arrive
 /// on after their tile's last S, so the producer loads the next tile's first K, Q and V while the consumers run
 /// the last P V and the epilogue. Tiles with no key block touch no barrier (their rows get out 0, lse -inf).
-template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent, bool kFold = false>
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent, bool kFold = false, int kBN = 128>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
                              const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
                              int m_tiles, int num_tiles) {
   static_assert(kOverlap || !kPingpong, "pingpong needs the overlapped schedule");
   static_assert(!kPersistent || (kTma && kPingpong), "the persistent forward is the TMA pingpong schedule");
-  using Smem = FwdSmem<kD>;
+  using Smem = FwdSmem<kD, kBN>;
+  constexpr int kMaskWords = Smem::kMaskWords;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   smem_align_1024(smem_raw, base);
@@ -196,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The tile: this CTA's (blockIdx) without kPersistent; with it, set by for_each_tile before each call of f.
   FwdTile t;
   if constexpr (!kPersistent) {
-    t = fwd_tile(p, blockIdx.z, blockIdx.y, query_block_row0<kFwdBM>(p));
+    t = fwd_tile<kBN>(p, blockIdx.z, blockIdx.y, query_block_row0<kFwdBM>(p));
     if (t.m0 >= t.sb.s_q) return;
   }
   // kPersistent: tile i of the non-persistent grid's order (query tile fastest, then head, then request: the
@@ -211,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int i = r0 + (reverse ? grid - 1 - cta : cta);
       if (i >= num_tiles) continue;
       const int x = i % m_tiles, hb = i / m_tiles;
-      t = fwd_tile(p, hb / p.h_q, hb % p.h_q, (p.causal ? m_tiles - 1 - x : x) * kFwdBM);
+      t = fwd_tile<kBN>(p, hb / p.h_q, hb % p.h_q, (p.causal ? m_tiles - 1 - x : x) * kFwdBM);
       if (t.m0 < t.sb.s_q) f();
     }
   };
@@ -227,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     mbar_init(q_bar, kPersistent ? 1 : 128);
     if constexpr (kPersistent) mbar_init(q_empty, 256);
-    for (int i = 0; i < 8; ++i) nonfinite_rows[i] = 0u;
+    for (int i = 0; i < 2 * kMaskWords; ++i) nonfinite_rows[i] = 0u;
     fence_barrier_init();
   }
   __syncthreads();
@@ -235,8 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Producer threads st = 0 .. nt - 1, checked key block n of the tile in stage: inf / NaN of the V rows of its
   // masked keys -> 0, rows marked; the writes ordered before the consumers' wgmma reads (async proxy).
   auto clean_v = [&](int stage, int n, int st, int nt) {
-    zero_nonfinite_rows<T, kFwdBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(t.masked_lo - n * kFwdBN, 0),
-                                        min(t.sb.s_k - n * kFwdBN, kFwdBN), nonfinite_rows + 4 * stage, st, nt);
+    zero_nonfinite_rows<T, kBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(t.masked_lo - n * kBN, 0),
+                                     min(t.sb.s_k - n * kBN, kBN), nonfinite_rows + kMaskWords * stage, st, nt);
     gmma::fence_proxy_async();
   };
 
@@ -253,17 +260,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The tile's K / V blocks n as ring blocks rb = rb0 + n; load_q() right after the first K block.
         auto load_kv = [&](int rb0, auto&& load_q) {
           for (int n = 0; n < t.n_blocks; ++n) {
-            const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kFwdBN;
+            const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kBN;
             FLASHMLA_TRACE_EVENT(2, rb, 0, true);
             if (rb >= 2) producer_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
             mbar_arrive_expect_tx(k_full(stage), Smem::kK);
-            tma_load_tile<kFwdBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
+            tma_load_tile<kBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
             FLASHMLA_TRACE_EVENT(2, rb, 1, true);
             if (n == 0) load_q();
             if (rb >= 2) producer_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
             const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
             mbar_arrive_expect_tx(vb, Smem::kV);
-            tma_load_tile<kFwdBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
+            tma_load_tile<kBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
             FLASHMLA_TRACE_EVENT(2, rb, 2, true);
           }
         };
@@ -292,7 +299,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             producer_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
             if constexpr (kPersistent) {
               rounds ^= 1u << stage;
-              if (pt == 32) *reinterpret_cast<uint4*>(nonfinite_rows + 4 * stage) = make_uint4(0u, 0u, 0u, 0u);
+              if (pt == 32) {
+#pragma unroll
+                for (int w = 0; w < kMaskWords; w += 4)
+                  *reinterpret_cast<uint4*>(nonfinite_rows + kMaskWords * stage + w) = make_uint4(0u, 0u, 0u, 0u);
+              }
               named_barrier_sync(6, 96);
             }
             clean_v(stage, n, pt - 32, 96);
@@ -316,12 +327,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const T* v = static_cast<const T*>(p.v) + static_cast<int64_t>(t.sb.k0) * p.v_row + t.hk * p.v_head;
       for (int n = 0; n < t.n_blocks; ++n) {
         const int stage = n & 1;
-        const int64_t r0 = static_cast<int64_t>(n) * kFwdBN;
+        const int64_t r0 = static_cast<int64_t>(n) * kBN;
         if (n >= 2) mbar_wait(k_empty(stage), ((n >> 1) - 1) & 1);
-        load_tile<T, kFwdBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, t.sb.s_k - n * kFwdBN, pt);
+        load_tile<T, kBN, kD>(sK(stage), k + r0 * p.k_row, p.k_row, t.sb.s_k - n * kBN, pt);
         mbar_arrive_cp_async(k_full(stage));
         if (n >= 2) mbar_wait(v_empty(stage), ((n >> 1) - 1) & 1);
-        load_tile<T, kFwdBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, t.sb.s_k - n * kFwdBN, pt);
+        load_tile<T, kBN, kDV>(sV(stage), v + r0 * p.v_row, p.v_row, t.sb.s_k - n * kBN, pt);
         if (n < t.check_first) {
           mbar_arrive_cp_async(v_full(stage));
         } else {  // checked tile: cleaned by the producer warpgroup before the consumers see it
@@ -358,13 +369,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if constexpr (!kPersistent) start_tile();
   auto need_mask = [&](int n) {
-    return n * kFwdBN + kFwdBN > t.sb.s_k || (causal && n * kFwdBN + kFwdBN - 1 > t.m0 + t.off);
+    return n * kBN + kBN > t.sb.s_k || (causal && n * kBN + kBN - 1 > t.m0 + t.off);
   };
   // This warpgroup's 64 rows of Q; its address read from lane 0 so that ptxas knows it is warp-uniform and keeps
   // the descriptor arithmetic on the uniform datapath.
   const uint64_t q_desc = gmma::make_desc_sw128(__shfl_sync(0xffffffffu, sQ + wg * 64 * 128, 0), 16, 1024);
-  auto issue_s = [&](float (&s)[64], int stage) {
-    issue_abt_off128<T, kD, kFwdBM, kFwdBN>(s, q_desc, gmma::make_desc_sw128(sK(stage), 16, 1024));
+  auto issue_s = [&](float (&s)[kBN / 2], int stage) {
+    issue_abt_off<T, kD, kFwdBM, kBN, kBN>(s, q_desc, gmma::make_desc_sw128(sK(stage), 16, 1024));
   };
   // kTma: the V rows of a request's last block past its end hold the next request's rows (masked, P = 0);
   // each warpgroup zeroes them before its P V reads the tile, so that a NaN or inf there cannot reach this
@@ -372,25 +383,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   // wgmma (fence.proxy.async + a barrier of its 128 threads).
   auto zero_v_tail = [&](int stage, int nb) {
     if constexpr (kTma) {
-      const int r0 = t.sb.s_k - nb * kFwdBN;
-      if (r0 < kFwdBN) {
+      const int r0 = t.sb.s_k - nb * kBN;
+      if (r0 < kBN) {
         uint8_t* tile = smem_raw + (sV(stage) - smem_u32(smem_raw));
-        for (int idx = (tid & 127); idx < (kFwdBN - r0) * (kDV / 8); idx += 128)
-          *reinterpret_cast<uint4*>(tile + tile_off<kFwdBN>(r0 + idx / (kDV / 8), idx % (kDV / 8))) =
+        for (int idx = (tid & 127); idx < (kBN - r0) * (kDV / 8); idx += 128)
+          *reinterpret_cast<uint4*>(tile + tile_off<kBN>(r0 + idx / (kDV / 8), idx % (kDV / 8))) =
               make_uint4(0u, 0u, 0u, 0u);
         gmma::fence_proxy_async();
         named_barrier_sync(4 + wg, 128);
       }
     }
   };
-  auto issue_pv = [&](const uint32_t (&a)[8][4], int stage) {
-    const uint64_t v_desc = desc_mn<kFwdBN>(sV(stage), 0);  // k-step kk: + kk * 16 rows * 128 bytes
+  auto issue_pv = [&](const uint32_t (&a)[kBN / 16][4], int stage) {
+    const uint64_t v_desc = desc_mn<kBN>(sV(stage), 0);  // k-step kk: + kk * 16 rows * 128 bytes
     [&]<int... kK>(std::integer_sequence<int, kK...>) {
       (WgmmaOff128<T>::template rs<kK * 16 * 128 / 16>(o, a[kK], v_desc), ...);
-    }(std::make_integer_sequence<int, 8>{});
+    }(std::make_integer_sequence<int, kBN / 16>{});
   };
   // S = Q K^T of ring block rb on its own (waited), K's stage released.
-  auto s_block = [&](float (&s)[64], int rb) {
+  auto s_block = [&](float (&s)[kBN / 2], int rb) {
     const int stage = rb & 1;
     mbar_wait(k_full(stage), (rb >> 1) & 1);
     // cp.async (generic proxy) writes -> wgmma (async proxy) reads. TMA writes are async-proxy ones, and the generic
@@ -404,18 +415,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   // After the P V of checked key block nv (in stage) has landed in o: where the producer zeroed inf / NaN elements
   // of its V rows, the rows of this thread that see such a key add its products (V read from global memory).
   // Warpgroup-uniform branch (the marks are in shared memory); the common path reads 4 words.
-  auto fix_pv = [&](const uint32_t (&a)[8][4], int stage, int nv) {
-    const uint4 rows = *reinterpret_cast<const uint4*>(nonfinite_rows + 4 * stage);
-    if ((rows.x | rows.y | rows.z | rows.w) == 0u) return;
-    const int n0 = nv * kFwdBN;
+  auto fix_pv = [&](const uint32_t (&a)[kBN / 16][4], int stage, int nv) {
+    const uint4 rows = *reinterpret_cast<const uint4*>(nonfinite_rows + kMaskWords * stage);
+    uint4 rows_hi = make_uint4(0u, 0u, 0u, 0u);  // rows 128 .. kBN - 1
+    if constexpr (kMaskWords > 4) rows_hi = *reinterpret_cast<const uint4*>(nonfinite_rows + kMaskWords * stage + 4);
+    if ((rows.x | rows.y | rows.z | rows.w | rows_hi.x | rows_hi.y | rows_hi.z | rows_hi.w) == 0u) return;
+    const int n0 = nv * kBN;
     const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + n0) * p.v_row + t.hk * p.v_head;
     auto brow = [&](int c) { return vg + c * p.v_row; };
     auto visible = [&](int c, int e) { return n0 + c <= row[e] + t.off; };  // marked rows are < s_k
-    add_nonfinite_products<T, kDV, 8>(o, a, rows, brow, visible, lane);
+    add_nonfinite_products<T, kDV, kBN / 16>(o, a, rows, brow, visible, lane);
+    if constexpr (kMaskWords > 4) add_nonfinite_products<T, kDV, kBN / 16, 128>(o, a, rows_hi, brow, visible, lane);
   };
   // O += P V of the block in `stage` on its own (waited; V's stage full). The caller adds fix_pv for a checked
   // tile, then releases V's stage.
-  auto pv_block = [&](const uint32_t (&a)[8][4], int stage) {
+  auto pv_block = [&](const uint32_t (&a)[kBN / 16][4], int stage) {
     if constexpr (!kTma) gmma::fence_proxy_async();  // as in s_block
     gmma::reg_fence(o);
     gmma::fence();
@@ -433,28 +447,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (!kOverlap) {
       for (int n = 0; n < t.n_blocks; ++n) {
         const int stage = n & 1;
-        float s[64];
+        float s[kBN / 2];
         s_block(s, n);
         float sc[2];
-        softmax_step<kFold>(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold, kBN>(s, need_mask(n), n * kBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         seesaw::scale_rows(o, sc);
-        uint32_t a[8][4];
-        pack_a<T, 128>(s, a);
+        uint32_t a[kBN / 16][4];
+        pack_a<T, kBN>(s, a);
         mbar_wait(v_full(stage), (n >> 1) & 1);
         pv_block(a, stage);
         if (n >= t.check_first) fix_pv(a, stage, n);
         mbar_arrive(v_empty(stage));
       }
     } else if (t.n_blocks > 0) {
-      uint32_t a[8][4];  // P of the previous block, the A operand of its P V
+      uint32_t a[kBN / 16][4];  // P of the previous block, the A operand of its P V
       {
-        float s[64], sc[2];
+        float s[kBN / 2], sc[2];
         s_block(s, rb0);
         if constexpr (kPersistent) {
           if (t.n_blocks == 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step<kFold>(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
-        pack_a<T, 128>(s, a);  // O is still 0: no rescale
+        softmax_step<kFold, kBN>(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        pack_a<T, kBN>(s, a);  // O is still 0: no rescale
       }
       if (kPingpong && wg == 1 && t.n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
       // Step n: S_n with P_{n-1} V_{n-1}. kChecked (the step whose P V is of a checked tile, at most one: the last)
@@ -462,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       auto step = [&](int n, auto checked) {
         constexpr bool kChecked = decltype(checked)::value;
         const int rb = rb0 + n, stage = rb & 1, pstage = stage ^ 1;
-        float s[64], sc[2];
+        float s[kBN / 2], sc[2];
         FLASHMLA_TRACE_EVENT(wg, rb, 0, trace_thread);
         mbar_wait(k_full(stage), (rb >> 1) & 1);
         // cp.async schedules: V's generic writes are fenced once with K's, before the turn. TMA schedules wait for
@@ -495,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           if (n == t.n_blocks - 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step<kFold>(s, need_mask(n), n * kFwdBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold, kBN>(s, need_mask(n), n * kBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
         // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
         // depend on that.
@@ -508,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(v_empty(pstage));
         // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
         if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
-        pack_a<T, 128>(s, a);
+        pack_a<T, kBN>(s, a);
         FLASHMLA_TRACE_EVENT(wg, rb, 7, trace_thread);
       };
       const int n_plain = min(t.n_blocks, t.check_first + 1);
@@ -567,18 +581,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <class T, int kD, FwdSchedule kSchedule, bool kFold = false>
+template <class T, int kD, FwdSchedule kSchedule, bool kFold = false, int kBN = 128>
 cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
                        const CUtensorMap& tmap_q, int m_tiles, int b, int persistent_ctas, cudaStream_t stream) {
   constexpr bool kPersistent = kSchedule == FwdSchedule::kPersistentTma;
   constexpr bool kTma = kSchedule == FwdSchedule::kPingpongTma || kPersistent;
   constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kTma;
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent, kFold>;
-  cudaError_t e = set_max_dynamic_smem(kernel, FwdSmem<kD>::kBytes);
+  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent, kFold, kBN>;
+  constexpr int kSmemBytes = FwdSmem<kD, kBN>::kBytes;
+  cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
   const dim3 grid = kPersistent ? dim3(persistent_ctas) : dim3(m_tiles, kp.h_q, b);
   const int num_tiles = kPersistent ? m_tiles * kp.h_q * b : 0;  // num_tiles + grid < 2^31 (fwd_with_schedule)
-  kernel<<<grid, kThreads, FwdSmem<kD>::kBytes, stream>>>(kp, tmap_k, tmap_v, tmap_q, m_tiles, num_tiles);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp, tmap_k, tmap_v, tmap_q, m_tiles, num_tiles);
   return cudaGetLastError();
 }
 
@@ -596,7 +611,8 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
 
 namespace dense_prefill {
 
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas, bool fold_scale) {
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas, bool fold_scale,
+                         int key_block) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
@@ -634,8 +650,11 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
   if (schedule == FwdSchedule::kPersistentTma &&
       !(num_tiles + sms <= INT32_MAX && make_tile_map(p.q, kFwdBM, &tmap_q)))
     schedule = FwdSchedule::kPingpongTma;
+  // 176-key blocks: the persistent schedule at d_qk 128 only (fwd_key_block; the other schedules and d_qk 192 take 128).
+  if (key_block == 0) key_block = fwd_key_block(d_qk, p.causal);
+  if (key_block != 176 || schedule != FwdSchedule::kPersistentTma || d_qk != 128) key_block = 128;
   if ((schedule == FwdSchedule::kPingpongTma || schedule == FwdSchedule::kPersistentTma) &&
-      !(make_tile_map(p.k, kFwdBN, &tmap_k) && make_tile_map(p.v, kFwdBN, &tmap_v)))
+      !(make_tile_map(p.k, key_block, &tmap_k) && make_tile_map(p.v, key_block, &tmap_v)))
     schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
   const int persistent_ctas = schedule == FwdSchedule::kPersistentTma ? static_cast<int>(std::min<int64_t>(num_tiles, sms)) : 0;
   cudaError_t e;
@@ -650,6 +669,14 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
       case FwdSchedule::kPingpongTma:
         return launch_fwd<TT, kDD, FwdSchedule::kPingpongTma>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi, 0, stream);
       case FwdSchedule::kPersistentTma:  // the scale folded into the exponent's FMA needs a positive scale
+        if constexpr (kDD == 128) {
+          if (key_block == 176)
+            return fold_scale && kp.scale_log2 > 0.f
+                       ? launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, true, 176>(kp, tmap_k, tmap_v, tmap_q,
+                                                                                   m_tiles, bi, persistent_ctas, stream)
+                       : launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, false, 176>(kp, tmap_k, tmap_v, tmap_q,
+                                                                                    m_tiles, bi, persistent_ctas, stream);
+        }
         return fold_scale && kp.scale_log2 > 0.f
                    ? launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, true>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
                                                                            persistent_ctas, stream)
