@@ -43,6 +43,14 @@ namespace flashmla::sm90 {
 namespace dense_prefill {
 
 constexpr int kFwdBM = 128, kDV = 128;
+// Diagnostic build switch (default 0; NOT a usable form): 1 skips the producer's cleaning of the causal diagonal tiles'
+// V rows (inf / NaN of masked keys -> 0; FwdTile's "checked" blocks), so their V goes straight to the consumers like
+// any other block's. Measures what the NaN-safety of those tiles costs (docs/dense-prefill.md, "What the checked tiles
+// cost"); with it an inf / NaN in a V row that some row of the tile does not see reaches that row's out as NaN.
+#ifndef FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN
+#define FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN 0
+#endif
+constexpr bool kFwdCleanCheckedV = FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN == 0;
 /// A producer wait on an mbarrier phase (polling; sleeping between polls measured x0.997, 2026-12-05).
 __device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity) { mbar_wait(bar, parity); }
 // The persistent forward's producer walks the tiles as well (tile and ring counters live across its loop), which
@@ -268,7 +276,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             FLASHMLA_TRACE_EVENT(2, rb, 1, true);
             if (n == 0) load_q();
             if (rb >= 2) producer_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
-            const uint32_t vb = n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
+            const uint32_t vb =
+                kFwdCleanCheckedV && n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
             mbar_arrive_expect_tx(vb, Smem::kV);
             tma_load_tile<kBN, kDV>(sV(stage), &tmap_v, vb, t.hk, row);
             FLASHMLA_TRACE_EVENT(2, rb, 2, true);
@@ -315,11 +324,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           int rb0 = 0;
           for_each_tile([&] {
-            clean_tile(rb0, rounds);
+            if constexpr (kFwdCleanCheckedV) clean_tile(rb0, rounds);
             rb0 += t.n_blocks;
           });
         } else {
-          clean_tile(0, rounds);
+          if constexpr (kFwdCleanCheckedV) clean_tile(0, rounds);
         }
       }
     } else {
