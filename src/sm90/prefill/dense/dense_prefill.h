@@ -29,8 +29,9 @@ constexpr bool kFwdFoldScale = true;
 /// Key blocks of kPersistentTma at d_qk 128: 176 keys instead of 128 (S by m64n176k16, P V over 11 k-steps; shared
 /// memory holds no 176-key stages at d_qk 192). FlashAttention-3's block for d 128 without a causal mask: the per-step
 /// waits, rescale and barriers spread over 37 % more GEMM work. Built and compiled (ptxas: the folded persistent
-/// kernel spills 8-24 bytes, one store and one load per step, where the 128-key one spills none), not yet measured on
-/// a GPU, so the library keeps 128 (docs/dense-prefill.md, "Forward: 176-key blocks at d 128").
+/// kernel spills 4 bytes stored / 20 loaded, one store and one load per step, the unfolded one, for scales <= 0,
+/// 72 / 88; the 128-key ones spill none), not yet run on a GPU, so the library keeps 128 (docs/dense-prefill.md,
+/// "Forward: 176-key blocks at d 128").
 constexpr bool kFwdWideKeyBlocks = false;
 /// The forward's key block for a shape: 176 where kFwdWideKeyBlocks, d_qk 128 and no causal mask, else 128.
 inline int fwd_key_block(int64_t d_qk, bool causal) { return kFwdWideKeyBlocks && d_qk == 128 && !causal ? 176 : 128; }

@@ -59,7 +59,7 @@ constexpr int kPersistentProducerRegs = 40;
 constexpr int kPersistentConsumerRegs = (3 * 168 - kPersistentProducerRegs) / 2 / 8 * 8;
 static_assert(kPersistentConsumerRegs == 232, "setmaxnreg budget");
 
-/// Key blocks of kBN keys (a template parameter of the kernel; FwdKeyBlock in dense_prefill.h): 128, or 176 at d_qk 128
+/// Key blocks of kBN keys (a template parameter of the kernel; fwd_key_block in dense_prefill.h): 128, or 176 at d_qk 128
 /// (S m64n176k16, P V over 11 k-steps; shared memory allows no 176 at d_qk 192).
 template <int kD, int kBN = 128>
 struct FwdSmem {
