@@ -191,6 +191,45 @@ def call_tagged(fn: Any, *args: Any) -> Any:
         raise _TAGGED_CLASSES[m.group(1)](msg[m.end():].rstrip()) from None
 
 
+def _device_name(x: Any) -> str:
+    """The device of a tensor as the core's messages name it: "cpu", "cuda:0"; other torch devices by torch's name
+    ("meta")."""
+    if framework_of(x) == "torch":
+        return str(x.device)
+    try:
+        kind, idx = x.__dlpack_device__()
+    except Exception:  # (no DLPack device: the framework's own name, if any)
+        return str(getattr(x, "device", "an unknown device"))
+    return {1: "cpu", 2: f"cuda:{idx}", 3: "cpu"}.get(int(kind), f"DLPack device type {int(kind)}:{idx}")
+
+
+def raise_device_error(q_name: str, q: Any, **tensors: Any) -> None:
+    """Called where a call of the module failed: raises the error naming the argument when it failed because a torch
+    tensor is on a device that DLPack cannot carry (torch's ``meta`` device: TVM-FFI raises its own "Cannot pack
+    tensors on meta" RuntimeError, with a C++ trace and no argument named); returns otherwise (the caller re-raises
+    the original error). The errors are those of the torch.ops route: a tensor on another device than ``q_name``,
+    the first in the order given (the op library's fake kernels' order), is the core's ValueError ("k is on meta
+    but q is on cpu: all tensors must be on the same device"); tensors all on such a device (a shape-only call,
+    which the op library answers with its fake kernels) are a NotImplementedError naming ``q_name``: this route
+    has no kernels for them. ``tensors``: the other tensor arguments by name (None for absent ones)."""
+    named = ((q_name, q), *tensors.items())
+    if not any(t is not None and framework_of(t) == "torch" and t.device.type not in ("cpu", "cuda")
+               for _, t in named):
+        return
+    q_dev = _device_name(q)
+    for name, t in tensors.items():
+        if t is not None and _device_name(t) != q_dev:
+            raise ValueError(f"{name} is on {_device_name(t)} but {q_name} is on {q_dev}: all tensors must be on "
+                             "the same device") from None
+    from . import _torch_ops
+
+    why = _torch_ops.load_error() or "torch.ops.flash_mla not used for this call"
+    raise NotImplementedError(
+        f"{q_name}: tensors on torch's {q_dev} device are not supported on the TVM-FFI route, which takes CPU and "
+        f"CUDA memory only (torch.ops.flash_mla, which answers them with its fake kernels, is unavailable: {why})"
+    ) from None
+
+
 def has_cuda_backend() -> bool:
     """True if this build contains the Hopper (sm_90a) CUDA kernels."""
     return bool(lib.has_cuda_backend())

@@ -130,7 +130,7 @@ def _host_copy(x: Any) -> Optional[np.ndarray]:
     try:
         if x.__dlpack_device__()[0] not in (1, 3):  # kDLCPU, kDLCUDAHost
             return None
-    except AttributeError:
+    except (AttributeError, ValueError):  # (ValueError: a device DLPack has no code for, torch's meta)
         return None
     try:
         if _ffi.framework_of(x) == "torch":
@@ -146,6 +146,8 @@ def _on_device(x: Any) -> bool:
         return x.__dlpack_device__()[0] not in (1, 3)
     except AttributeError:
         return False
+    except ValueError:  # a device DLPack has no code for (torch's meta device): not host memory
+        return True
     except BufferError:  # a sharded JAX array has no single DLPack device: ask JAX
         devices = getattr(x, "devices", None)
         return devices is not None and any(d.platform != "cpu" for d in devices())
@@ -499,14 +501,22 @@ def flash_mla_with_kvcache(
             res = _jax.sparse_decode(q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
                                      extra_indices_in_kvcache, extra_topk_length, head_dim_v, softmax_scale)
         else:
-            with _ffi.stream_scope(q):
-                res = _ffi.lib.sparse_decode_fwd(
-                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(indices, "indices"),
-                    _ffi.to_ffi(topk_length, "topk_length"), _ffi.to_ffi(attn_sink, "attn_sink"), meta_in[0],
-                    meta_in[1], _ffi.to_ffi(extra_k_cache, "extra_k_cache"),
-                    _ffi.to_ffi(extra_indices_in_kvcache, "extra_indices_in_kvcache"),
-                    _ffi.to_ffi(extra_topk_length, "extra_topk_length"), head_dim_v, softmax_scale,
-                )
+            try:
+                with _ffi.stream_scope(q):
+                    res = _ffi.lib.sparse_decode_fwd(
+                        _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), _ffi.to_ffi(indices, "indices"),
+                        _ffi.to_ffi(topk_length, "topk_length"), _ffi.to_ffi(attn_sink, "attn_sink"), meta_in[0],
+                        meta_in[1], _ffi.to_ffi(extra_k_cache, "extra_k_cache"),
+                        _ffi.to_ffi(extra_indices_in_kvcache, "extra_indices_in_kvcache"),
+                        _ffi.to_ffi(extra_topk_length, "extra_topk_length"), head_dim_v, softmax_scale,
+                    )
+            except RuntimeError:  # (a torch tensor on a device DLPack cannot carry: the error naming it)
+                _ffi.raise_device_error("q", q, k_cache=k_cache, indices=indices, topk_length=topk_length,
+                                        attn_sink=attn_sink, tile_scheduler_metadata=meta_in[0],
+                                        num_splits=meta_in[1], extra_k_cache=extra_k_cache,
+                                        extra_indices_in_kvcache=extra_indices_in_kvcache,
+                                        extra_topk_length=extra_topk_length)
+                raise
     else:
         if (attn_sink is not None or extra_k_cache is not None or extra_indices_in_kvcache is not None
                 or topk_length is not None or extra_topk_length is not None):
@@ -533,12 +543,17 @@ def flash_mla_with_kvcache(
             res = _cupy.dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
                                      causal) + (None, None)
         else:
-            with _ffi.stream_scope(q):
-                res = _ffi.lib.dense_decode_fwd(
-                    _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), head_dim_v,
-                    _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
-                    softmax_scale, causal, meta_in[0], meta_in[1],
-                )
+            try:
+                with _ffi.stream_scope(q):
+                    res = _ffi.lib.dense_decode_fwd(
+                        _ffi.to_ffi(q, "q"), _ffi.to_ffi(k_cache, "k_cache"), head_dim_v,
+                        _ffi.to_ffi(cache_seqlens, "cache_seqlens"), _ffi.to_ffi(block_table, "block_table"),
+                        softmax_scale, causal, meta_in[0], meta_in[1],
+                    )
+            except RuntimeError:  # (as the sparse call above)
+                _ffi.raise_device_error("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                                        tile_scheduler_metadata=meta_in[0], num_splits=meta_in[1])
+                raise
     if use_torch and reuse:
         out, lse = res
     elif use_torch or use_jax or res[2] is None:
@@ -645,11 +660,15 @@ def flash_mla_sparse_fwd(
         from . import _jax
 
         return _jax.sparse_prefill(q, kv, indices, float(sm_scale), int(d_v), attn_sink, topk_length)
-    with _ffi.stream_scope(q):
-        res = _ffi.lib.sparse_prefill_fwd(
-            _ffi.to_ffi(q, "q"), _ffi.to_ffi(kv, "kv"), _ffi.to_ffi(indices, "indices"), float(sm_scale), int(d_v),
-            _ffi.to_ffi(attn_sink, "attn_sink"), _ffi.to_ffi(topk_length, "topk_length"),
-        )
+    try:
+        with _ffi.stream_scope(q):
+            res = _ffi.lib.sparse_prefill_fwd(
+                _ffi.to_ffi(q, "q"), _ffi.to_ffi(kv, "kv"), _ffi.to_ffi(indices, "indices"), float(sm_scale),
+                int(d_v), _ffi.to_ffi(attn_sink, "attn_sink"), _ffi.to_ffi(topk_length, "topk_length"),
+            )
+    except RuntimeError:  # (a torch tensor on a device DLPack cannot carry: the error naming it)
+        _ffi.raise_device_error("q", q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
+        raise
     return [_ffi.from_ffi(t, q) for t in res]
 
 
@@ -770,10 +789,14 @@ def _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
     lse ``(total_q, h_q)`` with strides ``(1, total_q)`` where the framework has strides."""
     if _torch_ops.handles(q, k, v, cu_q, cu_k):
         return tuple(_torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
-    with _ffi.stream_scope(q):
-        out, lse_t = _ffi.lib.dense_prefill_fwd(
-            _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
-            _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    try:
+        with _ffi.stream_scope(q):
+            out, lse_t = _ffi.lib.dense_prefill_fwd(
+                _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
+                _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    except RuntimeError:  # (a torch tensor on a device DLPack cannot carry: the error naming it)
+        _ffi.raise_device_error("q", q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k)
+        raise
     lse_t = _ffi.from_ffi(lse_t, q)
     return _ffi.from_ffi(out, q), (lse_t.t() if _ffi.framework_of(q) == "torch" else lse_t.T)
 
@@ -782,11 +805,16 @@ def _dense_prefill_bwd_call(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, s
     """One backward on the torch.ops or TVM-FFI path: ``(dq, dk, dv)`` in q's framework."""
     if _torch_ops.handles(dout, q, k, v, out, lse, cu_q, cu_k):
         return tuple(_torch_ops.dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal))
-    with _ffi.stream_scope(q):
-        res = _ffi.lib.dense_prefill_bwd(
-            _ffi.to_ffi(dout, "dout"), _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"),
-            _ffi.to_ffi(out, "out"), _ffi.to_ffi(lse, "lse"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
-            _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    try:
+        with _ffi.stream_scope(q):
+            res = _ffi.lib.dense_prefill_bwd(
+                _ffi.to_ffi(dout, "dout"), _ffi.to_ffi(q, "q"), _ffi.to_ffi(k, "k"), _ffi.to_ffi(v, "v"),
+                _ffi.to_ffi(out, "out"), _ffi.to_ffi(lse, "lse"), _ffi.to_ffi(cu_q, "cu_seqlens_qo"),
+                _ffi.to_ffi(cu_k, "cu_seqlens_kv"), max_q, max_k, scale, causal)
+    except RuntimeError:  # (as the forward's)
+        _ffi.raise_device_error("q", q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_qo=cu_q,
+                                cu_seqlens_kv=cu_k)
+        raise
     return tuple(_ffi.from_ffi(t, q) for t in res)
 
 
