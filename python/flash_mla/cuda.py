@@ -15,7 +15,10 @@ library, ``flash_mla/_torch_ops.py``), with FlashMLA's argument order and return
   cu_seqlens_q, cu_seqlens_kv, dq, dk, dv, mask_mode_code, softmax_scale, max_seqlen_q, max_seqlen_kv, is_varlen)
   -> None``: write into the given tensors, as FlashMLA's; ``mask_mode_code`` 1 = causal, 0 = none;
   ``workspace`` is not used (the ops allocate what they need; FlashMLA's callers size it for its
-  own kernels). GQA works in the backward too.
+  own kernels). GQA works in the backward too. The destinations get the results' shapes and dtypes, and
+  must not overlap each other or themselves (the same tensor as dk and dv, an expanded / stride-0 lse:
+  ValueError naming them, nothing written); disjoint views of one buffer, as FlashMLA's kvpacked
+  gradient ``dk = dkv[:, 0]``, ``dv = dkv[:, 1]``, are fine.
 
 Shapes, dtypes and conventions are those of :func:`flash_mla.flash_mla_with_kvcache` and
 :func:`flash_mla.flash_mla_sparse_fwd`; ``tile_scheduler_metadata`` / ``num_splits`` may be None

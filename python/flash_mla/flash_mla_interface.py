@@ -1138,11 +1138,140 @@ def _flash_attn_varlen_backward(do, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens
 
 def _check_destinations(names, given, results):
     """ValueError naming the first caller-given destination whose shape or dtype is not its result's (None:
-    not given). Every destination is checked before any is written, so a bad one leaves all untouched."""
+    not given), then the first one whose elements overlap each other (a stride-0 / expanded view: the copy into
+    it would fail in torch, or write one element twice), then the first two that share an element (one tensor
+    given as dk and dv: the second copy overwrote the first, a silent wrong answer). Disjoint views of one
+    buffer, FlashMLA's kvpacked form (``dk = dkv[:, 0]``, ``dv = dkv[:, 1]``, or ``dkv[..., :d]`` and
+    ``dkv[..., d:]``), share no element and are fine: the results are copied from buffers of their own, so unlike
+    the core's outputs (whose byte ranges must be disjoint) interleaved destinations are exact. Every
+    destination is checked before any is written, so a bad one leaves all untouched."""
     for name, g, r in zip(names, given, results):
         if g is not None and (tuple(g.shape) != tuple(r.shape) or g.dtype != r.dtype):
             raise ValueError(f"{name}: expected a {r.dtype} tensor of shape {tuple(r.shape)}, got "
                              f"{getattr(g, 'dtype', type(g).__name__)} {tuple(g.shape)}")
+    named = [(name, g) for name, g in zip(names, given) if g is not None]
+    for name, g in named:
+        if _self_overlapping(g):
+            raise ValueError(f"{name}: the destination's elements overlap (shape {tuple(g.shape)}, strides "
+                             f"{tuple(g.stride())}: an expanded / stride-0 or self-overlapping view); pass a tensor "
+                             "whose elements have distinct addresses")
+    for i, (a_name, a) in enumerate(named):
+        for b_name, b in named[:i]:
+            if _share_elements(b, a):
+                raise ValueError(f"{b_name} and {a_name}: the destinations share memory (the same tensor, or "
+                                 "overlapping views); pass separate tensors (disjoint views of one buffer are fine)")
+
+
+def _dims(t):
+    """``[(stride, size)]`` of the dims of size > 1 of a strided tensor, in elements, by increasing stride."""
+    return sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if int(sz) > 1)
+
+
+def _offsets(dims):
+    """Every element offset of the lattice ``dims`` (``[(stride, size)]``), NumPy int64."""
+    offs = np.zeros(1, np.int64)
+    for st, sz in dims:
+        offs = (offs[:, None] + np.arange(sz, dtype=np.int64) * st).ravel()
+    return offs
+
+
+def _self_overlapping(t) -> bool:
+    """True if two elements of a strided tensor (non-negative strides, as torch's) are at one address. The core's
+    rule for outputs (src/core/validate.cpp check_output_layout: by increasing stride, each stride at least the
+    extent of the smaller ones) proves most layouts free of overlap; a stride 0 of a dim of size > 1 is an
+    overlap; any other layout (strides that interleave, such as (2, 3) for shape (3, 2)) is decided exactly by
+    listing its element offsets."""
+    dims = _dims(t)
+    extent = 1
+    for st, sz in dims:
+        if st < extent:
+            break
+        extent += st * (sz - 1)
+    else:
+        return False
+    if any(st == 0 for st, _ in dims):
+        return True
+    offs = _offsets(dims)
+    return np.unique(offs).size != offs.size
+
+
+def _share_elements(a, b) -> bool:
+    """True if two strided tensors, each free of internal overlap, have a byte in common. Tensors on different
+    devices, on torch's meta device (no memory) or empty share nothing; nor do tensors whose byte ranges are
+    disjoint. Two views with one element size and the same stride in each dim of size > 1 (the views of one
+    buffer that FlashMLA's packed forms pass) are decided by a search over the difference of their base
+    offsets (:func:`_lattice_meets`); other pairs by listing the contiguous runs of both."""
+    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+    es_a, es_b = a.element_size(), b.element_size()
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    da, db = _dims(a), _dims(b)
+    hi_a = lo_a + (sum(st * (sz - 1) for st, sz in da) + 1) * es_a
+    hi_b = lo_b + (sum(st * (sz - 1) for st, sz in db) + 1) * es_b
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return False
+    if es_a == es_b and (lo_b - lo_a) % es_a == 0 and len(a.shape) == len(b.shape):
+        ranges = []  # (stride, lowest, highest multiple of it in b - a), per dim
+        for na, nb, sa, sb in zip(a.shape, b.shape, a.stride(), b.stride()):
+            na, nb, sa, sb = int(na), int(nb), int(sa), int(sb)
+            if na > 1 and nb > 1 and sa != sb:
+                break
+            if na > 1 or nb > 1:
+                ranges.append((sa if na > 1 else sb, -(nb - 1), na - 1))
+        else:
+            found = (_lattice_meets((lo_b - lo_a) // es_a, sorted(ranges)) if all(r[0] > 0 for r in ranges)
+                     else None)
+            if found is not None:
+                return found
+    return _runs_meet(a, da, lo_a, es_a, b, db, lo_b, es_b)
+
+
+def _lattice_meets(delta, ranges, budget=4096):
+    """Whether ``delta = sum(j_k * s_k)`` has a solution with ``lo_k <= j_k <= hi_k`` (``ranges``:
+    ``[(s_k, lo_k, hi_k)]`` by increasing stride): element ``x`` of a and ``y`` of b at one address, ``j = x - y``
+    per dim. A depth-first search from the largest stride, keeping what is left within the reach of the smaller
+    ones: at most two choices a dim for layouts that pass the core's rule. None when the search takes more than
+    ``budget`` steps (the caller then lists offsets)."""
+    reach_lo, reach_hi = [0], [0]  # reach of dims [0, k)
+    for s, lo, hi in ranges:
+        reach_lo.append(reach_lo[-1] + s * lo)
+        reach_hi.append(reach_hi[-1] + s * hi)
+    steps = 0
+    stack = [(len(ranges), delta)]
+    while stack:
+        k, r = stack.pop()
+        if k == 0:
+            if r == 0:
+                return True
+            continue
+        steps += 1
+        if steps > budget:
+            return None
+        s, lo, hi = ranges[k - 1]
+        # r - j * s within [reach_lo[k - 1], reach_hi[k - 1]]
+        j_lo = max(lo, -((reach_hi[k - 1] - r) // s))
+        j_hi = min(hi, (r - reach_lo[k - 1]) // s)
+        stack.extend((k - 1, r - j * s) for j in range(j_lo, j_hi + 1))
+    return False
+
+
+def _runs_meet(a, da, lo_a, es_a, b, db, lo_b, es_b) -> bool:
+    """Whether two strided tensors share a byte, by listing their contiguous runs (the inner dims that are
+    contiguous merged into one run): byte intervals, sorted, overlap iff one starts before the end of an earlier
+    one."""
+    starts, ends = [], []
+    for dims, lo, es in ((da, lo_a, es_a), (db, lo_b, es_b)):
+        run, k = 1, 0
+        while k < len(dims) and dims[k][0] == run:
+            run *= dims[k][1]
+            k += 1
+        s = lo + _offsets(dims[k:]) * es
+        starts.append(s)
+        ends.append(s + run * es)
+    starts, ends = np.concatenate(starts), np.concatenate(ends)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    return bool(np.any(starts[1:] < ends[:-1]))
 
 
 def _into(names, given, results):

@@ -747,6 +747,116 @@ def test_preallocated_outputs_are_all_checked_before_any_is_written(rng):
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), grads))
 
 
+def test_destinations_that_share_memory_are_a_value_error_naming_them(rng):
+    """flash_mla.cuda.dense_prefill_fwd / _bwd and the private destination-passing helpers copied the results into
+    the given tensors after shape and dtype checks only: one tensor given as dk and dv held dv afterwards (a silent
+    wrong answer), an expanded (stride-0) lse gave torch's copy_ RuntimeError, naming no argument. Now a ValueError
+    naming the destination(s), before any is written; disjoint views of one buffer (FlashMLA's kvpacked gradient,
+    dk = dkv[:, 0] and dv = dkv[:, 1], or the last dim split) still work."""
+    torch = _torch()
+    from flash_mla.flash_mla_interface import _flash_attn_varlen_backward, _flash_attn_varlen_forward
+
+    case = Case(rng, [4, 3], [5, 3], 2, 2, 128, 128, BF16, True)
+    q, k, v = (_t(x) for x in (case.q, case.k, case.v))
+    cu_q, cu_k = _t(case.cu_q), _t(case.cu_k)
+    args = (q, k, v, cu_q, cu_k, case.max_q, case.max_k)
+    out, lse = _flash_attn_varlen_forward(*args, causal=True, softmax_scale=case.scale)
+    dout = _t(case.dout)
+    grads = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, causal=True,
+                                        softmax_scale=case.scale)
+    poison = lambda t: torch.full_like(t, float("nan"))  # noqa: E731
+    bwd = lambda dq, dk, dv: _flash_attn_varlen_backward(  # noqa: E731
+        dout, q, k, v, out, lse, cu_q, cu_k, case.max_q, case.max_k, dq=dq, dk=dk, dv=dv, causal=True,
+        softmax_scale=case.scale)
+    calls = [bwd]
+    from flash_mla import _torch_ops
+
+    if _torch_ops.available():
+        import flash_mla.cuda as fc
+
+        ws = torch.empty(0, dtype=torch.uint8)
+        calls.append(lambda dq, dk, dv: fc.dense_prefill_bwd(ws, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1,
+                                                             case.scale, case.max_q, case.max_k, True))
+    for call in calls:
+        dq, dkv = poison(q), poison(k)
+        with pytest.raises(ValueError, match=r"^dk and dv: the destinations share memory"):
+            call(dq, dkv, dkv)
+        assert dq.isnan().all() and dkv.isnan().all()  # nothing written
+        with pytest.raises(ValueError, match=r"^dq and dv: the destinations share memory"):
+            buf = torch.empty(k.numel(), dtype=k.dtype)
+            call(buf[:q.numel()].view(q.shape), poison(k), buf.view(k.shape))
+        with pytest.raises(ValueError, match=r"^dk and dv: the destinations share memory"):  # partial overlap
+            buf = torch.empty(k.numel() + 1, dtype=k.dtype)
+            call(dq, buf[:k.numel()].view(k.shape), buf[1:].view(k.shape))
+        with pytest.raises(ValueError, match=r"^dv: the destination's elements overlap \(shape \(8, 2, 128\), "
+                                             r"strides \(0, 128, 1\)"):
+            call(dq, poison(k), torch.empty(1, 2, 128, dtype=v.dtype).expand(8, 2, 128))
+        assert dq.isnan().all()
+        # FlashMLA's kvpacked gradient: interleaved views of one buffer, no element shared
+        dkv = torch.full((8, 2, 2, 128), float("nan"), dtype=k.dtype)
+        dq = poison(q)
+        call(dq, dkv[:, 0], dkv[:, 1])
+        assert torch.equal(dq, grads[0]) and torch.equal(dkv[:, 0], grads[1]) and torch.equal(dkv[:, 1], grads[2])
+        dkv = torch.full((8, 2, 256), float("nan"), dtype=k.dtype)
+        call(poison(q), dkv[..., :128], dkv[..., 128:])
+        assert torch.equal(dkv[..., :128], grads[1]) and torch.equal(dkv[..., 128:], grads[2])
+    o = poison(out)
+    with pytest.raises(ValueError, match=r"^lse: the destination's elements overlap"):
+        _flash_attn_varlen_forward(*args, out=o, lse=torch.empty(1, 2).expand(7, 2), causal=True,
+                                   softmax_scale=case.scale)
+    assert o.isnan().all()
+    if _torch_ops.available():
+        with pytest.raises(ValueError, match=r"^lse: the destination's elements overlap"):
+            fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, o, torch.empty(1, 2).expand(7, 2), 1, case.scale,
+                                 case.max_q, case.max_k, True)
+        assert o.isnan().all()
+        # out and lse carved from one byte buffer, disjoint (exact, across dtypes) and overlapping
+        raw = torch.empty(out.numel() * 2 + lse.numel() * 4, dtype=torch.uint8)
+        o = raw[:out.numel() * 2].view(torch.bfloat16).view(out.shape)
+        l = raw[out.numel() * 2:].view(torch.float32).view(lse.shape)
+        fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, o, l, 1, case.scale, case.max_q, case.max_k, True)
+        assert torch.equal(o, out) and torch.equal(l, lse)
+        l = raw[out.numel() * 2 - 4:-4].view(torch.float32).view(lse.shape)
+        with pytest.raises(ValueError, match=r"^out and lse: the destinations share memory"):
+            fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, o, l, 1, case.scale, case.max_q, case.max_k, True)
+
+
+def test_destination_overlap_checks_are_exact():
+    """The overlap checks of the destinations against listing every element's address: random strided views of
+    one buffer (strides 0 to 12, interleaved and not), each view alone and pairs of them (with one set of strides
+    and with two)."""
+    torch = _torch()
+    import random
+
+    from flash_mla.flash_mla_interface import _self_overlapping, _share_elements
+
+    rnd = random.Random(0)
+    buf = torch.zeros(1024, dtype=torch.bfloat16)
+    addrs = torch.arange(buf.numel())
+
+    def view(shape=None, stride=None):
+        nd = len(shape) if shape else rnd.randint(1, 3)
+        shape = shape or [rnd.randint(1, 5) for _ in range(nd)]
+        stride = stride or [rnd.randint(0, 12) for _ in range(nd)]
+        off = rnd.randint(0, 40)
+        return buf.as_strided(shape, stride, off), addrs.as_strided(shape, stride, off).flatten().tolist()
+
+    pairs = 0
+    while pairs < 3000:
+        a, ea = view()
+        assert _self_overlapping(a) == (len(set(ea)) != len(ea)), (a.shape, a.stride())
+        if len(set(ea)) != len(ea):
+            continue
+        b, eb = view([rnd.randint(1, 5) for _ in a.shape], list(a.stride())) if rnd.random() < 0.6 else view()
+        if len(set(eb)) != len(eb):
+            continue
+        pairs += 1
+        want = bool(set(ea) & set(eb))
+        assert _share_elements(a, b) == want and _share_elements(b, a) == want, (a.shape, a.stride(),
+                                                                                 a.storage_offset(), b.shape,
+                                                                                 b.stride(), b.storage_offset())
+
+
 # ----------------------------------------------------------------------------- JAX
 def test_jax_custom_vjp_grad_and_jit(rng):
     jax = pytest.importorskip("jax")
