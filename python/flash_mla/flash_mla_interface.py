@@ -717,12 +717,20 @@ def _uniform_cu_seqlens(like: Any, b: int, s: int) -> Any:
 _SEQLEN_ARG = re.compile(r"\b(cu_seqlens|max_seqlen)_(qo|kv|q|k)\b")
 VARLEN_ARG_NAMES = ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv")
 QKVPACKED_ARG_NAMES = ("cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
+# The packed variants pass slices of the caller's tensor as q, k and v: their errors name that tensor instead
+# (whole words only: h_q, d_qk, total_q and cu_seqlens_q are left alone; "qkv / qkv" becomes "qkv").
+_TENSOR_ARG = re.compile(r"(?<!\w)(q|k|v)(?!\w)")
+_REPEATED_ARG = re.compile(r"\b(\w+) / \1\b")
+QKVPACKED_TENSOR_NAMES = {"q": "qkv", "k": "qkv", "v": "qkv"}
+KVPACKED_TENSOR_NAMES = {"k": "kv", "v": "kv"}
 
 
-def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any) -> Any:
-    """``fn(*args)``; a ValueError or TypeError whose message names a packed-sequence argument is raised again
-    (same class) with that argument's name in ``names``. While torch.compile traces a call on torch tensors
-    (``args[0]`` one), ``fn(*args)`` only: no try block for Dynamo to trace (the error is then raised as
+def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any, tensors: Optional[dict] = None) -> Any:
+    """``fn(*args)``; a ValueError, TypeError or NotImplementedError whose message names a packed-sequence argument
+    is raised again (same class) with that argument's name in ``names``, and, given ``tensors`` (the packed
+    variants: ``{"k": "kv", "v": "kv"}``), with the tensors q / k / v named as the caller passed them
+    (``total_q = q.shape[0]`` becomes ``total_q = qkv.shape[0]``). While torch.compile traces a call on torch
+    tensors (``args[0]`` one), ``fn(*args)`` only: no try block for Dynamo to trace (the error is then raised as
     it is)."""
     if _ffi.framework_of(args[0]) == "torch":
         import torch
@@ -731,10 +739,13 @@ def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any) -
             return fn(*args)
     try:
         return fn(*args)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, NotImplementedError) as e:
         msg = str(e)
         renamed = _SEQLEN_ARG.sub(lambda m: names[(2 if m.group(1) == "max_seqlen" else 0)
                                                   + (1 if m.group(2) in ("k", "kv") else 0)], msg)
+        if tensors:
+            renamed = _TENSOR_ARG.sub(lambda m: tensors.get(m.group(1), m.group(1)), renamed)
+            renamed = _REPEATED_ARG.sub(r"\1", renamed)
         if renamed == msg:
             raise
         try:
@@ -1033,7 +1044,8 @@ def flash_attn_varlen_qkvpacked_func(
     """:func:`flash_attn_varlen_func` on one packed tensor ``qkv`` ``(total, h, 2 * head_dim_qk + d_v)``:
     q = ``qkv[:, :, :head_dim_qk]``, k = ``qkv[:, :, head_dim_qk:2 * head_dim_qk]``,
     v = ``qkv[:, :, 2 * head_dim_qk:]``, with one ``cu_seqlens`` / ``max_seqlen`` for queries and keys.
-    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError
+    Gradients flow back into ``qkv``. Returns ``(out, lse)``; errors as flash_attn_varlen_func, naming ``qkv``
+    where that names q, k or v (``cu_seqlens[b] = 9 must equal total_q = qkv.shape[0] = 10 ...``), and ValueError
     unless ``0 < 2 * head_dim_qk < qkv.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(qkv=qkv)
@@ -1042,7 +1054,7 @@ def flash_attn_varlen_qkvpacked_func(
     d = _packed_head_dim(head_dim_qk, qkv, "qkv", 2)
     return call_naming_seqlens(QKVPACKED_ARG_NAMES, _dense_prefill, qkv[:, :, :d], qkv[:, :, d:2 * d],
                                qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
-                               is_varlen, QKVPACKED_ARG_NAMES)
+                               is_varlen, QKVPACKED_ARG_NAMES, tensors=QKVPACKED_TENSOR_NAMES)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -1061,15 +1073,19 @@ def flash_attn_varlen_kvpacked_func(
 ) -> Tuple[Any, Any]:
     """:func:`flash_attn_varlen_func` with k and v packed in ``kv`` ``(total_k, h_kv, head_dim_qk + d_v)``:
     k = ``kv[:, :, :head_dim_qk]``, v = ``kv[:, :, head_dim_qk:]``. Gradients flow back into ``kv``.
-    Returns ``(out, lse)``; errors as flash_attn_varlen_func, and ValueError unless
-    ``0 < head_dim_qk < kv.shape[2]``."""
+    Returns ``(out, lse)``; errors as flash_attn_varlen_func, naming ``kv`` where that names k or v
+    (``total_k = kv.shape[0]``), and ValueError unless ``0 < head_dim_qk < kv.shape[2]`` and
+    ``head_dim_qk == q.shape[2]``."""
     _dense_prefill_check_flags(dropout_p, deterministic)
     _require_tensors(kv=kv)
     if len(kv.shape) != 3:
         raise ValueError(f"kv: expected a 3-D tensor (total_k, h_kv, head_dim_qk + d_v), got shape {_shape(kv)}")
     d = _packed_head_dim(head_dim_qk, kv, "kv", 1)
+    if hasattr(q, "shape") and len(q.shape) == 3 and int(q.shape[2]) != d:  # (k's last dim: named as given)
+        raise ValueError(f"head_dim_qk: expected q's head dim d_qk = q.shape[2] = {int(q.shape[2])}, got {d}")
     return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo,
-                               cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
+                               cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen,
+                               tensors=KVPACKED_TENSOR_NAMES)
 
 
 def flash_attn_varlen_backward(

@@ -421,6 +421,43 @@ def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_
         packed(qkv, cu_q, 3.5, 128)
 
 
+@pytest.mark.parametrize("fw", ["numpy", "torch"])
+def test_packed_variants_errors_name_the_packed_tensor(rng, fw):
+    """flash_attn_varlen_qkvpacked_func renamed cu_seqlens / max_seqlen in its errors but still said
+    "total_q = q.shape[0]", "q: expected dtype ..." for the q it had sliced from the caller's qkv; the kv-packed
+    one "k.shape[0]" for its kv. The packed variants name the tensor the caller passed now; flash_attn_varlen_func's
+    messages stay as they were."""
+    case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
+    q, k, v, cu_q, cu_k, mq, mk = case.args()
+    conv = (lambda x: x) if fw == "numpy" else _t
+    if fw == "torch":
+        _torch()
+    qkv, kv = conv(np.concatenate([q, q, q], -1)), conv(np.concatenate([k, v], -1))
+    q, k, v, cu_q, cu_k = (conv(x) for x in (q, k, v, cu_q, cu_k))
+    packed, kvpacked = flash_mla.flash_attn_varlen_qkvpacked_func, flash_mla.flash_attn_varlen_kvpacked_func
+    bad_cu = conv(np.array([0, 3, 4], np.int32))
+    with pytest.raises(ValueError, match=r"^cu_seqlens\[b\] = 4 must equal total_q = qkv.shape\[0\] = 5 \("):
+        packed(qkv, bad_cu, mq, 128)
+    with pytest.raises(TypeError, match=r"^qkv: expected dtype bfloat16 or float16, got float32$"):
+        packed(conv(np.asarray(np.concatenate([case.q] * 3, -1), np.float32)), cu_q, mq, 128)
+    with pytest.raises(ValueError, match=r"^qkv: no kernel for d_qk=64 d_v=64;"):
+        packed(qkv[..., :192], cu_q, mq, 64)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv\[b\] = 4 must equal total_k = kv.shape\[0\] = 6 \("):
+        kvpacked(q, kv, cu_q, bad_cu, mq, mk, 128)
+    with pytest.raises(TypeError, match=r"^kv: expected the dtype of q \(bfloat16\), got float16$"):
+        kvpacked(q, conv(np.concatenate([case.k, case.v], -1).astype(FP16)), cu_q, cu_k, mq, mk, 128)
+    with pytest.raises(ValueError, match=r"^h_q % h_kv != 0: q has h_q = 4 heads, kv has h_kv = 3;"):
+        kvpacked(q, conv(np.concatenate([np.concatenate([case.k, case.v], -1)] * 2, 1)[:, :3]), cu_q, cu_k, mq, mk,
+                 128)
+    with pytest.raises(ValueError, match=r"^head_dim_qk: expected q's head dim d_qk = q.shape\[2\] = 128, got 64$"):
+        kvpacked(q, kv, cu_q, cu_k, mq, mk, 64)
+    # (flash_attn_varlen_func: unchanged)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv\[b\] = 4 must equal total_k = k.shape\[0\] = 6 \("):
+        flash_mla.flash_attn_varlen_func(q, k, v, cu_q, bad_cu, mq, mk)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_qo\[b\] = 4 must equal total_q = q.shape\[0\] = 5 \("):
+        flash_mla.flash_attn_varlen_func(q, k, v, bad_cu, cu_k, mq, mk)
+
+
 @pytest.mark.parametrize("flag", ["causal", "is_varlen", "deterministic"])
 @pytest.mark.parametrize("bad", ["False", b"", [False]], ids=repr)
 def test_flags_must_not_be_strings_or_containers(rng, flag, bad):
