@@ -166,15 +166,33 @@ def _jax_use_xla(q: Any, **others: Any) -> bool:
     return _jax.use_xla(q, tuple(others.items()))
 
 
+def _array_shape(value: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of an array / tensor of one or more dimensions (any framework: NumPy, torch, JAX, ...), else None
+    (0-d arrays and tensors, scalars, other objects). The scalar-argument helpers reject the former whatever their
+    size: a one-element array is a container, as a one-element list is (NumPy already refused ``float`` of one,
+    torch took it)."""
+    shape = getattr(value, "shape", None)
+    if shape is None or isinstance(value, type):
+        return None
+    try:
+        return tuple(int(d) for d in shape) or None
+    except TypeError:  # (a shape attribute that is no sequence of sizes: not an array)
+        return None
+
+
 def _int_arg(name: str, value: Any) -> int:
-    """An integer argument (Python / NumPy / 0-d array integers, via ``operator.index``), with a
+    """An integer argument (Python / NumPy / 0-d array and tensor integers, via ``operator.index``), with a
     TypeError naming the argument for anything else: None, strings and floats such as 512.9 are not
     truncated (FlashMLA's C++ ``int`` parameters reject them too), nor are booleans (``True`` is an int to
-    Python, not a length or a head dim: the same rule as _float_arg's)."""
+    Python, not a length or a head dim: the same rule as _float_arg's), nor arrays / tensors of one or more
+    dimensions (``torch.tensor([512])`` included, as NumPy's ``np.array([512])``)."""
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected an int, got bool {value!r}")
     if isinstance(value, int):  # the common case, and the one torch.compile traces
         return int(value)
+    shape = _array_shape(value)
+    if shape is not None:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} of shape {shape}")
     try:
         return operator.index(value)
     except TypeError:
@@ -182,13 +200,17 @@ def _int_arg(name: str, value: Any) -> int:
 
 
 def _float_arg(name: str, value: Any) -> float:
-    """A real-number argument (Python / NumPy floats and integers, 0-d numeric tensors) as a finite float.
-    TypeError naming the argument for anything else -- None, strings and bytes (``"0.1"`` is not parsed),
-    booleans (``True`` is an int to Python, not a scale), complex numbers; ValueError for NaN / +-inf."""
+    """A real-number argument (Python / NumPy floats and integers, 0-d numeric arrays and tensors) as a finite
+    float. TypeError naming the argument for anything else -- None, strings and bytes (``"0.1"`` is not parsed),
+    booleans (``True`` is an int to Python, not a scale), complex numbers, arrays / tensors of one or more
+    dimensions (``torch.tensor([0.1])`` as ``np.array([0.1])`` and ``[0.1]``); ValueError for NaN / +-inf."""
     if type(value) is not float:  # the common case, and the one torch.compile traces
         if (value is None or isinstance(value, (str, bytes, bytearray, bool, np.bool_))
                 or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")):
             raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+        shape = _array_shape(value)
+        if shape is not None:
+            raise TypeError(f"{name}: expected a float, got {type(value).__name__} of shape {shape}")
         try:
             value = float(value)
         except (TypeError, ValueError):
@@ -202,14 +224,19 @@ def _float_arg(name: str, value: Any) -> float:
 
 
 def _bool_arg(name: str, value: Any) -> bool:
-    """A flag argument as a bool. Bools, None, numbers and other objects with a truth value of their own are
-    taken by truth (as FlashMLA's C++ ``bool`` parameters take them); strings, bytes and containers, whose truth
-    is their length (``"False"`` is true), are a TypeError naming the argument."""
+    """A flag argument as a bool. Bools, None, numbers, 0-d arrays / tensors and other objects with a truth value
+    of their own are taken by truth (as FlashMLA's C++ ``bool`` parameters take them); strings, bytes and
+    containers, whose truth is their length (``"False"`` is true), are a TypeError naming the argument, and so
+    are arrays / tensors of one or more dimensions, one element (``np.array([True])``, ``torch.tensor([True])``)
+    included."""
     if type(value) is bool:  # the common case, and the one torch.compile traces
         return value
     kind = type(value)
     if isinstance(value, (str, bytes, bytearray)) or (not hasattr(kind, "__bool__") and hasattr(kind, "__len__")):
         raise TypeError(f"{name}: expected a bool, got {kind.__name__} {value!r}")
+    shape = _array_shape(value)
+    if shape is not None:
+        raise TypeError(f"{name}: expected a bool, got {kind.__name__} of shape {shape}")
     try:
         return bool(value)
     except (ValueError, RuntimeError):  # a tensor / array of several elements: "truth value ... is ambiguous"

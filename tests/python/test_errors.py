@@ -1,6 +1,8 @@
 """Bad input raises a clear Python exception naming the argument — never a
 crash, a hang or a silent wrong answer. (Mixed CPU/CUDA tensors: tests/gpu.)"""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -557,5 +559,90 @@ def test_flag_given_as_a_multi_element_array_is_a_type_error_naming_it(dense):
     x = torch.zeros(3, 1, 128, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"^causal: expected a bool, got Tensor of shape \(2,\)$"):
         flash_mla.flash_attn_varlen_func(x, x, x, cu, cu, 3, 3, causal=torch.tensor([True, False]))
-    ref = call_dense(dense, causal=False)  # one-element arrays keep their truth value
-    np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=np.array([False]))[1]), np.asarray(ref[1]))
+    ref = call_dense(dense, causal=False)  # 0-d arrays / tensors keep their truth value (one-element ones: below)
+    np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=np.array(False))[1]), np.asarray(ref[1]))
+    np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=torch.tensor(False))[1]), np.asarray(ref[1]))
+
+
+def _one_element_containers(x):
+    """``x`` in arrays / tensors of one element and one or more dimensions: NumPy, torch (if installed)."""
+    out = [np.array([x]), np.array([[x]])]
+    try:
+        import torch
+    except ImportError:
+        return out
+    return out + [torch.tensor([x]), torch.tensor([[x]])]
+
+
+def _zero_d(x):
+    out = [np.array(x)]
+    try:
+        import torch
+    except ImportError:
+        return out
+    return out + [torch.tensor(x)]
+
+
+def test_scalar_arguments_given_as_one_element_arrays_are_a_type_error_naming_them(dense, sparse, prefill):
+    """README: flags take bools, None and numbers; strings, bytes and containers are a TypeError. A list was one,
+    but np.array([True]) / torch.tensor([True]) were taken by their truth, and torch.tensor([0.1]) /
+    torch.tensor([5]) as a scale / an int while np.array([0.1]) / np.array([5]) were a TypeError: an array or tensor
+    of one or more dimensions is a container whatever its size, on every framework. 0-d arrays and tensors stay
+    accepted as the scalars they hold (FlashMLA hands them to its C++ op, whose float / int / bool parameters
+    take them)."""
+    for bad in _one_element_containers(True):
+        shape = re.escape(str(tuple(bad.shape)))
+        kind = type(bad).__name__
+        with pytest.raises(TypeError, match=rf"^causal: expected a bool, got {kind} of shape {shape}$"):
+            call_dense(dense, causal=bad)
+        with pytest.raises(TypeError, match=rf"^is_fp8_kvcache: expected a bool, got {kind} of shape {shape}$"):
+            call_sparse(sparse, is_fp8_kvcache=bad)
+    for bad in _one_element_containers(0.1):
+        shape = re.escape(str(tuple(bad.shape)))
+        kind = type(bad).__name__
+        with pytest.raises(TypeError, match=rf"^softmax_scale: expected a float, got {kind} of shape {shape}$"):
+            call_dense(dense, softmax_scale=bad)
+        with pytest.raises(TypeError, match=rf"^softmax_scale: expected a float, got {kind} of shape {shape}$"):
+            call_sparse(sparse, softmax_scale=bad)
+        with pytest.raises(TypeError, match=rf"^sm_scale: expected a float, got {kind} of shape {shape}$"):
+            call_prefill(prefill, sm_scale=bad)
+    for bad in _one_element_containers(512):
+        shape = re.escape(str(tuple(bad.shape)))
+        kind = type(bad).__name__
+        with pytest.raises(TypeError, match=rf"^head_dim_v: expected an int, got {kind} of shape {shape}$"):
+            call_dense(dense, head_dim_v=bad)
+        with pytest.raises(TypeError, match=rf"^d_v: expected an int, got {kind} of shape {shape}$"):
+            call_prefill(prefill, d_v=bad)
+    ref_dense, ref_prefill = call_dense(dense, causal=True), call_prefill(prefill, d_v=512)
+    for ok in _zero_d(True):
+        np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=ok)[1]), np.asarray(ref_dense[1]))
+    for ok in _zero_d(512):
+        np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=True, head_dim_v=ok)[1]),
+                                      np.asarray(ref_dense[1]))
+        np.testing.assert_array_equal(np.asarray(call_prefill(prefill, d_v=ok)[2]), np.asarray(ref_prefill[2]))
+    for ok in _zero_d(0.25):
+        np.testing.assert_array_equal(np.asarray(call_prefill(prefill, sm_scale=ok)[2]),
+                                      np.asarray(call_prefill(prefill, sm_scale=0.25)[2]))
+
+
+def test_prefill_scalar_arguments_given_as_one_element_tensors_are_a_type_error_naming_them():
+    """As above for the dense MHA prefill (flash_attn_varlen_func and its backward): causal, is_varlen,
+    deterministic, softmax_scale, max_seqlen_qo / _kv."""
+    torch = pytest.importorskip("torch")
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    x = torch.randn(3, 1, 128).to(torch.bfloat16)
+    f = flash_mla.flash_attn_varlen_func
+    ref_out, ref_lse = f(x, x, x, cu, cu, 3, 3, causal=True, softmax_scale=0.25)
+    for wrap in (lambda v: np.array([v]), lambda v: torch.tensor([v])):
+        for flag in ("causal", "is_varlen", "deterministic"):
+            with pytest.raises(TypeError, match=rf"^{flag}: expected a bool, got \w+ of shape \(1,\)$"):
+                f(x, x, x, cu, cu, 3, 3, **{flag: wrap(False)})
+        with pytest.raises(TypeError, match=r"^softmax_scale: expected a float, got \w+ of shape \(1,\)$"):
+            f(x, x, x, cu, cu, 3, 3, softmax_scale=wrap(0.25))
+        with pytest.raises(TypeError, match=r"^max_seqlen_kv: expected an int, got \w+ of shape \(1,\)$"):
+            f(x, x, x, cu, cu, 3, wrap(3))
+        with pytest.raises(TypeError, match=r"^causal: expected a bool, got \w+ of shape \(1,\)$"):
+            flash_mla.flash_attn_varlen_backward(x, x, x, x, ref_out, ref_lse, cu, cu, 3, 3, causal=wrap(True))
+    for zero_d in (np.array, torch.tensor):
+        out, lse = f(x, x, x, cu, cu, zero_d(3), zero_d(3), causal=zero_d(True), softmax_scale=zero_d(0.25))
+        assert torch.equal(lse, ref_lse)
