@@ -17,7 +17,8 @@
 // before every run), then runs it once more with the trace buffer set and prints, per role, the median
 // cycles between the events of a block step over the traced CTAs' inner steps, the fraction of each
 // consumer step spent waiting for the producer, the producer's fraction waiting for free buffers, the
-// cross-role alignment and one CTA's timeline. Not a test: the output is not checked (tests/gpu covers
+// cross-role alignment, every CTA's first block and first request from its entry (the whole life of a
+// b = 2 CTA) and one CTA's timeline. Not a test: the output is not checked (tests/gpu covers
 // correctness); a sanity line counts the unsplit requests' lse values the kernel left unwritten.
 //
 // Build (from the repository root; sm_90a; SPARSE_TRACE_FMT=1 builds only the V32 kernels, 2 only
@@ -561,6 +562,41 @@ int analyze(const std::vector<unsigned long long>& h, int slots, int every, int 
                 "WG1 epilogue %.0f; WG0 period of a request's last block %.0f (n %zu), of its first block %.0f (n %zu)\n",
                 med(qwait), qwait.size(), med(qload), med(epi0), med(epi1), med(last_per), last_per.size(),
                 med(first_per), first_per.size());
+  }
+
+  // Every CTA's first block and first request, from its entry: at b = 2 a CTA does one to three blocks, so its life is
+  // this chain (metadata, barrier set-up, the first indices and gathers, Q, the first S) plus the epilogue and exit.
+  if (step0 == 0) {
+    auto line = [&](const char* what, const std::vector<double>& v) {
+      if (!v.empty())
+        std::printf("  %-34s %8.0f %8.0f %8.0f  (n %zu)\n", what, med(v), quant(v, 0.1), quant(v, 0.9), v.size());
+    };
+    std::printf("every CTA's start (cycles from its entry; median, p10, p90):\n");
+    std::vector<double> init, done, ex;
+    for (const Cta& c : ctas) {
+      if (c.clk_init) init.push_back(double(c.clk_init) - double(c.clk_entry));
+      if (c.clk_done) done.push_back(double(c.clk_done) - double(c.clk_entry));
+      if (c.clk_exit) ex.push_back(double(c.clk_exit) - double(c.clk_entry));
+    }
+    line("barriers initialised", init);
+    const char* const kReqEv[8] = {"req 0: WG0 request start", "req 0: first consumer barrier", "req 0: Q in shared memory",
+                                   "req 0: WG0 epilogue start", "req 0: WG0 epilogue barrier", "req 0: WG0 epilogue end",
+                                   "req 0: WG1 epilogue start", "req 0: WG1 epilogue end"};
+    for (int role = 0; role < 4; ++role) {
+      const int n_ev = role < 3 ? kRoleEvents[role] : 8;
+      for (int e = 0; e < n_ev; ++e) {
+        std::vector<double> v;
+        for (const Cta& c : ctas)
+          if (c.W > 0 && at(c.slot, role, 0, e)) v.push_back(double(at(c.slot, role, 0, e)) - double(c.clk_entry));
+        char name[64];
+        if (role < 3) std::snprintf(name, sizeof(name), "g 0 %s: %s", role == 0 ? "WG0" : role == 1 ? "WG1" : "prod",
+                                    kEvName[role][e]);
+        else std::snprintf(name, sizeof(name), "%s", kReqEv[e]);
+        line(name, v);
+      }
+    }
+    line("WG0 done", done);
+    line("exit", ex);
   }
 
   // One CTA's timeline (the middle CTA with records), for reading by eye.
