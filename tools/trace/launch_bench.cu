@@ -25,14 +25,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                                  \
-  do {                                                                                         \
-    cudaError_t e_ = (x);                                                                      \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
+#include "trace_host.cuh"  // CHECK
 
 __global__ void empty_kernel(int) {}
 
@@ -66,11 +59,11 @@ __global__ void spin_kernel(long long cycles, int mode, unsigned int* counter) {
 template <class Launch>
 double host_us_per_launch(Launch&& launch, int n) {
   for (int i = 0; i < 50; ++i) launch();
-  CK(cudaDeviceSynchronize());
+  CHECK(cudaDeviceSynchronize());
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < n; ++i) launch();
   const auto t1 = std::chrono::steady_clock::now();
-  CK(cudaDeviceSynchronize());
+  CHECK(cudaDeviceSynchronize());
   return std::chrono::duration<double, std::micro>(t1 - t0).count() / n;
 }
 
@@ -78,16 +71,16 @@ template <class Launch>
 double gpu_us(Launch&& launch, int runs, unsigned int* counter) {
   std::vector<float> ms;
   cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
   for (int i = 0; i < runs; ++i) {
-    CK(cudaMemset(counter, 0, sizeof(unsigned int)));
-    CK(cudaEventRecord(a));
+    CHECK(cudaMemset(counter, 0, sizeof(unsigned int)));
+    CHECK(cudaEventRecord(a));
     launch();
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
     float t = 0.f;
-    CK(cudaEventElapsedTime(&t, a, b));
+    CHECK(cudaEventElapsedTime(&t, a, b));
     ms.push_back(t);
   }
   std::sort(ms.begin(), ms.end());
@@ -96,9 +89,9 @@ double gpu_us(Launch&& launch, int runs, unsigned int* counter) {
 
 int main() {
   int dev = 0;
-  CK(cudaSetDevice(dev));
+  CHECK(cudaSetDevice(dev));
   cudaDeviceProp prop{};
-  CK(cudaGetDeviceProperties(&prop, dev));
+  CHECK(cudaGetDeviceProperties(&prop, dev));
   const int sms = prop.multiProcessorCount;
   std::printf("device %s, %d SMs\n", prop.name, sms);
 
@@ -132,7 +125,7 @@ int main() {
     }
     cfg.attrs = attr;
     cfg.numAttrs = k;
-    return [cfg]() mutable { CK(cudaLaunchKernelEx(&cfg, empty_kernel, 0)); };
+    return [cfg]() mutable { CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, 0)); };
   };
   struct Row {
     const char* name;
@@ -140,13 +133,13 @@ int main() {
   };
   std::vector<Row> rows;
   unsigned int* counter = nullptr;
-  CK(cudaMalloc(&counter, sizeof(unsigned int)));
+  CHECK(cudaMalloc(&counter, sizeof(unsigned int)));
   auto add = [&](const char* name, auto launch) {
     rows.push_back({name, host_us_per_launch(launch, n), gpu_us(launch, 50, counter)});
   };
   add("<<<>>>", [&] {
     empty_kernel<<<grid, block>>>(0);
-    CK(cudaGetLastError());
+    CHECK(cudaGetLastError());
   });
   add("cudaLaunchKernelEx", ex(false, false, false));
   add("... + 2-CTA cluster", ex(true, false, false));
@@ -161,7 +154,7 @@ int main() {
   // 2. One grid-wide barrier among one CTA per SM.
   int smem = static_cast<int>(prop.sharedMemPerMultiprocessor) / 2 + 1024;  // only one CTA fits on an SM
   smem = std::min(smem, static_cast<int>(prop.sharedMemPerBlockOptin));
-  CK(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const long long spin = 20000;  // cycles, ~10 us: every CTA is resident before the first one arrives
   auto spin_launch = [&](int mode, bool coop) {
     cudaLaunchConfig_t cfg{};
@@ -174,7 +167,7 @@ int main() {
     attr[0].val.cooperative = 1;
     cfg.attrs = attr;
     cfg.numAttrs = coop ? 1 : 0;
-    return [cfg, mode, spin, counter]() mutable { CK(cudaLaunchKernelEx(&cfg, spin_kernel, spin, mode, counter)); };
+    return [cfg, mode, spin, counter]() mutable { CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, spin, mode, counter)); };
   };
   const double t_none = gpu_us(spin_launch(0, false), 50, counter);
   const double t_counter = gpu_us(spin_launch(1, false), 50, counter);
@@ -186,6 +179,6 @@ int main() {
   std::printf("  no barrier %.2f, global counter %.2f (+%.2f); cooperative launch: no barrier %.2f, grid.sync %.2f "
               "(+%.2f)\n",
               t_none, t_counter, t_counter - t_none, t_none_coop, t_grid_sync, t_grid_sync - t_none_coop);
-  CK(cudaFree(counter));
+  CHECK(cudaFree(counter));
   return 0;
 }
