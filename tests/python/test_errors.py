@@ -590,29 +590,21 @@ def test_scalar_arguments_given_as_one_element_arrays_are_a_type_error_naming_th
     of one or more dimensions is a container whatever its size, on every framework. 0-d arrays and tensors stay
     accepted as the scalars they hold (FlashMLA hands them to its C++ op, whose float / int / bool parameters
     take them)."""
-    for bad in _one_element_containers(True):
-        shape = re.escape(str(tuple(bad.shape)))
-        kind = type(bad).__name__
-        with pytest.raises(TypeError, match=rf"^causal: expected a bool, got {kind} of shape {shape}$"):
-            call_dense(dense, causal=bad)
-        with pytest.raises(TypeError, match=rf"^is_fp8_kvcache: expected a bool, got {kind} of shape {shape}$"):
-            call_sparse(sparse, is_fp8_kvcache=bad)
-    for bad in _one_element_containers(0.1):
-        shape = re.escape(str(tuple(bad.shape)))
-        kind = type(bad).__name__
-        with pytest.raises(TypeError, match=rf"^softmax_scale: expected a float, got {kind} of shape {shape}$"):
-            call_dense(dense, softmax_scale=bad)
-        with pytest.raises(TypeError, match=rf"^softmax_scale: expected a float, got {kind} of shape {shape}$"):
-            call_sparse(sparse, softmax_scale=bad)
-        with pytest.raises(TypeError, match=rf"^sm_scale: expected a float, got {kind} of shape {shape}$"):
-            call_prefill(prefill, sm_scale=bad)
-    for bad in _one_element_containers(512):
-        shape = re.escape(str(tuple(bad.shape)))
-        kind = type(bad).__name__
-        with pytest.raises(TypeError, match=rf"^head_dim_v: expected an int, got {kind} of shape {shape}$"):
-            call_dense(dense, head_dim_v=bad)
-        with pytest.raises(TypeError, match=rf"^d_v: expected an int, got {kind} of shape {shape}$"):
-            call_prefill(prefill, d_v=bad)
+    # (value held, expected kind, [(argument, operator call)])
+    cases = [(True, "a bool", [("causal", lambda v: call_dense(dense, causal=v)),
+                               ("is_fp8_kvcache", lambda v: call_sparse(sparse, is_fp8_kvcache=v))]),
+             (0.1, "a float", [("softmax_scale", lambda v: call_dense(dense, softmax_scale=v)),
+                               ("softmax_scale", lambda v: call_sparse(sparse, softmax_scale=v)),
+                               ("sm_scale", lambda v: call_prefill(prefill, sm_scale=v))]),
+             (512, "an int", [("head_dim_v", lambda v: call_dense(dense, head_dim_v=v)),
+                              ("d_v", lambda v: call_prefill(prefill, d_v=v))])]
+    for value, kind_word, calls in cases:
+        for bad in _one_element_containers(value):
+            shape = re.escape(str(tuple(bad.shape)))
+            kind = type(bad).__name__
+            for arg, call in calls:
+                with pytest.raises(TypeError, match=rf"^{arg}: expected {kind_word}, got {kind} of shape {shape}$"):
+                    call(bad)
     ref_dense, ref_prefill = call_dense(dense, causal=True), call_prefill(prefill, d_v=512)
     for ok in _zero_d(True):
         np.testing.assert_array_equal(np.asarray(call_dense(dense, causal=ok)[1]), np.asarray(ref_dense[1]))
