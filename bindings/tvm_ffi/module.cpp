@@ -53,33 +53,51 @@ void check(const Status& st) {
   if (!st.ok()) throw_status(st);
 }
 
-// The dense prefill's packed-sequence arguments as the public function the caller called names them
-// (python/flash_mla/flash_mla_interface.py, VARLEN_ARG_NAMES / QKVPACKED_ARG_NAMES): the XLA custom calls' value
-// errors surface when a jitted function runs, after the Python frame that renames the others. `names`: 0 the
-// core's (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), 1 flash_attn_varlen_func's, 2 the qkv-packed
-// function's. Whole words only: cu_seqlens_q inside cu_seqlens_qo is left alone.
+// The dense prefill's arguments as the public function the caller called names them
+// (python/flash_mla/flash_mla_interface.py: VARLEN_ARG_NAMES / QKVPACKED_ARG_NAMES, QKVPACKED_TENSOR_NAMES /
+// KVPACKED_TENSOR_NAMES): the XLA custom calls' value errors surface when a jitted function runs, after the Python
+// frame that renames them for eager calls (call_naming_seqlens). `names`: 0 the core's (cu_seqlens_q, cu_seqlens_k,
+// max_seqlen_q, max_seqlen_k; q, k, v), 1 flash_attn_varlen_func's, 2 the qkv-packed function's (one cu_seqlens /
+// max_seqlen; q, k and v are slices of qkv), 3 the kv-packed function's (flash_attn_varlen_func's sequence names; k
+// and v are slices of kv). Whole words only: cu_seqlens_q inside cu_seqlens_qo and the q of h_q are left alone;
+// "qkv / qkv" becomes "qkv", as in the Python frame.
 std::string with_seqlen_names(const std::string& msg, int64_t names) {
   static const char* const kCore[4] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"};
   static const char* const kVarlen[4] = {"cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"};
   static const char* const kQkvPacked[4] = {"cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen"};
-  if (names != 1 && names != 2) return msg;
-  const char* const* to = names == 1 ? kVarlen : kQkvPacked;
+  static const char* const kCoreTensors[3] = {"q", "k", "v"};
+  static const char* const kQkvTensors[3] = {"qkv", "qkv", "qkv"};
+  static const char* const kKvTensors[3] = {"q", "kv", "kv"};
+  if (names < 1 || names > 3) return msg;
   auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
-  std::string r;
-  for (size_t i = 0; i < msg.size();) {
-    bool replaced = false;
-    if (i == 0 || !word_char(msg[i - 1])) {
-      for (int a = 0; a < 4; ++a) {
-        const size_t n = std::strlen(kCore[a]);
-        if (msg.compare(i, n, kCore[a]) == 0 && (i + n == msg.size() || !word_char(msg[i + n]))) {
-          r += to[a];
-          i += n;
-          replaced = true;
-          break;
+  // Each whole word of `from` in `text` replaced by the same entry of `to`.
+  auto rename = [&](const std::string& text, const char* const* from, const char* const* to, int n_words) {
+    std::string r;
+    for (size_t i = 0; i < text.size();) {
+      bool replaced = false;
+      if (i == 0 || !word_char(text[i - 1])) {
+        for (int a = 0; a < n_words; ++a) {
+          const size_t n = std::strlen(from[a]);
+          if (text.compare(i, n, from[a]) == 0 && (i + n == text.size() || !word_char(text[i + n]))) {
+            r += to[a];
+            i += n;
+            replaced = true;
+            break;
+          }
         }
       }
+      if (!replaced) r += text[i++];
     }
-    if (!replaced) r += msg[i++];
+    return r;
+  };
+  std::string r = rename(msg, kCore, names == 2 ? kQkvPacked : kVarlen, 4);
+  if (names == 1) return r;
+  r = rename(r, kCoreTensors, names == 2 ? kQkvTensors : kKvTensors, 3);
+  const std::string twice = names == 2 ? "qkv / qkv" : "kv / kv";
+  for (size_t at = r.find(twice); at != std::string::npos; at = r.find(twice, at + 1)) {
+    const size_t end = at + twice.size();
+    if ((at == 0 || !word_char(r[at - 1])) && (end == r.size() || !word_char(r[end])))
+      r.replace(at, twice.size(), names == 2 ? "qkv" : "kv");
   }
   return r;
 }

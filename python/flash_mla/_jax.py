@@ -319,19 +319,23 @@ def _prefill_workspace(bwd: bool, tensors: Tuple[Any, ...], scalars: Tuple[int, 
     return max(sizes) if sizes else 0
 
 
-def _seqlen_names_code(names: Tuple[str, ...], args: Tuple[Any, ...]) -> np.int64:
-    """The dps functions' `seqlen_names` (bindings/tvm_ffi/module.cpp): which names their value errors give the
-    packed-sequence arguments. Traced calls (jax.jit), whose errors surface when the computation runs, after the
-    caller's frame: 1 flash_attn_varlen_func's (cu_seqlens_qo, ...), 2 the qkv-packed one's (cu_seqlens,
-    max_seqlen). Eager calls: 0, the core's names, which the caller's frame renames (call_naming_seqlens)."""
+def _seqlen_names_code(names: Tuple[str, ...], tensors: Tuple[Tuple[str, str], ...], args: Tuple[Any, ...]) -> np.int64:
+    """The dps functions' `seqlen_names` (bindings/tvm_ffi/module.cpp, with_seqlen_names): which names their value
+    errors give the arguments. Traced calls (jax.jit), whose errors surface when the computation runs, after the
+    caller's frame: 1 flash_attn_varlen_func's (cu_seqlens_qo, ...; q, k, v), 2 the qkv-packed one's (cu_seqlens,
+    max_seqlen; qkv), 3 the kv-packed one's (cu_seqlens_qo, ...; q, kv). Eager calls: 0, the core's names, which the
+    caller's frame renames (call_naming_seqlens). `tensors`: the packed function's renaming of q / k / v as
+    (name, packed name) pairs, () for flash_attn_varlen_func."""
     import jax
 
     if not any(isinstance(a, jax.core.Tracer) for a in args):
         return np.int64(0)
-    return np.int64(2 if names[0] == "cu_seqlens" else 1)
+    if names[0] == "cu_seqlens":
+        return np.int64(2)
+    return np.int64(3 if dict(tensors).get("k") == "kv" else 1)
 
 
-def _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names):
+def _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names, tensors):
     import jax
     import jax.numpy as jnp
 
@@ -347,11 +351,11 @@ def _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names):
     out, lse_t, _ = _ffi_call("flash_mla.dense_prefill_fwd_dps", results, q, k, v, cu_q, cu_k,
                               max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
                               softmax_scale=np.float64(scale), causal=np.bool_(causal),
-                              seqlen_names=_seqlen_names_code(names, (q, k, v, cu_q, cu_k)))
+                              seqlen_names=_seqlen_names_code(names, tensors, (q, k, v, cu_q, cu_k)))
     return out, lse_t
 
 
-def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars, names):
+def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars, names, tensors):
     import jax
     import jax.numpy as jnp
 
@@ -367,29 +371,31 @@ def _prefill_bwd(dout, q, k, v, out, lse_t, cu_q, cu_k, scalars, names):
     dq, dk, dv, _ = _ffi_call("flash_mla.dense_prefill_bwd_dps", results, dout, q, k, v, out, lse_t, cu_q, cu_k,
                               max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
                               softmax_scale=np.float64(scale), causal=np.bool_(causal),
-                              seqlen_names=_seqlen_names_code(names, (dout, q, k, v, out, lse_t, cu_q, cu_k)))
+                              seqlen_names=_seqlen_names_code(names, tensors, (dout, q, k, v, out, lse_t, cu_q, cu_k)))
     return dq, dk, dv
 
 
 @functools.lru_cache(maxsize=None)
-def _prefill_vjp(scalars: Tuple[int, int, float, bool], names: Tuple[str, ...]):
+def _prefill_vjp(scalars: Tuple[int, int, float, bool], names: Tuple[str, ...],
+                 tensors: Tuple[Tuple[str, str], ...]):
     """The dense prefill of these static arguments as a jax.custom_vjp of (q, k, v, cu_seqlens_q, cu_seqlens_k)
     -> (out, lse); the cotangent of lse is discarded (as FlashMLA's), cu_seqlens get none."""
     import jax
 
     @jax.custom_vjp
     def attention(q, k, v, cu_q, cu_k):
-        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names)
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names, tensors)
         return out, lse_t.T
 
     def fwd(q, k, v, cu_q, cu_k):
-        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names)
+        out, lse_t = _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names, tensors)
         return (out, lse_t.T), (q, k, v, cu_q, cu_k, out, lse_t)
 
     def bwd(res, cotangents):
         q, k, v, cu_q, cu_k, out, lse_t = res
         dout, _ = cotangents
-        dq, dk, dv = _prefill_bwd(dout.astype(q.dtype), q, k, v, out, lse_t, cu_q, cu_k, scalars, names)
+        dq, dk, dv = _prefill_bwd(dout.astype(q.dtype), q, k, v, out, lse_t, cu_q, cu_k, scalars, names,
+                                  tensors)
         return dq, dk, dv, None, None
 
     attention.defvjp(fwd, bwd)
@@ -397,14 +403,16 @@ def _prefill_vjp(scalars: Tuple[int, int, float, bool], names: Tuple[str, ...]):
 
 
 def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, causal: bool,
-                  names: Tuple[str, ...]):
+                  names: Tuple[str, ...], tensors: Optional[dict] = None):
     """Dense MHA prefill as XLA custom calls with a jax.custom_vjp (jax.grad / jax.vjp give dq, dk, dv;
     usable under jax.jit). Returns (out, lse), lse (total_q, h_q). `names`: the caller's names of
-    (cu_seqlens of q, of k, max_seqlen of q, of k), which the value errors raised when the call runs give."""
+    (cu_seqlens of q, of k, max_seqlen of q, of k), and `tensors` the packed variants' names of q / k / v
+    ({"k": "kv", "v": "kv"}; None: q, k, v), which the value errors raised when the call runs give."""
     import jax.numpy as jnp
 
     _register()
-    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)), tuple(names))(
+    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)), tuple(names),
+                        tuple(sorted((tensors or {}).items())))(
         jnp.asarray(q), k, v, cu_q, cu_k)
 
 
@@ -419,4 +427,4 @@ def dense_prefill_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: in
     if lse.ndim != 2:
         raise ValueError(f"lse: expected a 2-D tensor (total_q, h_q), got shape {tuple(lse.shape)}")
     return _prefill_bwd(dout, jnp.asarray(q), k, v, out, lse.T, cu_q, cu_k,
-                        (int(max_q), int(max_k), float(scale), bool(causal)), tuple(names))
+                        (int(max_q), int(max_k), float(scale), bool(causal)), tuple(names), ())

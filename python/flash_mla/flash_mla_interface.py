@@ -918,10 +918,10 @@ def _distinct_tensors(*tensors):
 
 
 def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal,
-                   is_varlen, names=VARLEN_ARG_NAMES):
+                   is_varlen, names=VARLEN_ARG_NAMES, tensors=None):
     """The forward of the flash_attn_varlen_* functions (errors name the arguments flash_attn_varlen_func's way:
-    the callers rename them as theirs, `names`; the XLA custom calls, whose value errors surface when a jitted
-    function runs, after the caller's frame, are given `names` to use themselves)."""
+    the callers rename them as theirs, `names` and the packed variants' `tensors`; the XLA custom calls, whose value
+    errors surface when a jitted function runs, after the caller's frame, are given both to use themselves)."""
     cu_q, cu_k, max_q, max_k, scale, causal = _dense_prefill_args(
         q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen)
     fw = _ffi.framework_of(q)
@@ -941,7 +941,7 @@ def _dense_prefill(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seq
     if fw == "jax" and _jax_use_xla(q, k=k, v=v, cu_seqlens_qo=cu_q, cu_seqlens_kv=cu_k):
         from . import _jax  # XLA custom calls with a jax.custom_vjp (jax.grad, jax.jit)
 
-        return _jax.dense_prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, names)
+        return _jax.dense_prefill(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, names, tensors)
     if fw == "paddle" and _paddle_needs_grad(q, k, v):
         return tuple(_paddle_flash_attn_varlen_layer().apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal))
     return _dense_prefill_fwd_call(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
@@ -1081,7 +1081,7 @@ def flash_attn_varlen_qkvpacked_func(
     d = _packed_head_dim(head_dim_qk, qkv, "qkv", 2)
     return call_naming_seqlens(QKVPACKED_ARG_NAMES, _dense_prefill, qkv[:, :, :d], qkv[:, :, d:2 * d],
                                qkv[:, :, 2 * d:], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
-                               is_varlen, QKVPACKED_ARG_NAMES, tensors=QKVPACKED_TENSOR_NAMES)
+                               is_varlen, QKVPACKED_ARG_NAMES, QKVPACKED_TENSOR_NAMES, tensors=QKVPACKED_TENSOR_NAMES)
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -1112,7 +1112,7 @@ def flash_attn_varlen_kvpacked_func(
         raise ValueError(f"head_dim_qk: expected q's head dim d_qk = q.shape[2] = {int(q.shape[2])}, got {d}")
     return call_naming_seqlens(VARLEN_ARG_NAMES, _dense_prefill, q, kv[:, :, :d], kv[:, :, d:], cu_seqlens_qo,
                                cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal, is_varlen,
-                               tensors=KVPACKED_TENSOR_NAMES)
+                               VARLEN_ARG_NAMES, KVPACKED_TENSOR_NAMES, tensors=KVPACKED_TENSOR_NAMES)
 
 
 def flash_attn_varlen_backward(

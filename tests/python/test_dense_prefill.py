@@ -458,6 +458,47 @@ def test_packed_variants_errors_name_the_packed_tensor(rng, fw):
         flash_mla.flash_attn_varlen_func(q, k, v, bad_cu, cu_k, mq, mk)
 
 
+def test_packed_variants_errors_name_the_packed_tensor_under_jax_jit(rng):
+    """Under jax.jit a value error surfaces when the compiled function runs, after the packed variant's frame that
+    renames q / k / v for eager calls: the XLA custom call said "total_q = q.shape[0]" for the caller's qkv and
+    "total_k = k.shape[0]" for its kv. It names the packed tensor itself now, in the forward and in the backward
+    (jax.grad); flash_attn_varlen_func's messages stay as they were."""
+    jax = pytest.importorskip("jax")
+    import flash_mla._jax
+
+    jnp = jax.numpy
+    case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
+    q, k, v, cu_q, cu_k, mq, mk = (to_jax_cpu(x) if hasattr(x, "shape") else x for x in case.args())
+    if not flash_mla._jax.use_xla(q):
+        pytest.skip("jax-tvm-ffi is not installed (no XLA custom calls)")
+    qkv = jnp.concatenate([q, q, q], -1)
+    kv = jnp.concatenate([k, v], -1)
+    bad_cu = to_jax_cpu(np.array([0, 3, 4], np.int32))
+    packed, kvpacked = flash_mla.flash_attn_varlen_qkvpacked_func, flash_mla.flash_attn_varlen_kvpacked_func
+
+    def runs_with(fn, *args, match):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"\[flash_mla:ValueError\] " + match):
+            jax.block_until_ready(jax.jit(fn)(*args))
+
+    runs_with(lambda x, c: packed(x, c, mq, 128)[0], qkv, bad_cu,
+              match=r"cu_seqlens\[b\] = 4 must equal total_q = qkv.shape\[0\] = 5 \(")
+    runs_with(jax.grad(lambda x, c: packed(x, c, mq, 128)[0].astype(jnp.float32).sum()), qkv, bad_cu,
+              match=r"cu_seqlens\[b\] = 4 must equal total_q = qkv.shape\[0\] = 5 \(")
+    runs_with(lambda a, b, c: kvpacked(a, b, cu_q, c, mq, mk, 128)[0], q, kv, bad_cu,
+              match=r"cu_seqlens_kv\[b\] = 4 must equal total_k = kv.shape\[0\] = 6 \(")
+    runs_with(jax.grad(lambda a, b, c: kvpacked(a, b, cu_q, c, mq, mk, 128)[0].astype(jnp.float32).sum(),
+                       argnums=(0, 1)), q, kv, bad_cu,
+              match=r"cu_seqlens_kv\[b\] = 4 must equal total_k = kv.shape\[0\] = 6 \(")
+    runs_with(lambda a, b, c: kvpacked(a, b, c, cu_k, mq, mk, 128)[0], q, kv, bad_cu,
+              match=r"cu_seqlens_qo\[b\] = 4 must equal total_q = q.shape\[0\] = 5 \(")
+    # (flash_attn_varlen_func: unchanged)
+    runs_with(lambda a, b, c, d: flash_mla.flash_attn_varlen_func(a, b, c, cu_q, d, mq, mk)[0], q, k, v, bad_cu,
+              match=r"cu_seqlens_kv\[b\] = 4 must equal total_k = k.shape\[0\] = 6 \(")
+    # A good run replaces JAX's runtime token of side-effecting calls, which the failed runs left in error.
+    jax.block_until_ready(jax.jit(lambda x: packed(x, cu_q, mq, 128)[0])(qkv))
+    jax.effects_barrier()
+
+
 @pytest.mark.parametrize("flag", ["causal", "is_varlen", "deterministic"])
 @pytest.mark.parametrize("bad", ["False", b"", [False]], ids=repr)
 def test_flags_must_not_be_strings_or_containers(rng, flag, bad):
