@@ -9,7 +9,8 @@ Usage (GPU machine, repository root):
   python3 tools/dense_prefill_check/ab_schedules.py fwd|bwd LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...]
       SCHEDULE ...
   (forward: default, serial, overlap, pingpong, pingpong_tma, persistent_tma, persistent_tma_fold, persistent_tma_2cta;
-  backward: default, two_kernel, two_kernel_tma; dense_prefill.h; "2:NAME" runs NAME of --lib2)"""
+  backward: default, two_kernel, two_kernel_tma, two_kernel_tma_by_head, two_kernel_tma_by_block; dense_prefill.h;
+  "2:NAME" runs NAME of --lib2)"""
 import argparse
 import math
 import os

@@ -73,8 +73,9 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)
 // workspace_bytes. With workspace == nullptr: writes the workspace size to *ws_bytes and returns.
-// schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 1 = two kernels with the tiles by TMA
-// (dense_prefill.h); any other value is rejected.
+// schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 1 = two kernels with the tiles by TMA, 2 / 3 =
+// 1 with both kernels' CTAs in the order kByHead / kByBlock for every shape (0 and 1: the shape's order,
+// bwd_grid_order; dense_prefill.h); any other value is rejected.
 int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, int64_t* ws_bytes, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -88,7 +89,7 @@ int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int c
   bp.workspace = ptrs[11];
   bp.workspace_bytes = meta[58];
   bp.stream = stream;
-  if (schedule < -1 || schedule > 1) {
+  if (schedule < -1 || schedule > 3) {
     std::snprintf(err, errlen, "dense_prefill_check_bwd: unknown schedule %d", schedule);
     return 1;
   }
@@ -97,7 +98,10 @@ int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int c
     return 0;
   }
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_bwd(bp), err, errlen);
-  const dp::BwdSchedule sched = schedule == 1 ? dp::BwdSchedule::kTwoKernelTma : dp::BwdSchedule::kTwoKernel;
-  return report(dp::bwd_with_schedule(bp, sched), err, errlen);
+  const dp::BwdSchedule sched = schedule >= 1 ? dp::BwdSchedule::kTwoKernelTma : dp::BwdSchedule::kTwoKernel;
+  const dp::BwdGridOrder order = schedule == 2   ? dp::BwdGridOrder::kByHead
+                                 : schedule == 3 ? dp::BwdGridOrder::kByBlock
+                                                 : dp::BwdGridOrder::kShapeRule;
+  return report(dp::bwd_with_schedule(bp, sched, order), err, errlen);
 }
 }

@@ -188,6 +188,25 @@ struct BwdTiles {
   static constexpr int kK = kKRows * kD * 2, kV = kKRows * kBwdDV * 2;
 };
 
+/// A backward CTA's (block, head, request) in a grid launched as (blocks, heads, requests). kByBlock: the linear
+/// block index, the hardware's dispatch order, walks the blocks outermost (BwdGridOrder::kByBlock, dense_prefill.h:
+/// every (head, request)'s heaviest causal block is dispatched before any lighter one); else blockIdx as launched.
+/// (bwd_with_schedule takes kByBlock only for grids of fewer than 2^31 CTAs.)
+struct BwdCta {
+  int blk, head, b;
+};
+template <bool kByBlock>
+__device__ __forceinline__ BwdCta bwd_cta() {
+  if constexpr (!kByBlock) {
+    return {static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z)};
+  } else {
+    const int heads = static_cast<int>(gridDim.y), per_block = heads * static_cast<int>(gridDim.z);
+    const int lin = static_cast<int>(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z));
+    const int rest = lin % per_block;
+    return {lin / per_block, rest % heads, rest / heads};
+  }
+}
+
 // ------------------------------------------------------------------------------------------- dq
 constexpr int kDqBM = 128, kDqBN = 64;
 
@@ -207,7 +226,7 @@ struct DqSmem : BwdTiles<kD, kDqBM, kDqBN> {
 /// rows past the request's end (the next request's) are zeroed by the consumers before their first use, so those
 /// tiles hold what the cp.async loader writes; Q / dO rows past it need not be (a query row reaches only its own dq,
 /// which is not stored, and its lse2 is +inf). Without kTma the maps are unused.
-template <class T, int kD, bool kTma>
+template <class T, int kD, bool kTma, bool kByBlock = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dq_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
                                 const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
@@ -225,9 +244,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t q_bar = bar + 16 * Smem::kStages;
 
-  const int b = blockIdx.z, h = blockIdx.y;
+  const BwdCta cta = bwd_cta<kByBlock>();
+  const int b = cta.b, h = cta.head;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int m0 = query_block_row0<kDqBM>(p);
+  // The query block, counted from the end when causal (the last blocks see the most keys), as query_block_row0 counts
+  // blockIdx.x.
+  const int m0 = kByBlock ? (p.causal ? static_cast<int>(gridDim.x) - 1 - cta.blk : cta.blk) * kDqBM
+                          : query_block_row0<kDqBM>(p);
   if (m0 >= sb.s_q) return;
   const int off = sb.s_k - sb.s_q;
   const int n_blocks = (visible_key_end<kDqBM>(p, sb.s_k, m0, off) + kDqBN - 1) / kDqBN;
@@ -502,7 +525,7 @@ struct KvSmem : BwdTiles<kD, kKvBM, kKvBN> {
 /// request's end (the next request's) are zeroed by the consumers before their first use, so those tiles hold what the
 /// cp.async loader writes; K / V rows past it need not be (a key row reaches only its own dk / dv, which are not
 /// stored). Without kTma the maps are unused.
-template <class T, int kD, bool kTma>
+template <class T, int kD, bool kTma, bool kByBlock = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_bwd_dkdv_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_q,
                                   const __grid_constant__ CUtensorMap tmap_do, const __grid_constant__ CUtensorMap tmap_k,
@@ -520,9 +543,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty_bar = [&](int s) { return bar + 8 * Smem::kStages + 8 * s; };
   const uint32_t kv_bar = bar + 16 * Smem::kStages;
 
-  const int b = blockIdx.z, hk = blockIdx.y;
+  const BwdCta cta = bwd_cta<kByBlock>();
+  const int b = cta.b, hk = cta.head;
   const SeqBounds sb = seq_bounds(p.cu_q, p.cu_k, p.cu_q_stride, p.cu_k_stride, b);
-  const int n0 = blockIdx.x * kKvBN;
+  const int n0 = kByBlock ? cta.blk * kKvBN : blockIdx.x * kKvBN;
   if (n0 >= sb.s_k) return;
   const int off = sb.s_k - sb.s_q;
   // Query i sees key j iff j <= i + off: the first query block that sees key n0.
@@ -850,10 +874,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 /// tmaps: the maps of the TMA loads, or nullptr for the cp.async loaders: k, v with 64-row boxes and q, dout with
 /// 64-row boxes (the blocks streamed by the dq and the dk / dv kernel), q, dout with 128-row boxes (the dq kernel's
-/// tile) and k, v with 128-row boxes (the dk / dv kernel's).
+/// tile) and k, v with 128-row boxes (the dk / dv kernel's). dq_by_block / kv_by_block: the kernels' CTA orders
+/// (bwd_cta; kByBlock with the TMA loaders only, which every grid with tensor maps runs).
 template <class T, int kD>
 cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max_seqlen_k, int b, int h_kv,
-                       const CUtensorMap* tmaps, cudaStream_t stream, const char** failed) {
+                       const CUtensorMap* tmaps, bool dq_by_block, bool kv_by_block, cudaStream_t stream,
+                       const char** failed) {
   cudaError_t e = cudaSuccess;
   if (max_seqlen_q > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
     *failed = "dense_prefill_bwd_preprocess_kernel launch";
@@ -861,7 +887,9 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     *failed = "dense_prefill_bwd_dq_kernel launch";
-    auto dq_kernel = tmaps != nullptr ? dense_prefill_bwd_dq_kernel<T, kD, true> : dense_prefill_bwd_dq_kernel<T, kD, false>;
+    auto dq_kernel = tmaps == nullptr ? dense_prefill_bwd_dq_kernel<T, kD, false>
+                     : dq_by_block    ? dense_prefill_bwd_dq_kernel<T, kD, true, true>
+                                      : dense_prefill_bwd_dq_kernel<T, kD, true>;
     e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
@@ -873,8 +901,9 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max
   }
   if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
-    auto kv_kernel =
-        tmaps != nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, true> : dense_prefill_bwd_dkdv_kernel<T, kD, false>;
+    auto kv_kernel = tmaps == nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, false>
+                     : kv_by_block    ? dense_prefill_bwd_dkdv_kernel<T, kD, true, true>
+                                      : dense_prefill_bwd_dkdv_kernel<T, kD, true>;
     e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
@@ -908,7 +937,7 @@ WsLayout ws_layout(const DensePrefillBwdParams& bp) {
 }
 }  // namespace
 
-Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) {
+Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, BwdGridOrder order) {
   const DensePrefillParams& p = bp.fwd;
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
@@ -964,10 +993,19 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule) 
   const char* failed = "";
   const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
   const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k;
+  // The CTA orders of the dq grid (query blocks, h_q, b) and the dk / dv grid (key blocks, h_kv, b); kByBlock's
+  // linear index is an int (bwd_cta).
+  const int64_t dq_ctas = (mq + kDqBM - 1) / kDqBM * h_q * b, kv_ctas = (mk + kKvBN - 1) / kKvBN * h_kv * b;
+  auto by_block = [&](int64_t ctas) {
+    const BwdGridOrder o = order != BwdGridOrder::kShapeRule ? order
+                                                             : bwd_grid_order(p.causal, ctas, num_sms(p.q.device.id));
+    return o == BwdGridOrder::kByBlock && ctas < (int64_t{1} << 31);
+  };
+  const bool dq_by_block = by_block(dq_ctas), kv_by_block = by_block(kv_ctas);
   auto launch_d = [&](auto t) {
     using T = decltype(t);
-    if (d_qk == 128) return launch_bwd<T, 128>(kp, mq, mk, bi, hk, tm, stream, &failed);
-    return launch_bwd<T, 192>(kp, mq, mk, bi, hk, tm, stream, &failed);
+    if (d_qk == 128) return launch_bwd<T, 128>(kp, mq, mk, bi, hk, tm, dq_by_block, kv_by_block, stream, &failed);
+    return launch_bwd<T, 192>(kp, mq, mk, bi, hk, tm, dq_by_block, kv_by_block, stream, &failed);
   };
   cudaError_t e = bf16 ? launch_d(__nv_bfloat16{}) : launch_d(__half{});
   if (e != cudaSuccess) return cuda_error_status(kBwdOp, failed, e);

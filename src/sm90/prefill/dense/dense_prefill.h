@@ -54,7 +54,34 @@ enum class BwdSchedule { kTwoKernel, kTwoKernelTma };
 /// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
 constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 
-/// dense_prefill_bwd with a given schedule (the GPU check verifies and times both).
-Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule);
+/// The order in which the backward's two kernels hand out their CTAs. The hardware dispatches a grid's CTAs in linear
+/// index order. kByHead is the launch order (block fastest, then head, then request): under a causal mask each
+/// (head, request) hands out its heaviest block first, but the heaviest blocks of the last (head, request)s start
+/// after most of the grid, which is a tail when the grid is a few waves. The dk / dv kernel's GQA grids are: one CTA
+/// per KV head walks the query blocks of all its query heads, so s 4096 h 32/4 is 256 CTAs, the heaviest of them as
+/// long as a whole SM's fair share (a list schedule of the 16 benchmark shapes' block-pair counts on 132 SMs: 1.59x
+/// the fair share there, 1.24x at s 8192, 1.007-1.07x for the other grids). kByBlock walks the blocks outermost:
+/// every (head, request)'s heaviest block is handed out before any lighter one (longest first: 1.000-1.007x).
+/// kByHead keeps one head's CTAs together, so that they share its K / V (dq kernel) or Q / dO (dk / dv kernel)
+/// in L2; kByBlock spreads the SMs over (head, request)s. kShapeRule: bwd_grid_order's choice.
+/// docs/dense-prefill.md, "Backward: the CTAs' order".
+enum class BwdGridOrder { kShapeRule, kByHead, kByBlock };
+/// kByBlock for a causal grid of at most this many waves of one CTA per SM (the benchmark shapes' GQA grids: 2-31
+/// waves; their h 128 grids, 62-124 waves, lose at most 1.8 % to the tail and keep their L2 sharing).
+constexpr int64_t kBwdByBlockMaxWaves = 32;
+/// Whether the library takes kByBlock where bwd_grid_order's rule says so. Built and compiled, not yet run on a GPU
+/// (the kByBlock kernels are their own instantiations; the kByHead ones are the measured machine code), so off: the
+/// standalone check's two_kernel_tma_by_block runs it on every case, and its A/B decides.
+constexpr bool kBwdByBlockOrder = false;
+/// The order of a backward kernel's grid of `ctas` CTAs on `sms` SMs (one CTA per SM).
+inline BwdGridOrder bwd_grid_order(bool causal, int64_t ctas, int sms) {
+  return kBwdByBlockOrder && causal && sms > 0 && ctas <= kBwdByBlockMaxWaves * sms ? BwdGridOrder::kByBlock
+                                                                                      : BwdGridOrder::kByHead;
+}
+
+/// dense_prefill_bwd with a given schedule and CTA order (the GPU check verifies and times each; `order` kByHead /
+/// kByBlock: both kernels in that order, for any shape).
+Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule,
+                         BwdGridOrder order = BwdGridOrder::kShapeRule);
 
 }  // namespace flashmla::sm90::dense_prefill
