@@ -505,12 +505,15 @@ def _sparse_num_sm_parts(torch, num_sms, s_q, h_q):
     return torch.sym_max(num_sms // s_q // torch.sym_max(h_q // 64, 1), 1)
 
 
-def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts, metadata_given):
-    """Output shapes of a decode op; given metadata is not returned again (empty (0, 8) and (0,))."""
+def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts, metadata_given, lse_transposed):
+    """Output shapes of a decode op; given metadata is not returned again (empty (0, 8) and (0,)). lse has the
+    op's strides (bindings/torch/ops.cpp decode_lse_transposed): FlashMLA's (s_q * h_q, 1, h_q) for sparse decode
+    and dense decode with h_kv == 1 (``lse_transposed``), contiguous otherwise."""
     b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
+    lse_stride = (s_q * h_q, 1, h_q) if lse_transposed else (s_q * h_q, s_q, 1)
     return (
         q.new_empty((b, s_q, h_q, head_dim_v), dtype=out_dtype),
-        q.new_empty((b, h_q, s_q), dtype=torch.float32),
+        torch.empty_strided((b, h_q, s_q), lse_stride, dtype=torch.float32, device=q.device),
         q.new_empty((0 if metadata_given else num_sm_parts, 8), dtype=torch.int32),
         q.new_empty((0 if metadata_given else b + 1,), dtype=torch.int32),
     )
@@ -539,14 +542,15 @@ def _register_fakes(torch) -> None:
         _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
         parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
-        return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None)
+        return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None,
+                               k_cache.shape[2] == 1)
 
     @torch.library.register_fake(lib + "dense_decode_fwd_scheduled")
     def _dense_decode_scheduled_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
                                      tile_scheduler_metadata, num_splits):
         _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
-        return _decode_outputs(torch, q, q.dtype, head_dim_v, 0, True)[:2]
+        return _decode_outputs(torch, q, q.dtype, head_dim_v, 0, True, k_cache.shape[2] == 1)[:2]
 
     @torch.library.register_fake(lib + "sparse_decode_fwd")
     def _sparse_decode_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
@@ -556,7 +560,8 @@ def _register_fakes(torch) -> None:
                            extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                            extra_topk_length=extra_topk_length)
         parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
-        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None)
+        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None,
+                               True)
 
     @torch.library.register_fake(lib + "sparse_decode_fwd_scheduled")
     def _sparse_decode_scheduled_fake(q, k_cache, indices, topk_length, attn_sink, tile_scheduler_metadata, num_splits,
@@ -566,7 +571,7 @@ def _register_fakes(torch) -> None:
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
                            extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                            extra_topk_length=extra_topk_length)
-        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, 0, True)[:2]
+        return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, 0, True, True)[:2]
 
     @torch.library.register_fake(lib + "sparse_prefill_fwd")
     def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):

@@ -124,6 +124,64 @@ def test_sparse_decode_values(rng, count_torch_calls, d_qk, extra):
     assert torch.equal(sched.tile_scheduler_metadata, tsm_before)
 
 
+def _flashmla_decode_lse_strides(b, s_q, h_q, h_kv, sparse):
+    """The strides of FlashMLA's decode lse (spec §1.3.1, §1.3.2): sparse decode, and dense decode with h_kv == 1,
+    return the transpose of a contiguous (b, s_q, h_q) buffer, strides (s_q * h_q, 1, h_q); dense decode with
+    h_kv > 1 reshapes a transposed view, a copy (contiguous) when s_q > 1 (with s_q == 1 the stride of the
+    size-1 dim is immaterial: contiguous here)."""
+    if sparse or h_kv == 1:
+        return (s_q * h_q, 1, h_q)
+    return (h_q * s_q, s_q, 1)
+
+
+@pytest.mark.parametrize("h_kv,s_q", [(1, 1), (1, 3), (2, 1), (2, 3)])
+def test_dense_decode_lse_has_flashmlas_strides(h_kv, s_q):
+    """FlashMLA's lse of a dense decode with h_kv == 1 is the non-contiguous (b, h_q, s_q) view with strides
+    (s_q * h_q, 1, h_q) (so lse.transpose(1, 2).view(b, -1) works); the op's real and fake kernels, first and
+    reusing call, return those strides, and the values stay the contiguous result's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    b, h_q = 2, 8
+    q = torch.randn(b, s_q, h_q, 576).to(torch.bfloat16)
+    kc = torch.randn(4, 64, h_kv, 576).to(torch.bfloat16)
+    bt = torch.arange(4, dtype=torch.int32).view(2, 2)
+    lens = torch.tensor([70, 5], dtype=torch.int32)
+    want = _flashmla_decode_lse_strides(b, s_q, h_q, h_kv, False)
+    sched = flash_mla.get_mla_metadata()[0]
+    out, lse = flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, 512, sched, causal=True)
+    out2, lse2 = flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, 512, sched, causal=True)  # reusing call
+    assert lse.shape == (b, h_q, s_q) and lse.stride() == want and lse2.stride() == want
+    assert out.is_contiguous() and torch.equal(lse, lse2)
+    ref_out, ref_lse = oracle.dense_decode(N(q), N(kc), N(bt), N(lens), causal=True)
+    check_lse("lse", N(lse), ref_lse)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.flash_mla.dense_decode_fwd(*(mode.from_tensor(t) for t in (q, kc)), 512,
+                                                    mode.from_tensor(lens), mode.from_tensor(bt), 0.1, True, None, None)
+    assert fake[1].stride() == want
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_sparse_decode_lse_has_flashmlas_strides(rng, s_q):
+    """FlashMLA returns the sparse decode's lse as lse.transpose(1, 2) of a contiguous (b, s_q, h_q) buffer:
+    strides (s_q * h_q, 1, h_q), in the real and the fake kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c = gen_sparse_decode_case(rng, b=2, s_q=s_q, h_q=64, d_qk=576, s_k=100, topk=64, pbs=64, have_topk_length=True)
+    sched = flash_mla.get_mla_metadata()[0]
+    want = _flashmla_decode_lse_strides(2, s_q, 64, 1, True)
+    out, lse = flash_mla.flash_mla_with_kvcache(T(c.q), T(c.main.packed), None, None, 512, sched, **sparse_kwargs(c))
+    out2, lse2 = flash_mla.flash_mla_with_kvcache(T(c.q), T(c.main.packed), None, None, 512, sched, **sparse_kwargs(c))
+    assert lse.stride() == want and lse2.stride() == want and torch.equal(lse, lse2)
+    check_lse("lse", N(lse), c.reference()[1])
+    kw = sparse_kwargs(c)
+    with FakeTensorMode() as mode:
+        f = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+             for t in (T(c.q), T(c.main.packed), kw["indices"], kw["topk_length"], kw["attn_sink"])]
+        fake = torch.ops.flash_mla.sparse_decode_fwd(*f, None, None, None, None, None, 512, 0.1)
+    assert fake[1].stride() == want
+
+
 def test_sparse_prefill_values(rng, count_torch_calls):
     c = prefill_case(rng)
     res = flash_mla.flash_mla_sparse_fwd(T(c.q), T(c.kv), T(c.indices), c.sm_scale, 512, T(c.attn_sink),
