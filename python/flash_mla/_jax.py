@@ -23,7 +23,11 @@ so on the CPU backend -- the only one whose calls raise value errors -- the trac
 marked side-effecting, which keeps JAX on its Python dispatch path (slower per call, by tens of
 microseconds; the CPU reference attention takes milliseconds). The GPU kernels never read the
 values back, so GPU calls keep the fast path. (Not done with several JAX devices, where XLA cannot
-partition a side-effecting FFI call: there the class depends on the call order as described.) ``jax.vmap`` maps the call sequentially.
+partition a side-effecting FFI call: there the class depends on the call order as described. Nor for
+the forward of the dense MHA prefill, which training steps wrap in ``jax.checkpoint``: remat's partial
+evaluation refuses side-effecting calls, so its value errors follow the call order too -- the first run
+of a jitted function raises JaxRuntimeError, a run after a good one may raise a builtin ValueError, both
+with the same prefixed message.) ``jax.vmap`` maps the call sequentially.
 
 Needs ``pip install jax-tvm-ffi`` (an ImportError saying so is raised otherwise).
 """
@@ -76,16 +80,19 @@ def _named(names: Tuple[str, ...], tensors: Tuple[Any, ...]) -> Tuple[Any, ...]:
     return tensors
 
 
-def _ffi_call(target: str, results: Any, *args: Any, **attrs: Any) -> Any:
+def _ffi_call(target: str, results: Any, *args: Any, remat: bool = False, **attrs: Any) -> Any:
     """jax.ffi.ffi_call of one of our targets. Outside jax.jit, an error of the call is re-raised
     with the class the other paths raise (ValueError / TypeError / NotImplementedError); inside
     jax.jit it surfaces when the compiled function runs, as XLA's error with the prefixed message.
-    Under jax.vmap the call is applied sequentially, once per mapped element."""
+    Under jax.vmap the call is applied sequentially, once per mapped element. ``remat``: the call may
+    be inside ``jax.checkpoint``, whose partial evaluation rejects side-effecting calls
+    (NotImplementedError "Effects not supported in partial-eval of checkpoint/remat"), so it is never
+    marked side-effecting (see _raises_at_run_time)."""
     import jax
 
     try:
         return jax.ffi.ffi_call(target, results, vmap_method="sequential",
-                                has_side_effect=_raises_at_run_time(args))(*args, **attrs)
+                                has_side_effect=not remat and _raises_at_run_time(args))(*args, **attrs)
     except Exception as e:  # noqa: BLE001 - only errors carrying our prefix are translated
         msg = str(e)
         m = _PREFIX.search(msg)
@@ -348,7 +355,9 @@ def _prefill_fwd(q, k, v, cu_q, cu_k, scalars, names, tensors):
         jax.ShapeDtypeStruct((max(ws, 1),), jnp.uint8),
     ]
     max_q, max_k, scale, causal = scalars
-    out, lse_t, _ = _ffi_call("flash_mla.dense_prefill_fwd_dps", results, q, k, v, cu_q, cu_k,
+    # remat: the forward is what jax.checkpoint recomputes in a training step (the backward is not traced
+    # inside a checkpoint's partial evaluation and keeps the error class of the other operators).
+    out, lse_t, _ = _ffi_call("flash_mla.dense_prefill_fwd_dps", results, q, k, v, cu_q, cu_k, remat=True,
                               max_seqlen_q=np.int64(max_q), max_seqlen_k=np.int64(max_k),
                               softmax_scale=np.float64(scale), causal=np.bool_(causal),
                               seqlen_names=_seqlen_names_code(names, tensors, (q, k, v, cu_q, cu_k)))

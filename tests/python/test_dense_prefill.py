@@ -1000,6 +1000,50 @@ def test_jax_custom_vjp_grad_and_jit(rng):
     jax.effects_barrier()
 
 
+def test_jax_grad_through_checkpoint(rng):
+    """jax.checkpoint (remat), the usual way a training step trades recomputation for memory, works on the CPU
+    too: its partial evaluation refuses side-effecting calls, so the forward custom call must not be one (it
+    was, for the class of the runtime errors under jax.jit: python/flash_mla/_jax.py). Gradients equal those
+    without remat, bit for bit, eagerly, under jax.jit and inside a jax.lax.scan over layers."""
+    jax = pytest.importorskip("jax")
+    import flash_mla._jax
+
+    jnp = jax.numpy
+    case = Case(rng, [3, 0, 9], [5, 2, 9], 4, 2, 128, 128, BF16, True)
+    q, k, v, cu_q, cu_k = (to_jax_cpu(x) for x in (case.q, case.k, case.v, case.cu_q, case.cu_k))
+    if not flash_mla._jax.use_xla(q):
+        pytest.skip("jax-tvm-ffi is not installed (the custom_vjp needs XLA custom calls)")
+    dout = to_jax_cpu(case.dout).astype(jnp.float32)
+
+    def loss(q, k, v):
+        o, _ = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+        return jnp.sum(o.astype(jnp.float32) * dout)
+
+    plain = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for name, a, r in zip(("dq", "dk", "dv"), plain, case.ref_grads()):
+        check_grad(name, np.asarray(a), r, BF16)
+    for policy in (None, jax.checkpoint_policies.dots_saveable):
+        remat = jax.checkpoint(loss, policy=policy)
+        for grads in (jax.grad(remat, argnums=(0, 1, 2))(q, k, v), jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, v)):
+            for a, b in zip(plain, grads):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+    # Two layers in a scan, each rematerialised: the gradient of the first layer's q through both.
+    def layer(x, _):
+        o, _ = flash_mla.flash_attn_varlen_func(x, k, v, cu_q, cu_k, case.max_q, case.max_k,
+                                                softmax_scale=case.scale, causal=True)
+        return jnp.concatenate([o, o], axis=1)[:, :4].astype(x.dtype), None
+
+    def two_layers(x, step):
+        y, _ = jax.lax.scan(step, x, None, length=2)
+        return jnp.sum(y.astype(jnp.float32))
+
+    want = jax.grad(two_layers)(q, layer)
+    got = jax.jit(jax.grad(lambda x: two_layers(x, jax.checkpoint(layer))))(q)
+    np.testing.assert_array_equal(np.asarray(want).view(np.uint16), np.asarray(got).view(np.uint16))
+
+
 def test_cupy_or_paddle_if_installed(rng):
     """Other DLPack frameworks take the plain TVM-FFI path (CPU here: Paddle; CuPy needs a GPU)."""
     paddle = pytest.importorskip("paddle")
