@@ -420,8 +420,13 @@ def dense_prefill(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, cau
     import jax.numpy as jnp
 
     _register()
-    return _prefill_vjp((int(max_q), int(max_k), float(scale), bool(causal)), tuple(names),
-                        tuple(sorted((tensors or {}).items())))(
+    scalars = (int(max_q), int(max_k), float(scale), bool(causal))
+    # Shapes and dtypes are checked here, on the caller's arrays: jax.custom_vjp converts NumPy arguments to JAX
+    # arrays before _prefill_fwd sees them, which without jax_enable_x64 narrows an int64 cu_seqlens to int32 (that
+    # the other paths reject) and a float64 k to float32 (which the error would name instead).
+    _named(("q", "k", "v", "cu_seqlens_qo", "cu_seqlens_kv"), (q, k, v, cu_q, cu_k))
+    _prefill_workspace(False, (q, k, v, cu_q, cu_k), scalars)
+    return _prefill_vjp(scalars, tuple(names), tuple(sorted((tensors or {}).items())))(
         jnp.asarray(q), k, v, cu_q, cu_k)
 
 

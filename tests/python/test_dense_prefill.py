@@ -406,7 +406,7 @@ def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_
         with pytest.raises(ValueError, match=r"^cu_seqlens_kv: expected shape \(3,\) like cu_seqlens_qo "
                                              r"\(b \+ 1 = 3\), got \(2,\)$"):
             call(cu_q, np.array([0, 6], np.int32), mq, 6)
-        with pytest.raises(TypeError, match=r"^cu_seqlens_kv: expected dtype int32, got int64$"):
+        with pytest.raises(TypeError, match=r"^cu_seqlens_kv: expected dtype int32, got int64"):
             call(cu_q, cu_k.astype(np.int64), mq, mk)
     out, lse = f(q, k, v, cu_q, cu_k, mq, mk)
     with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 3 tokens, more than max_seqlen_qo = 2$"):
@@ -1042,6 +1042,36 @@ def test_jax_grad_through_checkpoint(rng):
     want = jax.grad(two_layers)(q, layer)
     got = jax.jit(jax.grad(lambda x: two_layers(x, jax.checkpoint(layer))))(q)
     np.testing.assert_array_equal(np.asarray(want).view(np.uint16), np.asarray(got).view(np.uint16))
+
+
+def test_jax_call_checks_numpy_arguments_with_their_own_dtype(rng):
+    """A JAX q with NumPy arrays for the other arguments: each is checked with its own dtype, as the NumPy path
+    and the JAX decode check them, not after jax.custom_vjp has converted it (without jax_enable_x64 that narrows
+    int64 cu_seqlens to int32, accepted silently, and float64 k to float32, named wrongly in the error)."""
+    jax = pytest.importorskip("jax")
+    import flash_mla._jax
+
+    case = Case(rng, [3, 4], [5, 4], 2, 2, 128, 128, BF16, False)
+    q = to_jax_cpu(case.q)
+    if not flash_mla._jax.use_xla(q):
+        pytest.skip("jax-tvm-ffi is not installed (the custom_vjp needs XLA custom calls)")
+    cu64 = case.cu_q.astype(np.int64)
+    for call in (lambda: flash_mla.flash_attn_varlen_func(q, case.k, case.v, cu64, case.cu_k, 4, 5),
+                 lambda: jax.jit(lambda q: flash_mla.flash_attn_varlen_func(q, case.k, case.v, cu64, case.cu_k, 4, 5))(q),
+                 lambda: flash_mla.flash_attn_varlen_func(case.q, case.k, case.v, cu64, case.cu_k, 4, 5)):
+        with pytest.raises(TypeError, match=r"^cu_seqlens_qo: expected dtype int32, got int64"):
+            call()
+    # float64: the NumPy path's error, word for word (naming float64, not the float32 of a converted array).
+    kv = np.concatenate([case.k, case.v], axis=-1).astype(np.float64)
+    for call in (lambda q: flash_mla.flash_attn_varlen_func(q, case.k.astype(np.float64), case.v, case.cu_q,
+                                                            case.cu_k, 4, 5),
+                 lambda q: flash_mla.flash_attn_varlen_kvpacked_func(q, kv, case.cu_q, case.cu_k, 4, 5, 128)):
+        with pytest.raises(TypeError) as numpy_error:
+            call(case.q)
+        assert "float64" in str(numpy_error.value)
+        with pytest.raises(TypeError) as jax_error:
+            call(q)
+        assert str(jax_error.value) == str(numpy_error.value)
 
 
 def test_cupy_or_paddle_if_installed(rng):
