@@ -24,7 +24,8 @@
 //                   index values out of range or a block table too short; outputs, metadata
 //                   or workspace that do not match the plan; a TensorRef with a negative size,
 //                   an unknown device type or ndim == kInvalidTensorDims (make_tensor_ref with
-//                   too many dims or a stride list of another length); in `<op>_fwd` only (the
+//                   too many dims or a stride list of another length) or a data pointer that is not a
+//                   multiple of its element size (a byte offset into a buffer); in `<op>_fwd` only (the
 //                   plans also take shapes-only refs), a null `data` for a tensor with elements,
 //                   and outputs with negative strides or two elements at one address;
 //   kNotImplemented valid input on a device without a backend (no CUDA build, not sm_90);

@@ -52,7 +52,8 @@ constexpr int32_t kInvalidTensorDims = -1;
 ///
 /// `defined == false` marks an absent optional argument (FlashMLA's `None`).
 /// `data` may be null for tensors with zero elements (and in the shapes-only `<op>_plan` calls);
-/// the `<op>_fwd` operators reject a null `data` for a tensor with elements. Strides are in
+/// the `<op>_fwd` operators reject a null `data` for a tensor with elements, and every operator a `data`
+/// that is not a multiple of the element size. Strides are in
 /// elements (not bytes), as in PyTorch and DLPack; outputs need non-negative strides that do not
 /// map two elements to one address.
 struct TensorRef {

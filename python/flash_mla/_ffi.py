@@ -102,6 +102,11 @@ def to_ffi(x: Any, name: str = "tensor") -> Any:
 
 def _to_ffi(x: Any) -> Any:
     if isinstance(x, np.ndarray):
+        if not x.flags.aligned:
+            # Data off its element size (np.frombuffer at an odd offset, a field of a packed record): the core
+            # refuses such pointers (typed access to them is undefined behaviour), so pass an aligned copy. NumPy
+            # arguments are only ever read: the results are the module's own arrays.
+            x = np.array(x, copy=True)
         if _NP_BF16 is not None and x.dtype == _NP_BF16:
             t = _np_from_dlpack(x.view(np.uint16))
             return lib.reinterpret_dtype(t, _DL_BFLOAT, 16)

@@ -149,6 +149,12 @@ Status check_ref(const TensorRef& t, const char* name) {
   }
   if (t.device.type != DeviceType::kCPU && t.device.type != DeviceType::kCUDA)
     return value_error(cat(name, ": ", device_name(t.device), " (expected cpu or cuda)"));
+  // Elements are read and written through typed pointers (the CPU reference, the host value checks, the
+  // kernels): a data pointer off its element size (a byte offset into a buffer) is undefined behaviour there,
+  // which may work, fault in a vectorised loop, or give other values. Empty tensors are never dereferenced.
+  if (t.data != nullptr && !empty && reinterpret_cast<uintptr_t>(t.data) % es != 0)
+    return value_error(cat(name, ": the data pointer is not aligned to its elements (", t.data, " is not a multiple of ",
+                           es, " bytes, the size of ", dtype_name(t.dtype), "); pass a buffer aligned to its dtype"));
   return Status::Ok();
 }
 Status check_refs(std::initializer_list<std::pair<const TensorRef*, const char*>> ts) {

@@ -393,6 +393,46 @@ TEST(ValidationCpp, BadTensorRefsAreValueErrors) {
   expect_error(sparse_prefill_plan(p, &ws), ErrorKind::kValue, "q: negative size in dim 0");
 }
 
+// A data pointer that is not a multiple of its element size (a byte offset into a buffer): the CPU
+// reference reads and writes elements through typed pointers, which is undefined behaviour there
+// (UBSan: "load of misaligned address"; a vectorised loop may fault), so every operator refuses it,
+// in the plans too (they read the length and index values).
+TEST(ValidationCpp, DataNotAlignedToItsElementsIsValueError) {
+  const char* names[] = {"q", "k_cache", "block_table", "cache_seqlens", "out", "lse",
+                         "tile_scheduler_metadata", "num_splits"};
+  for (int which = 0; which < 8; ++which) {
+    DenseRun r;
+    TensorRef* ts[] = {&r.c.p.q, &r.c.p.k_cache, &r.c.p.block_table, &r.c.p.cache_seqlens, &r.c.p.out,
+                       &r.c.p.lse, &r.c.p.tile_scheduler_metadata, &r.c.p.num_splits};
+    ts[which]->data = static_cast<char*>(ts[which]->data) + 1;
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue,
+                 std::string(names[which]) + ": the data pointer is not aligned to its elements");
+    if (which < 4) {
+      DecodePlan plan;
+      expect_error(dense_decode_plan(r.c.p, &plan), ErrorKind::kValue,
+                   std::string(names[which]) + ": the data pointer is not aligned to its elements");
+    }
+  }
+  {
+    DenseRun r;  // (an empty tensor's pointer is never dereferenced: any value is accepted)
+    r.c.seqlens.assign(r.c.b, 0);
+    r.c.p.block_table.shape[1] = 0;
+    r.c.p.block_table.data = reinterpret_cast<void*>(uintptr_t{1});
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
+  // The FP8 conversion (1-byte packed cache: only the bf16 side can be misaligned).
+  std::vector<uint16_t> kv(2 * 64 * 576 + 1, 0x3f80);
+  std::vector<uint8_t> packed(2 * 64 * 656);
+  const TensorRef good = make_tensor_ref(kv.data(), DType::kBFloat16, {2, 64, 1, 576});
+  const TensorRef odd = make_tensor_ref(reinterpret_cast<char*>(kv.data()) + 1, DType::kBFloat16, {2, 64, 1, 576});
+  const TensorRef pk = make_tensor_ref(packed.data(), DType::kUInt8, {2, 64, 1, 656});
+  ASSERT_TRUE(quantize_kv_cache(KVFormat::kFP8V32, good, pk).ok());
+  expect_error(quantize_kv_cache(KVFormat::kFP8V32, odd, pk), ErrorKind::kValue,
+               "kv_cache: the data pointer is not aligned to its elements");
+  expect_error(dequantize_kv_cache(KVFormat::kFP8V32, pk, odd), ErrorKind::kValue,
+               "kv_cache: the data pointer is not aligned to its elements");
+}
+
 // Aliasing outputs, null plan pointers, sizes that
 // overflow int64, a hand-set ndim read before it was checked, an unset scale.
 TEST(ValidationCpp, OutputsMustNotShareMemoryWithOtherArguments) {

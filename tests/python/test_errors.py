@@ -326,6 +326,34 @@ def test_readonly_numpy_inputs_are_accepted(dense):
     np.testing.assert_array_equal(lse, ref[1])
 
 
+def _unaligned(a):
+    """A copy of ``a`` one byte into a buffer: not aligned to its elements (NumPy's flags.aligned is False)."""
+    a = np.asarray(a)
+    buf = np.zeros(a.nbytes + 1, np.uint8)
+    u = buf[1:].view(a.dtype).reshape(a.shape)
+    u[...] = a
+    assert not u.flags.aligned
+    return u
+
+
+def test_unaligned_numpy_inputs_are_accepted(dense, prefill):
+    """NumPy arrays whose data is not aligned to their elements (np.frombuffer at an odd offset, a field of a
+    packed record) are valid inputs: the C++ core refuses such pointers (typed access to them is undefined
+    behaviour), so the NumPy path passes an aligned copy of them. Same bits as aligned arrays."""
+    ref = call_dense(dense)
+    out, lse = call_dense(dense, **{n: _unaligned(getattr(dense, n))
+                                    for n in ("q", "k_cache", "block_table", "cache_seqlens")})
+    np.testing.assert_array_equal(out.view(np.uint16), ref[0].view(np.uint16))
+    np.testing.assert_array_equal(lse, ref[1])
+    cu = np.array([0, 1, 3], np.int32)
+    q = np.asarray(prefill.q)[:3, :2, :128].copy()
+    want = flash_mla.flash_attn_varlen_func(q, q, q, cu, cu, 2, 2, causal=True)
+    got = flash_mla.flash_attn_varlen_func(_unaligned(q), _unaligned(q), _unaligned(q), _unaligned(cu), cu, 2, 2,
+                                           causal=True)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.ascontiguousarray(a).view(np.uint8), np.ascontiguousarray(b).view(np.uint8))
+
+
 def test_zero_head_dim_is_a_clear_error(dense):
     with pytest.raises(ValueError, match="q"):
         call_dense(dense, q=np.asarray(dense.q)[..., :0].copy())
