@@ -180,6 +180,20 @@ def _array_shape(value: Any) -> Optional[Tuple[int, ...]]:
         return None
 
 
+def _reject_traced(name: str, value: Any, kind: str) -> None:
+    """TypeError naming a scalar argument given as a traced JAX value (an argument of a jax.jit-ed function):
+    the scalars are static -- they size the results or are attributes of the XLA custom call -- so there is no
+    value to read while tracing. Without this, ``int()`` / ``bool()`` of the tracer raised "expected an int, got
+    DynamicJaxprTracer" or JAX's TracerBoolConversionError, which names no argument."""
+    if type(value).__module__.startswith("jax"):
+        import jax
+
+        if isinstance(value, jax.core.Tracer):
+            raise TypeError(f"{name}: expected a Python {kind}, got a traced JAX value ({type(value).__name__}); the "
+                            "scalar arguments are static under jax.jit: close over the value or mark the argument "
+                            "static (jax.jit(..., static_argnums=...) / static_argnames=...)")
+
+
 def _int_arg(name: str, value: Any) -> int:
     """An integer argument (Python / NumPy / 0-d array and tensor integers, via ``operator.index``), with a
     TypeError naming the argument for anything else: None, strings and floats such as 512.9 are not
@@ -190,6 +204,7 @@ def _int_arg(name: str, value: Any) -> int:
         raise TypeError(f"{name}: expected an int, got bool {value!r}")
     if isinstance(value, int):  # the common case, and the one torch.compile traces
         return int(value)
+    _reject_traced(name, value, "int")
     shape = _array_shape(value)
     if shape is not None:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} of shape {shape}")
@@ -205,6 +220,7 @@ def _float_arg(name: str, value: Any) -> float:
     booleans (``True`` is an int to Python, not a scale), complex numbers, arrays / tensors of one or more
     dimensions (``torch.tensor([0.1])`` as ``np.array([0.1])`` and ``[0.1]``); ValueError for NaN / +-inf."""
     if type(value) is not float:  # the common case, and the one torch.compile traces
+        _reject_traced(name, value, "float")
         if (value is None or isinstance(value, (str, bytes, bytearray, bool, np.bool_))
                 or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")):
             raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
@@ -231,6 +247,7 @@ def _bool_arg(name: str, value: Any) -> bool:
     included."""
     if type(value) is bool:  # the common case, and the one torch.compile traces
         return value
+    _reject_traced(name, value, "bool")
     kind = type(value)
     if isinstance(value, (str, bytes, bytearray)) or (not hasattr(kind, "__bool__") and hasattr(kind, "__len__")):
         raise TypeError(f"{name}: expected a bool, got {kind.__name__} {value!r}")

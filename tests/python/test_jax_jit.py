@@ -132,6 +132,31 @@ def test_jit_value_error_is_one_class(rng, good_first):
                 jax.block_until_ready(fn(*map(to_jax, bad)))
 
 
+@pytest.mark.parametrize("arg", ["max_seqlen_qo", "softmax_scale", "causal", "head_dim_v", "sm_scale"])
+def test_traced_scalar_arguments_say_to_make_them_static(rng, arg):
+    """Scalar arguments are static (they shape the call or are attributes of the custom call): a traced one
+    (jax.jit of a function taking it as an argument) is a TypeError naming it and saying how to pass it, not
+    "expected an int, got DynamicJaxprTracer" or JAX's TracerBoolConversionError, which names no argument."""
+    q = to_jax(np.zeros((4, 2, 128), BF16))
+    cu = to_jax(np.array([0, 4], np.int32))
+    c = gen_dense_case(rng, b=1, s_q=1, h_q=16, h_kv=1, d=576, s_k=64)
+    p = gen_prefill_case(rng, s_q=2, s_kv=40, topk=16, h_q=16, d_qk=512, noncontig=False)
+    calls = {
+        "max_seqlen_qo": (lambda x: flash_mla.flash_attn_varlen_func(q, q, q, cu, cu, x, 4), 4),
+        "softmax_scale": (lambda x: flash_mla.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, softmax_scale=x), 0.5),
+        "causal": (lambda x: flash_mla.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, causal=x), True),
+        "head_dim_v": (lambda x: flash_mla.flash_mla_with_kvcache(to_jax(c.q), to_jax(c.k_cache), to_jax(c.block_table),
+                                                                  to_jax(c.cache_seqlens), x,
+                                                                  flash_mla.get_mla_metadata()[0]), 512),
+        "sm_scale": (lambda x: flash_mla.flash_mla_sparse_fwd(to_jax(p.q), to_jax(p.kv), to_jax(p.indices), x), 0.5),
+    }
+    fn, value = calls[arg]
+    jax.block_until_ready(jax.jit(fn, static_argnums=0)(value))  # static: fine
+    with pytest.raises(TypeError, match=rf"^{arg}: expected a Python (int|float|bool), got a traced JAX value .*"
+                                        r"static_argnums"):
+        jax.jit(fn)(value)
+
+
 _SHARDED_EAGER = r'''
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
