@@ -602,6 +602,9 @@ def _register_fakes(torch) -> None:
     def _dense_prefill_setup(ctx, inputs, output):
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
         out, lse = output
+        # lse carries no gradient (as FlashMLA's FlashAttnVarlenFunc marks it): a loss of lse alone raises instead of
+        # giving zero gradients for q, k and v.
+        ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 

@@ -494,8 +494,9 @@ def test_packed_variants_errors_name_the_packed_tensor_under_jax_jit(rng):
     # (flash_attn_varlen_func: unchanged)
     runs_with(lambda a, b, c, d: flash_mla.flash_attn_varlen_func(a, b, c, cu_q, d, mq, mk)[0], q, k, v, bad_cu,
               match=r"cu_seqlens_kv\[b\] = 4 must equal total_k = k.shape\[0\] = 6 \(")
-    # A good run replaces JAX's runtime token of side-effecting calls, which the failed runs left in error.
-    jax.block_until_ready(jax.jit(lambda x: packed(x, cu_q, mq, 128)[0])(qkv))
+    # A good run of a side-effecting call (the backward's; the forward's is not one, see flash_mla/_jax.py) replaces
+    # JAX's runtime token, which the failed runs left in error.
+    jax.block_until_ready(jax.jit(jax.grad(lambda x: packed(x, cu_q, mq, 128)[0].astype(jnp.float32).sum()))(qkv))
     jax.effects_barrier()
 
 
@@ -651,6 +652,18 @@ def test_torch_ops_registered_autograd_fake_and_compile(rng):
     out.backward(_t(case.dout))  # register_autograd on the op itself
     for name, t, r in zip(("dq", "dk", "dv"), (q, k, v), case.ref_grads()):
         check_grad(name, _np(t.grad), r, BF16)
+    # lse carries no gradient, as flash_attn_varlen_func's: a loss of lse alone raises (it gave zero gradients for
+    # q, k and v, silently), and lse in a loss beside out adds nothing to theirs.
+    out2, lse2 = op(q, k, v, cu_q, cu_k, case.max_q, case.max_k, case.scale, True)
+    assert out2.requires_grad and not lse2.requires_grad
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        lse2[torch.isfinite(lse2)].sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    (out2.float() * _t(case.dout).float()).sum().add(lse2[torch.isfinite(lse2)].sum()).backward()
+    for t, g in zip((q, k, v), grads):
+        assert torch.equal(t.grad, g)
     torch.library.opcheck(op, (q.detach(), k.detach(), v.detach(), cu_q, cu_k, case.max_q, case.max_k,
                                case.scale, True))
     torch.library.opcheck(op, (q, k, v, cu_q, cu_k, case.max_q, case.max_k, case.scale, True),
