@@ -8,7 +8,8 @@ equal to the first one's (True, or per output "=" or "~" and the largest differe
 Usage (GPU machine, repository root):
   python3 tools/dense_prefill_check/ab_schedules.py fwd|bwd LIB.so [--lib2 OTHER.so] [--rounds N] [--only NAME ...]
       SCHEDULE ...
-  (forward: default, serial, overlap, pingpong, pingpong_tma, persistent_tma, persistent_tma_fold, persistent_tma_2cta;
+  (forward: default, serial, overlap, pingpong, pingpong_tma, persistent_tma, persistent_tma_fold,
+  persistent_tma_fold_k176, persistent_tma_fold_by_block (and the *_2cta ones, checked, not timed);
   backward: default, two_kernel, two_kernel_tma, two_kernel_tma_by_head, two_kernel_tma_by_block; dense_prefill.h;
   "2:NAME" runs NAME of --lib2)"""
 import argparse

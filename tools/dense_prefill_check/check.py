@@ -12,8 +12,9 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    fp16, strided (packed qkv) inputs, contiguous lse, NaN in q, in k and in the next request's v;
 4. determinism: 5 forwards (out, lse) and 3 backwards (dq, dk, dv) bitwise equal, per schedule;
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma,
-   persistent_tma, it with the folded scale, with 176-key blocks and on 2 CTAs) and backward schedule (two_kernel, two_kernel_tma,
-   and it with both kernels' CTAs by head and by block on every shape; dense_prefill.h), unless --no-variants;
+   persistent_tma, it with the folded scale, with 176-key blocks, with the tiles by block, and on 2 CTAs) and backward
+   schedule (two_kernel, two_kernel_tma, and it with both kernels' CTAs by head and by block on every shape;
+   dense_prefill.h), unless --no-variants;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
 Exit status 1 if any check fails."""
@@ -38,7 +39,8 @@ FAILURES = []
 OUT_DIR = {"path": "."}
 VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
 FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tma", "persistent_tma_fold",
-                 "persistent_tma_fold_k176", "persistent_tma_2cta", "persistent_tma_k176_2cta")
+                 "persistent_tma_fold_k176", "persistent_tma_fold_by_block", "persistent_tma_2cta",
+                 "persistent_tma_k176_2cta", "persistent_tma_by_block_2cta")
 # The *_2cta schedules (the persistent grid capped at 2 CTAs: every case walks many tiles per CTA) are checked, not timed.
 FWD_PERF_SCHEDULES = tuple(s for s in FWD_SCHEDULES if not s.endswith("_2cta"))
 BWD_SCHEDULES = ("two_kernel", "two_kernel_tma", "two_kernel_tma_by_head", "two_kernel_tma_by_block")

@@ -53,7 +53,9 @@ extern "C" {
 
 // schedule: -1 = the library's (dense_prefill_fwd), 0 = serial, 1 = overlap, 2 = pingpong,
 // 3 = pingpong_tma, 4 = persistent_tma, 5 = persistent_tma on 2 CTAs, 6 = persistent_tma with the scale folded into
-// the exponent's FMA, 7 = 6 with 176-key blocks (d_qk 128; 128 elsewhere), 8 = 7 on 2 CTAs (dense_prefill.h).
+// the exponent's FMA, 7 = 6 with 176-key blocks (d_qk 128; 128 elsewhere), 8 = 7 on 2 CTAs, 9 = 6 with the tiles in
+// TileOrder::kByBlock's order for every shape, 10 = 9 on 2 CTAs (4-8: the shape's order, fwd_tile_order;
+// dense_prefill.h).
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -65,17 +67,19 @@ int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int c
                                 : schedule == 3 ? dp::FwdSchedule::kPingpongTma
                                                 : dp::FwdSchedule::kPersistentTma;
   // 5: kPersistentTma on 2 CTAs, so that every case walks many tiles per CTA (state carried across tiles);
-  // 6: kPersistentTma with the scale folded into the exponent's FMA; 7 / 8: 6 / 6 on 2 CTAs with 176-key blocks.
+  // 6: kPersistentTma with the scale folded into the exponent's FMA; 7 / 8: 6 / 6 on 2 CTAs with 176-key blocks;
+  // 9 / 10: 6 / 6 on 2 CTAs with the tiles by block.
   const bool wide = schedule == 7 || schedule == 8;
-  return report(dp::fwd_with_schedule(p, sched, schedule == 5 || schedule == 8 ? 2 : 0, schedule >= 6, wide ? 176 : 128),
-                err, errlen);
+  const dp::TileOrder order = schedule >= 9 ? dp::TileOrder::kByBlock : dp::TileOrder::kShapeRule;
+  const int ctas = schedule == 5 || schedule == 8 || schedule == 10 ? 2 : 0;
+  return report(dp::fwd_with_schedule(p, sched, ctas, schedule >= 6, wide ? 176 : 128, order), err, errlen);
 }
 
 // ptrs: the forward's 7, then dout, dq, dk, dv, workspace; meta: the forward's 34, then dout(6) dq(6) dk(6) dv(6)
 // workspace_bytes. With workspace == nullptr: writes the workspace size to *ws_bytes and returns.
 // schedule: -1 = the library's (dense_prefill_bwd), 0 = two kernels, 1 = two kernels with the tiles by TMA, 2 / 3 =
 // 1 with both kernels' CTAs in the order kByHead / kByBlock for every shape (0 and 1: the shape's order,
-// bwd_grid_order; dense_prefill.h); any other value is rejected.
+// bwd_tile_order; dense_prefill.h); any other value is rejected.
 int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, int64_t* ws_bytes, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
@@ -99,9 +103,9 @@ int dense_prefill_check_bwd(void** ptrs, const int64_t* meta, float scale, int c
   }
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_bwd(bp), err, errlen);
   const dp::BwdSchedule sched = schedule >= 1 ? dp::BwdSchedule::kTwoKernelTma : dp::BwdSchedule::kTwoKernel;
-  const dp::BwdGridOrder order = schedule == 2   ? dp::BwdGridOrder::kByHead
-                                 : schedule == 3 ? dp::BwdGridOrder::kByBlock
-                                                 : dp::BwdGridOrder::kShapeRule;
+  const dp::TileOrder order = schedule == 2   ? dp::TileOrder::kByHead
+                                 : schedule == 3 ? dp::TileOrder::kByBlock
+                                                 : dp::TileOrder::kShapeRule;
   return report(dp::bwd_with_schedule(bp, sched, order), err, errlen);
 }
 }

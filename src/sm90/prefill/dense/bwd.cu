@@ -189,7 +189,7 @@ struct BwdTiles {
 };
 
 /// A backward CTA's (block, head, request) in a grid launched as (blocks, heads, requests). kByBlock: the linear
-/// block index, the hardware's dispatch order, walks the blocks outermost (BwdGridOrder::kByBlock, dense_prefill.h:
+/// block index, the hardware's dispatch order, walks the blocks outermost (TileOrder::kByBlock, dense_prefill.h:
 /// every (head, request)'s heaviest causal block is dispatched before any lighter one); else blockIdx as launched.
 /// (bwd_with_schedule takes kByBlock only for grids of fewer than 2^31 CTAs.)
 struct BwdCta {
@@ -937,7 +937,7 @@ WsLayout ws_layout(const DensePrefillBwdParams& bp) {
 }
 }  // namespace
 
-Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, BwdGridOrder order) {
+Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, TileOrder order) {
   const DensePrefillParams& p = bp.fwd;
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
@@ -997,9 +997,9 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, 
   // linear index is an int (bwd_cta).
   const int64_t dq_ctas = (mq + kDqBM - 1) / kDqBM * h_q * b, kv_ctas = (mk + kKvBN - 1) / kKvBN * h_kv * b;
   auto by_block = [&](int64_t ctas) {
-    const BwdGridOrder o = order != BwdGridOrder::kShapeRule ? order
-                                                             : bwd_grid_order(p.causal, ctas, num_sms(p.q.device.id));
-    return o == BwdGridOrder::kByBlock && ctas < (int64_t{1} << 31);
+    const TileOrder o = order != TileOrder::kShapeRule ? order
+                                                             : bwd_tile_order(p.causal, ctas, num_sms(p.q.device.id));
+    return o == TileOrder::kByBlock && ctas < (int64_t{1} << 31);
   };
   const bool dq_by_block = by_block(dq_ctas), kv_by_block = by_block(kv_ctas);
   auto launch_d = [&](auto t) {

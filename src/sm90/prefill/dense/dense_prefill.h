@@ -36,13 +36,6 @@ constexpr bool kFwdWideKeyBlocks = false;
 /// The forward's key block for a shape: 176 where kFwdWideKeyBlocks, d_qk 128 and no causal mask, else 128.
 inline int fwd_key_block(int64_t d_qk, bool causal) { return kFwdWideKeyBlocks && d_qk == 128 && !causal ? 176 : 128; }
 
-/// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
-/// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too;
-/// fold_scale: kFwdFoldScale's form (kPersistentTma with a positive scale only); key_block: 0 = fwd_key_block's, or
-/// 128 / 176 (176 only where kPersistentTma runs at d_qk 128; elsewhere 128).
-Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0,
-                         bool fold_scale = kFwdFoldScale, int key_block = 0);
-
 /// Backward schedules (bwd.cu): kTwoKernel = a dq kernel (per query block, over key blocks) and a dk / dv
 /// kernel (per key block, over query blocks), each recomputing S and dP (7 GEMMs per block pair), deterministic.
 /// kTwoKernelTma = kTwoKernel with the streamed blocks loaded by TMA instead of the producer warpgroup's cp.async: the
@@ -54,34 +47,53 @@ enum class BwdSchedule { kTwoKernel, kTwoKernelTma };
 /// the dq kernel's TMA alone: x1.191, ...-bwd-dq-tma-ab.log).
 constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 
-/// The order in which the backward's two kernels hand out their CTAs. The hardware dispatches a grid's CTAs in linear
-/// index order. kByHead is the launch order (block fastest, then head, then request): under a causal mask each
-/// (head, request) hands out its heaviest block first, but the heaviest blocks of the last (head, request)s start
-/// after most of the grid, which is a tail when the grid is a few waves. The dk / dv kernel's GQA grids are: one CTA
-/// per KV head walks the query blocks of all its query heads, so s 4096 h 32/4 is 256 CTAs, the heaviest of them as
-/// long as a whole SM's fair share (a list schedule of the 16 benchmark shapes' block-pair counts on 132 SMs: 1.59x
-/// the fair share there, 1.24x at s 8192, 1.007-1.07x for the other grids). kByBlock walks the blocks outermost:
-/// every (head, request)'s heaviest block is handed out before any lighter one (longest first: 1.000-1.007x).
-/// kByHead keeps one head's CTAs together, so that they share its K / V (dq kernel) or Q / dO (dk / dv kernel)
-/// in L2; kByBlock spreads the SMs over (head, request)s. kShapeRule: bwd_grid_order's choice.
-/// docs/dense-prefill.md, "Backward: the CTAs' order".
-enum class BwdGridOrder { kShapeRule, kByHead, kByBlock };
-/// kByBlock for a causal grid of at most this many waves of one CTA per SM (the benchmark shapes' GQA grids: 2-31
-/// waves; their h 128 grids, 62-124 waves, lose at most 1.8 % to the tail and keep their L2 sharing).
-constexpr int64_t kBwdByBlockMaxWaves = 32;
-/// Whether the library takes kByBlock where bwd_grid_order's rule says so. Built and compiled, not yet run on a GPU
-/// (the kByBlock kernels are their own instantiations; the kByHead ones are the measured machine code), so off: the
-/// standalone check's two_kernel_tma_by_block runs it on every case, and its A/B decides.
+/// The order of a grid's tiles: the backward's CTAs (the hardware hands a grid's CTAs out in linear index order) and
+/// the persistent forward's tiles (dealt to its CTAs in rounds of the grid, for_each_tile in fwd.cu). kByHead: block
+/// fastest, then head, then request. Under a causal mask each (head, request) comes heaviest block first, but the
+/// heaviest blocks of the last (head, request)s come after most of the work, a tail when the grid is a few waves.
+/// The backward's dk / dv grids of GQA shapes are that few: one CTA per KV head walks the query blocks of all its query heads,
+/// so s 4096 h 32/4 is 256 CTAs, the heaviest as long as a whole SM's fair share (a list schedule of the benchmark
+/// shapes' block-pair counts on 132 SMs: 1.59x the fair share there, 1.24x at s 8192, 1.007-1.07x for the other
+/// backward grids; the forward's static deal 1.03x on every causal shape). kByBlock: the blocks outermost, every
+/// (head, request)'s heaviest block before any lighter one (1.000-1.007x). kByHead keeps one head's tiles together,
+/// so that they share its K / V (forward, dq kernel) or Q / dO (dk / dv kernel) in L2; kByBlock spreads the SMs over
+/// (head, request)s, which share only what a GQA group shares. kShapeRule: the rule below.
+/// tools/dense_prefill_check/grid_order_model.py; docs/dense-prefill.md, "The tiles' order".
+enum class TileOrder { kShapeRule, kByHead, kByBlock };
+/// kByBlock only for a causal grid of at most this many waves of one CTA per SM (the benchmark shapes' GQA grids:
+/// 2-31 waves; their h 128 grids, 62-124 waves, lose at most 1.8 % (backward) / 3 % (forward) to the tail and keep
+/// their L2 sharing).
+constexpr int64_t kByBlockMaxWaves = 32;
+/// The forward, which reads each K / V block once per tile and so leans on L2 more than the backward's kernels, takes
+/// kByBlock only where at least this many query heads share a KV head (and with it the K / V).
+constexpr int64_t kFwdByBlockMinGroup = 4;
+/// Whether the library takes kByBlock where the rules say so. Built and compiled, not yet run on a GPU (the kByBlock
+/// kernels are their own instantiations; the kByHead ones are the measured machine code), so off: the standalone
+/// check's two_kernel_tma_by_block and persistent_tma_fold_by_block run it on every case, and its A/B decides.
 constexpr bool kBwdByBlockOrder = false;
+constexpr bool kFwdByBlockOrder = false;
 /// The order of a backward kernel's grid of `ctas` CTAs on `sms` SMs (one CTA per SM).
-inline BwdGridOrder bwd_grid_order(bool causal, int64_t ctas, int sms) {
-  return kBwdByBlockOrder && causal && sms > 0 && ctas <= kBwdByBlockMaxWaves * sms ? BwdGridOrder::kByBlock
-                                                                                      : BwdGridOrder::kByHead;
+inline TileOrder bwd_tile_order(bool causal, int64_t ctas, int sms) {
+  return kBwdByBlockOrder && causal && sms > 0 && ctas <= kByBlockMaxWaves * sms ? TileOrder::kByBlock
+                                                                                  : TileOrder::kByHead;
+}
+/// The order of the persistent forward's `tiles` tiles on `sms` SMs, `group` query heads per KV head.
+inline TileOrder fwd_tile_order(bool causal, int64_t tiles, int sms, int64_t group) {
+  return kFwdByBlockOrder && causal && sms > 0 && tiles <= kByBlockMaxWaves * sms && group >= kFwdByBlockMinGroup
+             ? TileOrder::kByBlock
+             : TileOrder::kByHead;
 }
 
+/// dense_prefill_fwd with a given schedule (the GPU check times and verifies each). max_persistent_ctas > 0 caps
+/// kPersistentTma's grid below the SM count, so that the check makes each CTA walk many tiles on small cases too;
+/// fold_scale: kFwdFoldScale's form (kPersistentTma with a positive scale only); key_block: 0 = fwd_key_block's, or
+/// 128 / 176 (176 only where kPersistentTma runs at d_qk 128; elsewhere 128); order: the persistent grid's tile order
+/// (kShapeRule: fwd_tile_order's; kByBlock only with the folded scale and 128-key blocks, else kByHead).
+Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas = 0,
+                         bool fold_scale = kFwdFoldScale, int key_block = 0, TileOrder order = TileOrder::kShapeRule);
+
 /// dense_prefill_bwd with a given schedule and CTA order (the GPU check verifies and times each; `order` kByHead /
-/// kByBlock: both kernels in that order, for any shape).
-Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule,
-                         BwdGridOrder order = BwdGridOrder::kShapeRule);
+/// kByBlock: both kernels in that order, for any shape; kByBlock with the TMA loaders only).
+Status bwd_with_schedule(const DensePrefillBwdParams& p, BwdSchedule schedule, TileOrder order = TileOrder::kShapeRule);
 
 }  // namespace flashmla::sm90::dense_prefill

@@ -182,7 +182,9 @@ __device__ __forceinline__ FwdTile fwd_tile(const KernelParams& p, int b, int h,
 /// stage rb & 1, round rb >> 1), Q's buffer has a "Q free" barrier (q_empty) that both consumer warpgroups arrive
 /// on after their tile's last S, so the producer loads the next tile's first K, Q and V while the consumers run
 /// the last P V and the epilogue. Tiles with no key block touch no barrier (their rows get out 0, lse -inf).
-template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent, bool kFold = false, int kBN = 128>
+/// kTilesByBlock (kPersistent only): the tiles in TileOrder::kByBlock's order (for_each_tile).
+template <class T, int kD, bool kOverlap, bool kPingpong, bool kTma, bool kPersistent, bool kFold = false, int kBN = 128,
+          bool kTilesByBlock = false>
 __global__ void __launch_bounds__(kThreads, 1)
     dense_prefill_fwd_kernel(const KernelParams p, const __grid_constant__ CUtensorMap tmap_k,
                              const __grid_constant__ CUtensorMap tmap_v, const __grid_constant__ CUtensorMap tmap_q,
@@ -217,15 +219,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kPersistent: tile i of the non-persistent grid's order (query tile fastest, then head, then request: the
   // query tiles of one (head, request) run together and share its K / V in L2; causal: the last query tile, which
   // sees the most keys, first) goes to CTA i % grid in even rounds of grid tiles and to CTA grid - 1 - i % grid in
-  // odd ones, so that a CTA given a long tile in one round gets a short one in the next. Tiles without query rows
-  // (a short request's) are skipped. Every role of the CTA walks the same tiles.
+  // odd ones, so that a CTA given a long tile in one round gets a short one in the next. kTilesByBlock: tile i is
+  // query tile i / (h_q x b) of (head, request) i % (h_q x b) instead (TileOrder::kByBlock, dense_prefill.h: every
+  // round deals tiles of one or two query tiles, equally long under a causal mask). Tiles without query rows (a short
+  // request's) are skipped. Every role of the CTA walks the same tiles.
   auto for_each_tile = [&](auto&& f) {
     const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
     bool reverse = false;
     for (int r0 = 0; r0 < num_tiles; r0 += grid, reverse = !reverse) {
       const int i = r0 + (reverse ? grid - 1 - cta : cta);
       if (i >= num_tiles) continue;
-      const int x = i % m_tiles, hb = i / m_tiles;
+      int x, hb;
+      if constexpr (kTilesByBlock) {
+        const int pairs = num_tiles / m_tiles;
+        x = i / pairs;
+        hb = i - x * pairs;
+      } else {
+        x = i % m_tiles;
+        hb = i / m_tiles;
+      }
       t = fwd_tile<kBN>(p, hb / p.h_q, hb % p.h_q, (p.causal ? m_tiles - 1 - x : x) * kFwdBM);
       if (t.m0 < t.sb.s_q) f();
     }
@@ -590,13 +602,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <class T, int kD, FwdSchedule kSchedule, bool kFold = false, int kBN = 128>
+template <class T, int kD, FwdSchedule kSchedule, bool kFold = false, int kBN = 128, bool kTilesByBlock = false>
 cudaError_t launch_fwd(const KernelParams& kp, const CUtensorMap& tmap_k, const CUtensorMap& tmap_v,
                        const CUtensorMap& tmap_q, int m_tiles, int b, int persistent_ctas, cudaStream_t stream) {
   constexpr bool kPersistent = kSchedule == FwdSchedule::kPersistentTma;
   constexpr bool kTma = kSchedule == FwdSchedule::kPingpongTma || kPersistent;
   constexpr bool kPing = kSchedule == FwdSchedule::kPingpong || kTma;
-  auto kernel = dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent, kFold, kBN>;
+  auto kernel =
+      dense_prefill_fwd_kernel<T, kD, kSchedule != FwdSchedule::kSerial, kPing, kTma, kPersistent, kFold, kBN, kTilesByBlock>;
   constexpr int kSmemBytes = FwdSmem<kD, kBN>::kBytes;
   cudaError_t e = set_max_dynamic_smem(kernel, kSmemBytes);
   if (e != cudaSuccess) return e;
@@ -621,7 +634,7 @@ Status dense_prefill_fwd(const DensePrefillParams& p) {
 namespace dense_prefill {
 
 Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int max_persistent_ctas, bool fold_scale,
-                         int key_block) {
+                         int key_block, TileOrder order) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t d_v = p.v.shape[2];
   const int64_t b = p.cu_seqlens_q.shape[0] - 1;
@@ -666,6 +679,10 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
       !(make_tile_map(p.k, key_block, &tmap_k) && make_tile_map(p.v, key_block, &tmap_v)))
     schedule = FwdSchedule::kPingpong;  // no tensor maps for this layout: the same schedule with cp.async
   const int persistent_ctas = schedule == FwdSchedule::kPersistentTma ? static_cast<int>(std::min<int64_t>(num_tiles, sms)) : 0;
+  // The persistent grid's tile order (kByBlock: the folded scale's 128-key kernels only).
+  if (order == TileOrder::kShapeRule)
+    order = fwd_tile_order(p.causal, num_tiles, sms, h_q / std::max<int64_t>(p.k.shape[1], 1));
+  const bool tiles_by_block = order == TileOrder::kByBlock && key_block == 128;
   cudaError_t e;
   auto launch = [&](auto t, auto d) {
     using TT = decltype(t);
@@ -686,6 +703,9 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
                        : launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, false, 176>(kp, tmap_k, tmap_v, tmap_q,
                                                                                     m_tiles, bi, persistent_ctas, stream);
         }
+        if (fold_scale && kp.scale_log2 > 0.f && tiles_by_block)
+          return launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, true, 128, true>(kp, tmap_k, tmap_v, tmap_q, m_tiles,
+                                                                                  bi, persistent_ctas, stream);
         return fold_scale && kp.scale_log2 > 0.f
                    ? launch_fwd<TT, kDD, FwdSchedule::kPersistentTma, true>(kp, tmap_k, tmap_v, tmap_q, m_tiles, bi,
                                                                            persistent_ctas, stream)
