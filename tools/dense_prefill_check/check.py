@@ -40,7 +40,7 @@ OUT_DIR = {"path": "."}
 VARIANTS = {"on": True}  # also check / time the non-default schedules (--no-variants turns it off)
 FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tma", "persistent_tma_fold",
                  "persistent_tma_fold_k176", "persistent_tma_fold_by_block", "persistent_tma_2cta",
-                 "persistent_tma_k176_2cta", "persistent_tma_by_block_2cta")
+                 "persistent_tma_k176_2cta", "persistent_tma_fold_by_block_2cta")
 # The *_2cta schedules (the persistent grid capped at 2 CTAs: every case walks many tiles per CTA) are checked, not timed.
 FWD_PERF_SCHEDULES = tuple(s for s in FWD_SCHEDULES if not s.endswith("_2cta"))
 BWD_SCHEDULES = ("two_kernel", "two_kernel_tma", "two_kernel_tma_by_head", "two_kernel_tma_by_block")

@@ -37,7 +37,7 @@ class DensePrefillLib:
 
     SCHEDULES = {"default": -1, "serial": 0, "overlap": 1, "pingpong": 2, "pingpong_tma": 3, "persistent_tma": 4,
                  "persistent_tma_2cta": 5, "persistent_tma_fold": 6, "persistent_tma_fold_k176": 7,
-                 "persistent_tma_k176_2cta": 8, "persistent_tma_fold_by_block": 9, "persistent_tma_by_block_2cta": 10}  # forward consumer schedules (dense_prefill.h)
+                 "persistent_tma_k176_2cta": 8, "persistent_tma_fold_by_block": 9, "persistent_tma_fold_by_block_2cta": 10}  # forward consumer schedules (dense_prefill.h)
     # backward schedules (dense_prefill.h): the _by_head / _by_block forms force both kernels' CTA order
     BWD_SCHEDULES = {"default": -1, "two_kernel": 0, "two_kernel_tma": 1, "two_kernel_tma_by_head": 2,
                      "two_kernel_tma_by_block": 3}

@@ -55,10 +55,14 @@ extern "C" {
 // 3 = pingpong_tma, 4 = persistent_tma, 5 = persistent_tma on 2 CTAs, 6 = persistent_tma with the scale folded into
 // the exponent's FMA, 7 = 6 with 176-key blocks (d_qk 128; 128 elsewhere), 8 = 7 on 2 CTAs, 9 = 6 with the tiles in
 // TileOrder::kByBlock's order for every shape, 10 = 9 on 2 CTAs (4-8: the shape's order, fwd_tile_order;
-// dense_prefill.h).
+// dense_prefill.h); any other value is rejected.
 int dense_prefill_check_fwd(void** ptrs, const int64_t* meta, float scale, int causal, int dtype, int device,
                             void* stream, int schedule, char* err, int errlen) {
   namespace dp = flashmla::sm90::dense_prefill;
+  if (schedule < -1 || schedule > 10) {
+    std::snprintf(err, errlen, "dense_prefill_check_fwd: unknown schedule %d", schedule);
+    return 1;
+  }
   const flashmla::DensePrefillParams p = fwd_params(ptrs, meta, scale, causal, dtype, device, stream);
   if (schedule < 0) return report(flashmla::sm90::dense_prefill_fwd(p), err, errlen);
   const dp::FwdSchedule sched = schedule == 0   ? dp::FwdSchedule::kSerial

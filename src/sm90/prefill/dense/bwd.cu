@@ -189,8 +189,9 @@ struct BwdTiles {
 };
 
 /// A backward CTA's (block, head, request) in a grid launched as (blocks, heads, requests). kByBlock: the linear
-/// block index, the hardware's dispatch order, walks the blocks outermost (TileOrder::kByBlock, dense_prefill.h:
-/// every (head, request)'s heaviest causal block is dispatched before any lighter one); else blockIdx as launched.
+/// block index, the hardware's dispatch order, walks the blocks outermost (TileOrder::kByBlock, dense_prefill.h: with
+/// equally long requests every (head, request)'s heaviest causal block is dispatched before any lighter one; the order
+/// is by block index, not by work); else blockIdx as launched.
 /// (bwd_with_schedule takes kByBlock only for grids of fewer than 2^31 CTAs.)
 struct BwdCta {
   int blk, head, b;

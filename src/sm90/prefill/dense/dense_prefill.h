@@ -55,7 +55,9 @@ constexpr BwdSchedule kBwdSchedule = BwdSchedule::kTwoKernelTma;
 /// so s 4096 h 32/4 is 256 CTAs, the heaviest as long as a whole SM's fair share (a list schedule of the benchmark
 /// shapes' block-pair counts on 132 SMs: 1.59x the fair share there, 1.24x at s 8192, 1.007-1.07x for the other
 /// backward grids; the forward's static deal 1.03x on every causal shape). kByBlock: the blocks outermost, every
-/// (head, request)'s heaviest block before any lighter one (1.000-1.007x). kByHead keeps one head's tiles together,
+/// (head, request)'s heaviest block before any lighter one (1.000-1.007x) when the requests are equally long (the
+/// order is by block index, not by work: in a varlen batch a short request's block 0 is lighter than a long one's
+/// later blocks). kByHead keeps one head's tiles together,
 /// so that they share its K / V (forward, dq kernel) or Q / dO (dk / dv kernel) in L2; kByBlock spreads the SMs over
 /// (head, request)s, which share only what a GQA group shares. kShapeRule: the rule below.
 /// tools/dense_prefill_check/grid_order_model.py; docs/dense-prefill.md, "The tiles' order".

@@ -221,8 +221,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // sees the most keys, first) goes to CTA i % grid in even rounds of grid tiles and to CTA grid - 1 - i % grid in
   // odd ones, so that a CTA given a long tile in one round gets a short one in the next. kTilesByBlock: tile i is
   // query tile i / (h_q x b) of (head, request) i % (h_q x b) instead (TileOrder::kByBlock, dense_prefill.h: every
-  // round deals tiles of one or two query tiles, equally long under a causal mask). Tiles without query rows (a short
-  // request's) are skipped. Every role of the CTA walks the same tiles.
+  // round deals tiles of a few adjacent query tiles, one key block apart under a causal mask when the requests are
+  // equally long). Tiles without query rows (a short request's) are skipped. Every role of the CTA walks the same
+  // tiles.
   auto for_each_tile = [&](auto&& f) {
     const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
     bool reverse = false;
