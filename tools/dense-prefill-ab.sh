@@ -6,19 +6,27 @@
 #
 # Usage (GPU machine, repository root; carry nothing but the tree, plus an older tree in build-ab/old when the device
 # copy has no git history):
-#   bash tools/dense-prefill-ab.sh [--old DIR] [--fwd "SCHEDULE ..."] [--bwd "SCHEDULE ..."] [--no-check]
+#   bash tools/dense-prefill-ab.sh [--old DIR | --old-lib FILE] [--lib FILE] [--fwd "SCHEDULE ..."] [--bwd "SCHEDULE ..."]
+#     [--no-check]
 # --old DIR: a tree to build as the "2:" side of the A/Bs (e.g. `git archive REV src include tools/dense_prefill_check |
 #   tar -x -C build-ab/old` on the CPU machine); schedules named "2:NAME" run on it.
+# --lib FILE: this tree's standalone library built beforehand (on the CPU machine, with the nvcc flags below:
+#   `bash tools/dense-prefill-ab.sh --build-only DIR` writes DIR/lib.so), so the device call skips that build.
+# --old-lib FILE: the "2:" side's library built beforehand (as --lib), instead of --old DIR.
+# --build-only DIR: build this tree's library into DIR and exit (no GPU needed; NEW_FLAGS apply).
 # Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
 # NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DSOME_SWITCH=1
 #   with --old . to A/B a build switch against the same tree without it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; W=/tmp/dense-prefill-ab; rm -rf "$W"; mkdir -p "$W" "$OUT"
-OLD=""; FWD="persistent_tma persistent_tma_fold"; BWD="two_kernel two_kernel_tma"; CHECK=1
+OLD=""; OLD_LIB=""; LIB=""; BUILD_ONLY=""; FWD="persistent_tma persistent_tma_fold"; BWD="two_kernel two_kernel_tma"; CHECK=1
 while [ $# -gt 0 ]; do
   case $1 in
     --old) OLD=$2; shift 2 ;;
+    --lib) LIB=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
+    --old-lib) OLD_LIB=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); shift 2 ;;
+    --build-only) BUILD_ONLY=$2; shift 2 ;;
     --fwd) FWD=$2; shift 2 ;;
     --bwd) BWD=$2; shift 2 ;;
     --no-check) CHECK=0; shift ;;
@@ -39,12 +47,22 @@ build() {  # $1 = tree, $2 = output folder (lib.so and the ptxas logs), $3 = ext
     rc=0; for p in $a $b $c $d; do wait $p || rc=1; done
     [ $rc = 0 ] && "$NVCC" -shared "$B/fwd.o" "$B/bwd.o" "$B/shim.o" "$B/status.o" -o "$B/lib.so" )
 }
+if [ -n "$BUILD_ONLY" ]; then
+  mkdir -p "$BUILD_ONLY"; B=$(cd "$BUILD_ONLY" && pwd)
+  build "$PWD" "$B" "${NEW_FLAGS:-}" || { cat "$B"/*.log; echo "build failed"; exit 1; }
+  rm -f "$B"/*.o; grep -h "spill\|C75" "$B"/ptxas-*.log | sort | uniq -c; echo "built $B/lib.so"; exit 0
+fi
 echo "=== build $(date +%T)"
-build "$PWD" "$W/new" "${NEW_FLAGS:-}" & pn=$!
+if [ -n "$LIB" ]; then
+  ( mkdir -p "$W/new" && cp "$LIB" "$W/new/lib.so" && echo "this tree: $LIB (built beforehand)" ) & pn=$!
+else
+  build "$PWD" "$W/new" "${NEW_FLAGS:-}" & pn=$!
+fi
 if [ -n "$OLD" ]; then build "$(cd "$OLD" && pwd)" "$W/old" & po=$!; wait $po || { echo "build of $OLD failed"; exit 1; }; fi
 wait $pn || { cat "$W"/new/*.log; echo "build failed"; exit 1; }
-grep -h "spill\|C75" "$W"/new/ptxas-*.log | sort | uniq -c
-LIB2=(); [ -n "$OLD" ] && LIB2=(--lib2 "$W/old/lib.so")
+[ -z "$LIB" ] && grep -h "spill\|C75" "$W"/new/ptxas-*.log | sort | uniq -c
+if [ -n "$OLD_LIB" ]; then mkdir -p "$W/old" && cp "$OLD_LIB" "$W/old/lib.so" && echo "2: side: $OLD_LIB (built beforehand)"; fi
+LIB2=(); [ -n "$OLD$OLD_LIB" ] && LIB2=(--lib2 "$W/old/lib.so")
 rc=0
 if [ $CHECK = 1 ]; then
   echo "=== check $(date +%T)"
