@@ -725,7 +725,7 @@ def _dense_prefill_check_flags(dropout_p: Any, deterministic: Any) -> None:
     if deterministic:
         raise _AssertValueError(
             "deterministic: FlashMLA's API takes deterministic=False only (the backward here is deterministic "
-            "anyway: dk and dv are bitwise reproducible)")
+            "anyway: dq, dk and dv are bitwise reproducible)")
 
 
 def _uniform_cu_seqlens(like: Any, b: int, s: int) -> Any:
