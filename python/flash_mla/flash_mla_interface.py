@@ -1046,8 +1046,10 @@ def flash_attn_varlen_func(
     gradient through ``lse`` is not propagated. The backward is deterministic (bitwise equal dq / dk / dv
     across runs) and not differentiable itself: with ``create_graph=True`` the gradients it returns raise
     RuntimeError ("... differentiate twice ...")
-    when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace sized
-    by the backend (0 bytes on the CPU) and, in the backward, dq / dk / dv; the CPU reference's float32 scratch is
+    when a second backward reaches them, instead of counting as constants. Memory: the outputs, one workspace and, in
+    the backward, dq / dk / dv. The workspace is 0 bytes for the forward and on the CPU; the Hopper backward's holds
+    two float32 rows per (request, query head), ``8 * b * h_q * ceil(max_seqlen_qo / 64) * 64`` bytes (the lse in base
+    2 and rowsum(dout * out)). The CPU reference's float32 scratch is
     about (512 + 32 * h_q / h_kv) * (d_qk + d_v) * 4 bytes per thread, independent of the sequence lengths.
 
     Raises (each message names the argument): ``TypeError`` for non-tensors, wrong dtypes and flags
