@@ -14,7 +14,8 @@ library that tools/dense-prefill-gpu-check.sh builds. Prints everything and writ
    every correctness case also checks every forward schedule (serial, overlap, pingpong, pingpong_tma,
    persistent_tma, it with the folded scale, with 176-key blocks, with the tiles by block, and on 2 CTAs) and backward
    schedule (two_kernel, two_kernel_tma, and it with both kernels' CTAs by head and by block on every shape;
-   dense_prefill.h), unless --no-variants;
+   dense_prefill.h), unless --no-variants; the schedules of SAME_BITS (another order of the same tiles) bitwise equal
+   to the one they name;
 5. performance on the 16 shapes of ../shared/anchors-h200.md's dense MHA table against torch SDPA's cuDNN
    backend in the same process (FLOPs as spec §5.5: fwd = pairs * h * 2 (d + dv), bwd = pairs * h * 2 (3d + 2dv)).
 Exit status 1 if any check fails."""
@@ -44,10 +45,27 @@ FWD_SCHEDULES = ("serial", "overlap", "pingpong", "pingpong_tma", "persistent_tm
 # The *_2cta schedules (the persistent grid capped at 2 CTAs: every case walks many tiles per CTA) are checked, not timed.
 FWD_PERF_SCHEDULES = tuple(s for s in FWD_SCHEDULES if not s.endswith("_2cta"))
 BWD_SCHEDULES = ("two_kernel", "two_kernel_tma", "two_kernel_tma_by_head", "two_kernel_tma_by_block")
+# Schedules that compute every tile as another one does, in another order or on fewer CTAs: their outputs must be
+# bitwise equal to that one's (schedule -> the schedule it must equal).
+SAME_BITS = {"persistent_tma_fold_by_block": "persistent_tma_fold",
+             "persistent_tma_fold_by_block_2cta": "persistent_tma_fold",
+             "two_kernel_tma_by_block": "two_kernel_tma_by_head"}
 RESULTS = {"correctness": [], "determinism": [], "perf": []}
 
 
 # ------------------------------------------------------------------------------------ comparator (spec §5.1)
+def same_bits_check(name, outs, refs):
+    """A check entry (check_close's fields): every tensor of outs bitwise equal to its counterpart in refs (NaN
+    payloads included); max_abs is the largest finite difference."""
+    same = all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                         b.contiguous().view(torch.uint8))
+               for a, b in zip(outs, refs))
+    diff = max(float((a.float() - b.float()).nan_to_num(0.0, 0.0, 0.0).abs().max()) if a.numel() else 0.0
+               for a, b in zip(outs, refs))
+    return {"name": name, "ok": same, "max_abs": diff, "cos_diff": 0.0, "max_rel_where_abs_fails": 0.0,
+            "msg": "" if same else "not bitwise equal"}
+
+
 def check_close(name, ans, ref, abs_tol, rel_tol, cos_tol, nan_required=None):
     """nan_required (a boolean mask, or None): NaN must appear at least there and at most where the
     reference has NaN. For a NaN query row under a causal mask the kernels may leave the keys the row does
@@ -270,18 +288,28 @@ def run_case(lib, name, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16, bwd=
 
     if bwd:
         checks += dgrad_checks("", grads)
-    # every forward / backward schedule (dense_prefill.h) on the same inputs, against the same reference
+    # every forward / backward schedule (dense_prefill.h) on the same inputs, against the same reference, and the
+    # SAME_BITS pairs against each other
+    results = {}  # (only the SAME_BITS schedules' outputs are kept)
+    kept = set(SAME_BITS) | set(SAME_BITS.values())
     for sched in (FWD_SCHEDULES if VARIANTS["on"] else ()):
         o_s, l_s = lib.fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, lse=None if lse_buf is None else
                            torch.empty_like(lse_buf), schedule=sched)
         torch.cuda.synchronize()
         checks.append(check_close(f"out[{sched}]", o_s, ro, *TOL["out"]))
         checks.append(check_close(f"lse[{sched}]", l_s, rl, *TOL["lse"]))
+        if sched in kept:
+            results[sched] = (o_s.clone(), l_s.clone())
     if bwd:
         for sched in (BWD_SCHEDULES if VARIANTS["on"] else ()):
             g_s = lib.bwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, out, lse, dout, schedule=sched)
             torch.cuda.synchronize()
             checks += dgrad_checks(f"[{sched}]", g_s)
+            if sched in kept:
+                results[sched] = tuple(t.clone() for t in g_s)
+    for sched, other in SAME_BITS.items():
+        if sched in results and other in results:
+            checks.append(same_bits_check(f"bits[{sched}=={other}]", results[sched], results[other]))
     ok = all(c["ok"] for c in checks)
     line = " ".join(f"{c['name']}:{c['max_abs']:.1e}/{c['cos_diff']:.1e}" for c in checks)
     print(f"{'PASS' if ok else 'FAIL'} {name} [{time.time() - t0:.1f}s] max_abs/cos_diff {line}")
