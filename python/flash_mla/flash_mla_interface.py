@@ -315,8 +315,10 @@ def flash_mla_with_kvcache(
     ``extra_k_cache`` + ``extra_indices_in_kvcache`` ``(b, s_q, extra_topk)`` +
     ``extra_topk_length`` ``(b,)``, attended in one joint softmax.
 
-    ``head_dim_v`` must be 512; ``softmax_scale`` defaults to ``d_qk ** -0.5``;
-    ``num_splits`` must be None (FlashMLA's legacy argument).
+    ``head_dim_v`` must be 512; ``softmax_scale`` defaults to ``d_qk ** -0.5``, which is not a
+    DeepSeek model's scale: with absorbed queries pass the model's (``(qk_nope + qk_rope) ** -0.5``, times
+    YaRN's ``mscale ** 2``; README "In a DeepSeek-V3 model"); ``num_splits`` must be None (FlashMLA's legacy
+    argument).
 
     Returns ``(out, lse)``: ``out`` ``(b, s_q, h_q, 512)`` in q's dtype (bf16 for sparse);
     ``lse`` ``(b, h_q, s_q)`` float32, natural log. Rows with no valid key give
