@@ -24,6 +24,7 @@ import dataclasses
 import math
 import operator
 import re
+import threading
 from math import isfinite as _isfinite
 from typing import Any, Optional, Tuple
 
@@ -82,6 +83,10 @@ class FlashMLASchedMeta:
     replay between eager calls) need a new ``get_mla_metadata()``, as in FlashMLA. JAX calls (XLA custom calls,
     also under ``jax.jit``) keep the metadata inside the call and recompute it every time,
     so there ``tile_scheduler_metadata`` and ``num_splits`` stay None.
+
+    Threads may share one object: a call reads its fields as one consistent state and records its own only if
+    no other call recorded meanwhile, so each call is correct or a :class:`SchedMetaMismatchError`, and of
+    racing first calls the first to finish fills the object.
     """
 
     @dataclasses.dataclass
@@ -110,6 +115,21 @@ class FlashMLASchedMeta:
     # What the fast path of flash_mla_with_kvcache needs to repeat the last torch call that reused the schedule on
     # a device (_reuse_record), or None.
     _reuse: Optional[tuple] = dataclasses.field(default=None, repr=False, init=False)
+    # Bumped by every call that records state (first call, a new schedule, the reference lengths), under
+    # _SCHED_LOCK: a call records only if nothing else did since it read the object (_sched_state).
+    _generation: int = dataclasses.field(default=0, repr=False, init=False, compare=False)
+
+
+# Guards the scheduler objects' fields across threads (the C++ calls release the GIL, so the layers of a step
+# may run in threads that share one FlashMLASchedMeta): a call reads them as one consistent state before its op
+# and records its own after it only if no other call recorded meanwhile. Never held while an op runs.
+_SCHED_LOCK = threading.Lock()
+
+
+def _sched_state(sched: FlashMLASchedMeta) -> tuple:
+    """The fields a decode call reads, as one consistent tuple (taken under _SCHED_LOCK by the caller)."""
+    return (sched.have_initialized, sched._config_key, sched.config, sched._presence, sched._lengths,
+            sched.tile_scheduler_metadata, sched.num_splits, sched._gpu_key, sched._generation)
 
 
 def get_mla_metadata(*args: Any, **kwargs: Any) -> Tuple[FlashMLASchedMeta, None]:
@@ -456,34 +476,43 @@ def flash_mla_with_kvcache(
             lengths = (host_copy(topk_length), host_copy(extra_topk_length))
             host_lengths = lengths[0] is not None or lengths[1] is not None
     presence = (topk_length is not None, extra_topk_length is not None)
-    if sched.have_initialized:
-        if sched._config_key != config_key:
-            if not isinstance(sched.config, FlashMLASchedMeta.Config):
+    # The scheduler object's fields as one consistent state: another thread may record its own call meanwhile
+    # (see _SCHED_LOCK; torch.compile traces without the lock, its calls run as one graph).
+    if _compiling():
+        state = _sched_state(sched)
+    else:
+        with _SCHED_LOCK:
+            state = _sched_state(sched)
+    (initialized, old_config_key, old_config, old_presence, old_lengths, tsm, old_splits, old_gpu_key,
+     generation) = state
+    if initialized:
+        if old_config_key != config_key:
+            if not isinstance(old_config, FlashMLASchedMeta.Config):
                 raise SchedMetaMismatchError(
-                    f"sched_meta: have_initialized is True but config is {type(sched.config).__name__}, not a "
+                    f"sched_meta: have_initialized is True but config is {type(old_config).__name__}, not a "
                     "FlashMLASchedMeta.Config; a FlashMLASchedMeta is filled by the first decode call that takes it: "
                     "pass a new get_mla_metadata()[0]"
                 )
             config = FlashMLASchedMeta.Config(*config_key)
-            if sched.config != config:
+            if old_config != config:
                 for field in dataclasses.fields(config):
-                    old, new = getattr(sched.config, field.name), getattr(config, field.name)
+                    old, new = getattr(old_config, field.name), getattr(config, field.name)
                     if old != new:
                         raise SchedMetaMismatchError(
                             f"sched_meta.config.{field.name}: this FlashMLASchedMeta was computed for "
                             f"{field.name}={old!r}, got {new!r}; a FlashMLASchedMeta "
                             "can only be reused for calls with the same shapes and flags; call get_mla_metadata() again"
                         )
-        if sched._presence is not None and sched._presence != presence:
+        if old_presence is not None and old_presence != presence:
             raise SchedMetaMismatchError(
                 "topk_length / extra_topk_length: this FlashMLASchedMeta was computed "
-                f"{'with' if sched._presence[0] else 'without'} topk_length and "
-                f"{'with' if sched._presence[1] else 'without'} extra_topk_length; its split schedule would be "
+                f"{'with' if old_presence[0] else 'without'} topk_length and "
+                f"{'with' if old_presence[1] else 'without'} extra_topk_length; its split schedule would be "
                 "stale. Call get_mla_metadata() again"
             )
-        if host_lengths and sched._lengths is not None:
+        if host_lengths and old_lengths is not None:
             names = ("cache_seqlens",) if topk is None else ("topk_length", "extra_topk_length")
-            for name, old, new in zip(names, sched._lengths, lengths):
+            for name, old, new in zip(names, old_lengths, lengths):
                 # (a length tensor of another shape or dtype is malformed, not changed: the op's validation
                 # reports it, naming what was expected)
                 if (old is not None and new is not None and old.shape == new.shape and old.dtype == new.dtype
@@ -508,9 +537,8 @@ def flash_mla_with_kvcache(
         if use_torch and on_device:
             gpu_key = _torch_ops.schedule_key(
                 q, (cache_seqlens,) if topk is None else (topk_length, extra_topk_length))
-    tsm = sched.tile_scheduler_metadata
-    reuse = not use_jax and sched.have_initialized and tsm is not None and (
-        _torch_ops.same_schedule_key(sched._gpu_key, gpu_key) if on_device else True)
+    reuse = not use_jax and initialized and tsm is not None and (
+        _torch_ops.same_schedule_key(old_gpu_key, gpu_key) if on_device else True)
     if reuse and use_torch and type(tsm) is not _torch_ops._Tensor and _ffi.framework_of(tsm) != "torch":
         # Filled by a call of another framework (NumPy, ...): the torch op takes torch tensors only. On
         # the CPU the lengths were checked above, so recomputing gives the same schedule.
@@ -520,10 +548,10 @@ def flash_mla_with_kvcache(
         # the call is a legal reuse, but the schedule is not in this call's memory. Recomputed here.
         reuse = False
     if use_torch:  # (a reusing call runs the *_scheduled op: no empty metadata outputs)
-        meta_in = (tsm, sched.num_splits) if reuse else (None, None)
+        meta_in = (tsm, old_splits) if reuse else (None, None)
     else:
         meta_in = (
-            (_ffi.to_ffi(tsm, "tile_scheduler_metadata"), _ffi.to_ffi(sched.num_splits, "num_splits"))
+            (_ffi.to_ffi(tsm, "tile_scheduler_metadata"), _ffi.to_ffi(old_splits, "num_splits"))
             if reuse
             else (None, None)
         )
@@ -606,28 +634,60 @@ def flash_mla_with_kvcache(
         out, lse, tsm, splits = res  # (JAX, CuPy: the metadata stays inside the call, tsm = splits = None)
     else:
         out, lse, tsm, splits = (_ffi.from_ffi(t, q) for t in res)
-    if not sched.have_initialized:
+    # Recorded for the fast path: a torch call that reused the schedule (so a second call repeating the first
+    # records, and calls that never reuse -- new length tensors each time -- pay nothing for it). A torch.ops
+    # call only where the eager route is out of the question: one that took the op because a mode or a subclass
+    # intercepted it must not send the next plain call to the op.
+    record_reuse = (reuse and use_torch and gpu_key is not None and extra_k_cache is None
+                    and (eager or not _torch_ops.eager_possible(q)))
+    args = (sched, generation, initialized, old_lengths, config_key, lengths, presence, host_lengths, reuse, tsm,
+            splits if not reuse else None, gpu_key, (q_shape, k_shape, indices, causal, is_fp8_kvcache, eager)
+            if record_reuse else None)
+    if _compiling():
+        _sched_record(*args)
+    else:
+        with _SCHED_LOCK:
+            _sched_record(*args)
+    return out, lse
+
+
+def _compiling() -> bool:
+    """True while torch.compile traces (False where the op library is not loaded)."""
+    is_compiling = _torch_ops._is_compiling
+    return is_compiling is not None and is_compiling()
+
+
+def _sched_record(sched, generation, initialized, old_lengths, config_key, lengths, presence, host_lengths, reuse,
+                  tsm, splits, gpu_key, reuse_args) -> None:
+    """Records what a decode call established in its scheduler object (under _SCHED_LOCK), unless another call
+    recorded since this one read the object (``generation``): then that call's config, lengths and schedule stay
+    -- a schedule is never stored under the config or the lengths of another call -- and this call, whose
+    results are its own, records nothing (a later call that differs from what is recorded raises or recomputes
+    as usual)."""
+    if sched._generation != generation:
+        return
+    changed = False
+    if not initialized:
         sched.have_initialized = True
         sched.config = FlashMLASchedMeta.Config(*config_key)
         sched._config_key = config_key
         sched._lengths = lengths
         sched._presence = presence
-    elif host_lengths and sched._lengths is not None:
+        changed = True
+    elif host_lengths and old_lengths is not None and any(
+            old is None and new is not None for old, new in zip(old_lengths, lengths)):
         # A first call that could not read the lengths (JAX, GPU, torch.compile) leaves None; the first
         # call that can read them becomes the reference, so later CPU reuse is still checked.
-        sched._lengths = tuple(new if old is None else old for old, new in zip(sched._lengths, lengths))
+        sched._lengths = tuple(new if old is None else old for old, new in zip(old_lengths, lengths))
+        changed = True
     if not reuse:  # this call computed the schedule (a reusing call returns no metadata of its own)
         sched.tile_scheduler_metadata = tsm
         sched.num_splits = splits
         sched._gpu_key = gpu_key
-    # Recorded for the fast path: a torch call that reused the schedule (so a second call repeating the first
-    # records, and calls that never reuse -- new length tensors each time -- pay nothing for it). A torch.ops
-    # call only where the eager route is out of the question: one that took the op because a mode or a subclass
-    # intercepted it must not send the next plain call to the op.
-    sched._reuse = (_reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager)
-                    if reuse and use_torch and gpu_key is not None and extra_k_cache is None
-                    and (eager or not _torch_ops.eager_possible(q)) else None)
-    return out, lse
+        changed = True
+    if changed:
+        sched._generation = generation + 1
+    sched._reuse = None if reuse_args is None else _reuse_record(sched, *reuse_args)
 
 
 def _reuse_record(sched, q_shape, k_shape, indices, causal, is_fp8_kvcache, eager):
