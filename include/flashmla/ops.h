@@ -42,7 +42,9 @@
 // previous device before it returns. CPU calls are synchronous and ignore `stream`.
 //
 // Threads and memory: the operators keep no state between calls; concurrent calls from several
-// threads are safe when they write different outputs. A CPU call computes on
+// threads are safe when they write different outputs and no thread writes their inputs meanwhile (a CPU
+// call validates the integer inputs -- lengths, block tables, indices -- and then reads them again, so a
+// value another thread changes in between is not reported and may be read out of range). A CPU call computes on
 // `reference_num_threads()` std::threads started for the call (see there) and
 // allocates host scratch memory; out of host memory gives kRuntime. GPU calls allocate nothing.
 //
