@@ -36,6 +36,21 @@ OUT_TOL = {"bf16": dict(abs_tol=2e-5, rel_tol=5e-3, cos_diff_tol=1e-5),
 LSE_TOL = dict(abs_tol=1e-5, rel_tol=1e-5, cos_diff_tol=1e-10)
 
 
+def load_example(filename: str):
+    """examples/<filename> imported as a module (the examples are scripts, not a package); registered in
+    sys.modules under its own name, where dataclasses look their module up."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / filename
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def seed_of(text: str) -> int:
     return zlib.crc32(text.encode())
 

@@ -5,23 +5,11 @@ Shrunken model (16 heads, hidden 1024; the MLA head dims are the real ones: kv_l
 qk 128+64, v 128). Skips without torch or transformers.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from mla_test_utils import load_example
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3_attention.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("deepseek_v3_attention_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 SMALL = ["--device", "cpu", "--heads", "16", "--hidden", "1024", "--steps", "3"]
 
@@ -37,7 +25,7 @@ SMALL = ["--device", "cpu", "--heads", "16", "--hidden", "1024", "--steps", "3"]
     ids=["fp32-yarn", "bf16-yarn", "fp32-default-rope", "page-edges"],
 )
 def test_example_cpu(extra, capsys):
-    ex = load_example()
+    ex = load_example("deepseek_v3_attention.py")
     rc = ex.main(SMALL + extra)
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -46,7 +34,7 @@ def test_example_cpu(extra, capsys):
 
 def test_example_detects_wrong_rope_layout(capsys):
     """The check is sharp: RoPE in the wrong layout on the client side must fail."""
-    ex = load_example()
+    ex = load_example("deepseek_v3_attention.py")
     right = ex.rope
     ex.rope = lambda x, cos, sin, interleave: right(x, cos, sin, not interleave)
     rc = ex.main(SMALL + ["--steps", "1", "--tail", "0"])

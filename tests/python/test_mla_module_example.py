@@ -5,29 +5,18 @@ layers), checked against float64 torch: outputs, lse, gradients, decode vs recom
 whole sequence; eager and under torch.compile. Skips without torch.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import flash_mla  # noqa: E402
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mla_module.py"
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("mla_module_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from mla_test_utils import load_example  # noqa: E402
 
 
 @pytest.mark.parametrize("extra", [[], ["--compile"], ["--prompt-lens", "16,17,1", "--page-size", "16"]],
                          ids=["eager", "compile", "page-edges"])
 def test_example_cpu(extra, capsys):
-    rc = load_example().main(["--steps", "2"] + extra)
+    rc = load_example("mla_module.py").main(["--steps", "2"] + extra)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS" in out and "MISMATCH" not in out
@@ -35,7 +24,7 @@ def test_example_cpu(extra, capsys):
 
 def test_example_detects_the_decode_default_scale(capsys, monkeypatch):
     """The check is sharp: the decode's default softmax_scale (576 ** -0.5) is not the model's (192 ** -0.5)."""
-    ex = load_example()
+    ex = load_example("mla_module.py")
     right = flash_mla.flash_mla_with_kvcache
 
     def default_scale(*args, softmax_scale=None, **kwargs):

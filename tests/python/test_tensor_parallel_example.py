@@ -7,7 +7,6 @@ Needs torch (the main CI interpreter has none: these run in CI's torch venv, too
 which runs the whole tests/python).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mla_test_utils import load_example
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI runs this file in its torch venv)")
 if not torch.distributed.is_available():  # pragma: no cover - torch builds without distributed
@@ -22,14 +22,6 @@ if not torch.distributed.is_available():  # pragma: no cover - torch builds with
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tensor_parallel_attention.py"
 TIMEOUT_S = 240
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("tensor_parallel_attention_example", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def torchrun(script, args, cwd):
@@ -120,7 +112,7 @@ def test_quantizer_matches_flash_mla_quant():
     scale floor), magnitudes from 1e-6 to 1e4, values that land on e4m3 rounding ties."""
     import flash_mla.quant
 
-    ex = load_example()
+    ex = load_example("tensor_parallel_attention.py")
     g = torch.Generator().manual_seed(7)
     rows = torch.randn(96, 576, generator=g) * torch.logspace(-6, 4, 96)[:, None]
     rows[0] = 0
@@ -137,7 +129,7 @@ def test_quantizer_matches_flash_mla_quant():
 
 
 def test_schedule_right_aligns_prompts():
-    ex = load_example()
+    ex = load_example("tensor_parallel_attention.py")
     sched = ex.make_schedule([5, 11], steps=2, chunk=4, device="cpu")
     assert [(s.phase, s.index) for s in sched] == [("prefill", 0), ("prefill", 1), ("prefill", 2),
                                                     ("decode", 0), ("decode", 1)]
@@ -161,13 +153,13 @@ def test_schedule_right_aligns_prompts():
     ],
 )
 def test_bad_options_are_named(argv, world, message):
-    ex = load_example()
+    ex = load_example("tensor_parallel_attention.py")
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ex.check_args(ex.parse_args(argv), world)
 
 
 def test_bad_options_exit_2_without_a_traceback(capsys, monkeypatch):
-    ex = load_example()
+    ex = load_example("tensor_parallel_attention.py")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("RANK", "0")
     assert ex.main(["--small", "--device", "cpu"]) == 2  # 8 heads over 3 ranks
