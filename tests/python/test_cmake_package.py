@@ -55,3 +55,4 @@ def test_find_package_from_the_wheel_builds_and_runs(cmake_dir, tmp_path):
     run = subprocess.run([str(build / "dense_decode_cpu")], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "request 1 (empty): lse = inf" in run.stdout and "TypeError: block_table" in run.stdout, run.stdout
+    assert "request 0 against double precision" in run.stdout, run.stdout
