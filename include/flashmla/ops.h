@@ -111,7 +111,8 @@ struct DenseDecodeParams {
 
   /// Split-KV scheduler metadata (spec §4): (num_sm_parts, 8) int32 and (b+1,) int32, num_sm_parts from
   /// DecodePlan (on the CPU it is the reference backend's thread count at plan time, so
-  /// set_reference_num_threads with another count makes earlier metadata the wrong shape).
+  /// set_reference_num_threads with another count makes earlier metadata the wrong shape; a CPU call that
+  /// computes the metadata, metadata_ready false, fills a buffer of any (rows >= 1, 8) shape).
   /// If `metadata_ready` is false the op computes them (on the op's stream)
   /// into these buffers; otherwise it reads them as computed by an earlier call
   /// with identical shapes and cache_seqlens. The shapes are checked; the contents are not: on the GPU
@@ -296,7 +297,8 @@ int reference_num_threads();
 /// Sets the reference backend's thread count for later CPU calls of this process (n > 1024 acts as
 /// 1024); n <= 0 returns to the default above. Thread-safe; calls in flight keep their count. It is also
 /// the CPU's num_sms, hence the num_sm_parts of later CPU decode plans: metadata made before a change of
-/// count no longer has the shape those calls expect.
+/// count no longer has the shape those calls expect when given as ready (a call computing its metadata takes
+/// any row count, so a count changed between a binding's plan and its call is harmless).
 void set_reference_num_threads(int n);
 
 }  // namespace flashmla

@@ -74,6 +74,16 @@ void fill_host_schedule(const std::vector<int64_t>& work, int64_t overhead, cons
 
 const int32_t* i32(const TensorRef& t) { return static_cast<const int32_t*>(t.data); }
 
+/// On the CPU a call that computes its schedule fills the metadata it is given for that buffer's row count
+/// (fill_host_schedule; the reference backend never reads the metadata back), so any (rows >= 1, 8) buffer is right
+/// for it. The bindings size that buffer from a plan of their own, and set_reference_num_threads in another thread
+/// may change the count between that plan and this call's (ops.h: calls in flight keep their count). Metadata
+/// given as ready keeps the check against this call's count.
+void cpu_schedule_rows(const TensorRef& q, const TensorRef& tsm, bool metadata_ready, DecodePlan* plan) {
+  if (q.device.type == DeviceType::kCPU && !metadata_ready && tsm.ndim == 2 && tsm.shape[0] >= 1)
+    plan->num_sm_parts = tsm.shape[0];
+}
+
 }  // namespace
 
 bool has_cuda_backend() {
@@ -134,6 +144,7 @@ Status dense_decode_fwd(const DenseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
   DecodePlan plan;
   FLASHMLA_RETURN_IF_ERROR(dense_decode_plan(p, &plan));
+  cpu_schedule_rows(p.q, p.tile_scheduler_metadata, p.metadata_ready, &plan);
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, p.q.dtype, p.tile_scheduler_metadata,
                                                          p.num_splits, plan, p.workspace_bytes, p.workspace));
   FLASHMLA_RETURN_IF_ERROR(core::validate_no_aliasing(p));
@@ -183,6 +194,7 @@ Status sparse_decode_fwd(const SparseDecodeParams& p) {
   FLASHMLA_RETURN_IF_ERROR(core::validate_data(p));
   DecodePlan plan;
   FLASHMLA_RETURN_IF_ERROR(sparse_decode_plan(p, &plan));
+  cpu_schedule_rows(p.q, p.tile_scheduler_metadata, p.metadata_ready, &plan);
   FLASHMLA_RETURN_IF_ERROR(core::validate_decode_outputs(p.q, p.out, p.lse, DType::kBFloat16,
                                                          p.tile_scheduler_metadata, p.num_splits, plan,
                                                          p.workspace_bytes, p.workspace));

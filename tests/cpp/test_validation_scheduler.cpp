@@ -163,17 +163,36 @@ TEST(ValidationDense, MixedDevicesAndOutputs) {
   expect_error(dense_decode_plan(c.p, &plan), ErrorKind::kValue, "block_table is on cuda:0 but q is on cpu");
 
   DenseRun r;
+  // Metadata given as computed (metadata_ready) must have this call's shape. On the CPU num_sm_parts is the
+  // reference thread count: the message says so.
+  r.c.p.metadata_ready = true;
   r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts + 1;
-  // On the CPU num_sm_parts is the reference thread count: the message says so.
   expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "tile_scheduler_metadata: expected shape");
   expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "the same reference thread count");
   r.c.p.tile_scheduler_metadata.shape[0] = r.plan.num_sm_parts;
+  r.c.p.metadata_ready = false;
   EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
 
   // CPU device ids: a mismatch names both ids (all tensors on one non-zero CPU id are accepted).
   DenseCase d;
   d.p.k_cache.device = {DeviceType::kCPU, 1};
   expect_error(dense_decode_plan(d.p, &plan), ErrorKind::kValue, "k_cache is on cpu:1 but q is on cpu:");
+}
+
+TEST(ValidationDense, ComputingCallTakesAnyMetadataRowsOnTheCpu) {
+  // A binding sizes the metadata from its own plan; set_reference_num_threads in another thread may change the
+  // CPU's count before the call plans again (ops.h: calls in flight keep their count). A call that computes the
+  // metadata fills whatever (rows >= 1, 8) buffer it gets, with the same outputs (the reference does not read it).
+  DenseRun a, r;
+  ASSERT_TRUE(dense_decode_fwd(a.c.p).ok());
+  for (int64_t rows : {int64_t{1}, a.plan.num_sm_parts + 3}) {
+    std::vector<int32_t> tsm(rows * 8, -7);
+    r.c.p.tile_scheduler_metadata = make_tensor_ref(tsm.data(), DType::kInt32, {rows, 8});
+    ASSERT_TRUE(dense_decode_fwd(r.c.p).ok()) << rows;
+    EXPECT_EQ(a.out, r.out) << rows;
+    EXPECT_EQ(0, std::memcmp(a.lse.data(), r.lse.data(), a.lse.size() * sizeof(float))) << rows;
+    EXPECT_EQ(tsm[0], 0) << rows;  // part 0 begins at request 0: the schedule was written
+  }
 }
 
 TEST(ValidationDense, MisalignedWorkspaceIsValueError) {
