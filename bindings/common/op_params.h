@@ -12,6 +12,14 @@
 
 namespace flashmla::bindings {
 
+/// Whether a decode's (b, h_q, s_q) lse takes FlashMLA's transposed layout, strides (s_q * h_q, 1, h_q): its sparse
+/// decode returns lse.transpose(1, 2) of a contiguous (b, s_q, h_q) buffer, and its dense decode with h_kv == 1 a
+/// view of the same layout (spec §1.3.1, §1.3.2); a dense decode with h_kv > 1 reshapes a transposed view, a copy,
+/// so its lse is contiguous. Callers that view lse (lse.transpose(1, 2).view(b, -1), say) rely on these strides.
+/// Every binding allocates lse by this rule.
+inline bool decode_lse_transposed(const SparseDecodeParams&) { return true; }
+inline bool decode_lse_transposed(const DenseDecodeParams& p) { return p.k_cache.shape[2] == 1; }
+
 /// q (b, s_q, h_q, d_qk), k_cache (num_blocks, page_block_size, h_kv, d_qk), block_table, cache_seqlens.
 inline DenseDecodeParams dense_decode_params(auto&& ref, const auto& q, const auto& k_cache, const auto& block_table,
                                              const auto& cache_seqlens, int64_t head_dim_v, double softmax_scale,

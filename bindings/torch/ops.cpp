@@ -213,13 +213,6 @@ void* stream_for(const TensorRef& q) {
 using DecodeResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;
 using ScheduledDecodeResult = std::tuple<Tensor, Tensor>;
 
-/// Whether a decode's (b, h_q, s_q) lse has FlashMLA's transposed layout, strides (s_q * h_q, 1, h_q): its sparse
-/// decode returns lse.transpose(1, 2) of a contiguous (b, s_q, h_q) buffer, and its dense decode with h_kv == 1 a
-/// view of the same layout (spec §1.3.1, §1.3.2); a dense decode with h_kv > 1 reshapes a transposed view, a copy,
-/// so its lse is contiguous. Callers that view lse (lse.transpose(1, 2).view(b, -1), say) rely on these strides.
-bool decode_lse_transposed(const flashmla::SparseDecodeParams&) { return true; }
-bool decode_lse_transposed(const flashmla::DenseDecodeParams& p) { return p.k_cache.shape[2] == 1; }
-
 /// Shared tail of the decode ops: plan, allocate, run. `tsm_in` / `num_splits_in`: the schedule an earlier
 /// call computed (both or neither; validated by the core), or null. Without it the schedule is computed into
 /// *tsm_out / *splits_out, allocated here, on the stream (for the caller to reuse). Returns (out, lse).
@@ -234,7 +227,8 @@ ScheduledDecodeResult run_decode(Params& p, DType out_dtype, const Tensor* tsm_i
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
   Tensor out = alloc(p.q.device, {b, s_q, h_q, p.head_dim_v}, out_dtype);
   const int64_t lse_shape[3] = {b, h_q, s_q};
-  const int64_t lse_stride[3] = {s_q * h_q, decode_lse_transposed(p) ? 1 : s_q, decode_lse_transposed(p) ? h_q : 1};
+  const bool transposed = flashmla::bindings::decode_lse_transposed(p);
+  const int64_t lse_stride[3] = {s_q * h_q, transposed ? 1 : s_q, transposed ? h_q : 1};
   Tensor lse = alloc_strided(p.q.device, 3, lse_shape, lse_stride, DType::kFloat32);
   if (tsm_in != nullptr) {
     // Validated by the core (shape / dtype / device) before the copy is read.

@@ -268,13 +268,6 @@ ffi::Tensor workspace_for(int64_t bytes, flashmla::Device dev) {
   return alloc({bytes > 0 ? bytes : 1}, DType::kUInt8, dev);
 }
 
-/// Whether a decode's (b, h_q, s_q) lse has FlashMLA's transposed layout, strides (s_q * h_q, 1, h_q): its sparse
-/// decode returns lse.transpose(1, 2) of a contiguous (b, s_q, h_q) buffer, and its dense decode with h_kv == 1 a
-/// view of the same layout (spec §1.3.1, §1.3.2); with h_kv > 1 a contiguous copy. As the torch op library's
-/// (bindings/torch/ops.cpp), so every way in returns the same strides.
-bool decode_lse_transposed(const flashmla::SparseDecodeParams&) { return true; }
-bool decode_lse_transposed(const flashmla::DenseDecodeParams& p) { return p.k_cache.shape[2] == 1; }
-
 /// Shared tail of both decode entry points: plan, allocate outputs / metadata /
 /// workspace on q's device, run. Returns [out, lse, tile_scheduler_metadata, num_splits].
 template <typename Params>
@@ -288,7 +281,7 @@ ffi::Array<ffi::Tensor> run_decode(Params& p, DType out_dtype, const ffi::Option
   const int64_t b = p.q.shape[0], s_q = p.q.shape[1], h_q = p.q.shape[2];
   ffi::Tensor out = alloc({b, s_q, h_q, p.head_dim_v}, out_dtype, dev);
   // (a transposed lse: a (b, s_q, h_q) buffer and its (b, h_q, s_q) view, which keeps the buffer alive)
-  ffi::Tensor lse = decode_lse_transposed(p)
+  ffi::Tensor lse = flashmla::bindings::decode_lse_transposed(p)
                         ? alloc({b, s_q, h_q}, DType::kFloat32, dev).as_strided({b, h_q, s_q}, {s_q * h_q, 1, h_q})
                         : alloc({b, h_q, s_q}, DType::kFloat32, dev);
   Metadata m = metadata_for(tsm_in, num_splits_in, plan, dev);

@@ -50,7 +50,7 @@ def dense_decode(q, k_cache, block_table, cache_seqlens, head_dim_v: int, softma
     b, s_q, h_q = int(q_shape[0]), int(q_shape[1]), int(q_shape[2])
     with cp.cuda.Device(dev):  # one switch to q's device: outputs from its pool, its current stream
         out = cp.empty((b, s_q, h_q, head_dim_v), dtype=q.dtype)
-        # FlashMLA's lse layout (bindings/tvm_ffi/module.cpp decode_lse_transposed): with h_kv == 1 the transpose
+        # FlashMLA's lse layout (bindings/common/op_params.h decode_lse_transposed): with h_kv == 1 the transpose
         # of a (b, s_q, h_q) buffer, strides (s_q * h_q, 1, h_q); contiguous with h_kv > 1.
         if int(k_cache.shape[2]) == 1:
             lse = cp.empty((b, s_q, h_q), dtype=cp.float32).transpose(0, 2, 1)

@@ -507,7 +507,7 @@ def _sparse_num_sm_parts(torch, num_sms, s_q, h_q):
 
 def _decode_outputs(torch, q, out_dtype, head_dim_v, num_sm_parts, metadata_given, lse_transposed):
     """Output shapes of a decode op; given metadata is not returned again (empty (0, 8) and (0,)). lse has the
-    op's strides (bindings/torch/ops.cpp decode_lse_transposed): FlashMLA's (s_q * h_q, 1, h_q) for sparse decode
+    op's strides (bindings/common/op_params.h decode_lse_transposed): FlashMLA's (s_q * h_q, 1, h_q) for sparse decode
     and dense decode with h_kv == 1 (``lse_transposed``), contiguous otherwise."""
     b, s_q, h_q = q.shape[0], q.shape[1], q.shape[2]
     lse_stride = (s_q * h_q, 1, h_q) if lse_transposed else (s_q * h_q, s_q, 1)
