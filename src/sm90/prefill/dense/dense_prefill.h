@@ -69,10 +69,11 @@ constexpr int64_t kByBlockMaxWaves = 32;
 /// The forward, which reads each K / V block once per tile and so leans on L2 more than the backward's kernels, takes
 /// kByBlock only where at least this many query heads share a KV head (and with it the K / V).
 constexpr int64_t kFwdByBlockMinGroup = 4;
-/// Whether the library takes kByBlock where the rules say so. Built and compiled, not yet run on a GPU (the kByBlock
-/// kernels are their own instantiations; the kByHead ones are the measured machine code), so off: the standalone
-/// check's two_kernel_tma_by_block and persistent_tma_fold_by_block run it on every case, and its A/B decides.
-constexpr bool kBwdByBlockOrder = false;
+/// Whether the library takes kByBlock where the rules say so (H100, 2026-12-05, same process, bitwise equal outputs;
+/// docs/dense-prefill.md, "The tiles' order"). Backward, on: the GQA causal shapes x1.04-1.36, the grids the rule
+/// leaves by head lose there (h 128: x0.79-0.84, the one head's Q / dO no longer shared in L2; non-causal GQA
+/// x0.99-1.03). Forward, off: x0.955-1.029 on the GQA causal shapes, no net gain (h 128 forced: x0.54-0.66).
+constexpr bool kBwdByBlockOrder = true;
 constexpr bool kFwdByBlockOrder = false;
 /// The order of a backward kernel's grid of `ctas` CTAs on `sms` SMs (one CTA per SM).
 inline TileOrder bwd_tile_order(bool causal, int64_t ctas, int sms) {
