@@ -278,12 +278,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_SPEC_EXTRA
 #define FLASHMLA_SPARSE_DECODE_SPEC_EXTRA 0
 #endif
-// What guards the producer's index loads (build switch, default 0; same doc section): 0 = the request's slot limit
-// (min(topk, topk_length)), so a request's first index loads wait for its lengths; 1 = the scope's topk (inside the
-// index tensor), the limit applied to the loaded value (FlashMLA's order), so they do not.
-#ifndef FLASHMLA_SPARSE_DECODE_INDEX_BY_TOPK
-#define FLASHMLA_SPARSE_DECODE_INDEX_BY_TOPK 0
-#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -652,18 +646,10 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t slot = slot0 + row[i];
-        if constexpr (FLASHMLA_SPARSE_DECODE_INDEX_BY_TOPK != 0) {
-          const int loaded = first && is_extra == spec_extra ? first_idx[i]
-                             : slot < sc.topk ? __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
-                                                                    slot * sc.idx_stride_k))
-                                              : -1;
-          v[i] = slot < lim ? loaded : -1;
-        } else {
-          v[i] = slot < lim ? (first && is_extra == spec_extra ? first_idx[i]
-                                                  : __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
-                                                                        slot * sc.idx_stride_k)))
-                            : -1;
-        }
+        v[i] = slot < lim ? (first && is_extra == spec_extra ? first_idx[i]
+                                                : __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
+                                                                      slot * sc.idx_stride_k)))
+                          : -1;
       }
       return is_extra;
     };
