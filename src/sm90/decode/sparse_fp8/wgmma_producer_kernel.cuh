@@ -271,13 +271,6 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
-// Block 0's speculative index load (build switch, default 0; docs/sparse-fp8-decode.md, "Block 0's indices in the
-// extra cache"): 0 = as main-cache slots only; 1 = also in the extra cache when the main cache's block count is
-// known from the shapes (no main topk_length): then whether block 0 lies in the extra cache is known before any
-// load, and its index load no longer waits for the request's extra_topk_length. Small-batch form only.
-#ifndef FLASHMLA_SPARSE_DECODE_SPEC_EXTRA
-#define FLASHMLA_SPARSE_DECODE_SPEC_EXTRA 0
-#endif
 __device__ __forceinline__ uint4 ldg16_fp8(const uint8_t* a) {
   return FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY == 0 ? ldg16(a) : ldg16_evict_last_l2_256(a);
 }
@@ -530,28 +523,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   // (block_indices), so no record of an invalid slot is read.
   RequestLengths first_len{0, 0};
   int first_idx[2] = {-1, -1};
-  // FLASHMLA_SPARSE_DECODE_SPEC_EXTRA: without a main topk_length every request has request_blocks' n_main =
-  // ceil(topk / 64) (at least 1) main blocks, so block begin_blk is an extra-cache block iff begin_blk >= that; its
-  // indices are then loaded as extra-cache slots (only where slot < extra topk: inside the index tensor).
-  const int spec_n_main = static_cast<int>(max((static_cast<int64_t>(p.main.topk) + kBlockN - 1) / kBlockN, int64_t{1}));
-  // (The small-batch form only: a batched CTA walks many requests, and block 0's chain is a small part of it.)
-  const bool spec_extra = FLASHMLA_SPARSE_DECODE_SPEC_EXTRA != 0 && !kBatched && p.has_extra &&
-                          p.main.topk_length == nullptr && begin_blk >= spec_n_main;
   if (wg >= 2) {
     first_len = request_lengths(p, begin_req);
     const int t = tid - kConsumers;
-    // (field by field: a reference to either scope would put both in local memory)
-    const int32_t* f_indices = spec_extra ? p.extra.indices : p.main.indices;
-    const int64_t f_stride_b = spec_extra ? p.extra.idx_stride_b : p.main.idx_stride_b;
-    const int64_t f_stride_s = spec_extra ? p.extra.idx_stride_s : p.main.idx_stride_s;
-    const int64_t f_stride_k = spec_extra ? p.extra.idx_stride_k : p.main.idx_stride_k;
-    const int f_topk = spec_extra ? p.extra.topk : p.main.topk;
-    const int64_t fslot0 = static_cast<int64_t>(spec_extra ? begin_blk - spec_n_main : begin_blk) * kBlockN;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int64_t slot = fslot0 + (t >> 5) * 8 + (t & 7) + 32 * i;  // row[i]
-      if (slot < f_topk)
-        first_idx[i] = __ldg(f_indices + (begin_req * f_stride_b + sq * f_stride_s + slot * f_stride_k));
+      const int64_t slot = static_cast<int64_t>(begin_blk) * kBlockN + (t >> 5) * 8 + (t & 7) + 32 * i;  // row[i]
+      if (slot < p.main.topk)
+        first_idx[i] = __ldg(p.main.indices + (begin_req * p.main.idx_stride_b + sq * p.main.idx_stride_s +
+                                               slot * p.main.idx_stride_k));
     }
     // The first request's Q tile into L2, so that the consumers' copy after their request set-up does
     // not wait for DRAM: one bulk prefetch by one thread where the tile's rows are contiguous and 16-byte
@@ -635,8 +615,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     };
     // Cache indices of this thread's rows of block (nreq, nb) (-1: slot past the request's
     // topk_length); returns whether the block is in the extra cache. `first`: the block is block
-    // begin_blk of the first request, whose indices were loaded before the barrier set-up as main-cache slots, or
-    // as extra-cache slots where spec_extra (then is_extra == spec_extra: n_main is ceil(topk / 64) here).
+    // begin_blk of the first request, whose main-cache indices were loaded before the barrier set-up.
     auto block_indices = [&](int (&v)[2], bool first = false) {
       const int blk = nri.blk_lo + nb;
       const bool is_extra = p.has_extra && blk >= nri.n_main;
@@ -646,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int64_t slot = slot0 + row[i];
-        v[i] = slot < lim ? (first && is_extra == spec_extra ? first_idx[i]
+        v[i] = slot < lim ? (first && !is_extra ? first_idx[i]
                                                 : __ldg(sc.indices + (nreq * sc.idx_stride_b + sq * sc.idx_stride_s +
                                                                       slot * sc.idx_stride_k)))
                           : -1;
