@@ -123,9 +123,12 @@ int main() {
       attr[k].val.programmaticStreamSerializationAllowed = 1;
       ++k;
     }
-    cfg.attrs = attr;
     cfg.numAttrs = k;
-    return [cfg]() mutable { CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, 0)); };
+    // The closure owns its copy of the attributes: cfg.attrs must not point into this call's frame.
+    return [cfg, attr]() mutable {
+      cfg.attrs = attr;
+      CHECK(cudaLaunchKernelEx(&cfg, empty_kernel, 0));
+    };
   };
   struct Row {
     const char* name;
@@ -165,9 +168,11 @@ int main() {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeCooperative;
     attr[0].val.cooperative = 1;
-    cfg.attrs = attr;
     cfg.numAttrs = coop ? 1 : 0;
-    return [cfg, mode, spin, counter]() mutable { CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, spin, mode, counter)); };
+    return [cfg, attr, mode, spin, counter]() mutable {
+      cfg.attrs = attr;  // the closure's own copy (see above)
+      CHECK(cudaLaunchKernelEx(&cfg, spin_kernel, spin, mode, counter));
+    };
   };
   const double t_none = gpu_us(spin_launch(0, false), 50, counter);
   const double t_counter = gpu_us(spin_launch(1, false), 50, counter);
