@@ -7,20 +7,22 @@
 # Usage (GPU machine, repository root; carry nothing but the tree, plus an older tree in build-ab/old when the device
 # copy has no git history):
 #   bash tools/dense-prefill-ab.sh [--old DIR | --old-lib FILE] [--lib FILE] [--fwd "SCHEDULE ..."] [--bwd "SCHEDULE ..."]
-#     [--no-check]
+#     [--no-check] [--rounds N]
 # --old DIR: a tree to build as the "2:" side of the A/Bs (e.g. `git archive REV src include tools/dense_prefill_check |
 #   tar -x -C build-ab/old` on the CPU machine); schedules named "2:NAME" run on it.
 # --lib FILE: this tree's standalone library built beforehand (on the CPU machine, with the nvcc flags below:
 #   `bash tools/dense-prefill-ab.sh --build-only DIR` writes DIR/lib.so), so the device call skips that build.
 # --old-lib FILE: the "2:" side's library built beforehand (as --lib), instead of --old DIR.
 # --build-only DIR: build this tree's library into DIR and exit (no GPU needed; NEW_FLAGS apply).
+# --rounds N: timed rounds per shape, the schedules alternating in each (ab_schedules.py keeps the fastest; default
+#   2; more where the GPU's clocks wander between runs, as the H100's did by 2-17 % in one call on 2026-12-05).
 # Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
 # NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DSOME_SWITCH=1
 #   with --old . to A/B a build switch against the same tree without it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; W=/tmp/dense-prefill-ab; rm -rf "$W"; mkdir -p "$W" "$OUT"
-OLD=""; OLD_LIB=""; LIB=""; BUILD_ONLY=""; FWD="persistent_tma persistent_tma_fold"; BWD="two_kernel two_kernel_tma"; CHECK=1
+OLD=""; OLD_LIB=""; LIB=""; BUILD_ONLY=""; FWD="persistent_tma persistent_tma_fold"; BWD="two_kernel two_kernel_tma"; CHECK=1; ROUNDS=2
 while [ $# -gt 0 ]; do
   case $1 in
     --old) OLD=$2; shift 2 ;;
@@ -30,6 +32,7 @@ while [ $# -gt 0 ]; do
     --fwd) FWD=$2; shift 2 ;;
     --bwd) BWD=$2; shift 2 ;;
     --no-check) CHECK=0; shift ;;
+    --rounds) ROUNDS=$2; shift 2 ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
 done
@@ -72,11 +75,11 @@ if [ $CHECK = 1 ]; then
 fi
 if [ -n "$FWD" ]; then
   echo "=== forward A/B $(date +%T): $FWD"
-  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py fwd "$W/new/lib.so" "${LIB2[@]}" $FWD 2>&1 | tee "$W/ab-fwd.log"
+  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py fwd "$W/new/lib.so" "${LIB2[@]}" --rounds "$ROUNDS" $FWD 2>&1 | tee "$W/ab-fwd.log"
 fi
 if [ -n "$BWD" ]; then
   echo "=== backward A/B $(date +%T): $BWD"
-  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py bwd "$W/new/lib.so" "${LIB2[@]}" $BWD 2>&1 | tee "$W/ab-bwd.log"
+  timeout 300 python3 tools/dense_prefill_check/ab_schedules.py bwd "$W/new/lib.so" "${LIB2[@]}" --rounds "$ROUNDS" $BWD 2>&1 | tee "$W/ab-bwd.log"
 fi
 rm -f "$W"/*/*.o "$W"/*/lib.so
 tar czf "$OUT/dense-prefill-ab.tgz" -C "$W" .
