@@ -15,7 +15,7 @@
 # --old-lib FILE: the "2:" side's library built beforehand (as --lib), instead of --old DIR.
 # --build-only DIR: build this tree's library into DIR and exit (no GPU needed; NEW_FLAGS apply).
 # --rounds N: timed rounds per shape, the schedules alternating in each (ab_schedules.py keeps the fastest; default
-#   2; more where the GPU's clocks wander between runs, as the H100's did by 2-17 % in one call on 2026-12-05).
+#   2; more where the GPU's clocks wander between runs, as the H100's did by 0.3-14 % per shape in one call on 2026-12-05).
 # Defaults: --fwd "persistent_tma persistent_tma_fold", --bwd "two_kernel two_kernel_tma".
 # NEW_FLAGS (environment): extra nvcc flags for this tree's build only, e.g. NEW_FLAGS=-DSOME_SWITCH=1
 #   with --old . to A/B a build switch against the same tree without it.
