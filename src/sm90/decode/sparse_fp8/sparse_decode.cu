@@ -22,6 +22,7 @@
 #include "sm90/sm90.h"
 #include "sm90/decode/sparse_fp8/sparse_decode.h"
 #include "sm90/common/combine.cuh"
+#include "sm90/decode/sparse_fp8/combine_row.cuh"
 #include "sm90/common/utils.cuh"
 
 namespace flashmla::sm90 {
@@ -56,33 +57,7 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params
   const int n = p.num_splits[bi + 1] - start;
   if (n <= 1 && p.out_vec_ok) return;  // strided out: the main kernel wrote partials for every request
   wait_prerequisite_grids();  // the main kernel's partials (launched as its programmatic dependent)
-
-  const int64_t split_stride = static_cast<int64_t>(p.s_q) * p.h_q;
-  const int64_t base_row = (static_cast<int64_t>(start) * p.s_q + sq) * p.h_q + h;
-  const float* la = p.lse_accum + base_row;
-  const float4* o = reinterpret_cast<const float4*>(p.o_accum + base_row * 512);
-  const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
-  float4 first[J];
-  if (n > 0) combine_load_slices(o, f4, first);
-
-  float mx;
-  const float s = combine_split_sum(la, n, split_stride, lane, mx);
-  const bool empty = row_sum_empty(s);  // a NaN split makes s NaN: not empty
-  const float lse2 = empty ? INFINITY : log2f(s) + mx;
-  if (lane == 0 && blockIdx.z == 0)
-    p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-  float factor = empty ? 0.f : 1.f;
-  if (p.attn_sink != nullptr && !empty) factor = 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-
-  float4 acc[J];
-  if (empty) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-    combine_accumulate(la, o, n, split_stride, f4, lse2, factor, lane, first, acc);
-  }
-  combine_store_row(static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h,
-                    p.o_stride_d, p.out_vec_ok, f4, acc);
+  sparse_combine_row<J>(p, bi, sq, h, start, n, static_cast<int>(blockIdx.z), lane);
 }
 
 }  // namespace sparse_combine
