@@ -45,6 +45,7 @@
 #include "sm90/common/host_utils.h"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/seesaw.cuh"
+#include "sm90/decode/sparse_fp8/combine_row.cuh"
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/trace.cuh"
 #include "sm90/common/wgmma.cuh"
@@ -476,6 +477,78 @@ constexpr int kStageRowBytes = 256 * 2 + 16;
 constexpr int kStageWgBytes = 64 * kStageRowBytes;
 static_assert(2 * kStageWgBytes <= kSmemQ, "both warpgroups' O halves fit in Q's buffer");
 
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+// The in-kernel combine (FLASHMLA_SPARSE_DECODE_ONE_LAUNCH; docs/sparse-fp8-decode.md, "One launch per call").
+enum : int { kBarCta = 6 };  // named barrier of all kThreads threads (the roles meet only here)
+
+/// Called by every thread of the CTA once the CTA's partials and direct outputs are stored (the producer
+/// warpgroup after its loop, the consumers after theirs, a CTA without work at its start). Where
+/// p.grid_counter is set and the call needs a merge (a request split over parts, or strided out: then every
+/// request went through the partials), a grid-wide barrier, then the grid's warps merge the rows of those
+/// requests as the combine kernel would (sparse_combine_row over all 512 dims, lse and the attention sink).
+/// Needs every CTA of the grid resident at once (the cooperative launch of launch_k guarantees it or refuses);
+/// the decision is the same in every CTA (it reads only the schedule and the parameters), so either all
+/// CTAs arrive at the barrier or none.
+/// The barrier: each CTA's thread 0 fences and adds 1 to *grid_counter, then polls (acquire, gpu scope) until
+/// all N CTAs have added; it then adds 1 again, and the CTA whose second add sees 2N - 1 (every CTA past its
+/// poll) stores 0, so that the next call on the schedule starts from 0 without a memset.
+__device__ __forceinline__ void one_launch_combine(const SparseDecodeKernelParams& p) {
+  const int tid = static_cast<int>(threadIdx.x);  // read here: no register holds it over the block loops
+  int* const counter = p.grid_counter;
+  if (counter == nullptr) return;
+  if (p.out_vec_ok && p.num_splits[p.b] == p.b) return;  // every request in one piece, written by its part
+  __syncwarp();
+  named_barrier_sync(kBarCta, kThreads);  // every warp's stores of this CTA issued
+  const int n_cta = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
+  if (tid == 0) {
+    __threadfence();  // this CTA's stores (ordered before by the barrier) visible at gpu scope before the add
+    atomicAdd(counter, 1);
+    unsigned sleep_ns = 32;
+    for (;;) {
+      int seen;
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen >= n_cta) break;
+      __nanosleep(sleep_ns);
+      sleep_ns = sleep_ns < 512 ? 2 * sleep_ns : 512;
+    }
+    if (atomicAdd(counter, 1) == 2 * n_cta - 1) atomicExch(counter, 0);
+  }
+  named_barrier_sync(kBarCta, kThreads);  // thread 0's acquire orders this CTA's loads of the partials below
+
+  // Rows to merge: (request bi, query token sq, head h) of every request with n >= 2 splits (every request
+  // where out is strided), in request order, s_q x h_q rows each; row r goes to warp r mod W of the grid's
+  // W = 12 N warps, numbered so that consecutive rows fall in different CTAs. The requests are read 32 at a
+  // time: lane i loads request c + i's split range, and a ballot lists the chunk's requests to merge.
+  constexpr int kWarps = kThreads / 32;
+  const int lane = tid % 32;
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  const int64_t n_warps = static_cast<int64_t>(n_cta) * kWarps;
+  const int64_t rows_per_req = static_cast<int64_t>(p.s_q) * p.h_q;
+  int64_t row = static_cast<int64_t>(tid / 32) * n_cta + cta;  // the warp's next row
+  int64_t chunk_first = 0;                                      // the current chunk's first row
+  for (int c = 0; c < p.b; c += 32) {
+    const int bl = c + lane;
+    int start_l = 0, n_l = 0;
+    if (bl < p.b) {
+      start_l = p.num_splits[bl];
+      n_l = p.num_splits[bl + 1] - start_l;
+    }
+    const unsigned merge = __ballot_sync(0xffffffffu, bl < p.b && (n_l >= 2 || !p.out_vec_ok));
+    const int64_t chunk_end = chunk_first + static_cast<int64_t>(__popc(merge)) * rows_per_req;
+    for (; row < chunk_end; row += n_warps) {
+      const int64_t v = row - chunk_first;
+      const int k = static_cast<int>(v / rows_per_req), r = static_cast<int>(v % rows_per_req);
+      unsigned m = merge;  // the lane of the chunk's k-th request to merge: drop the k lowest set bits
+      for (int i = 0; i < k; ++i) m &= m - 1;
+      const int src = __ffs(static_cast<int>(m)) - 1;
+      const int start = __shfl_sync(0xffffffffu, start_l, src), n = __shfl_sync(0xffffffffu, n_l, src);
+      sparse_combine_row<4>(p, c + src, r / p.h_q, r % p.h_q, start, n, 0, lane);
+    }
+    chunk_first = chunk_end;
+  }
+}
+#endif
+
 template <Fmt F, bool kCluster, bool kBatched>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
   launch_dependent_grids();  // the combine after this kernel may be scheduled now (utils.cuh)
@@ -512,7 +585,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int32_t* meta = p.tile_scheduler_metadata + part_id * 8;
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
-  if (begin_req >= p.b) return;
+  if (begin_req >= p.b) {
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+    one_launch_combine(p);  // a CTA without work still arrives at the grid barrier and merges rows
+#endif
+    return;
+  }
 
   // Block 0's chain (metadata -> the first request's topk lengths -> its rows' cache indices ->
   // gathers: dependent round trips) is started here, before the barrier set-up, the cluster barrier
@@ -856,6 +934,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+    one_launch_combine(p);
+#endif
     return;
   }
 
@@ -1151,6 +1232,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(2, tid == 0, clock64());
   if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+  one_launch_combine(p);
+#endif
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(3, tid == 0, clock64());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(5, tid == 0, flashmla_sparse_decode_trace_globaltimer());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(6, tid == 0, flashmla_sparse_decode_trace_smid());
@@ -1165,8 +1249,20 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+/// Sets `*combined` (not null) to whether the kernel merges the partials itself: kp.grid_counter is set and
+/// the cooperative launch (with the cluster dimension for the cluster kernel) was accepted. A refused one (a grid
+/// that cannot be resident at once: MPS or green-context limits, or cooperative with clusters not taken) is
+/// cleared and the kernel launched as without the switch, grid_counter null: the caller runs the combine kernel.
+template <Fmt F, bool kCluster, bool kBatched>
+cudaError_t launch_k(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream,
+                     bool* combined = nullptr) {
+  SparseDecodeKernelParams kp = kp_in;
+  if (combined != nullptr) *combined = false;
+#else
 template <Fmt F, bool kCluster, bool kBatched>
 cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
+#endif
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster, kBatched>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
@@ -1183,6 +1279,30 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+  if (kp.grid_counter != nullptr) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = 2;  // the two head tiles of a (query token, partition)
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = kCluster ? 2 : 1;
+    if (cudaLaunchKernelEx(&cfg, kernel, kp) == cudaSuccess) {
+      if (combined != nullptr) *combined = true;
+      return cudaSuccess;
+    }
+    (void)cudaGetLastError();  // the refusal; the launch below reports its own error
+    kp.grid_counter = nullptr;
+  }
+#endif
   if constexpr (!kCluster) {
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
     return cudaGetLastError();
@@ -1244,8 +1364,16 @@ constexpr bool kClusterDefault = true;
 /// tiles), it is on for the format, and the device keeps every cluster of the grid resident at
 /// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
 /// `kp.num_head_tiles` is the mma.sync kernels' tiling; this kernel's 64-row head tiles are set here.
+#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+#define FLASHMLA_SPARSE_DECODE_COMBINED_ARG , combined
+template <Fmt F>
+cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream,
+                   bool* combined = nullptr) {
+#else
+#define FLASHMLA_SPARSE_DECODE_COMBINED_ARG
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream) {
+#endif
   SparseDecodeKernelParams kp = kp_in;
   kp.num_head_tiles = (kp.h_q + 63) / 64;
   const bool on = kClusterDefault<F>;
@@ -1253,9 +1381,12 @@ cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cuda
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
     if (clusters <= max_active_clusters<F>())
-      return batched ? launch_k<F, true, true>(kp, num_sm_parts, stream) : launch_k<F, true, false>(kp, num_sm_parts, stream);
+      return batched ? launch_k<F, true, true>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG)
+                     : launch_k<F, true, false>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG);
   }
-  return batched ? launch_k<F, false, true>(kp, num_sm_parts, stream) : launch_k<F, false, false>(kp, num_sm_parts, stream);
+  return batched ? launch_k<F, false, true>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG)
+                 : launch_k<F, false, false>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG);
 }
+#undef FLASHMLA_SPARSE_DECODE_COMBINED_ARG
 
 }  // namespace flashmla::sm90::sparse::wgmma_producer
