@@ -217,8 +217,9 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     // The merge inside the main kernel only where this call runs the combine stage too (a main-kernel-only
     // timing keeps the partials-only kernel). The grid barrier's counter is row 0's pad of the schedule
     // (0 as every schedule writes it, and left 0 by the kernel); see SparseDecodeKernelParams::grid_counter.
-    kp.grid_counter =
-        (stages & kSparseStageCombine) ? &reinterpret_cast<TileSchedulerMetadataRow*>(metadata)->pad : nullptr;
+    kp.grid_counter = FLASHMLA_SPARSE_DECODE_ONE_LAUNCH == 1 && (stages & kSparseStageCombine)
+                          ? &reinterpret_cast<TileSchedulerMetadataRow*>(metadata)->pad
+                          : nullptr;
     const cudaError_t e =
         d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream, &combined)
                     : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream, &combined);

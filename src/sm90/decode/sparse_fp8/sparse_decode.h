@@ -12,7 +12,9 @@
 // FLASHMLA_SPARSE_DECODE_ONE_LAUNCH (build switch, default 0): 1 makes the wgmma producer kernel merge
 // the split-KV partials itself after a grid-wide barrier (docs/sparse-fp8-decode.md, "One launch per call"):
 // it is launched cooperatively with SparseDecodeKernelParams::grid_counter set, and the combine kernel is not
-// launched. 0: the field does not exist and every kernel's machine code is the two-launch design's.
+// launched. 0: the field does not exist and every kernel's machine code is the two-launch design's. 2: the
+// switch's kernels and launcher are compiled but grid_counter is never set (two launches): the A/B's control for
+// what the compiled-in merge alone does to the kernels' machine code (registers, spills).
 #ifndef FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
 #define FLASHMLA_SPARSE_DECODE_ONE_LAUNCH 0
 #endif

@@ -37,6 +37,7 @@
 
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -49,6 +50,7 @@
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/trace.cuh"
 #include "sm90/common/wgmma.cuh"
+#include "sm90/sm90.h"
 
 // ---- Optional event timeline (diagnostics only: tools/trace/sparse_decode_trace.cu). Without
 // FLASHMLA_TRACE every FLASHMLA_SPARSE_DECODE_TRACE_* below expands to nothing and the machine code is unchanged.
@@ -502,14 +504,25 @@ __device__ __forceinline__ void one_launch_combine(const SparseDecodeKernelParam
   const int n_cta = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
   if (tid == 0) {
     __threadfence();  // this CTA's stores (ordered before by the barrier) visible at gpu scope before the add
-    atomicAdd(counter, 1);
+    // A counter outside [0, N) on arrival (a schedule used by two calls at once, metadata not made by our
+    // scheduler, an aborted launch) would let the barrier pass before every partial is written, or never:
+    // trap instead of a silent wrong answer or a hang; likewise a poll that waits a whole second.
+    const int before = atomicAdd(counter, 1);
+    if (before < 0 || before >= n_cta) __trap();
+    uint64_t t0;
+    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
     unsigned sleep_ns = 32;
     for (;;) {
       int seen;
       asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
       if (seen >= n_cta) break;
+      // Short sleeps: the CTAs without work (most of the grid at b = 2) wait here through the whole main phase
+      // and own merge rows (a sleep may last up to twice the request).
       __nanosleep(sleep_ns);
-      sleep_ns = sleep_ns < 512 ? 2 * sleep_ns : 512;
+      sleep_ns = sleep_ns < 128 ? 2 * sleep_ns : 128;
+      uint64_t t;
+      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+      if (t - t0 > 1000000000ull) __trap();
     }
     if (atomicAdd(counter, 1) == 2 * n_cta - 1) atomicExch(counter, 0);
   }
@@ -1280,6 +1293,15 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
 #if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
+  // Tried only where every CTA can be resident at once (one per SM; the caller took the cluster kernel only where
+  // its clusters all fit) and no earlier call of this kernel was refused: a refused launch is then rare, which
+  // matters under stream capture, where it would invalidate the capture rather than fall back.
+  static std::atomic<bool> refused{false};
+  int device = 0;
+  if (kp.grid_counter != nullptr &&
+      (refused.load(std::memory_order_relaxed) || cudaGetDevice(&device) != cudaSuccess ||
+       static_cast<long long>(grid.x) * grid.y > static_cast<long long>(num_sms(device))))
+    kp.grid_counter = nullptr;
   if (kp.grid_counter != nullptr) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = grid;
@@ -1300,6 +1322,7 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
       return cudaSuccess;
     }
     (void)cudaGetLastError();  // the refusal; the launch below reports its own error
+    refused.store(true, std::memory_order_relaxed);
     kp.grid_counter = nullptr;
   }
 #endif
