@@ -1292,6 +1292,32 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
   if (e != cudaSuccess) return e;
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
+  // cudaLaunchKernelEx with the cluster dimension where the cluster kernel runs (the two head tiles of a (query
+  // token, partition)) and, where asked, the cooperative attribute.
+  [[maybe_unused]] auto launch_ex = [&](const SparseDecodeKernelParams& args, bool cooperative) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads, 1, 1);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if constexpr (kCluster) {
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n].val.clusterDim.x = 2;
+      attr[n].val.clusterDim.y = 1;
+      attr[n].val.clusterDim.z = 1;
+      ++n;
+    }
+    if (cooperative) {
+      attr[n].id = cudaLaunchAttributeCooperative;
+      attr[n].val.cooperative = 1;
+      ++n;
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = n;
+    return cudaLaunchKernelEx(&cfg, kernel, args);
+  };
 #if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
   // Tried only where every CTA can be resident at once (one per SM; the caller took the cluster kernel only where
   // its clusters all fit) and no earlier call of this kernel was refused: a refused launch is then rare, which
@@ -1303,21 +1329,7 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
        static_cast<long long>(grid.x) * grid.y > static_cast<long long>(num_sms(device))))
     kp.grid_counter = nullptr;
   if (kp.grid_counter != nullptr) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
-    attr[1].id = cudaLaunchAttributeClusterDimension;
-    attr[1].val.clusterDim.x = 2;  // the two head tiles of a (query token, partition)
-    attr[1].val.clusterDim.y = 1;
-    attr[1].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = kCluster ? 2 : 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, kp) == cudaSuccess) {
+    if (launch_ex(kp, true) == cudaSuccess) {
       if (combined != nullptr) *combined = true;
       return cudaSuccess;
     }
@@ -1330,19 +1342,7 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
     return cudaGetLastError();
   } else {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads, 1, 1);
-    cfg.dynamicSmemBytes = kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;  // the two head tiles of a (query token, partition)
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, kp);
+    return launch_ex(kp, false);
   }
 }
 
