@@ -1,6 +1,5 @@
 // src/sm90/decode/sparse_fp8/combine_row.cuh — the sparse FP8 decode's split-KV merge of one output row
-// (request bi, query token sq, head h), shared by the combine kernel (sparse_decode.cu) and the wgmma
-// producer kernel's in-kernel combine (FLASHMLA_SPARSE_DECODE_ONE_LAUNCH, wgmma_producer_kernel.cuh).
+// (request bi, query token sq, head h): the body of the combine kernel (sparse_decode.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,7 +19,7 @@ namespace flashmla::sm90 {
 /// an empty row, whose out is 0). The attention sink scales the row by 1 / (1 + exp(sink_h - lse)).
 /// P: any parameter struct with the combine's buffers (CombineBuffers' fields), attn_sink, s_q, h_q and
 /// out_vec_ok. The partials must be visible to the calling thread (the combine kernel waits for the main
-/// kernel first; the in-kernel combine after its grid barrier).
+/// kernel first).
 template <int J, class P>
 __device__ __forceinline__ void sparse_combine_row(const P& p, int bi, int sq, int h, int start, int n, int slice,
                                                    int lane) {

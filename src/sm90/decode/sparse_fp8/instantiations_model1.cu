@@ -4,15 +4,8 @@
 
 namespace flashmla::sm90 {
 
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream,
-                                      bool* combined) {
-  return sparse::launch_chosen_main<sparse::Fmt::kModel1>(kp, num_sm_parts, stream, combined);
-}
-#else
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   return sparse::launch_chosen_main<sparse::Fmt::kModel1>(kp, num_sm_parts, stream);
 }
-#endif
 
 }  // namespace flashmla::sm90

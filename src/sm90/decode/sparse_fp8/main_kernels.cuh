@@ -10,20 +10,6 @@ namespace flashmla::sm90::sparse {
 
 /// The wgmma producer kernel when kp.main_kernel asks for it and it can run the call; else the mma.sync
 /// kernels (launch_main_auto).
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-/// `*combined`: whether the launched kernel merges the partials itself (only the wgmma producer kernel can; see
-/// wgmma_producer::launch_k); the mma.sync kernels leave that to the combine kernel.
-template <Fmt F>
-cudaError_t launch_chosen_main(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream,
-                               bool* combined) {
-  *combined = false;
-  if (kp.main_kernel == SparseDecodeMainKernel::kWgmmaProducer && wgmma_producer::usable(kp)) {
-    const cudaError_t e = wgmma_producer::launch<F>(kp, num_sm_parts, stream, combined);
-    if (e != cudaErrorInvalidConfiguration) return e;
-  }
-  return launch_main_auto<F>(kp, num_sm_parts, stream);
-}
-#else
 template <Fmt F>
 cudaError_t launch_chosen_main(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
   if (kp.main_kernel == SparseDecodeMainKernel::kWgmmaProducer && wgmma_producer::usable(kp)) {
@@ -34,6 +20,5 @@ cudaError_t launch_chosen_main(const SparseDecodeKernelParams& kp, int num_sm_pa
   }
   return launch_main_auto<F>(kp, num_sm_parts, stream);
 }
-#endif
 
 }  // namespace flashmla::sm90::sparse

@@ -192,7 +192,6 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     if (e != cudaSuccess) return cuda_error("sparse tile scheduler launch", e);
   }
 
-  [[maybe_unused]] bool combined = false;  // FLASHMLA_SPARSE_DECODE_ONE_LAUNCH: the main kernel merged the partials
   if (stages & kSparseStageMain) {
     SparseDecodeKernelParams kp{};
     set_decode_query(kp, p.q);
@@ -213,24 +212,12 @@ Status sparse_decode_launch(const SparseDecodeParams& p, int64_t num_sm_parts, i
     kp.out_vec16 = vec && rows_16b_aligned(p.out, 3) ? 1 : 0;
     kp.scale_log2 = p.softmax_scale * 1.4426950408889634f;
     kp.main_kernel = sparse_decode_main_kernel(b, s_q, h_q);
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-    // The merge inside the main kernel only where this call runs the combine stage too (a main-kernel-only
-    // timing keeps the partials-only kernel). The grid barrier's counter is row 0's pad of the schedule
-    // (0 as every schedule writes it, and left 0 by the kernel); see SparseDecodeKernelParams::grid_counter.
-    kp.grid_counter = FLASHMLA_SPARSE_DECODE_ONE_LAUNCH == 1 && (stages & kSparseStageCombine)
-                          ? &reinterpret_cast<TileSchedulerMetadataRow*>(metadata)->pad
-                          : nullptr;
-    const cudaError_t e =
-        d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream, &combined)
-                    : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream, &combined);
-#else
     const cudaError_t e = d_qk == 576 ? launch_sparse_main_v32(kp, static_cast<int>(num_sm_parts), stream)
                                       : launch_sparse_main_model1(kp, static_cast<int>(num_sm_parts), stream);
-#endif
     if (e != cudaSuccess) return cuda_error("flash_fwd_splitkv_mla_fp8_sparse_kernel launch", e);
   }
 
-  if ((stages & kSparseStageCombine) && !combined) {
+  if (stages & kSparseStageCombine) {
     SparseCombineParams cp{};
     set_decode_outputs(cp, p.out, p.lse, o_accum, lse_accum, num_splits);
     cp.attn_sink = sink;

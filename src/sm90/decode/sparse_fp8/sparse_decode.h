@@ -9,16 +9,6 @@
 #include "flashmla/ops.h"
 #include "sm90/common/combine_buffers.h"
 
-// FLASHMLA_SPARSE_DECODE_ONE_LAUNCH (build switch, default 0): 1 makes the wgmma producer kernel merge
-// the split-KV partials itself after a grid-wide barrier (docs/sparse-fp8-decode.md, "One launch per call"):
-// it is launched cooperatively with SparseDecodeKernelParams::grid_counter set, and the combine kernel is not
-// launched. 0: the field does not exist and every kernel's machine code is the two-launch design's. 2: the
-// switch's kernels and launcher are compiled but grid_counter is never set (two launches): the A/B's control for
-// what the compiled-in merge alone does to the kernels' machine code (registers, spills).
-#ifndef FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-#define FLASHMLA_SPARSE_DECODE_ONE_LAUNCH 0
-#endif
-
 namespace flashmla::sm90 {
 
 /// One FP8 cache (main or extra) with its index list, as the kernel sees it.
@@ -68,14 +58,6 @@ struct SparseDecodeKernelParams {
   int out_vec16;   // out_vec_ok and out's rows 16-byte aligned (rows_16b_aligned): the wgmma kernel's 16-byte stores
   float scale_log2;  // softmax_scale * log2(e)
   SparseDecodeMainKernel main_kernel;  // chosen by shape in sparse_decode.cu (sparse_decode_main_kernel)
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-  // The grid barrier's arrival counter (0 on entry and on exit), or nullptr: the combine kernel merges the
-  // partials. Only the wgmma producer kernel reads it, and only under a cooperative launch (every CTA
-  // resident). It is row 0's `pad` of tile_scheduler_metadata, which every schedule writes as 0; so one
-  // schedule used by two calls running at once (two streams) shares one counter, and that is not supported
-  // on this path (a counter per (schedule, stream) is the design's remedy, not built).
-  int* grid_counter;
-#endif
 };
 
 struct SparseCombineParams : CombineBuffers {
@@ -94,17 +76,8 @@ cudaError_t launch_sparse_tile_scheduler(const int32_t* topk_length, const int32
                                          int extra_topk, int b, int num_sm_parts, int32_t* metadata,
                                          int32_t* num_splits, cudaStream_t stream);
 
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-/// `*combined` (not null) is set to whether the main kernel merged the partials itself (kp.grid_counter set,
-/// the wgmma producer kernel chosen and its cooperative launch accepted): the combine kernel must not run then.
-cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream,
-                                   bool* combined);
-cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream,
-                                      bool* combined);
-#else
 cudaError_t launch_sparse_main_v32(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
 cudaError_t launch_sparse_main_model1(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream);
-#endif
 /// `metadata` / `num_sm_parts`: the schedule of the main kernel (the compact grid reads it).
 cudaError_t launch_sparse_combine(const SparseCombineParams& cp, const int32_t* metadata, int num_sm_parts,
                                   cudaStream_t stream);

@@ -37,7 +37,6 @@
 
 #include <cuda_bf16.h>
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -46,11 +45,9 @@
 #include "sm90/common/host_utils.h"
 #include "sm90/common/decode_schedule.cuh"
 #include "sm90/common/seesaw.cuh"
-#include "sm90/decode/sparse_fp8/combine_row.cuh"
 #include "sm90/decode/sparse_fp8/mma_sync_kernel.cuh"
 #include "sm90/common/trace.cuh"
 #include "sm90/common/wgmma.cuh"
-#include "sm90/sm90.h"
 
 // ---- Optional event timeline (diagnostics only: tools/trace/sparse_decode_trace.cu). Without
 // FLASHMLA_TRACE every FLASHMLA_SPARSE_DECODE_TRACE_* below expands to nothing and the machine code is unchanged.
@@ -479,88 +476,6 @@ constexpr int kStageRowBytes = 256 * 2 + 16;
 constexpr int kStageWgBytes = 64 * kStageRowBytes;
 static_assert(2 * kStageWgBytes <= kSmemQ, "both warpgroups' O halves fit in Q's buffer");
 
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-// The in-kernel combine (FLASHMLA_SPARSE_DECODE_ONE_LAUNCH; docs/sparse-fp8-decode.md, "One launch per call").
-enum : int { kBarCta = 6 };  // named barrier of all kThreads threads (the roles meet only here)
-
-/// Called by every thread of the CTA once the CTA's partials and direct outputs are stored (the producer
-/// warpgroup after its loop, the consumers after theirs, a CTA without work at its start). Where
-/// p.grid_counter is set and the call needs a merge (a request split over parts, or strided out: then every
-/// request went through the partials), a grid-wide barrier, then the grid's warps merge the rows of those
-/// requests as the combine kernel would (sparse_combine_row over all 512 dims, lse and the attention sink).
-/// Needs every CTA of the grid resident at once (the cooperative launch of launch_k guarantees it or refuses);
-/// the decision is the same in every CTA (it reads only the schedule and the parameters), so either all
-/// CTAs arrive at the barrier or none.
-/// The barrier: each CTA's thread 0 fences and adds 1 to *grid_counter, then polls (acquire, gpu scope) until
-/// all N CTAs have added; it then adds 1 again, and the CTA whose second add sees 2N - 1 (every CTA past its
-/// poll) stores 0, so that the next call on the schedule starts from 0 without a memset.
-__device__ __forceinline__ void one_launch_combine(const SparseDecodeKernelParams& p) {
-  const int tid = static_cast<int>(threadIdx.x);  // read here: no register holds it over the block loops
-  int* const counter = p.grid_counter;
-  if (counter == nullptr) return;
-  if (p.out_vec_ok && p.num_splits[p.b] == p.b) return;  // every request in one piece, written by its part
-  __syncwarp();
-  named_barrier_sync(kBarCta, kThreads);  // every warp's stores of this CTA issued
-  const int n_cta = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
-  if (tid == 0) {
-    __threadfence();  // this CTA's stores (ordered before by the barrier) visible at gpu scope before the add
-    // A counter outside [0, N) on arrival (a schedule used by two calls at once, metadata not made by our
-    // scheduler, an aborted launch) would let the barrier pass before every partial is written, or never:
-    // trap instead of a silent wrong answer or a hang; likewise a poll that waits a whole second.
-    const int before = atomicAdd(counter, 1);
-    if (before < 0 || before >= n_cta) __trap();
-    uint64_t t0;
-    asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t0));
-    unsigned sleep_ns = 32;
-    for (;;) {
-      int seen;
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-      if (seen >= n_cta) break;
-      // Short sleeps: the CTAs without work (most of the grid at b = 2) wait here through the whole main phase
-      // and own merge rows (a sleep may last up to twice the request).
-      __nanosleep(sleep_ns);
-      sleep_ns = sleep_ns < 128 ? 2 * sleep_ns : 128;
-      uint64_t t;
-      asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-      if (t - t0 > 1000000000ull) __trap();
-    }
-    if (atomicAdd(counter, 1) == 2 * n_cta - 1) atomicExch(counter, 0);
-  }
-  named_barrier_sync(kBarCta, kThreads);  // thread 0's acquire orders this CTA's loads of the partials below
-
-  // Rows to merge: (request bi, query token sq, head h) of every request with n >= 2 splits (every request
-  // where out is strided), in request order, s_q x h_q rows each; row r goes to warp r mod W of the grid's
-  // W = 12 N warps, numbered so that consecutive rows fall in different CTAs. The requests are read 32 at a
-  // time: lane i loads request c + i's split range, and a ballot lists the chunk's requests to merge.
-  constexpr int kWarps = kThreads / 32;
-  const int lane = tid % 32;
-  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const int64_t n_warps = static_cast<int64_t>(n_cta) * kWarps;
-  const int64_t rows_per_req = static_cast<int64_t>(p.s_q) * p.h_q;
-  int64_t row = static_cast<int64_t>(tid / 32) * n_cta + cta;  // the warp's next row
-  int64_t chunk_first = 0;                                      // the current chunk's first row
-  for (int c = 0; c < p.b; c += 32) {
-    const int bl = c + lane;
-    int start_l = 0, n_l = 0;
-    if (bl < p.b) {
-      start_l = p.num_splits[bl];
-      n_l = p.num_splits[bl + 1] - start_l;
-    }
-    const unsigned merge = __ballot_sync(0xffffffffu, bl < p.b && (n_l >= 2 || !p.out_vec_ok));
-    const int64_t chunk_end = chunk_first + static_cast<int64_t>(__popc(merge)) * rows_per_req;
-    for (; row < chunk_end; row += n_warps) {
-      const int64_t v = row - chunk_first;
-      const int k = static_cast<int>(v / rows_per_req), r = static_cast<int>(v % rows_per_req);
-      unsigned m = merge;  // the lane of the chunk's k-th request to merge: drop the k lowest set bits
-      for (int i = 0; i < k; ++i) m &= m - 1;
-      const int src = __ffs(static_cast<int>(m)) - 1;
-      const int start = __shfl_sync(0xffffffffu, start_l, src), n = __shfl_sync(0xffffffffu, n_l, src);
-      sparse_combine_row<4>(p, c + src, r / p.h_q, r % p.h_q, start, n, 0, lane);
-    }
-    chunk_first = chunk_end;
-  }
-}
-#endif
 
 template <Fmt F, bool kCluster, bool kBatched>
 __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer(const SparseDecodeKernelParams p) {
@@ -599,9 +514,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   const int begin_req = meta[0], end_req = meta[1], begin_blk = meta[2], end_blk = meta[3];
   const int begin_split = meta[4], first_splitted = meta[5], last_splitted = meta[6];
   if (begin_req >= p.b) {
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-    one_launch_combine(p);  // a CTA without work still arrives at the grid barrier and merges rows
-#endif
     return;
   }
 
@@ -947,9 +859,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-    one_launch_combine(p);
-#endif
     return;
   }
 
@@ -1245,9 +1154,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(2, tid == 0, clock64());
   if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-  one_launch_combine(p);
-#endif
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(3, tid == 0, clock64());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(5, tid == 0, flashmla_sparse_decode_trace_globaltimer());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(6, tid == 0, flashmla_sparse_decode_trace_smid());
@@ -1262,20 +1168,8 @@ inline bool usable(const SparseDecodeKernelParams& kp) {
   return kp.main.vec != 0 && (!kp.has_extra || kp.extra.vec != 0);
 }
 
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-/// Sets `*combined` (not null) to whether the kernel merges the partials itself: kp.grid_counter is set and
-/// the cooperative launch (with the cluster dimension for the cluster kernel) was accepted. A refused one (a grid
-/// that cannot be resident at once: MPS or green-context limits, or cooperative with clusters not taken) is
-/// cleared and the kernel launched as without the switch, grid_counter null: the caller runs the combine kernel.
-template <Fmt F, bool kCluster, bool kBatched>
-cudaError_t launch_k(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream,
-                     bool* combined = nullptr) {
-  SparseDecodeKernelParams kp = kp_in;
-  if (combined != nullptr) *combined = false;
-#else
 template <Fmt F, bool kCluster, bool kBatched>
 cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaStream_t stream) {
-#endif
   auto kernel = flash_fwd_splitkv_mla_fp8_sparse_kernel_wgmma_producer<F, kCluster, kBatched>;
   // The setmaxnreg split needs the launch's register pool (compiled registers x 512), else
   // setmaxnreg.inc would wait forever: refuse with cudaErrorInvalidConfiguration (the callers in
@@ -1293,14 +1187,14 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
   const dim3 grid(static_cast<unsigned>(kp.s_q) * static_cast<unsigned>(kp.num_head_tiles),
                   static_cast<unsigned>(num_sm_parts), 1);
   // cudaLaunchKernelEx with the cluster dimension where the cluster kernel runs (the two head tiles of a (query
-  // token, partition)) and, where asked, the cooperative attribute.
-  [[maybe_unused]] auto launch_ex = [&](const SparseDecodeKernelParams& args, bool cooperative) {
+  // token, partition)).
+  [[maybe_unused]] auto launch_ex = [&](const SparseDecodeKernelParams& args) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = grid;
     cfg.blockDim = dim3(kThreads, 1, 1);
     cfg.dynamicSmemBytes = kSmemBytes;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[2];
+    cudaLaunchAttribute attr[1];
     unsigned n = 0;
     if constexpr (kCluster) {
       attr[n].id = cudaLaunchAttributeClusterDimension;
@@ -1309,40 +1203,15 @@ cudaError_t launch_k(const SparseDecodeKernelParams& kp, int num_sm_parts, cudaS
       attr[n].val.clusterDim.z = 1;
       ++n;
     }
-    if (cooperative) {
-      attr[n].id = cudaLaunchAttributeCooperative;
-      attr[n].val.cooperative = 1;
-      ++n;
-    }
     cfg.attrs = attr;
     cfg.numAttrs = n;
     return cudaLaunchKernelEx(&cfg, kernel, args);
   };
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-  // Tried only where every CTA can be resident at once (one per SM; the caller took the cluster kernel only where
-  // its clusters all fit) and no earlier call of this kernel was refused: a refused launch is then rare, which
-  // matters under stream capture, where it would invalidate the capture rather than fall back.
-  static std::atomic<bool> refused{false};
-  int device = 0;
-  if (kp.grid_counter != nullptr &&
-      (refused.load(std::memory_order_relaxed) || cudaGetDevice(&device) != cudaSuccess ||
-       static_cast<long long>(grid.x) * grid.y > static_cast<long long>(num_sms(device))))
-    kp.grid_counter = nullptr;
-  if (kp.grid_counter != nullptr) {
-    if (launch_ex(kp, true) == cudaSuccess) {
-      if (combined != nullptr) *combined = true;
-      return cudaSuccess;
-    }
-    (void)cudaGetLastError();  // the refusal; the launch below reports its own error
-    refused.store(true, std::memory_order_relaxed);
-    kp.grid_counter = nullptr;
-  }
-#endif
   if constexpr (!kCluster) {
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(kp);
     return cudaGetLastError();
   } else {
-    return launch_ex(kp, false);
+    return launch_ex(kp);
   }
 }
 
@@ -1387,16 +1256,8 @@ constexpr bool kClusterDefault = true;
 /// tiles), it is on for the format, and the device keeps every cluster of the grid resident at
 /// once (a second wave would cost more than the shared dequant saves); else the plain kernel.
 /// `kp.num_head_tiles` is the mma.sync kernels' tiling; this kernel's 64-row head tiles are set here.
-#if FLASHMLA_SPARSE_DECODE_ONE_LAUNCH
-#define FLASHMLA_SPARSE_DECODE_COMBINED_ARG , combined
-template <Fmt F>
-cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream,
-                   bool* combined = nullptr) {
-#else
-#define FLASHMLA_SPARSE_DECODE_COMBINED_ARG
 template <Fmt F>
 cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cudaStream_t stream) {
-#endif
   SparseDecodeKernelParams kp = kp_in;
   kp.num_head_tiles = (kp.h_q + 63) / 64;
   const bool on = kClusterDefault<F>;
@@ -1404,12 +1265,11 @@ cudaError_t launch(const SparseDecodeKernelParams& kp_in, int num_sm_parts, cuda
   if (on && kp.num_head_tiles % 2 == 0) {
     const long long clusters = static_cast<long long>(kp.s_q) * kp.num_head_tiles / 2 * num_sm_parts;
     if (clusters <= max_active_clusters<F>())
-      return batched ? launch_k<F, true, true>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG)
-                     : launch_k<F, true, false>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG);
+      return batched ? launch_k<F, true, true>(kp, num_sm_parts, stream)
+                     : launch_k<F, true, false>(kp, num_sm_parts, stream);
   }
-  return batched ? launch_k<F, false, true>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG)
-                 : launch_k<F, false, false>(kp, num_sm_parts, stream FLASHMLA_SPARSE_DECODE_COMBINED_ARG);
+  return batched ? launch_k<F, false, true>(kp, num_sm_parts, stream)
+                 : launch_k<F, false, false>(kp, num_sm_parts, stream);
 }
-#undef FLASHMLA_SPARSE_DECODE_COMBINED_ARG
 
 }  // namespace flashmla::sm90::sparse::wgmma_producer
