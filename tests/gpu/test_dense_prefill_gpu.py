@@ -16,7 +16,7 @@
    (s_q = 0 and s_k = 0), causal rows without a visible key (out 0, lse -inf, zero gradients),
    bf16 and fp16, GQA, both head-dim pairs, packed variants, is_varlen=False, NaN propagation.
 3. NaN / inf in keys of the causal diagonal block that the first rows do not see (k, v or both; s_q 7 / 63 /
-   129 / 200, s_k = s_q .. s_q + 70): out, lse, dq, dk, dv as the reference, and the other rows bit-identical
+   129 / 200 / 520, s_k = s_q .. s_q + 70): out, lse, dq, dk, dv as the reference, and the other rows bit-identical
    to a run with finite values there. Likewise NaN / inf in every key of the next request (the rows past a
    request's end that its last key block reads), and in one query row's q or dout (dk / dv of the keys it
    does not see).
@@ -374,14 +374,16 @@ def run_poisoned_checked(q, k, v, dout, cu_q, cu_k, lens_q, lens_k, scale, causa
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 def test_masked_keys_holding_nan_or_inf(offset, poison, where, dims, heads):
-    """Causal (bottom-right), s_k = s_q + offset for s_q 7 / 63 / 129 / 200: keys of the diagonal block that
+    """Causal (bottom-right), s_k = s_q + offset for s_q 7 / 63 / 129 / 200 / 520: keys of the diagonal block that
     the first rows do not see hold NaN or inf in k and / or v (diagonal_keys; one request has it in the key
     right of the first row's last, one has s_q > s_k, one is clean). out, lse, dq, dk, dv equal the reference,
     which reads no key a row does not see (reference: row_segments), non-finite where it is; and the rows that
     see no poisoned key get the same bits as with finite values in those keys (dv everywhere, and lse, when
     only v is poisoned: neither reads v)."""
     torch.manual_seed(zlib.crc32(repr((offset, poison, where, dims, heads)).encode()))
-    reqs = [(s_q, s_q + offset, diagonal_keys(s_q, s_q + offset)) for s_q in (7, 63, 129, 200)]
+    # s_q 520: the last key lies in the checked block of a tile with 4 blocks before it, which the persistent forward
+    # scans in global memory first (fwd.cu, kPrescanAfter); the tile of rows 384-511 has a clean one.
+    reqs = [(s_q, s_q + offset, diagonal_keys(s_q, s_q + offset)) for s_q in (7, 63, 129, 200, 520)]
     reqs += [(129, 129 + offset, [offset + 1]), (40, 25, diagonal_keys(40, 25)), (63, 63 + offset, [])]
     (h, h_k), (d, d_v) = heads, dims
     cu_q, cu_k = cumulative([r[0] for r in reqs]), cumulative([r[1] for r in reqs])

@@ -381,32 +381,35 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
         FAILURES.append(name)
 
 
-def run_masked_v_case(lib, name, d, dev="cuda"):
-    """Causal, one request s_q = s_k = 300 (offset 0): +inf in v at keys 130 and 170 (head 0, dim 3). Query rows 0 ..
-    129 see neither (key j is visible to row i iff j <= i), so for every forward schedule their out must equal, bitwise,
-    a run with finite values there; rows 130 .. 299 see key 130, so their out dim 3 is +inf and their other dims equal
-    the finite run's within 1e-2; lse (independent of v) and head 1 are bitwise the finite run's. The keys lie in a
-    causal diagonal ("checked") block of both key-block sizes: rows 2 / 42 of 128-key block 1, rows 130 / 170 of
-    176-key block 0 (the second word group of the row marks). The float reference would multiply the masked keys' P = 0
-    by inf, so the finite run is the reference (as run_masked_key_case)."""
+def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170)):
+    """Causal, one request s_q = s_k = length (offset 0): +inf in v at `keys` (head 0, dim 3). Query rows
+    0 .. keys[0] - 1 see none of them (key j is visible to row i iff j <= i), so for every forward schedule their out must equal,
+    bitwise, a run with finite values there; rows keys[0] .. see key keys[0], so their out dim 3 is +inf and their
+    other dims equal the finite run's within 1e-2; lse (independent of v) and head 1 are bitwise the finite run's. The
+    default keys lie in a causal diagonal ("checked") block of both key-block sizes: rows 2 / 42 of 128-key block 1,
+    rows 130 / 170 of 176-key block 0 (the second word group of the row marks). length 700, keys (530, 650): checked
+    128-key blocks 4 and 5, which the persistent forward scans in global memory first (three or more blocks before
+    them in the tile). The float reference would multiply the masked keys' P = 0 by inf, so the finite run is the
+    reference (as run_masked_key_case)."""
     torch.manual_seed(11)
-    lq, lk, h, dv = [300], [300], 2, 128
+    lq, lk, h, dv = [length], [length], 2, 128
     q, k, v, dout, cu_q, cu_k = make_inputs(lq, lk, h, h, d, dv, torch.bfloat16, dev)
     v_bad = v.clone()
-    v_bad[130, 0, 3] = float("inf")
-    v_bad[170, 0, 3] = float("inf")
+    for key in keys:
+        v_bad[key, 0, 3] = float("inf")
+    k0 = keys[0]
     scale = (d + 100) ** -0.5
     ok = True
     msgs = []
     for sched in (("default",) + FWD_SCHEDULES if VARIANTS["on"] else ("default",)):
-        o_f, l_f = [t.clone() for t in lib.fwd(q, k, v, cu_q, cu_k, 300, 300, scale, True, schedule=sched)]
-        o_b, l_b = lib.fwd(q, k, v_bad, cu_q, cu_k, 300, 300, scale, True, schedule=sched)
+        o_f, l_f = [t.clone() for t in lib.fwd(q, k, v, cu_q, cu_k, length, length, scale, True, schedule=sched)]
+        o_b, l_b = lib.fwd(q, k, v_bad, cu_q, cu_k, length, length, scale, True, schedule=sched)
         torch.cuda.synchronize()
-        unseen = torch.equal(o_b[:130], o_f[:130]) and bool(torch.isfinite(o_b[:130]).all())
-        seen = o_b[130:, 0].float()
+        unseen = torch.equal(o_b[:k0], o_f[:k0]) and bool(torch.isfinite(o_b[:k0]).all())
+        seen = o_b[k0:, 0].float()
         inf_col = bool((seen[:, 3] == math.inf).all())
         rest = torch.cat([seen[:, :3], seen[:, 4:]], dim=1)
-        ref_rest = torch.cat([o_f[130:, 0, :3], o_f[130:, 0, 4:]], dim=1).float()
+        ref_rest = torch.cat([o_f[k0:, 0, :3], o_f[k0:, 0, 4:]], dim=1).float()
         rest_err = float((rest - ref_rest).abs().max() / ref_rest.abs().max().clamp_min(1e-30))
         other = torch.equal(o_b[:, 1], o_f[:, 1]) and torch.equal(l_b, l_f)
         good = unseen and inf_col and bool(torch.isfinite(rest).all()) and rest_err < 1e-2 and other
@@ -562,6 +565,8 @@ def main():
                  causal, nan="v_next")
         safe(run_masked_key_case, lib, f"NaN in a key the first rows do not see d{d} causal=True", d)
         safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see d{d} causal=True", d)
+        safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see, blocks 4-5, d{d} causal=True", d,
+             length=700, keys=(530, 650))
     safe(run_case, lib, "all requests empty of keys", [5, 9], [0, 0], 2, 1, 128, False)
     safe(run_case, lib, "no query rows", [0, 0], [5, 9], 2, 1, 128, True)
 

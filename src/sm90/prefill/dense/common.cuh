@@ -284,6 +284,30 @@ __device__ __forceinline__ bool float_is_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
 }
 
+/// Threads st = 0 .. nt - 1: whether rows [lo, hi) of a row-major global array (row r at rows + r * row_stride
+/// elements, kDim contiguous elements each, 16-byte aligned) hold an inf / NaN element in this thread's share of the
+/// 16-byte chunks (the caller reduces over its threads). Two chunks a thread in flight at a time.
+template <class T, int kDim>
+__device__ __forceinline__ bool any_nonfinite_rows_global(const T* rows, int64_t row_stride, int lo, int hi, int st,
+                                                          int nt) {
+  constexpr int kChunks = kDim / 8;
+  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  constexpr uint32_t e2 = e | (e << 16);
+  auto chunk = [&](int idx) {
+    return __ldg(reinterpret_cast<const uint4*>(rows + (lo + idx / kChunks) * row_stride + (idx % kChunks) * 8));
+  };
+  auto bad = [&](uint32_t w) { return __vcmpeq2(w & e2, e2); };  // 0xFFFF in each half whose exponent is all ones
+  uint32_t any = 0;
+  const int n = (hi - lo) * kChunks;
+#pragma unroll 1
+  for (int idx = st; idx < n; idx += 2 * nt) {
+    const uint4 x = chunk(idx);
+    const uint4 y = idx + nt < n ? chunk(idx + nt) : make_uint4(0u, 0u, 0u, 0u);
+    any |= bad(x.x) | bad(x.y) | bad(x.z) | bad(x.w) | bad(y.x) | bad(y.y) | bad(y.z) | bad(y.w);
+  }
+  return any != 0;
+}
+
 /// Threads st = 0 .. nt - 1: in rows [lo, hi) of a kRows x kDim tile (generic pointer to shared memory), replaces
 /// every inf / NaN element by 0 and sets bit r of mask (4 words, shared memory) for each row r that held one.
 template <class T, int kRows, int kDim>

@@ -315,9 +315,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Warps 1-3 clean the checked blocks, then release them to the consumers (v_full, one arrival). Without
         // kPersistent each stage holds at most one checked block (v_loaded parity 0); with it, bit s of `rounds`
         // is the parity of stage s's next one, and the stage's marks are cleared first.
+        // kPersistent: a checked block with at least kPrescanAfter blocks before it in the tile is first scanned in
+        // global memory (L2), while the consumers work through those blocks; if none of its masked rows holds an inf
+        // / NaN (the common case), its V goes to the consumers as soon as it lands, without the shared-memory scan
+        // (which otherwise sits between V's arrival and the tile's last P V). Either way the marks and V in shared
+        // memory are what the scan alone would leave.
+        constexpr int kPrescanAfter = 3;
         auto clean_tile = [&](int rb0, uint32_t& rounds) {
           for (int n = t.check_first; n < t.n_blocks; ++n) {
             const int stage = (rb0 + n) & 1;
+            const bool prescan = kPersistent && n >= kPrescanAfter;  // the same in all 96 threads
+            bool dirty = true;
+            if (prescan) {
+              const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + n * kBN) * p.v_row +
+                            static_cast<int64_t>(t.hk) * p.v_head;
+              dirty = any_nonfinite_rows_global<T, kDV>(vg, p.v_row, max(t.masked_lo - n * kBN, 0),
+                                                        min(t.sb.s_k - n * kBN, kBN), pt - 32, 96);
+            }
             producer_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
             if constexpr (kPersistent) {
               rounds ^= 1u << stage;
@@ -326,10 +340,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                 for (int w = 0; w < kMaskWords; w += 4)
                   *reinterpret_cast<uint4*>(nonfinite_rows + kMaskWords * stage + w) = make_uint4(0u, 0u, 0u, 0u);
               }
+              if (prescan) dirty = bar_red_or(6, 96, dirty);  // also the barrier after the marks' clearing
+              else named_barrier_sync(6, 96);
+            }
+            if (dirty) {
+              clean_v(stage, n, pt - 32, 96);
               named_barrier_sync(6, 96);
             }
-            clean_v(stage, n, pt - 32, 96);
-            named_barrier_sync(6, 96);
             if (pt == 32) mbar_arrive(v_full(stage));
           }
         };
