@@ -71,18 +71,19 @@ inline SparsePrefillParams sparse_prefill_params(auto&& ref, const auto& q, cons
   return p;
 }
 
-/// q (total_q, h_q, d_qk), k (total_k, h_kv, d_qk), v (total_k, h_kv, d_v), cu_seqlens_q / cu_seqlens_k (b + 1,).
+/// q (total_q, h_q, d_qk), k (total_k, h_kv, d_qk), v (total_k, h_kv, d_v), cu_seqlens_qo / cu_seqlens_kv (b + 1,).
 inline DensePrefillParams dense_prefill_params(auto&& ref, const auto& q, const auto& k, const auto& v,
-                                               const auto& cu_seqlens_q, const auto& cu_seqlens_k, int64_t max_seqlen_q,
-                                               int64_t max_seqlen_k, double softmax_scale, bool causal) {
+                                               const auto& cu_seqlens_qo, const auto& cu_seqlens_kv,
+                                               int64_t max_seqlen_qo, int64_t max_seqlen_kv, double softmax_scale,
+                                               bool causal) {
   DensePrefillParams p;
   p.q = ref(q, "q");
   p.k = ref(k, "k");
   p.v = ref(v, "v");
-  p.cu_seqlens_q = ref(cu_seqlens_q, "cu_seqlens_q");
-  p.cu_seqlens_k = ref(cu_seqlens_k, "cu_seqlens_k");
-  p.max_seqlen_q = max_seqlen_q;
-  p.max_seqlen_k = max_seqlen_k;
+  p.cu_seqlens_qo = ref(cu_seqlens_qo, "cu_seqlens_qo");
+  p.cu_seqlens_kv = ref(cu_seqlens_kv, "cu_seqlens_kv");
+  p.max_seqlen_qo = max_seqlen_qo;
+  p.max_seqlen_kv = max_seqlen_kv;
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.causal = causal;
   return p;
@@ -91,11 +92,11 @@ inline DensePrefillParams dense_prefill_params(auto&& ref, const auto& q, const 
 /// The backward: dout, then the forward's arguments, then its out and lse.
 inline DensePrefillBwdParams dense_prefill_bwd_params(auto&& ref, const auto& dout, const auto& q, const auto& k,
                                                       const auto& v, const auto& out, const auto& lse,
-                                                      const auto& cu_seqlens_q, const auto& cu_seqlens_k,
-                                                      int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
-                                                      bool causal) {
+                                                      const auto& cu_seqlens_qo, const auto& cu_seqlens_kv,
+                                                      int64_t max_seqlen_qo, int64_t max_seqlen_kv,
+                                                      double softmax_scale, bool causal) {
   DensePrefillBwdParams p;
-  p.fwd = dense_prefill_params(ref, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+  p.fwd = dense_prefill_params(ref, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,
                                causal);
   p.fwd.out = ref(out, "out");
   p.fwd.lse = ref(lse, "lse");

@@ -340,11 +340,11 @@ std::tuple<Tensor, Tensor, Tensor> sparse_prefill_fwd(Tensor q, Tensor kv, Tenso
 
 /// Dense MHA prefill forward -> (out (total_q, h_q, d_v), lse (total_q, h_q) float32 with FlashMLA's strides
 /// (1, total_q)).
-std::tuple<Tensor, Tensor> dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
-                                             int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+std::tuple<Tensor, Tensor> dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_qo, Tensor cu_seqlens_kv,
+                                             int64_t max_seqlen_qo, int64_t max_seqlen_kv, double softmax_scale,
                                              bool causal) {
-  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                                                   max_seqlen_kv, softmax_scale, causal);
   MaybeDeviceGuard guard(p.q);
   int64_t ws_bytes = 0;
   check(flashmla::dense_prefill_plan(p, &ws_bytes));
@@ -364,11 +364,11 @@ std::tuple<Tensor, Tensor> dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tenso
 
 /// Dense MHA prefill backward -> (dq, dk, dv), shaped and typed like q, k, v.
 std::tuple<Tensor, Tensor, Tensor> dense_prefill_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out,
-                                                     Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k,
-                                                     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                                     Tensor lse, Tensor cu_seqlens_qo, Tensor cu_seqlens_kv,
+                                                     int64_t max_seqlen_qo, int64_t max_seqlen_kv, double softmax_scale,
                                                      bool causal) {
-  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv,
+                                                       max_seqlen_qo, max_seqlen_kv, softmax_scale, causal);
   MaybeDeviceGuard guard(p.fwd.q);
   int64_t ws_bytes = 0;
   check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
@@ -427,11 +427,11 @@ STABLE_TORCH_LIBRARY(flash_mla, m) {
       "sparse_prefill_fwd(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, "
       "Tensor? topk_length=None) -> (Tensor, Tensor, Tensor)");
   m.def(
-      "dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, float softmax_scale, bool causal) -> (Tensor, Tensor)");
+      "dense_prefill_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_qo, Tensor cu_seqlens_kv, int max_seqlen_qo, "
+      "int max_seqlen_kv, float softmax_scale, bool causal) -> (Tensor, Tensor)");
   m.def(
-      "dense_prefill_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_q, "
-      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal) "
+      "dense_prefill_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu_seqlens_qo, "
+      "Tensor cu_seqlens_kv, int max_seqlen_qo, int max_seqlen_kv, float softmax_scale, bool causal) "
       "-> (Tensor, Tensor, Tensor)");
   m.def("quantize_kv_cache(Tensor kv_cache, Tensor(a!) packed, int format) -> ()");
   m.def("dequantize_kv_cache(Tensor packed, Tensor(a!) kv_cache, int format) -> ()");

@@ -56,19 +56,18 @@ void check(const Status& st) {
 // The dense prefill's arguments as the public function the caller called names them
 // (python/flash_mla/flash_mla_interface.py: VARLEN_ARG_NAMES / QKVPACKED_ARG_NAMES, QKVPACKED_TENSOR_NAMES /
 // KVPACKED_TENSOR_NAMES): the XLA custom calls' value errors surface when a jitted function runs, after the Python
-// frame that renames them for eager calls (call_naming_seqlens). `names`: 0 the core's (cu_seqlens_q, cu_seqlens_k,
-// max_seqlen_q, max_seqlen_k; q, k, v), 1 flash_attn_varlen_func's, 2 the qkv-packed function's (one cu_seqlens /
-// max_seqlen; q, k and v are slices of qkv), 3 the kv-packed function's (flash_attn_varlen_func's sequence names; k
-// and v are slices of kv). Whole words only: cu_seqlens_q inside cu_seqlens_qo and the q of h_q are left alone;
-// "qkv / qkv" becomes "qkv", as in the Python frame.
+// frame that renames them for eager calls (call_naming_seqlens). `names`: 0 the core's, which are
+// flash_attn_varlen_func's (cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv; q, k, v), so 1 (that
+// function's) keeps the message as it is; 2 the qkv-packed function's (one cu_seqlens / max_seqlen; q, k and v are
+// slices of qkv), 3 the kv-packed function's (flash_attn_varlen_func's sequence names; k and v are slices of kv).
+// Whole words only: the q of h_q and of total_q is left alone; "qkv / qkv" becomes "qkv", as in the Python frame.
 std::string with_seqlen_names(const std::string& msg, int64_t names) {
-  static const char* const kCore[4] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"};
-  static const char* const kVarlen[4] = {"cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"};
+  static const char* const kCore[4] = {"cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"};
   static const char* const kQkvPacked[4] = {"cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen"};
   static const char* const kCoreTensors[3] = {"q", "k", "v"};
   static const char* const kQkvTensors[3] = {"qkv", "qkv", "qkv"};
   static const char* const kKvTensors[3] = {"q", "kv", "kv"};
-  if (names < 1 || names > 3) return msg;
+  if (names < 2 || names > 3) return msg;
   auto word_char = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
   // Each whole word of `from` in `text` replaced by the same entry of `to`.
   auto rename = [&](const std::string& text, const char* const* from, const char* const* to, int n_words) {
@@ -90,8 +89,7 @@ std::string with_seqlen_names(const std::string& msg, int64_t names) {
     }
     return r;
   };
-  std::string r = rename(msg, kCore, names == 2 ? kQkvPacked : kVarlen, 4);
-  if (names == 1) return r;
+  std::string r = names == 2 ? rename(msg, kCore, kQkvPacked, 4) : msg;
   r = rename(r, kCoreTensors, names == 2 ? kQkvTensors : kKvTensors, 3);
   const std::string twice = names == 2 ? "qkv / qkv" : "kv / kv";
   for (size_t at = r.find(twice); at != std::string::npos; at = r.find(twice, at + 1)) {
@@ -358,11 +356,11 @@ TensorRef transposed(TensorRef t) {
 }
 
 ffi::Array<ffi::Tensor> dense_prefill_fwd(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
-                                          ffi::TensorView cu_seqlens_q, ffi::TensorView cu_seqlens_k,
-                                          int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                          ffi::TensorView cu_seqlens_qo, ffi::TensorView cu_seqlens_kv,
+                                          int64_t max_seqlen_qo, int64_t max_seqlen_kv, double softmax_scale,
                                           bool causal) {
-  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                                                   max_seqlen_kv, softmax_scale, causal);
   int64_t ws_bytes = 0;
   check(flashmla::dense_prefill_plan(p, &ws_bytes));
   const auto dev = p.q.device;
@@ -382,11 +380,11 @@ ffi::Array<ffi::Tensor> dense_prefill_fwd(ffi::TensorView q, ffi::TensorView k, 
 /// `lse` is the forward's (total_q, h_q) lse (any strides, e.g. the transpose of lse_t).
 ffi::Array<ffi::Tensor> dense_prefill_bwd(ffi::TensorView dout, ffi::TensorView q, ffi::TensorView k,
                                           ffi::TensorView v, ffi::TensorView out, ffi::TensorView lse,
-                                          ffi::TensorView cu_seqlens_q, ffi::TensorView cu_seqlens_k,
-                                          int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+                                          ffi::TensorView cu_seqlens_qo, ffi::TensorView cu_seqlens_kv,
+                                          int64_t max_seqlen_qo, int64_t max_seqlen_kv, double softmax_scale,
                                           bool causal) {
-  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_bwd_params(kRef, dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv,
+                                                       max_seqlen_qo, max_seqlen_kv, softmax_scale, causal);
   int64_t ws_bytes = 0;
   check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
   const auto dev = p.fwd.q.device;
@@ -527,12 +525,12 @@ void bind_workspace(const ffi::TensorView& workspace, int64_t needed, flashmla::
 /// Dense MHA prefill forward into XLA's buffers: out (total_q, h_q, d_v), lse_t (h_q, total_q) float32,
 /// workspace (>= dense_prefill_check(...) bytes). `seqlen_names`: the names its value errors give the packed-sequence
 /// arguments (with_seqlen_names).
-void dense_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v, ffi::TensorView cu_seqlens_q,
-                           ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+void dense_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView k, ffi::TensorView v, ffi::TensorView cu_seqlens_qo,
+                           ffi::TensorView cu_seqlens_kv, int64_t max_seqlen_qo, int64_t max_seqlen_kv,
                            double softmax_scale, bool causal, int64_t seqlen_names, ffi::TensorView out,
                            ffi::TensorView lse_t, ffi::TensorView workspace) {
-  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_params(kRef, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                                                   max_seqlen_kv, softmax_scale, causal);
   int64_t ws_bytes = 0;
   check_tagged(flashmla::dense_prefill_plan(p, &ws_bytes), seqlen_names);
   p.out = to_ref(out, "out");
@@ -544,15 +542,15 @@ void dense_prefill_fwd_dps(ffi::TensorView q, ffi::TensorView k, ffi::TensorView
 
 /// Dense MHA prefill backward into XLA's buffers; `lse_t` is the forward's (h_q, total_q) buffer.
 void dense_prefill_bwd_dps(ffi::TensorView dout, ffi::TensorView q, ffi::TensorView k, ffi::TensorView v,
-                           ffi::TensorView out, ffi::TensorView lse_t, ffi::TensorView cu_seqlens_q,
-                           ffi::TensorView cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                           ffi::TensorView out, ffi::TensorView lse_t, ffi::TensorView cu_seqlens_qo,
+                           ffi::TensorView cu_seqlens_kv, int64_t max_seqlen_qo, int64_t max_seqlen_kv,
                            double softmax_scale, bool causal, int64_t seqlen_names, ffi::TensorView dq,
                            ffi::TensorView dk, ffi::TensorView dv, ffi::TensorView workspace) {
   auto ref = [](const ffi::TensorView& t, const char* name) {
     return std::strcmp(name, "lse") == 0 ? transposed(to_ref(t, name)) : to_ref(t, name);
   };
-  auto p = flashmla::bindings::dense_prefill_bwd_params(ref, dout, q, k, v, out, lse_t, cu_seqlens_q, cu_seqlens_k,
-                                                       max_seqlen_q, max_seqlen_k, softmax_scale, causal);
+  auto p = flashmla::bindings::dense_prefill_bwd_params(ref, dout, q, k, v, out, lse_t, cu_seqlens_qo, cu_seqlens_kv,
+                                                       max_seqlen_qo, max_seqlen_kv, softmax_scale, causal);
   int64_t ws_bytes = 0;
   check_tagged(flashmla::dense_prefill_bwd_plan(p, &ws_bytes), seqlen_names);
   p.dq = to_ref(dq, "dq");
@@ -621,10 +619,10 @@ void sparse_prefill_check(ffi::Array<ffi::Array<int64_t>> shapes, ffi::Array<ffi
 
 /// Dense MHA prefill, shapes and dtypes only, as placed on a device (device_type 1 = CPU, 2 = CUDA):
 /// raises what the operator would, else returns the workspace bytes it needs there. Tensors: forward
-/// (bwd == false) q, k, v, cu_seqlens_q, cu_seqlens_k; backward dout, q, k, v, out, lse (total_q, h_q),
-/// cu_seqlens_q, cu_seqlens_k.
+/// (bwd == false) q, k, v, cu_seqlens_qo, cu_seqlens_kv; backward dout, q, k, v, out, lse (total_q, h_q),
+/// cu_seqlens_qo, cu_seqlens_kv.
 int64_t dense_prefill_check(bool bwd, int64_t device_type, int64_t device_id, ffi::Array<ffi::Array<int64_t>> shapes,
-                            ffi::Array<ffi::String> dtypes, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                            ffi::Array<ffi::String> dtypes, int64_t max_seqlen_qo, int64_t max_seqlen_kv,
                             double softmax_scale, bool causal) {
   if (device_type != kDLCPU && device_type != kDLCUDA)
     TVM_FFI_THROW(ValueError) << "device_type: expected 1 (CPU) or 2 (CUDA), got " << device_type;
@@ -637,11 +635,11 @@ int64_t dense_prefill_check(bool bwd, int64_t device_type, int64_t device_id, ff
   };
   int64_t ws_bytes = 0;
   if (bwd) {
-    auto p = flashmla::bindings::dense_prefill_bwd_params(ref, 0, 1, 2, 3, 4, 5, 6, 7, max_seqlen_q, max_seqlen_k,
+    auto p = flashmla::bindings::dense_prefill_bwd_params(ref, 0, 1, 2, 3, 4, 5, 6, 7, max_seqlen_qo, max_seqlen_kv,
                                                          softmax_scale, causal);
     check(flashmla::dense_prefill_bwd_plan(p, &ws_bytes));
   } else {
-    auto p = flashmla::bindings::dense_prefill_params(ref, 0, 1, 2, 3, 4, max_seqlen_q, max_seqlen_k, softmax_scale,
+    auto p = flashmla::bindings::dense_prefill_params(ref, 0, 1, 2, 3, 4, max_seqlen_qo, max_seqlen_kv, softmax_scale,
                                                      causal);
     check(flashmla::dense_prefill_plan(p, &ws_bytes));
   }

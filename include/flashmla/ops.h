@@ -206,8 +206,10 @@ Status sparse_prefill_fwd(const SparsePrefillParams& p);
 // ---------------------------------------------------------------------------
 // Dense MHA prefill (`flash_attn_varlen_func`, spec §1.5, §2.5): varlen multi-head attention,
 // GQA (h_q a multiple of h_kv), bottom-right-aligned causal mask, natural-log lse.
-// Packed sequences: request i owns rows [cu_seqlens_q[i], cu_seqlens_q[i+1]) of q / out / lse
-// and rows [cu_seqlens_k[i], cu_seqlens_k[i+1]) of k / v. Key j of a request is visible to its
+// The packed-sequence arguments carry FlashMLA's public names (cu_seqlens_qo / cu_seqlens_kv,
+// max_seqlen_qo / max_seqlen_kv), and so do the error messages that name them.
+// Packed sequences: request i owns rows [cu_seqlens_qo[i], cu_seqlens_qo[i+1]) of q / out / lse
+// and rows [cu_seqlens_kv[i], cu_seqlens_kv[i+1]) of k / v. Key j of a request is visible to its
 // query i iff !causal or j <= i + s_k - s_q (s_q, s_k that request's lengths). A query row with
 // no visible key (s_k == 0, or causal with i + s_k - s_q < 0) gives out = 0 and lse = -inf
 // (what torch's logsumexp gives for an all-masked row, and what FlashMLA's SM100 kernel writes for
@@ -227,10 +229,10 @@ struct DensePrefillParams {
   TensorRef q;  ///< (total_q, h_q, d_qk) bf16 or fp16, last dim contiguous; d_qk in {128, 192}
   TensorRef k;  ///< (total_k, h_kv, d_qk) dtype of q, last dim contiguous
   TensorRef v;  ///< (total_k, h_kv, d_v) dtype of q, last dim contiguous; d_v == 128
-  TensorRef cu_seqlens_q;  ///< (b + 1,) int32, non-decreasing from 0 to total_q
-  TensorRef cu_seqlens_k;  ///< (b + 1,) int32, non-decreasing from 0 to total_k
-  int64_t max_seqlen_q = 0;  ///< >= every request's s_q (upper bound used for the launch grid)
-  int64_t max_seqlen_k = 0;  ///< >= every request's s_k
+  TensorRef cu_seqlens_qo;  ///< (b + 1,) int32, non-decreasing from 0 to total_q
+  TensorRef cu_seqlens_kv;  ///< (b + 1,) int32, non-decreasing from 0 to total_k
+  int64_t max_seqlen_qo = 0;  ///< >= every request's s_q (upper bound used for the launch grid)
+  int64_t max_seqlen_kv = 0;  ///< >= every request's s_k
   float softmax_scale = std::numeric_limits<float>::quiet_NaN();  ///< must be set (finite)
   bool causal = false;
 

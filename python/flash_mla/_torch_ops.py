@@ -584,8 +584,8 @@ def _register_fakes(torch) -> None:
         )
 
     @torch.library.register_fake(lib + "dense_prefill_fwd")
-    def _dense_prefill_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        _check_same_device("q", q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    def _dense_prefill_fake(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal):
+        _check_same_device("q", q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)
         total_q, h_q = q.shape[0], q.shape[1]
         out = q.new_empty((total_q, h_q, v.shape[2]))
         lse = torch.empty_strided((total_q, h_q), (1, torch.sym_max(total_q, 1)), dtype=torch.float32,
@@ -593,28 +593,28 @@ def _register_fakes(torch) -> None:
         return out, lse
 
     @torch.library.register_fake(lib + "dense_prefill_bwd")
-    def _dense_prefill_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    def _dense_prefill_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
                                 softmax_scale, causal):
-        _check_same_device("q", q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                           cu_seqlens_k=cu_seqlens_k)
+        _check_same_device("q", q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_qo=cu_seqlens_qo,
+                           cu_seqlens_kv=cu_seqlens_kv)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _dense_prefill_setup(ctx, inputs, output):
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal = inputs
+        q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal = inputs
         out, lse = output
         # lse carries no gradient (as FlashMLA's FlashAttnVarlenFunc marks it): a loss of lse alone raises instead of
         # giving zero gradients for q, k and v.
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv)
+        ctx.scalars = (max_seqlen_qo, max_seqlen_kv, softmax_scale, causal)
 
     def _dense_prefill_backward(ctx, dout, dlse):
         # The gradient through lse is not propagated (as FlashMLA's FlashAttnVarlenFunc).
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = call(torch.ops.flash_mla.dense_prefill_bwd.default,
-                          dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars)
+                          dout.contiguous(), q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, *ctx.scalars)
         dq, dk, dv = once_differentiable_grads((dq, dk, dv), (dout, q, k, v))
         return dq, dk, dv, None, None, None, None, None, None
 
@@ -672,15 +672,15 @@ def sparse_prefill_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length):
                 topk_length)
 
 
-def dense_prefill_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-    return call(_ops.dense_prefill_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                max_seqlen_k, softmax_scale, causal)
+def dense_prefill_fwd(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal):
+    return call(_ops.dense_prefill_fwd, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo,
+                max_seqlen_kv, softmax_scale, causal)
 
 
-def dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                      causal):
-    return call(_ops.dense_prefill_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+def dense_prefill_bwd(dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+                      softmax_scale, causal):
+    return call(_ops.dense_prefill_bwd, dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv,
+                max_seqlen_qo, max_seqlen_kv, softmax_scale, causal)
 
 
 def quantize_kv_cache(kv_cache, packed, fmt):

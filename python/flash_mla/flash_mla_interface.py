@@ -814,17 +814,17 @@ def _uniform_cu_seqlens(like: Any, b: int, s: int) -> Any:
     return host
 
 
-# The packed-sequence arguments of the dense prefill have other names in each way in: the core's and
-# torch.ops.flash_mla's cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k, flash_attn_varlen_func's
-# cu_seqlens_qo / cu_seqlens_kv / max_seqlen_qo / max_seqlen_kv, flash_mla.cuda's cu_seqlens_q / cu_seqlens_kv /
-# max_seqlen_q / max_seqlen_kv, and one cu_seqlens / max_seqlen in flash_attn_varlen_qkvpacked_func. Errors are
-# raised again naming the arguments as the function the caller called names them: a tuple of the
-# (cu_seqlens of q, of k, max_seqlen of q, of k) names.
+# The packed-sequence arguments of the dense prefill have other names in some ways in: the core's,
+# torch.ops.flash_mla's and flash_attn_varlen_func's are cu_seqlens_qo / cu_seqlens_kv / max_seqlen_qo / max_seqlen_kv
+# (so a compiled call, whose errors surface from the op after this frame, names them as an eager one), flash_mla.cuda's
+# cu_seqlens_q / cu_seqlens_kv / max_seqlen_q / max_seqlen_kv, and one cu_seqlens / max_seqlen in
+# flash_attn_varlen_qkvpacked_func. Errors are raised again naming the arguments as the function the caller called
+# names them: a tuple of the (cu_seqlens of q, of k, max_seqlen of q, of k) names.
 _SEQLEN_ARG = re.compile(r"\b(cu_seqlens|max_seqlen)_(qo|kv|q|k)\b")
 VARLEN_ARG_NAMES = ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv")
 QKVPACKED_ARG_NAMES = ("cu_seqlens", "cu_seqlens", "max_seqlen", "max_seqlen")
 # The packed variants pass slices of the caller's tensor as q, k and v: their errors name that tensor instead
-# (whole words only: h_q, d_qk, total_q and cu_seqlens_q are left alone; "qkv / qkv" becomes "qkv").
+# (whole words only: h_q, d_qk, total_q and cu_seqlens_qo are left alone; "qkv / qkv" becomes "qkv").
 _TENSOR_ARG = re.compile(r"(?<!\w)(q|k|v)(?!\w)")
 _REPEATED_ARG = re.compile(r"\b(\w+) / \1\b")
 QKVPACKED_TENSOR_NAMES = {"q": "qkv", "k": "qkv", "v": "qkv"}

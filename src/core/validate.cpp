@@ -181,13 +181,13 @@ std::vector<Named> tensors_of(const SparsePrefillParams& p) {
           {&p.topk_length, "topk_length"}, {&p.out, "out"}, {&p.max_logits, "max_logits"}, {&p.lse, "lse"}};
 }
 std::vector<Named> tensors_of(const DensePrefillParams& p) {
-  return {{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.cu_seqlens_q, "cu_seqlens_q"}, {&p.cu_seqlens_k, "cu_seqlens_k"},
-          {&p.out, "out"}, {&p.lse, "lse"}};
+  return {{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.cu_seqlens_qo, "cu_seqlens_qo"},
+          {&p.cu_seqlens_kv, "cu_seqlens_kv"}, {&p.out, "out"}, {&p.lse, "lse"}};
 }
 std::vector<Named> tensors_of(const DensePrefillBwdParams& p) {
   const DensePrefillParams& f = p.fwd;
-  return {{&f.q, "q"}, {&f.k, "k"}, {&f.v, "v"}, {&f.cu_seqlens_q, "cu_seqlens_q"},
-          {&f.cu_seqlens_k, "cu_seqlens_k"}, {&f.out, "out"}, {&f.lse, "lse"}, {&p.dout, "dout"},
+  return {{&f.q, "q"}, {&f.k, "k"}, {&f.v, "v"}, {&f.cu_seqlens_qo, "cu_seqlens_qo"},
+          {&f.cu_seqlens_kv, "cu_seqlens_kv"}, {&f.out, "out"}, {&f.lse, "lse"}, {&p.dout, "dout"},
           {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}};
 }
 /// check_ref over an operator's arguments (absent ones, e.g. outputs not yet filled by a plan
@@ -637,23 +637,24 @@ Status validate_dense_prefill_inputs(const DensePrefillParams& p) {
     return value_error(cat("q / v: no kernel for d_qk=", d_qk, " d_v=", d_v,
                            "; dense MHA prefill supports (d_qk, d_v) = (128, 128) and (192, 128)"));
   FLASHMLA_RETURN_IF_ERROR(check_scale(p.softmax_scale, "softmax_scale"));
-  if (p.max_seqlen_q < 0 || p.max_seqlen_q > std::numeric_limits<int32_t>::max())
-    return value_error(cat("max_seqlen_q: must be in [0, 2^31), got ", p.max_seqlen_q));
-  if (p.max_seqlen_k < 0 || p.max_seqlen_k > std::numeric_limits<int32_t>::max())
-    return value_error(cat("max_seqlen_k: must be in [0, 2^31), got ", p.max_seqlen_k));
+  if (p.max_seqlen_qo < 0 || p.max_seqlen_qo > std::numeric_limits<int32_t>::max())
+    return value_error(cat("max_seqlen_qo: must be in [0, 2^31), got ", p.max_seqlen_qo));
+  if (p.max_seqlen_kv < 0 || p.max_seqlen_kv > std::numeric_limits<int32_t>::max())
+    return value_error(cat("max_seqlen_kv: must be in [0, 2^31), got ", p.max_seqlen_kv));
   if (total_q > std::numeric_limits<int32_t>::max() || total_k > std::numeric_limits<int32_t>::max())
     return value_error(cat("q / k: total_q and total_k must be < 2^31 (cu_seqlens are int32), got ", total_q, " and ",
                            total_k));
-  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_q, "cu_seqlens_q", p.cu_seqlens_k, "cu_seqlens_k"));
-  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_q, "cu_seqlens_q", p.q, "q"));
-  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_k, "cu_seqlens_k", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_qo, "cu_seqlens_qo", p.cu_seqlens_kv, "cu_seqlens_kv"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_qo, "cu_seqlens_qo", p.q, "q"));
+  FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_kv, "cu_seqlens_kv", p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(
-      check_cu_seqlens(p.cu_seqlens_q, "cu_seqlens_q", total_q, "total_q = q.shape[0]", p.max_seqlen_q, "max_seqlen_q"));
+      check_cu_seqlens(p.cu_seqlens_qo, "cu_seqlens_qo", total_q, "total_q = q.shape[0]", p.max_seqlen_qo, "max_seqlen_qo"));
   FLASHMLA_RETURN_IF_ERROR(
-      check_cu_seqlens(p.cu_seqlens_k, "cu_seqlens_k", total_k, "total_k = k.shape[0]", p.max_seqlen_k, "max_seqlen_k"));
-  if (p.cu_seqlens_k.shape[0] != p.cu_seqlens_q.shape[0])
-    return value_error(cat("cu_seqlens_k: expected shape (", p.cu_seqlens_q.shape[0], ",) like cu_seqlens_q (b + 1 = ",
-                           p.cu_seqlens_q.shape[0], "), got ", shape_string(p.cu_seqlens_k)));
+      check_cu_seqlens(p.cu_seqlens_kv, "cu_seqlens_kv", total_k, "total_k = k.shape[0]", p.max_seqlen_kv, "max_seqlen_kv"));
+  if (p.cu_seqlens_kv.shape[0] != p.cu_seqlens_qo.shape[0])
+    return value_error(cat("cu_seqlens_kv: expected shape (", p.cu_seqlens_qo.shape[0],
+                           ",) like cu_seqlens_qo (b + 1 = ", p.cu_seqlens_qo.shape[0], "), got ",
+                           shape_string(p.cu_seqlens_kv)));
   return Status::Ok();
 }
 

@@ -12,7 +12,7 @@ namespace flashmla::core {
 Status validate_dense_decode_inputs(const DenseDecodeParams& p);
 Status validate_sparse_decode_inputs(const SparseDecodeParams& p);
 Status validate_sparse_prefill_inputs(const SparsePrefillParams& p);
-/// Dense MHA prefill: q, k, v, cu_seqlens_q / cu_seqlens_k, max_seqlen_*, scale (the outputs are
+/// Dense MHA prefill: q, k, v, cu_seqlens_qo / cu_seqlens_kv, max_seqlen_*, scale (the outputs are
 /// checked by validate_dense_prefill_outputs).
 Status validate_dense_prefill_inputs(const DensePrefillParams& p);
 /// Its backward: the forward's inputs, its out / lse (read here) and dout.

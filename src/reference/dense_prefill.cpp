@@ -1,8 +1,8 @@
 // src/reference/dense_prefill.cpp — CPU reference of dense MHA prefill, forward and backward
 // (`flash_attn_varlen_func`, spec §1.5, §2.5).
 //
-//   q     (total_q, h_q, d_qk)   bf16 | fp16        request i: rows [cu_seqlens_q[i], cu_seqlens_q[i+1])
-//   k     (total_k, h_kv, d_qk)  dtype of q         request i: rows [cu_seqlens_k[i], cu_seqlens_k[i+1])
+//   q     (total_q, h_q, d_qk)   bf16 | fp16        request i: rows [cu_seqlens_qo[i], cu_seqlens_qo[i+1])
+//   k     (total_k, h_kv, d_qk)  dtype of q         request i: rows [cu_seqlens_kv[i], cu_seqlens_kv[i+1])
 //   v     (total_k, h_kv, d_v)   dtype of q
 //   out   (total_q, h_q, d_v)    dtype of q, written
 //   lse   (total_q, h_q)         float32, natural log, written (any strides)
@@ -48,11 +48,11 @@ struct Problem {
   std::vector<int64_t> cu_q, cu_k;
 
   explicit Problem(const DensePrefillParams& p)
-      : b(p.cu_seqlens_q.shape[0] - 1), h_q(p.q.shape[1]), h_kv(p.k.shape[1]), group(h_q / h_kv), d_qk(p.q.shape[2]),
+      : b(p.cu_seqlens_qo.shape[0] - 1), h_q(p.q.shape[1]), h_kv(p.k.shape[1]), group(h_q / h_kv), d_qk(p.q.shape[2]),
         d_v(p.v.shape[2]), scale(p.softmax_scale), causal(p.causal), fp16(p.q.dtype == DType::kFloat16) {
     for (int64_t i = 0; i <= b; ++i) {
-      cu_q.push_back(*elem<const int32_t>(p.cu_seqlens_q, i));
-      cu_k.push_back(*elem<const int32_t>(p.cu_seqlens_k, i));
+      cu_q.push_back(*elem<const int32_t>(p.cu_seqlens_qo, i));
+      cu_k.push_back(*elem<const int32_t>(p.cu_seqlens_kv, i));
     }
   }
   int64_t s_q(int64_t i) const { return cu_q[i + 1] - cu_q[i]; }

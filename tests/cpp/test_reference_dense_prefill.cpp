@@ -109,10 +109,10 @@ PrefillData make_prefill(const PrefillCase& c) {
   p.q = d.q.ref();
   p.k = d.k.ref();
   p.v = d.v.ref();
-  p.cu_seqlens_q = d.cu_q_t.ref();
-  p.cu_seqlens_k = d.cu_k_t.ref();
-  p.max_seqlen_q = max_q;
-  p.max_seqlen_k = max_k;
+  p.cu_seqlens_qo = d.cu_q_t.ref();
+  p.cu_seqlens_kv = d.cu_k_t.ref();
+  p.max_seqlen_qo = max_q;
+  p.max_seqlen_kv = max_k;
   p.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d_qk)));
   p.causal = c.causal;
   p.out = d.out.ref();
@@ -401,32 +401,33 @@ TEST(ValidationDensePrefill, ShapesDtypesAndValues) {
   {
     PrefillData d = make_prefill(c);
     d.cu_q_t.at({1}) = -1;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_q: cumulative lengths must not decrease");
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue,
+                 "cu_seqlens_qo: cumulative lengths must not decrease");
   }
   {
     PrefillData d = make_prefill(c);
     d.cu_k_t.at({2}) = 5;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_k[b] = 5 must equal total_k");
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_kv[b] = 5 must equal total_k");
   }
   {
     PrefillData d = make_prefill(c);
     d.cu_q_t.at({0}) = 1;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_q[0] = 1");
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_qo[0] = 1");
   }
   {
     PrefillData d = make_prefill(c);
-    d.fwd.max_seqlen_k = 3;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "more than max_seqlen_k = 3");
+    d.fwd.max_seqlen_kv = 3;
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "more than max_seqlen_kv = 3");
   }
   {
     PrefillData d = make_prefill(c);
-    d.fwd.cu_seqlens_k.shape[0] = 2;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_k");
+    d.fwd.cu_seqlens_kv.shape[0] = 2;
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kValue, "cu_seqlens_kv");
   }
   {
     PrefillData d = make_prefill(c);
-    d.fwd.cu_seqlens_q.dtype = DType::kInt64;
-    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kType, "cu_seqlens_q: expected dtype int32");
+    d.fwd.cu_seqlens_qo.dtype = DType::kInt64;
+    expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kType, "cu_seqlens_qo: expected dtype int32");
   }
   {
     PrefillData d = make_prefill(c);
@@ -489,8 +490,8 @@ TEST(ValidationDensePrefill, ShapesOnlyPlanSkipsValues) {
   // The plans take refs without data (JAX tracing): shapes and dtypes are checked, values are not.
   const PrefillCase c{"shapes", {3, 2}, {4, 2}, 4, 2, 192, 128, false, false, 42};
   PrefillData d = make_prefill(c);
-  d.fwd.cu_seqlens_q.data = nullptr;
-  d.fwd.cu_seqlens_k.data = nullptr;
+  d.fwd.cu_seqlens_qo.data = nullptr;
+  d.fwd.cu_seqlens_kv.data = nullptr;
   d.fwd.q.data = d.fwd.k.data = d.fwd.v.data = nullptr;
   int64_t ws = -1;
   EXPECT_TRUE(dense_prefill_plan(d.fwd, &ws).ok());
@@ -503,7 +504,7 @@ TEST(ValidationDensePrefill, GpuWithoutBackendIsNotImplemented) {
   const PrefillCase c{"gpu", {3}, {3}, 2, 2, 128, 128, false, false, 43};
   PrefillData d = make_prefill(c);
   auto on_gpu = [](TensorRef& t) { t.device = {DeviceType::kCUDA, 0}; };
-  for (TensorRef* t : {&d.fwd.q, &d.fwd.k, &d.fwd.v, &d.fwd.cu_seqlens_q, &d.fwd.cu_seqlens_k}) on_gpu(*t);
+  for (TensorRef* t : {&d.fwd.q, &d.fwd.k, &d.fwd.v, &d.fwd.cu_seqlens_qo, &d.fwd.cu_seqlens_kv}) on_gpu(*t);
   int64_t ws = 0;
   expect_error(dense_prefill_plan(d.fwd, &ws), ErrorKind::kNotImplemented, "no CUDA backend");
 }

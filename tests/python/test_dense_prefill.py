@@ -389,8 +389,8 @@ def test_errors_name_the_argument(rng):
 def test_errors_name_the_packed_sequence_arguments_as_the_function_called_names_them(rng):
     """The core's checks of cu_seqlens / max_seqlen name the arguments of the function the caller called:
     cu_seqlens_qo / cu_seqlens_kv / max_seqlen_qo / max_seqlen_kv (flash_attn_varlen_func, _kvpacked_func,
-    _backward), one cu_seqlens / max_seqlen (flash_attn_varlen_qkvpacked_func); never the core's own
-    cu_seqlens_q / cu_seqlens_k / max_seqlen_q / max_seqlen_k."""
+    _backward), one cu_seqlens / max_seqlen (flash_attn_varlen_qkvpacked_func); never cu_seqlens_q / cu_seqlens_k /
+    max_seqlen_q / max_seqlen_k."""
     case = Case(rng, [3, 2], [4, 2], 4, 2, 128, 128, BF16, False)
     q, k, v, cu_q, cu_k, mq, mk = case.args()
     f = flash_mla.flash_attn_varlen_func
@@ -633,7 +633,7 @@ def test_torch_is_varlen_false_and_errors(rng):
         flash_mla.flash_attn_varlen_func(q, k, v.half(), _t(case.cu_q), _t(case.cu_k), 4, 6)
     with pytest.raises(ValueError, match=r"no kernel for d_qk=128 d_v=64"):
         flash_mla.flash_attn_varlen_func(q, k, v[..., :64], _t(case.cu_q), _t(case.cu_k), 4, 6)
-    # (through torch.ops.flash_mla, whose own arguments are cu_seqlens_q / max_seqlen_q: the caller's names)
+    # (through torch.ops.flash_mla, whose arguments have the caller's names)
     with pytest.raises(ValueError, match=r"^cu_seqlens_qo: request 0 has 4 tokens, more than max_seqlen_qo = 3$"):
         flash_mla.flash_attn_varlen_func(q, k, v, _t(case.cu_q), _t(case.cu_k), 3, 6)
 
@@ -781,13 +781,13 @@ def test_flash_mla_cuda_raw_functions(rng):
     with pytest.raises(ValueError, match="mask_mode_code"):
         fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 2, case.scale, case.max_q, case.max_k, True)
     # Errors name FlashMLA's extension's arguments (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv);
-    # torch.ops.flash_mla's are its schema's (cu_seqlens_k, max_seqlen_k).
+    # torch.ops.flash_mla's are its schema's, the public API's (cu_seqlens_kv, max_seqlen_kv).
     with pytest.raises(ValueError, match=r"^cu_seqlens_kv: request 1 has 8 tokens, more than max_seqlen_kv = 7$"):
         fc.dense_prefill_fwd(ws, q, k, v, cu_q, cu_k, out, lse, 1, case.scale, case.max_q, 7, True)
     with pytest.raises(ValueError, match=r"^cu_seqlens_q: request 0 has 6 tokens, more than max_seqlen_q = 5$"):
         fc.dense_prefill_bwd(ws, _t(case.dout), q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, 1, case.scale, 5,
                              case.max_k, True)
-    with pytest.raises(ValueError, match=r"^cu_seqlens_k: request 1 has 8 tokens, more than max_seqlen_k = 7$"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens_kv: request 1 has 8 tokens, more than max_seqlen_kv = 7$"):
         _torch_ops.dense_prefill_fwd(q, k, v, cu_q, cu_k, case.max_q, 7, case.scale, True)
 
 

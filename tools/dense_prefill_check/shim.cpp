@@ -38,10 +38,10 @@ flashmla::DensePrefillParams fwd_params(void** ptrs, const int64_t* meta, float 
   p.v = ref(ptrs[2], dt, 3, meta + 12, device);
   p.out = ref(ptrs[5], dt, 3, meta + 18, device);
   p.lse = ref(ptrs[6], DType::kFloat32, 2, meta + 24, device);
-  p.cu_seqlens_q = ref(ptrs[3], DType::kInt32, 1, meta + 28, device);
-  p.cu_seqlens_k = ref(ptrs[4], DType::kInt32, 1, meta + 30, device);
-  p.max_seqlen_q = meta[32];
-  p.max_seqlen_k = meta[33];
+  p.cu_seqlens_qo = ref(ptrs[3], DType::kInt32, 1, meta + 28, device);
+  p.cu_seqlens_kv = ref(ptrs[4], DType::kInt32, 1, meta + 30, device);
+  p.max_seqlen_qo = meta[32];
+  p.max_seqlen_kv = meta[33];
   p.softmax_scale = scale;
   p.causal = causal != 0;
   p.stream = stream;

@@ -183,9 +183,9 @@ int main(int argc, char** argv) {
   p.v = ref(v, bf, 3, vs, vst);
   p.out = ref(out, bf, 3, os, ost);
   p.lse = ref(lse, flashmla::DType::kFloat32, 2, ls, lst);
-  p.cu_seqlens_q = ref(cu, flashmla::DType::kInt32, 1, cs, cst);
-  p.cu_seqlens_k = ref(cu, flashmla::DType::kInt32, 1, cs, cst);
-  p.max_seqlen_q = p.max_seqlen_k = s;
+  p.cu_seqlens_qo = ref(cu, flashmla::DType::kInt32, 1, cs, cst);
+  p.cu_seqlens_kv = ref(cu, flashmla::DType::kInt32, 1, cs, cst);
+  p.max_seqlen_qo = p.max_seqlen_kv = s;
   p.softmax_scale = 1.f / std::sqrt(static_cast<float>(d));
   p.causal = causal;
   auto run = [&] {

@@ -149,7 +149,7 @@ __device__ __forceinline__ void init_ring_barriers(int tid, uint32_t bar, int co
     __syncthreads();
   }
 }
-constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_q rounded up to this
+constexpr int kWsAlign = 64;  // workspace rows per (request, head): max_seqlen_qo rounded up to this
 
 // ------------------------------------------------------------------------------------ preprocess
 // 256 threads: 16 rows x 16 threads, each thread 8 of the 128 d_v elements.
@@ -878,11 +878,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 /// tile) and k, v with 128-row boxes (the dk / dv kernel's). dq_by_block / kv_by_block: the kernels' CTA orders
 /// (bwd_cta; kByBlock with the TMA loaders only, which every grid with tensor maps runs).
 template <class T, int kD>
-cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max_seqlen_k, int b, int h_kv,
+cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_qo, int64_t max_seqlen_kv, int b, int h_kv,
                        const CUtensorMap* tmaps, bool dq_by_block, bool kv_by_block, cudaStream_t stream,
                        const char** failed) {
   cudaError_t e = cudaSuccess;
-  if (max_seqlen_q > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
+  if (max_seqlen_qo > 0) {  // else no query rows: dq is empty, the dkdv loops are empty (dk = dv = 0)
     *failed = "dense_prefill_bwd_preprocess_kernel launch";
     dense_prefill_bwd_preprocess_kernel<T><<<dim3(kp.ws_rows / 16, kp.h_q, b), 256, 0, stream>>>(kp);
     e = cudaGetLastError();
@@ -894,13 +894,13 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max
     e = set_max_dynamic_smem(dq_kernel, DqSmem<kD>::kBytes);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
-    dq_kernel<<<dim3(static_cast<int>((max_seqlen_q + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
+    dq_kernel<<<dim3(static_cast<int>((max_seqlen_qo + kDqBM - 1) / kDqBM), kp.h_q, b), kThreads, DqSmem<kD>::kBytes,
                 stream>>>(kp, tmaps != nullptr ? tmaps[0] : none, tmaps != nullptr ? tmaps[1] : none,
                           tmaps != nullptr ? tmaps[4] : none, tmaps != nullptr ? tmaps[5] : none);
     e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  if (max_seqlen_k > 0) {  // else no keys: dk / dv are empty
+  if (max_seqlen_kv > 0) {  // else no keys: dk / dv are empty
     *failed = "dense_prefill_bwd_dkdv_kernel launch";
     auto kv_kernel = tmaps == nullptr ? dense_prefill_bwd_dkdv_kernel<T, kD, false>
                      : kv_by_block    ? dense_prefill_bwd_dkdv_kernel<T, kD, true, true>
@@ -908,7 +908,7 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max
     e = set_max_dynamic_smem(kv_kernel, KvSmem<kD>::kBytesAligned);
     if (e != cudaSuccess) return e;
     const CUtensorMap none{};
-    kv_kernel<<<dim3(static_cast<int>((max_seqlen_k + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
+    kv_kernel<<<dim3(static_cast<int>((max_seqlen_kv + kKvBN - 1) / kKvBN), h_kv, b), kThreads,
                 KvSmem<kD>::kBytesAligned, stream>>>(kp, tmaps != nullptr ? tmaps[2] : none,
                                                      tmaps != nullptr ? tmaps[3] : none,
                                                      tmaps != nullptr ? tmaps[6] : none,
@@ -921,7 +921,7 @@ cudaError_t launch_bwd(const KernelParams& kp, int64_t max_seqlen_q, int64_t max
 namespace {
 const char* const kBwdOp = "flash_attn_varlen_func backward";
 Status bwd_value_error(const std::string& what) { return value_error_status(kBwdOp, what); }
-int64_t ws_rows_for(int64_t max_seqlen_q) { return (max_seqlen_q + kWsAlign - 1) / kWsAlign * kWsAlign; }
+int64_t ws_rows_for(int64_t max_seqlen_qo) { return (max_seqlen_qo + kWsAlign - 1) / kWsAlign * kWsAlign; }
 
 /// Workspace layout: lse2 and D, (b, h_q, ws_rows) fp32 each.
 struct WsLayout {
@@ -930,9 +930,9 @@ struct WsLayout {
 WsLayout ws_layout(const DensePrefillBwdParams& bp) {
   const DensePrefillParams& p = bp.fwd;
   WsLayout w;
-  const int64_t b = p.cu_seqlens_q.shape[0] - 1, h_q = p.q.shape[1];
-  if (b <= 0 || p.max_seqlen_q <= 0) return w;
-  w.ws_rows = ws_rows_for(p.max_seqlen_q);
+  const int64_t b = p.cu_seqlens_qo.shape[0] - 1, h_q = p.q.shape[1];
+  if (b <= 0 || p.max_seqlen_qo <= 0) return w;
+  w.ws_rows = ws_rows_for(p.max_seqlen_qo);
   w.total = 2 * b * h_q * w.ws_rows * static_cast<int64_t>(sizeof(float));
   return w;
 }
@@ -942,7 +942,7 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, 
   const DensePrefillParams& p = bp.fwd;
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t total_k = p.k.shape[0], h_kv = p.k.shape[1], d_v = p.v.shape[2];
-  const int64_t b = p.cu_seqlens_q.shape[0] - 1;
+  const int64_t b = p.cu_seqlens_qo.shape[0] - 1;
   if (b <= 0 || (total_q == 0 && total_k == 0)) return Status::Ok();
   if (!((d_qk == 128 || d_qk == 192) && d_v == 128))
     return bwd_value_error("no kernel for head_dim_qk=" + std::to_string(d_qk) + " head_dim_vo=" + std::to_string(d_v));
@@ -952,7 +952,7 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, 
   if (!element_pairs_aligned(bp.dq, 3) || !element_pairs_aligned(bp.dk, 3) || !element_pairs_aligned(bp.dv, 3))
     return bwd_value_error("dq, dk and dv must have even row / head strides and 4-byte aligned starts");
   if (b > 65535 || h_q > 65535) return bwd_value_error("batch size and h_q must be <= 65535");
-  if (p.max_seqlen_q > (int64_t{1} << 30) || p.max_seqlen_k > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
+  if (p.max_seqlen_qo > (int64_t{1} << 30) || p.max_seqlen_kv > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) ||
       total_k >= (int64_t{1} << 31))
     return bwd_value_error("sequence lengths must be < 2^30");
   // kTwoKernelTma: the tiles by TMA where the maps can be made, else kTwoKernel (cp.async loaders).
@@ -993,7 +993,7 @@ Status bwd_with_schedule(const DensePrefillBwdParams& bp, BwdSchedule schedule, 
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const char* failed = "";
   const int bi = static_cast<int>(b), hk = static_cast<int>(h_kv);
-  const int64_t mq = p.max_seqlen_q, mk = p.max_seqlen_k;
+  const int64_t mq = p.max_seqlen_qo, mk = p.max_seqlen_kv;
   // The CTA orders of the dq grid (query blocks, h_q, b) and the dk / dv grid (key blocks, h_kv, b); kByBlock's
   // linear index is an int (bwd_cta).
   const int64_t dq_ctas = (mq + kDqBM - 1) / kDqBM * h_q * b, kv_ctas = (mk + kKvBN - 1) / kKvBN * h_kv * b;

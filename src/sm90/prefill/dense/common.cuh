@@ -543,7 +543,7 @@ __device__ __forceinline__ int visible_key_end(const KernelParams& p, int s_k, i
 }
 
 /// The fields of KernelParams the forward and the backward take alike from the forward's arguments p:
-/// q, k, v, lse, cu_seqlens_q / _k and their strides (out's strides into o_row / o_head; where out goes,
+/// q, k, v, lse, cu_seqlens_qo / _k and their strides (out's strides into o_row / o_head; where out goes,
 /// out or out_in, is the caller's), h_q, group, causal, scale and scale_log2. Host code.
 inline KernelParams attention_kernel_params(const DensePrefillParams& p) {
   KernelParams kp{};
@@ -551,10 +551,10 @@ inline KernelParams attention_kernel_params(const DensePrefillParams& p) {
   kp.k = p.k.data;
   kp.v = p.v.data;
   kp.lse = static_cast<float*>(p.lse.data);
-  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
-  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_k.data);
-  kp.cu_q_stride = p.cu_seqlens_q.stride[0];
-  kp.cu_k_stride = p.cu_seqlens_k.stride[0];
+  kp.cu_q = static_cast<const int32_t*>(p.cu_seqlens_qo.data);
+  kp.cu_k = static_cast<const int32_t*>(p.cu_seqlens_kv.data);
+  kp.cu_q_stride = p.cu_seqlens_qo.stride[0];
+  kp.cu_k_stride = p.cu_seqlens_kv.stride[0];
   kp.q_row = p.q.stride[0];
   kp.q_head = p.q.stride[1];
   kp.k_row = p.k.stride[0];

@@ -655,8 +655,8 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
                          int key_block, TileOrder order) {
   const int64_t total_q = p.q.shape[0], h_q = p.q.shape[1], d_qk = p.q.shape[2];
   const int64_t d_v = p.v.shape[2];
-  const int64_t b = p.cu_seqlens_q.shape[0] - 1;
-  if (total_q == 0 || b <= 0 || p.max_seqlen_q <= 0) return Status::Ok();
+  const int64_t b = p.cu_seqlens_qo.shape[0] - 1;
+  if (total_q == 0 || b <= 0 || p.max_seqlen_qo <= 0) return Status::Ok();
   if (!((d_qk == 128 || d_qk == 192) && d_v == 128))
     return fwd_value_error("no kernel for head_dim_qk=" + std::to_string(d_qk) + " head_dim_vo=" + std::to_string(d_v));
   if (!rows_16b_aligned(p.q, 2) || !rows_16b_aligned(p.k, 2) || !rows_16b_aligned(p.v, 2))
@@ -664,7 +664,7 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
   if (!element_pairs_aligned(p.out, 3))
     return fwd_value_error("out must have an even row / head stride and a 4-byte aligned start");
   if (b > 65535 || h_q > 65535) return fwd_value_error("batch size and h_q must be <= 65535");
-  if (p.max_seqlen_q > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) || p.k.shape[0] >= (int64_t{1} << 31))
+  if (p.max_seqlen_qo > (int64_t{1} << 30) || total_q >= (int64_t{1} << 31) || p.k.shape[0] >= (int64_t{1} << 31))
     return fwd_value_error("sequence lengths must be < 2^31");
 
   KernelParams kp = attention_kernel_params(p);
@@ -672,7 +672,7 @@ Status fwd_with_schedule(const DensePrefillParams& p, FwdSchedule schedule, int 
 
   DeviceGuard guard(p.q.device.id);
   if (guard.error() != cudaSuccess) return cuda_error_status("flash_attn_varlen_func", "cudaSetDevice", guard.error());
-  const int m_tiles = static_cast<int>((p.max_seqlen_q + kFwdBM - 1) / kFwdBM);
+  const int m_tiles = static_cast<int>((p.max_seqlen_qo + kFwdBM - 1) / kFwdBM);
   cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   const bool bf16 = p.q.dtype == DType::kBFloat16;
   const int bi = static_cast<int>(b);
