@@ -40,6 +40,7 @@ instead of the package's own.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -479,6 +480,9 @@ def once_differentiable_grads(grads: tuple, inputs: tuple) -> tuple:
 
 # ----------------------------------------------------------------------------- fake kernels
 _NUM_SMS: dict = {}
+# DLPack's device type of the CPU: the dense prefill's shapes-only check (dense_prefill_check) applies the CPU's
+# rules, which hold on every device (a CUDA placement adds only the GPU-support check, answered when the op runs).
+_DL_CPU = 1
 
 
 def _num_sms(device: Any) -> int:
@@ -533,14 +537,63 @@ def _check_same_device(q_name: str, q: Any, **tensors: Any) -> None:
                              "same device")
 
 
+def _size_hint(x: Any) -> Any:
+    """A size or scalar as a plain number for the core's checks: ints and floats as they are, a symbolic one
+    (torch.compile with dynamic shapes) as its example value, read without installing a guard (the check must not
+    specialise the graph); None for a symbolic value without one (an unbacked size)."""
+    if isinstance(x, (int, float)):  # (bool included)
+        return x
+    node = getattr(x, "node", None)
+    return node.hint if node is not None and node.has_hint() else None
+
+
+def _abstract_spec(*tensors: Any) -> Optional[tuple]:
+    """(shapes, dtype names) of the tensors (None = absent: an empty dtype name), what the core's shapes-only checks
+    take (bindings/tvm_ffi/module.cpp ``*_check``), or None when a size has no example value."""
+    shapes, dtypes = [], []
+    for t in tensors:
+        if t is None:
+            shapes.append([])
+            dtypes.append("")
+            continue
+        shape = [_size_hint(d) for d in t.shape]
+        if None in shape:
+            return None
+        shapes.append(shape)
+        dtypes.append(str(t.dtype).removeprefix("torch."))  # ("torch.bfloat16" -> "bfloat16", as DLPack spells it)
+    return shapes, dtypes
+
+
+def _check_inputs(check: Any, tensors: tuple, *scalars: Any) -> None:
+    """The core's validation of an operator's inputs, shapes and dtypes only, in a fake (meta) kernel.
+
+    ``check`` is the TVM-FFI module's ``<op>_check`` (the one the JAX path runs while tracing): the core's own rules
+    (src/core/validate.cpp: dtypes, ranks, shapes, head dims, h_q % h_kv, cu_seqlens dtype / rank / length, ...) on
+    tensors without data, raising the ValueError / TypeError / NotImplementedError and message of a CPU call. So
+    FakeTensor, the meta device, torch.compile and torch.export reject bad input while tracing instead of returning
+    outputs of a call that fails when it runs. Checked as on the CPU: the GPU's extra rules (16-byte aligned data
+    pointers and strides) need data, and the values (lengths, indices, cu_seqlens) are read when the op runs.
+    Skipped where a size or scalar is symbolic without an example value."""
+    spec = _abstract_spec(*tensors)
+    values = [_size_hint(x) for x in scalars]
+    if spec is None or None in values:
+        return
+    check(*spec, *values)
+
+
 def _register_fakes(torch) -> None:
+    from . import _ffi
+
     lib = "flash_mla::"
+    ffi = _ffi.lib
 
     @torch.library.register_fake(lib + "dense_decode_fwd")
     def _dense_decode_fake(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
                            tile_scheduler_metadata=None, num_splits=None):
         _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+        _check_inputs(ffi.dense_decode_check, (q, k_cache, block_table, cache_seqlens), head_dim_v, softmax_scale,
+                      causal)
         parts = _dense_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2], k_cache.shape[2])
         return _decode_outputs(torch, q, q.dtype, head_dim_v, parts, tile_scheduler_metadata is not None,
                                k_cache.shape[2] == 1)
@@ -550,6 +603,8 @@ def _register_fakes(torch) -> None:
                                      tile_scheduler_metadata, num_splits):
         _check_same_device("q", q, k_cache=k_cache, cache_seqlens=cache_seqlens, block_table=block_table,
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+        _check_inputs(ffi.dense_decode_check, (q, k_cache, block_table, cache_seqlens), head_dim_v, softmax_scale,
+                      causal)
         return _decode_outputs(torch, q, q.dtype, head_dim_v, 0, True, k_cache.shape[2] == 1)[:2]
 
     @torch.library.register_fake(lib + "sparse_decode_fwd")
@@ -559,6 +614,8 @@ def _register_fakes(torch) -> None:
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
                            extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                            extra_topk_length=extra_topk_length)
+        _check_inputs(ffi.sparse_decode_check, (q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                                                extra_indices_in_kvcache, extra_topk_length), head_dim_v, softmax_scale)
         parts = _sparse_num_sm_parts(torch, _num_sms(q.device), q.shape[1], q.shape[2])
         return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, parts, tile_scheduler_metadata is not None,
                                True)
@@ -571,11 +628,14 @@ def _register_fakes(torch) -> None:
                            tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits,
                            extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                            extra_topk_length=extra_topk_length)
+        _check_inputs(ffi.sparse_decode_check, (q, k_cache, indices, topk_length, attn_sink, extra_k_cache,
+                                                extra_indices_in_kvcache, extra_topk_length), head_dim_v, softmax_scale)
         return _decode_outputs(torch, q, torch.bfloat16, head_dim_v, 0, True, True)[:2]
 
     @torch.library.register_fake(lib + "sparse_prefill_fwd")
     def _sparse_prefill_fake(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
         _check_same_device("q", q, kv=kv, indices=indices, attn_sink=attn_sink, topk_length=topk_length)
+        _check_inputs(ffi.sparse_prefill_check, (q, kv, indices, attn_sink, topk_length), sm_scale, d_v)
         s_q, h_q = q.shape[0], q.shape[1]
         return (
             q.new_empty((s_q, h_q, d_v), dtype=torch.bfloat16),
@@ -586,6 +646,8 @@ def _register_fakes(torch) -> None:
     @torch.library.register_fake(lib + "dense_prefill_fwd")
     def _dense_prefill_fake(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale, causal):
         _check_same_device("q", q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)
+        _check_inputs(functools.partial(ffi.dense_prefill_check, False, _DL_CPU, 0),
+                      (q, k, v, cu_seqlens_qo, cu_seqlens_kv), max_seqlen_qo, max_seqlen_kv, softmax_scale, causal)
         total_q, h_q = q.shape[0], q.shape[1]
         out = q.new_empty((total_q, h_q, v.shape[2]))
         lse = torch.empty_strided((total_q, h_q), (1, torch.sym_max(total_q, 1)), dtype=torch.float32,
@@ -597,6 +659,9 @@ def _register_fakes(torch) -> None:
                                 softmax_scale, causal):
         _check_same_device("q", q, dout=dout, k=k, v=v, out=out, lse=lse, cu_seqlens_qo=cu_seqlens_qo,
                            cu_seqlens_kv=cu_seqlens_kv)
+        _check_inputs(functools.partial(ffi.dense_prefill_check, True, _DL_CPU, 0),
+                      (dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv), max_seqlen_qo, max_seqlen_kv,
+                      softmax_scale, causal)
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _dense_prefill_setup(ctx, inputs, output):

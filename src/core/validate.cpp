@@ -570,15 +570,19 @@ bool dense_prefill_dims_supported(int64_t d_qk, int64_t d_v) {
   return (d_qk == 128 && d_v == 128) || (d_qk == 192 && d_v == 128);
 }
 
-/// cu_seqlens: (b + 1,) int32 cumulative lengths; on the CPU its values start at 0, never decrease,
-/// end at `total` (every row of q / k belongs to a request) and give lengths <= max_seqlen.
-Status check_cu_seqlens(const TensorRef& cu, const char* name, int64_t total, const char* total_what,
-                        int64_t max_seqlen, const char* max_name) {
+/// cu_seqlens: a (b + 1,) int32 contiguous vector of b >= 1 requests.
+Status check_cu_seqlens_shape(const TensorRef& cu, const char* name) {
   FLASHMLA_RETURN_IF_ERROR(check_dtype(cu, name, {DType::kInt32}));
   FLASHMLA_RETURN_IF_ERROR(check_ndim(cu, name, 1, "(b + 1,)"));
   if (cu.shape[0] < 2)
     return value_error(cat(name, ": expected shape (b + 1,) with b >= 1 requests, got ", shape_string(cu)));
-  FLASHMLA_RETURN_IF_ERROR(check_contiguous(cu, name));
+  return check_contiguous(cu, name);
+}
+
+/// cu_seqlens' values (checked by check_cu_seqlens_shape first), on the CPU: they start at 0, never decrease,
+/// end at `total` (every row of q / k belongs to a request) and give lengths <= max_seqlen.
+Status check_cu_seqlens_values(const TensorRef& cu, const char* name, int64_t total, const char* total_what,
+                               int64_t max_seqlen, const char* max_name) {
   if (cu.device.type != DeviceType::kCPU || cu.data == nullptr) return Status::Ok();
   const int32_t* v = host_i32(cu);
   const int64_t b = cu.shape[0] - 1;
@@ -647,15 +651,18 @@ Status validate_dense_prefill_inputs(const DensePrefillParams& p) {
   FLASHMLA_RETURN_IF_ERROR(require(p.cu_seqlens_qo, "cu_seqlens_qo", p.cu_seqlens_kv, "cu_seqlens_kv"));
   FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_qo, "cu_seqlens_qo", p.q, "q"));
   FLASHMLA_RETURN_IF_ERROR(check_same_device(p.cu_seqlens_kv, "cu_seqlens_kv", p.q, "q"));
-  FLASHMLA_RETURN_IF_ERROR(
-      check_cu_seqlens(p.cu_seqlens_qo, "cu_seqlens_qo", total_q, "total_q = q.shape[0]", p.max_seqlen_qo, "max_seqlen_qo"));
-  FLASHMLA_RETURN_IF_ERROR(
-      check_cu_seqlens(p.cu_seqlens_kv, "cu_seqlens_kv", total_k, "total_k = k.shape[0]", p.max_seqlen_kv, "max_seqlen_kv"));
+  // Every shape before any value, so that a check without data (a plan of shapes only, torch's fake kernels)
+  // raises what the call would.
+  FLASHMLA_RETURN_IF_ERROR(check_cu_seqlens_shape(p.cu_seqlens_qo, "cu_seqlens_qo"));
+  FLASHMLA_RETURN_IF_ERROR(check_cu_seqlens_shape(p.cu_seqlens_kv, "cu_seqlens_kv"));
   if (p.cu_seqlens_kv.shape[0] != p.cu_seqlens_qo.shape[0])
     return value_error(cat("cu_seqlens_kv: expected shape (", p.cu_seqlens_qo.shape[0],
                            ",) like cu_seqlens_qo (b + 1 = ", p.cu_seqlens_qo.shape[0], "), got ",
                            shape_string(p.cu_seqlens_kv)));
-  return Status::Ok();
+  FLASHMLA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens_qo, "cu_seqlens_qo", total_q, "total_q = q.shape[0]",
+                                                   p.max_seqlen_qo, "max_seqlen_qo"));
+  return check_cu_seqlens_values(p.cu_seqlens_kv, "cu_seqlens_kv", total_k, "total_k = k.shape[0]", p.max_seqlen_kv,
+                                 "max_seqlen_kv");
 }
 
 Status validate_dense_prefill_bwd_inputs(const DensePrefillBwdParams& p) {

@@ -1,5 +1,9 @@
-"""torch.ops.flash_mla under torch.compile: errors of a compiled dense prefill call name the arguments as an eager
-call does (cu_seqlens_qo / max_seqlen_qo, FlashMLA's public names). Skips without torch or without the op library.
+"""The fake (meta) kernels of torch.ops.flash_mla validate their inputs as the CPU kernels do.
+
+Everything the core can check without data (dtypes, ranks, shapes, head dims, h_q % h_kv, cu_seqlens dtype / rank /
+length) raises the same exception class and message on the meta device, under FakeTensorMode and while
+torch.compile traces as on the CPU; and errors of a compiled dense prefill call name the arguments as an eager call
+does (cu_seqlens_qo / max_seqlen_qo, FlashMLA's public names). Skips without torch or without the op library.
 """
 
 import os
@@ -19,6 +23,139 @@ if not _torch_ops.available():
 BF16, I32 = torch.bfloat16, torch.int32
 
 
+def _error(fn):
+    """(class, message) of what fn() raises; fails if it raises nothing."""
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value), str(info.value)
+
+
+def _on(device, tensors):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def _cu(*lengths):
+    """Valid int32 cumulative lengths (the CPU reads them after the shape checks)."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=I32)
+
+
+def _prefill(total_q=8, total_k=6, h_q=4, h_kv=2, d_qk=128, d_v=128, dtype=BF16):
+    q = torch.zeros(total_q, h_q, d_qk, dtype=dtype)
+    k = torch.zeros(total_k, h_kv, d_qk, dtype=dtype)
+    v = torch.zeros(total_k, h_kv, d_v, dtype=dtype)
+    return [q, k, v, _cu(total_q // 2, total_q - total_q // 2), _cu(total_k // 2, total_k - total_k // 2), 8, 8]
+
+
+def _bad_prefill_args():
+    """flash_attn_varlen_func arguments (q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv) that the
+    core rejects from shapes and dtypes alone."""
+    cases = {}
+    cases["float32 q, d_qk 64, h_q % h_kv"] = [torch.zeros(8, 3, 64), torch.zeros(8, 2, 64), torch.zeros(8, 2, 64),
+                                               _cu(4, 4), _cu(4, 4), 5, 5]
+    cases["d_qk 64"] = _prefill(d_qk=64)
+    cases["d_v 64"] = _prefill(d_v=64)
+    cases["h_q % h_kv"] = _prefill(h_q=3)
+    a = _prefill()
+    a[1] = a[1].half()
+    cases["k dtype"] = a
+    a = _prefill()
+    a[2] = a[2][:5]
+    cases["v rows"] = a
+    a = _prefill()
+    a[0] = a[0][:, 0]
+    cases["2-D q"] = a
+    a = _prefill()
+    a[3] = a[3].long()
+    cases["int64 cu_seqlens_qo"] = a
+    a = _prefill()
+    a[4] = a[4].view(1, 3)
+    cases["2-D cu_seqlens_kv"] = a
+    a = _prefill()
+    a[3] = torch.zeros(1, dtype=I32)
+    cases["cu_seqlens_qo of one entry"] = a
+    a = _prefill()
+    a[4] = _cu(2, 2, 2)
+    cases["cu_seqlens_kv longer than cu_seqlens_qo"] = a
+    a = _prefill()
+    a[5] = -1
+    cases["negative max_seqlen_qo"] = a
+    return cases
+
+
+BAD_PREFILL = _bad_prefill_args()
+
+
+@pytest.mark.parametrize("case", list(BAD_PREFILL))
+def test_dense_prefill_meta_raises_what_the_cpu_raises(case):
+    args = BAD_PREFILL[case]
+    cpu = _error(lambda: flash_mla.flash_attn_varlen_func(*args))
+    assert cpu[0] in (ValueError, TypeError), cpu
+    assert _error(lambda: flash_mla.flash_attn_varlen_func(*_on("meta", args))) == cpu
+
+
+@pytest.mark.parametrize("case", [c for c in BAD_PREFILL if c != "2-D q"])  # (the op's outputs need a 3-D q)
+def test_dense_prefill_op_fake_kernel_raises_what_the_cpu_kernel_raises(case):
+    """The raw op: the CPU kernel's "[flash_mla:<Class>] message" RuntimeError is that class and message in the
+    fake kernel (a Python kernel raises the class itself), under FakeTensorMode as on the meta device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = BAD_PREFILL[case] + [0.125, False]
+    op = torch.ops.flash_mla.dense_prefill_fwd.default
+    with pytest.raises(RuntimeError) as info:
+        op(*args)
+    cpu = _torch_ops.mapped_error(info.value)
+    want = (type(cpu), str(cpu))
+    assert _error(lambda: op(*_on("meta", args))) == want
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+        assert _error(lambda: op(*fake)) == want
+
+
+def test_dense_prefill_meta_error_of_the_issue():
+    """The reproducer: float32 q with d_qk 64 and h_q % h_kv != 0 on the meta device returned a (8, 3, 64) float32
+    output; it raises the CPU's TypeError."""
+    q = torch.empty(8, 3, 64, dtype=torch.float32, device="meta")
+    k = torch.empty(8, 2, 64, dtype=torch.float32, device="meta")
+    cu = torch.empty(3, dtype=I32, device="meta")
+    with pytest.raises(TypeError, match=r"^q: expected dtype bfloat16 or float16, got float32$"):
+        flash_mla.flash_attn_varlen_func(q, k, k, cu, cu, 5, 5)
+
+
+def test_dense_prefill_packed_variants_and_backward_meta_raise_what_the_cpu_raises():
+    qkv = torch.zeros(8, 3, 2 * 128 + 128, dtype=BF16)  # (k / v of 2 heads below: h_q % h_kv)
+    cu = _cu(4, 4)
+    for call in (lambda t, c: flash_mla.flash_attn_varlen_qkvpacked_func(t[:, :, 64:], c, 4, 64),  # d_v 192
+                 lambda t, c: flash_mla.flash_attn_varlen_qkvpacked_func(t, c.long(), 4, 128),
+                 lambda t, c: flash_mla.flash_attn_varlen_kvpacked_func(t[:, :, :128], t[:, :2, 128:], c, c, 4, 4,
+                                                                         128),
+                 lambda t, c: flash_mla.flash_attn_varlen_kvpacked_func(t[:, :, :128], t[:, :, 128:], c, c[:2], 4, 4,
+                                                                         128)):
+        cpu = _error(lambda: call(qkv, cu))
+        assert cpu[0] in (ValueError, TypeError) and ("kv" in cpu[1] or "cu_seqlens" in cpu[1]), cpu
+        assert _error(lambda: call(qkv.to("meta"), cu.to("meta"))) == cpu
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+    for dout in (torch.zeros(8, 4, 64, dtype=BF16), torch.zeros(8, 4, 128, dtype=torch.float16)):
+        args = [dout, q, k, v, out, lse, cu_q, cu_k, mq, mk]
+        cpu = _error(lambda: flash_mla.flash_attn_varlen_backward(*args))
+        assert cpu[0] in (ValueError, TypeError) and cpu[1].startswith("dout: "), cpu
+        assert _error(lambda: flash_mla.flash_attn_varlen_backward(*_on("meta", args))) == cpu
+
+
+def test_dense_prefill_compile_rejects_bad_shapes_while_tracing():
+    """torch.compile(fullgraph=True): the fake kernel raises the core's error while Dynamo traces (its class wraps
+    it), before anything runs; a valid call still compiles and runs."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, cq, ck: flash_mla.flash_attn_varlen_func(q, k, v, cq, ck, 8, 8)[0],
+                      fullgraph=True, backend="eager")
+    q, k, v, cu_q, cu_k, _, _ = _prefill(h_q=3)
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match=r"h_q % h_kv != 0: q has h_q = 3 heads, k has "
+                                                                      r"h_kv = 2"):
+        f(q, k, v, cu_q, cu_k)
+    q, k, v, cu_q, cu_k, _, _ = _prefill()
+    assert f(q, k, v, cu_q, cu_k).shape == (8, 4, 128)
+
+
 def test_compiled_dense_prefill_errors_name_the_public_arguments():
     """A value error of a compiled call surfaces from the op when the graph runs (a RuntimeError carrying the class):
     it names cu_seqlens_qo / max_seqlen_qo as the eager call does, not cu_seqlens_q / max_seqlen_q."""
@@ -36,3 +173,93 @@ def test_compiled_dense_prefill_errors_name_the_public_arguments():
     schema = str(torch.ops.flash_mla.dense_prefill_fwd.default._schema)
     for name in ("cu_seqlens_qo", "cu_seqlens_kv", "max_seqlen_qo", "max_seqlen_kv"):
         assert f" {name}" in schema, schema
+
+
+# ----------------------------------------------------------------------------- decode and sparse prefill
+def _dense_decode(b=2, s_q=1, h_q=16, h_kv=1, d=576, dtype=BF16):
+    q = torch.zeros(b, s_q, h_q, d, dtype=dtype)
+    k_cache = torch.zeros(4, 64, h_kv, d, dtype=dtype)
+    return [q, k_cache, torch.arange(4, dtype=I32).view(2, 2)[:b], torch.tensor([70, 5][:b], dtype=I32)]
+
+
+def _bad_dense_decode_args():
+    cases = {"float32 q": _dense_decode(dtype=torch.float32), "d_qk 128": _dense_decode(d=128),
+             "h_q % h_kv": _dense_decode(h_q=3, h_kv=2)}
+    a = _dense_decode()
+    a[1] = a[1].half()
+    cases["k_cache dtype"] = a
+    a = _dense_decode()
+    a[2] = a[2].long()
+    cases["int64 block_table"] = a
+    a = _dense_decode()
+    a[3] = a[3][:1]
+    cases["cache_seqlens of one entry"] = a
+    return cases
+
+
+BAD_DENSE_DECODE = _bad_dense_decode_args()
+
+
+@pytest.mark.parametrize("case", list(BAD_DENSE_DECODE))
+def test_dense_decode_meta_raises_what_the_cpu_raises(case):
+    q, k_cache, block_table, cache_seqlens = BAD_DENSE_DECODE[case]
+
+    def call(device):
+        t = _on(device, (q, k_cache, block_table, cache_seqlens))
+        return flash_mla.flash_mla_with_kvcache(t[0], t[1], t[2], t[3], 512, flash_mla.get_mla_metadata()[0])
+
+    cpu = _error(lambda: call("cpu"))
+    assert cpu[0] in (ValueError, TypeError), cpu
+    assert _error(lambda: call("meta")) == cpu
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.flash_mla.dense_decode_fwd.default
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (q, k_cache, cache_seqlens, block_table)]
+        assert _error(lambda: op(fake[0], fake[1], 512, fake[2], fake[3], 0.1, False)) == cpu
+
+
+def test_sparse_decode_and_sparse_prefill_meta_raise_what_the_cpu_raises():
+    q = torch.zeros(2, 1, 64, 576, dtype=BF16)
+    k_cache = torch.zeros(4, 64, 1, 656, dtype=torch.uint8)
+    indices = torch.zeros(2, 1, 64, dtype=I32)
+    for bad in ({"indices": indices.long()}, {"k_cache": k_cache[..., :584]}, {"q": q[..., :128]},
+                {"indices": indices[:1]}, {"topk_length": torch.zeros(3, dtype=I32)},
+                {"attn_sink": torch.zeros(64, dtype=BF16)}):
+        args = {"q": q, "k_cache": k_cache, "indices": indices, **bad}
+
+        def call(device):
+            t = {n: v.to(device) for n, v in args.items()}
+            return flash_mla.flash_mla_with_kvcache(t.pop("q"), t.pop("k_cache"), None, None, 512,
+                                                    flash_mla.get_mla_metadata()[0], softmax_scale=0.1,
+                                                    is_fp8_kvcache=True, **t)
+
+        cpu = _error(lambda: call("cpu"))
+        assert cpu[0] in (ValueError, TypeError), (bad, cpu)
+        assert _error(lambda: call("meta")) == cpu, bad
+    q = torch.zeros(4, 16, 576, dtype=BF16)
+    kv = torch.zeros(32, 1, 576, dtype=BF16)
+    indices = torch.zeros(4, 1, 64, dtype=I32)
+    for bad in ({"q": q[..., :128]}, {"kv": kv.half()}, {"indices": indices[:, :, :0]}, {"kv": kv.expand(32, 2, 576)},
+                {"topk_length": torch.zeros(5, dtype=I32)}):
+        args = {"q": q, "kv": kv, "indices": indices, **bad}
+
+        def call(device):
+            t = {n: v.to(device) for n, v in args.items()}
+            return flash_mla.flash_mla_sparse_fwd(t.pop("q"), t.pop("kv"), t.pop("indices"), 0.1, **t)
+
+        cpu = _error(lambda: call("cpu"))
+        assert cpu[0] in (ValueError, TypeError), (bad, cpu)
+        assert _error(lambda: call("meta")) == cpu, bad
+
+
+def test_valid_meta_and_symbolic_calls_still_trace():
+    """Valid inputs pass the fake kernels' checks, also with every size symbolic (torch.compile dynamic=True: the
+    checks read the example sizes without guards, so the graph is not specialised)."""
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    out, lse = flash_mla.flash_attn_varlen_func(*_on("meta", (q, k, v, cu_q, cu_k)), mq, mk)
+    assert out.shape == (8, 4, 128) and lse.shape == (8, 4) and out.device.type == "meta"
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)[0],
+                      fullgraph=True, backend="eager", dynamic=True)
+    assert torch.equal(f(q, k, v), flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)[0])
