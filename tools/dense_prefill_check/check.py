@@ -381,7 +381,7 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
         FAILURES.append(name)
 
 
-def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170)):
+def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170), dtype=torch.bfloat16):
     """Causal, one request s_q = s_k = length (offset 0): +inf in v at `keys` (head 0, dim 3). Query rows
     0 .. keys[0] - 1 see none of them (key j is visible to row i iff j <= i), so for every forward schedule their out must equal,
     bitwise, a run with finite values there; rows keys[0] .. see key keys[0], so their out dim 3 is +inf and their
@@ -389,11 +389,11 @@ def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170)):
     default keys lie in a causal diagonal ("checked") block of both key-block sizes: rows 2 / 42 of 128-key block 1,
     rows 130 / 170 of 176-key block 0 (the second word group of the row marks). length 700, keys (530, 650): checked
     128-key blocks 4 and 5, which the persistent forward scans in global memory first (three or more blocks before
-    them in the tile). The float reference would multiply the masked keys' P = 0 by inf, so the finite run is the
-    reference (as run_masked_key_case)."""
+    them in the tile); dtype float16 tests that scan's fp16 exponent. The float reference would multiply the masked
+    keys' P = 0 by inf, so the finite run is the reference (as run_masked_key_case)."""
     torch.manual_seed(11)
     lq, lk, h, dv = [length], [length], 2, 128
-    q, k, v, dout, cu_q, cu_k = make_inputs(lq, lk, h, h, d, dv, torch.bfloat16, dev)
+    q, k, v, dout, cu_q, cu_k = make_inputs(lq, lk, h, h, d, dv, dtype, dev)
     v_bad = v.clone()
     for key in keys:
         v_bad[key, 0, 3] = float("inf")
@@ -565,8 +565,9 @@ def main():
                  causal, nan="v_next")
         safe(run_masked_key_case, lib, f"NaN in a key the first rows do not see d{d} causal=True", d)
         safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see d{d} causal=True", d)
-        safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see, blocks 4-5, d{d} causal=True", d,
-             length=700, keys=(530, 650))
+        for dt in (torch.bfloat16, torch.float16):
+            safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see, blocks 4-5, d{d} {dt} causal=True",
+                 d, length=700, keys=(530, 650), dtype=dt)
     safe(run_case, lib, "all requests empty of keys", [5, 9], [0, 0], 2, 1, 128, False)
     safe(run_case, lib, "no query rows", [0, 0], [5, 9], 2, 1, 128, True)
 

@@ -271,10 +271,14 @@ __device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi) {
 // tile (for the tiles that can hold such keys: the causal diagonal ones) and marks the rows; the consumers then
 // add, after the tile's MMA, the products of the rows that do see the key with its values read from global memory.
 
+/// The exponent bits of a bf16 / fp16 element: all ones for inf and NaN.
+template <class T>
+constexpr uint32_t kNonfiniteExp = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+
 /// The pair w with its inf / NaN bf16 / fp16 elements (exponent all ones) replaced by +0.
 template <class T>
 __device__ __forceinline__ uint32_t pair_zero_nonfinite(uint32_t w) {
-  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
+  constexpr uint32_t e = kNonfiniteExp<T>;
   uint32_t keep = 0xFFFFFFFFu;
   if ((w & e) == e) keep &= 0xFFFF0000u;
   if (((w >> 16) & e) == e) keep &= 0x0000FFFFu;
@@ -291,8 +295,7 @@ template <class T, int kDim>
 __device__ __forceinline__ bool any_nonfinite_rows_global(const T* rows, int64_t row_stride, int lo, int hi, int st,
                                                           int nt) {
   constexpr int kChunks = kDim / 8;
-  constexpr uint32_t e = std::is_same_v<T, __nv_bfloat16> ? 0x7F80u : 0x7C00u;
-  constexpr uint32_t e2 = e | (e << 16);
+  constexpr uint32_t e2 = kNonfiniteExp<T> | (kNonfiniteExp<T> << 16);
   auto chunk = [&](int idx) {
     return __ldg(reinterpret_cast<const uint4*>(rows + (lo + idx / kChunks) * row_stride + (idx % kChunks) * 8));
   };

@@ -260,11 +260,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  // Key block n of the tile: the rows [lo, hi) of its masked keys within it (the rows that both scans of a checked
+  // block test, in shared and in global memory: keys that some query row of the tile does not see).
+  auto masked_rows_lo = [&](int n) { return max(t.masked_lo - n * kBN, 0); };
+  auto masked_rows_hi = [&](int n) { return min(t.sb.s_k - n * kBN, kBN); };
   // Producer threads st = 0 .. nt - 1, checked key block n of the tile in stage: inf / NaN of the V rows of its
   // masked keys -> 0, rows marked; the writes ordered before the consumers' wgmma reads (async proxy).
   auto clean_v = [&](int stage, int n, int st, int nt) {
-    zero_nonfinite_rows<T, kBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), max(t.masked_lo - n * kBN, 0),
-                                     min(t.sb.s_k - n * kBN, kBN), nonfinite_rows + kMaskWords * stage, st, nt);
+    zero_nonfinite_rows<T, kBN, kDV>(smem_raw + (sV(stage) - smem_u32(smem_raw)), masked_rows_lo(n),
+                                     masked_rows_hi(n), nonfinite_rows + kMaskWords * stage, st, nt);
     gmma::fence_proxy_async();
   };
 
@@ -326,12 +330,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int stage = (rb0 + n) & 1;
             const bool prescan = kPersistent && n >= kPrescanAfter;  // the same in all 96 threads
             bool dirty = true;
-            if (prescan) {
-              const T* vg = static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + n * kBN) * p.v_row +
-                            static_cast<int64_t>(t.hk) * p.v_head;
-              dirty = any_nonfinite_rows_global<T, kDV>(vg, p.v_row, max(t.masked_lo - n * kBN, 0),
-                                                        min(t.sb.s_k - n * kBN, kBN), pt - 32, 96);
-            }
+            if (prescan)
+              dirty = any_nonfinite_rows_global<T, kDV>(
+                  static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + n * kBN) * p.v_row +
+                      static_cast<int64_t>(t.hk) * p.v_head,
+                  p.v_row, masked_rows_lo(n), masked_rows_hi(n), pt - 32, 96);
             producer_wait(v_loaded(stage), kPersistent ? (rounds >> stage) & 1 : 0);
             if constexpr (kPersistent) {
               rounds ^= 1u << stage;
