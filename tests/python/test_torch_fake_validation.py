@@ -253,13 +253,34 @@ def test_sparse_decode_and_sparse_prefill_meta_raise_what_the_cpu_raises():
         assert _error(lambda: call("meta")) == cpu, bad
 
 
+def _attention_f64(q, k, v, cu_q, cu_k, scale):
+    """Non-causal varlen attention in float64 (GQA: query head h reads KV head h // (h_q / h_kv))."""
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        for h in range(q.shape[1]):
+            s = q[q0:q1, h].double() @ k[k0:k1, h // group].double().T * scale
+            out[q0:q1, h] = torch.softmax(s, -1) @ v[k0:k1, h // group].double()
+    return out
+
+
 def test_valid_meta_and_symbolic_calls_still_trace():
-    """Valid inputs pass the fake kernels' checks, also with every size symbolic (torch.compile dynamic=True: the
-    checks read the example sizes without guards, so the graph is not specialised)."""
+    """Valid inputs pass the fake kernels' checks: on the meta device the outputs have the CPU call's shapes, strides
+    and dtypes; with every size symbolic (torch.compile dynamic=True: the checks read the example sizes without
+    guards, so the graph is not specialised) the compiled call gives the eager call's values, which match a float64
+    reference on fresh random inputs."""
+    gen = torch.Generator().manual_seed(20261205)
     q, k, v, cu_q, cu_k, mq, mk = _prefill()
-    out, lse = flash_mla.flash_attn_varlen_func(*_on("meta", (q, k, v, cu_q, cu_k)), mq, mk)
-    assert out.shape == (8, 4, 128) and lse.shape == (8, 4) and out.device.type == "meta"
+    q, k, v = (torch.randn(t.shape, generator=gen).to(BF16) for t in (q, k, v))
+    out, lse = flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)
+    out_m, lse_m = flash_mla.flash_attn_varlen_func(*_on("meta", (q, k, v, cu_q, cu_k)), mq, mk)
+    for real, fake in ((out, out_m), (lse, lse_m)):
+        assert fake.device.type == "meta"
+        assert (fake.shape, fake.stride(), fake.dtype) == (real.shape, real.stride(), real.dtype)
+    ref = _attention_f64(q, k, v, cu_q, cu_k, q.shape[-1] ** -0.5)
+    assert torch.allclose(out.double(), ref, atol=2e-2, rtol=2e-2)
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)[0],
                       fullgraph=True, backend="eager", dynamic=True)
-    assert torch.equal(f(q, k, v), flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)[0])
+    assert torch.equal(f(q, k, v), out)
