@@ -72,7 +72,8 @@ constexpr int64_t kFwdByBlockMinGroup = 4;
 /// Whether the library takes kByBlock where the rules say so (H100, 2026-12-05, same process, bitwise equal outputs;
 /// docs/dense-prefill.md, "The tiles' order"). Backward, on: the GQA causal shapes x1.04-1.36, the grids the rule
 /// leaves by head lose there (h 128: x0.79-0.84, the one head's Q / dO no longer shared in L2; non-causal GQA
-/// x0.99-1.03). Forward, off: x0.955-1.029 on the GQA causal shapes, no net gain (h 128 forced: x0.54-0.66).
+/// x0.99-1.03). Forward, off: s 4096 GQA causal x1.009-1.016, s 8192 GQA causal x0.95-1.02 (three processes of five
+/// rounds, session 38), h 128 forced x0.50-0.70: no net gain.
 constexpr bool kBwdByBlockOrder = true;
 constexpr bool kFwdByBlockOrder = false;
 /// The order of a backward kernel's grid of `ctas` CTAs on `sms` SMs (one CTA per SM).
