@@ -24,8 +24,8 @@ namespace {
 template <typename T, int J>
 __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseCombineParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t bs = blockIdx.x;
-  const int bi = static_cast<int>(bs / p.s_q), sq = static_cast<int>(bs % p.s_q);
+  const int bs = static_cast<int>(blockIdx.x);  // < 2^31: 32-bit division, no call
+  const int bi = bs / p.s_q, sq = bs % p.s_q;
   const int h = blockIdx.y * 8 + warp;
   if (h >= p.h_q) return;
   const int start = p.num_splits[bi];
@@ -37,20 +37,13 @@ __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const DenseC
   const int64_t row = static_cast<int64_t>(sq) * p.group + (h % p.group);
   const int64_t split_stride = static_cast<int64_t>(p.h_kv) * p.m_rows;  // rows between splits
   const int64_t base_row = (static_cast<int64_t>(start) * p.h_kv + g) * p.m_rows + row;
-  const float* la = p.lse_accum + base_row;
-  const float4* o = reinterpret_cast<const float4*>(p.o_accum + base_row * 512);
   const int f4 = static_cast<int>(blockIdx.z) * 32 * J + lane;  // this lane's first float4 of the row
-  float4 first[J];
-  combine_load_slices(o, f4, first);
-
-  float mx;
-  const float s = combine_split_sum(la, n, split_stride, lane, mx);
-  const float lse2 = row_sum_empty(s) ? INFINITY : log2f(s) + mx;  // a NaN split makes s NaN
+  float4 acc[J];
+  const float lse2 = combine_merge_row<J>(p.lse_accum + base_row, reinterpret_cast<const float4*>(p.o_accum) + base_row * 128,
+                                          n, split_stride, f4, lane, false, 0.f, acc);
   if (lane == 0 && blockIdx.z == 0) {
     p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = lse2 == INFINITY ? INFINITY : lse2 * kLn2;
   }
-  float4 acc[J];
-  combine_accumulate(la, o, n, split_stride, f4, lse2, 1.f, lane, first, acc);
   combine_store_row(static_cast<T*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h, p.o_stride_d,
                     p.out_vec_ok, f4, acc);
 }

@@ -12,59 +12,89 @@
 
 namespace flashmla::sm90 {
 
-/// Sum over the n splits of 2^(lse_k - mx), reduced over the warp; `mx` is set to the largest lse_k
-/// (0 when every split is empty, so that the sum is then 0). A NaN split makes the sum NaN.
-__device__ __forceinline__ float combine_split_sum(const float* la, int n, int64_t split_stride, int lane, float& mx) {
-  mx = -INFINITY;
-  for (int k = lane; k < n; k += 32) mx = fmaxf(mx, la[k * split_stride]);
+/// One warp's merge of the n >= 1 splits of one output row: this lane's J float4 slices of the 512-float
+/// row (float4s f4 + 32 j), acc = sum_k w_k o_k with w_k = 2^(lse_k - lse2) * factor, in split order.
+/// `la`: split 0's partial lse (base 2, -inf for an empty split), `o`: split 0's partial row (float4s);
+/// split k's lie k * split_stride rows further. Returns lse2 = log2(sum_k 2^lse_k) (+inf when every split
+/// is empty, acc then 0; NaN when a split's lse is NaN). factor = 1 / (1 + 2^(sink_log2 - lse2)) when
+/// has_sink (the attention sink, base 2), else 1.
+/// Latency order: the partial rows of the first kAhead splits and the first 32 lse are loaded at once,
+/// before the weights are known, so a row of few splits (the common case: a request cut by one or two
+/// part boundaries) waits for one memory round trip, not three (lse, then the weights, then the rows).
+/// Each lane keeps lse_lane in a register for the max, the sum and its weight. kAhead * J = 8 float4 a
+/// lane whatever J (split 0's in acc). Capping the kernels at 64 registers (4 CTAs a SM instead of 3)
+/// spilled and ran slower (H100, docs/sparse-fp8-decode.md "The combine's merge, one round trip").
+template <int J>
+__device__ __forceinline__ float combine_merge_row(const float* la, const float4* o, int n, int64_t split_stride,
+                                                   int f4, int lane, bool has_sink, float sink_log2,
+                                                   float4 (&acc)[J]) {
+  constexpr int kAhead = 8 / J;  // splits whose partial rows load before the weights (split 0 into acc)
+  const int64_t row_step = split_stride * 128;  // float4s between two splits' rows
+  float4 ahead[kAhead - 1][J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) acc[j] = n > 0 ? o[f4 + 32 * j] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 1; k < kAhead; ++k) {
+    if (k < n) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) ahead[k - 1][j] = o[k * row_step + f4 + 32 * j];
+    }
+  }
+  const float l_lane = lane < n ? la[lane * split_stride] : -INFINITY;
+  float mx = l_lane;
+#pragma unroll 1
+  for (int k = lane + 32; k < n; k += 32) mx = fmaxf(mx, la[k * split_stride]);
   mx = warp_max(mx);
-  if (mx == -INFINITY) mx = 0.f;
-  float s = 0.f;
-  for (int k = lane; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
-  return warp_sum(s);
-}
-
-/// This lane's J float4 slices of one 512-float partial row: float4s f4 + 32 j of `row`. The combines
-/// load split 0's slices right after their wait for the main kernel, before the split weights are known,
-/// so that those loads overlap the lse loads and the reductions (one memory latency less per row).
-template <int J>
-__device__ __forceinline__ void combine_load_slices(const float4* row, int f4, float4 (&v)[J]) {
+  if (mx == -INFINITY) mx = 0.f;  // every split empty: the sum is 0
+  float s = exp2f(l_lane - mx);   // 0 for lanes >= n; NaN for a NaN split
+#pragma unroll 1
+  for (int k = lane + 32; k < n; k += 32) s += exp2f(la[k * split_stride] - mx);
+  s = warp_sum(s);
+  const bool empty = row_sum_empty(s);
+  const float lse2 = empty ? INFINITY : log2f(s) + mx;
+  if (empty) {
 #pragma unroll
-  for (int j = 0; j < J; ++j) v[j] = row[f4 + 32 * j];
-}
-
-/// acc = sum over the n splits of w_k * o_k (this lane's J slices), w_k = 2^(la[k] - lse2) * factor;
-/// `o` is split 0's partial row (float4s; split k's row lies k * split_stride rows further) and `first`
-/// its slices already loaded (combine_load_slices). Splits in chunks of 32: lane k computes split
-/// c + k's weight once and the loop takes it with a shuffle, so the partials' loads do not wait for a
-/// per-split lse load and up to 16 / J of them are in flight per lane. Accumulates in split order.
-template <int J>
-__device__ __forceinline__ void combine_accumulate(const float* la, const float4* o, int n, int64_t split_stride,
-                                                   int f4, float lse2, float factor, int lane,
-                                                   const float4 (&first)[J], float4 (&acc)[J]) {
+    for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return lse2;
+  }
+  const float factor = has_sink ? 1.f / (1.f + exp2f(sink_log2 - lse2)) : 1.f;
+  const float w0 = lane < n ? exp2f(l_lane - lse2) * factor : 0.f;
+  {
+    const float w = __shfl_sync(0xffffffffu, w0, 0);
 #pragma unroll
-  for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int c = 0; c < n; c += 32) {
-    const int m = min(32, n - c);
-    const float w_lane = lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) * factor : 0.f;
-    int k = 0;
-    if (c == 0) {
-      const float w = __shfl_sync(0xffffffffu, w_lane, 0);
+    for (int j = 0; j < J; ++j) {
+      acc[j].x *= w;
+      acc[j].y *= w;
+      acc[j].z *= w;
+      acc[j].w *= w;
+    }
+  }
+#pragma unroll
+  for (int k = 1; k < kAhead; ++k) {
+    if (k < n) {
+      const float w = __shfl_sync(0xffffffffu, w0, k);
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        acc[j].x += w * first[j].x;
-        acc[j].y += w * first[j].y;
-        acc[j].z += w * first[j].z;
-        acc[j].w += w * first[j].w;
+        acc[j].x += w * ahead[k - 1][j].x;
+        acc[j].y += w * ahead[k - 1][j].y;
+        acc[j].z += w * ahead[k - 1][j].z;
+        acc[j].w += w * ahead[k - 1][j].w;
       }
-      k = 1;
     }
-#pragma unroll(16 / J)
-    for (; k < m; ++k) {
+  }
+  // The rest in chunks of 32 splits: lane k holds split c + k's weight, the loop takes it by a shuffle,
+  // and up to kAhead splits' rows are in flight per lane.
+  for (int c = 0; c < n; c += 32) {
+    const int m = min(32, n - c);
+    const float w_lane = c == 0 ? w0 : (lane < m ? exp2f(la[(c + lane) * split_stride] - lse2) * factor : 0.f);
+    int k = c == 0 ? kAhead : 0;
+    const float4* row = o + (c + k) * row_step + f4;
+#pragma unroll(kAhead)
+    for (; k < m; ++k, row += row_step) {
       const float w = __shfl_sync(0xffffffffu, w_lane, k);
 #pragma unroll
       for (int j = 0; j < J; ++j) {
-        const float4 v = o[(c + k) * split_stride * 128 + f4 + 32 * j];
+        const float4 v = row[32 * j];
         acc[j].x += w * v.x;
         acc[j].y += w * v.y;
         acc[j].z += w * v.z;
@@ -72,6 +102,7 @@ __device__ __forceinline__ void combine_accumulate(const float* la, const float4
       }
     }
   }
+  return lse2;
 }
 
 /// Stores this lane's J slices of a merged row to `out` (T = bf16 / fp16; the row's first element),

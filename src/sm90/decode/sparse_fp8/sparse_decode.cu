@@ -40,28 +40,13 @@ __device__ __forceinline__ void sparse_combine_row(const P& p, int bi, int sq, i
                                                    int lane) {
   const int64_t split_stride = static_cast<int64_t>(p.s_q) * p.h_q;
   const int64_t base_row = (static_cast<int64_t>(start) * p.s_q + sq) * p.h_q + h;
-  const float* la = p.lse_accum + base_row;
-  const float4* o = reinterpret_cast<const float4*>(p.o_accum + base_row * 512);
   const int f4 = slice * 32 * J + lane;  // this lane's first float4 of the row
-  float4 first[J];
-  if (n > 0) combine_load_slices(o, f4, first);
-
-  float mx;
-  const float s = combine_split_sum(la, n, split_stride, lane, mx);
-  const bool empty = row_sum_empty(s);  // a NaN split makes s NaN: not empty
-  const float lse2 = empty ? INFINITY : log2f(s) + mx;
-  if (lane == 0 && slice == 0)
-    p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = empty ? INFINITY : lse2 * kLn2;
-  float factor = empty ? 0.f : 1.f;
-  if (p.attn_sink != nullptr && !empty) factor = 1.f / (1.f + exp2f(p.attn_sink[h] * kLog2e - lse2));
-
+  const bool has_sink = p.attn_sink != nullptr;
   float4 acc[J];
-  if (empty) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  } else {
-    combine_accumulate(la, o, n, split_stride, f4, lse2, factor, lane, first, acc);
-  }
+  const float lse2 = combine_merge_row<J>(p.lse_accum + base_row, reinterpret_cast<const float4*>(p.o_accum) + base_row * 128, n,
+                                          split_stride, f4, lane, has_sink, has_sink ? p.attn_sink[h] * kLog2e : 0.f, acc);
+  if (lane == 0 && slice == 0)
+    p.lse[bi * p.lse_stride_b + h * p.lse_stride_h + sq * p.lse_stride_s] = lse2 == INFINITY ? INFINITY : lse2 * kLn2;
   combine_store_row(static_cast<__nv_bfloat16*>(p.out) + bi * p.o_stride_b + sq * p.o_stride_s + h * p.o_stride_h,
                     p.o_stride_d, p.out_vec_ok, f4, acc);
 }
@@ -84,8 +69,8 @@ struct CompactParams : SparseCombineParams {
 template <int J, bool kCompact, class Params = SparseCombineParams>
 __global__ void __launch_bounds__(256) flash_fwd_mla_combine_kernel(const Params p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t bs = blockIdx.x;
-  int bi_ = static_cast<int>(bs / p.s_q);
+  const int bs = static_cast<int>(blockIdx.x);  // < 2^31: 32-bit division, no call
+  int bi_ = bs / p.s_q;
   if constexpr (kCompact) bi_ = core::split_request_of_part(p.tile_scheduler_metadata, bi_, p.b);
   const int bi = bi_, sq = static_cast<int>(bs % p.s_q);
   if (kCompact && bi < 0) return;
