@@ -69,7 +69,11 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 /// A row "without keys" (n == 0, or every score -inf) gets out = 0 exactly.
 /// A NaN score (a NaN in the query row or in a key it uses) makes that row's out, lse and
 /// max_logit NaN, as the formula gives: the row maximum propagates NaN (std::max would drop it
-/// and turn the row into an empty one).
+/// and turn the row into an empty one). An inf in the query row gives scores of +inf and -inf
+/// (NaN where the key's element is 0): exp(+inf - +inf) makes the sum, lse and out NaN, and
+/// max_logit is NaN too (not the +inf row maximum), so that a row without a defined softmax is NaN
+/// in all three, as the GPU kernels write it (row_max_or_nan, src/sm90/common/utils.cuh). A row whose
+/// scores are all -inf (an inf in q against keys of one sign in that dimension) stays an empty row.
 template <typename LoadKey>
 void attend_rows(int64_t num_heads, int64_t d_qk, int64_t d_v, const float* q, float scale, int64_t n,
                  LoadKey&& load_key, float* out, float* lse, float* max_logit) {
@@ -102,7 +106,7 @@ void attend_rows(int64_t num_heads, int64_t d_qk, int64_t d_v, const float* q, f
     row_sum[h] = sum;
     has_keys[h] = 1;
     lse[h] = m + std::log(sum);
-    if (max_logit) max_logit[h] = m;
+    if (max_logit) max_logit[h] = std::isnan(lse[h]) ? lse[h] : m;  // +inf max with a NaN lse: NaN
   }
 
   for (int64_t j = 0; j < n; ++j) {

@@ -268,3 +268,55 @@ TEST(ReferenceAttendRows, NaNPropagates) {
   run(3, out, lse, mx);  // key 3 not used: finite
   for (int64_t h = 0; h < heads; ++h) EXPECT_TRUE(std::isfinite(lse[h]) && std::isfinite(out[h * dv]));
 }
+
+// An inf in a query row (+inf or -inf, one element): the row's scores are +inf and -inf (NaN where a key's
+// element is 0), so its softmax is undefined: out, lse and max_logit NaN (max_logit not the +inf row maximum,
+// as the GPU kernels' row_max_or_nan), the other rows untouched. Against keys whose element in that dimension
+// has one sign only, every score is -inf (q -inf, keys > 0): the row stays an empty row (out 0, lse +inf,
+// max_logit -inf), as the decode and sparse prefill kernels give for a row sum of 0.
+TEST(ReferenceAttendRows, InfInQueryGivesNaN) {
+  const int64_t heads = 3, d = 4, dv = 2, n = 5;
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> keys(n * d);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < d; ++c) keys[j * d + c] = 0.05f * static_cast<float>(j + 1) * (c == 1 ? 1.f : -1.f) +
+                                                     (j % 2 ? 0.12f : -0.12f) * static_cast<float>(c == 2);
+  // dim 1: every key > 0; dim 2: keys of both signs, none 0 (-0.17, 0.02, -0.27, -0.08, -0.37)
+  auto run = [&](const std::vector<float>& q, std::vector<float>& out, std::vector<float>& lse,
+                 std::vector<float>& mx) {
+    out.assign(heads * dv, -7.f);
+    lse.assign(heads, -7.f);
+    mx.assign(heads, -7.f);
+    ref::attend_rows(heads, d, dv, q.data(), 0.5f, n,
+                     [&](int64_t j, float* dst) { std::copy_n(keys.data() + j * d, d, dst); }, out.data(), lse.data(),
+                     mx.data());
+  };
+  std::vector<float> q0(heads * d);
+  for (size_t i = 0; i < q0.size(); ++i) q0[i] = 0.1f * static_cast<float>(i % 7) - 0.2f;
+  std::vector<float> out0, lse0, mx0, out, lse, mx;
+  run(q0, out0, lse0, mx0);
+  for (const float v : {inf, -inf}) {
+    std::vector<float> q = q0;
+    q[1 * d + 2] = v;  // head 1, dim 2: scores of both signs
+    run(q, out, lse, mx);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (h == 1) {
+        EXPECT_TRUE(std::isnan(lse[h]) && std::isnan(mx[h])) << v << " lse " << lse[h] << " max " << mx[h];
+        for (int64_t c = 0; c < dv; ++c) EXPECT_TRUE(std::isnan(out[h * dv + c])) << v;
+      } else {
+        EXPECT_EQ(lse[h], lse0[h]);
+        EXPECT_EQ(mx[h], mx0[h]);
+        for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(out[h * dv + c], out0[h * dv + c]);
+      }
+    }
+  }
+  std::vector<float> q = q0;
+  q[1 * d + 1] = inf;  // dim 1, every key > 0: every score +inf, no NaN: NaN (exp(inf - inf))
+  run(q, out, lse, mx);
+  EXPECT_TRUE(std::isnan(lse[1]) && std::isnan(mx[1]) && std::isnan(out[1 * dv]));
+  q[1 * d + 1] = -inf;  // every score -inf: the empty row
+  run(q, out, lse, mx);
+  EXPECT_EQ(lse[1], inf);
+  EXPECT_EQ(mx[1], -inf);
+  for (int64_t c = 0; c < dv; ++c) EXPECT_EQ(out[1 * dv + c], 0.f);
+}
