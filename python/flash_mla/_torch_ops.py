@@ -581,6 +581,19 @@ def _check_inputs(check: Any, tensors: tuple, *scalars: Any) -> None:
     check(*spec, *values)
 
 
+def _check_last_dim_contiguous(**tensors: Any) -> None:
+    """The core's rule that q, k and v have a contiguous last dimension (src/core/validate.cpp
+    check_last_dim_contiguous: stride 1 unless empty or of size 1), which its shapes-only check cannot see: strides need
+    no data, so the fake kernel raises the CPU call's ValueError. Read without guards (as _size_hint); skipped where a
+    size or stride is symbolic without an example value."""
+    for name, t in tensors.items():
+        if t is None or t.dim() == 0:
+            continue
+        numel, last, stride = _size_hint(t.numel()), _size_hint(t.shape[-1]), _size_hint(t.stride(-1))
+        if None not in (numel, last, stride) and numel != 0 and last != 1 and stride != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got stride {stride}")
+
+
 def _register_fakes(torch) -> None:
     from . import _ffi
 
@@ -648,6 +661,7 @@ def _register_fakes(torch) -> None:
         _check_same_device("q", q, k=k, v=v, cu_seqlens_qo=cu_seqlens_qo, cu_seqlens_kv=cu_seqlens_kv)
         _check_inputs(functools.partial(ffi.dense_prefill_check, False, _DL_CPU, 0),
                       (q, k, v, cu_seqlens_qo, cu_seqlens_kv), max_seqlen_qo, max_seqlen_kv, softmax_scale, causal)
+        _check_last_dim_contiguous(q=q, k=k, v=v)
         total_q, h_q = q.shape[0], q.shape[1]
         out = q.new_empty((total_q, h_q, v.shape[2]))
         lse = torch.empty_strided((total_q, h_q), (1, torch.sym_max(total_q, 1)), dtype=torch.float32,

@@ -284,3 +284,15 @@ def test_valid_meta_and_symbolic_calls_still_trace():
     f = torch.compile(lambda q, k, v: flash_mla.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk)[0],
                       fullgraph=True, backend="eager", dynamic=True)
     assert torch.equal(f(q, k, v), out)
+
+
+def test_meta_last_dim_strided_raises_what_the_cpu_raises():
+    """The fake kernel checks the contiguous last dim of q, k and v as the core does (no data needed)."""
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    v = torch.zeros(6, 2, 128, 2, dtype=BF16)[..., 0]
+    args = [q, k, v, cu_q, cu_k, mq, mk]
+    cpu = _error(lambda: flash_mla.flash_attn_varlen_func(*args))
+    assert cpu == (ValueError, "v: the last dimension must be contiguous (stride 1), got stride 2")
+    meta = _on("meta", args)
+    meta[2] = torch.empty_strided(v.shape, v.stride(), dtype=BF16, device="meta")  # (.to() would make it contiguous)
+    assert _error(lambda: flash_mla.flash_attn_varlen_func(*meta)) == cpu
