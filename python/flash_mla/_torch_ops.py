@@ -353,7 +353,13 @@ def call(op: Any, *args: Any) -> Any:
     if torch is None:
         import torch
     if torch.compiler.is_compiling():
-        return op(*args)
+        try:
+            return op(*args)
+        except RuntimeError as e:
+            # The fake kernel's error while Dynamo traces, which Dynamo raises as a hard error wherever no traced frame
+            # handles it: raised again as a plain RuntimeError, Dynamo instead breaks the graph (fullgraph=False) and
+            # runs the call eagerly, which raises the error of an eager call (class and names).
+            raise RuntimeError(*e.args) from None
     try:
         return op(*args)
     except RuntimeError as e:

@@ -842,16 +842,24 @@ def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any, t
         import torch
 
         if torch.compiler.is_compiling():
-            return fn(*args)
+            if not tensors:
+                return fn(*args)
+            try:
+                return fn(*args)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError):
+                # A packed variant's bad input while Dynamo traces: the fake kernel's error (which Dynamo raises as a
+                # RuntimeError of its own) or one of _dense_prefill_args names q / k / v and cu_seqlens_qo.
+                err = _traced_call_error(names, tensors, *(_traced_spec(torch, a) for a in args[:5]), *args[5:10])
+                if err is None:
+                    raise
+            # Raise what the eager call raises instead, outside the try block: Dynamo breaks the graph at this raise
+            # (fullgraph=False) and raises it from the code after the break, or (fullgraph=True) fails naming it.
+            raise _TRACED_ERROR_CLASSES[err[0]](err[1])
     try:
         return fn(*args)
     except (ValueError, TypeError, NotImplementedError) as e:
         msg = str(e)
-        renamed = _SEQLEN_ARG.sub(lambda m: names[(2 if m.group(1) == "max_seqlen" else 0)
-                                                  + (1 if m.group(2) in ("k", "kv") else 0)], msg)
-        if tensors:
-            renamed = _TENSOR_ARG.sub(lambda m: tensors.get(m.group(1), m.group(1)), renamed)
-            renamed = _REPEATED_ARG.sub(r"\1", renamed)
+        renamed = _named_as_called(msg, names, tensors)
         if renamed == msg:
             raise
         try:
@@ -859,6 +867,53 @@ def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any, t
         except Exception:  # an exception class that does not take one message
             raise e from None
         raise err from None
+
+
+def _named_as_called(msg: str, names: Tuple[str, str, str, str], tensors: Optional[dict]) -> str:
+    """``msg`` with the packed-sequence arguments named as in ``names`` and, given ``tensors``, q / k / v named as the
+    packed variant's caller passed them (see call_naming_seqlens)."""
+    renamed = _SEQLEN_ARG.sub(lambda m: names[(2 if m.group(1) == "max_seqlen" else 0)
+                                              + (1 if m.group(2) in ("k", "kv") else 0)], msg)
+    if tensors:
+        renamed = _TENSOR_ARG.sub(lambda m: tensors.get(m.group(1), m.group(1)), renamed)
+        renamed = _REPEATED_ARG.sub(r"\1", renamed)
+    return renamed
+
+
+_TRACED_ERROR_CLASSES = {"ValueError": ValueError, "TypeError": TypeError, "NotImplementedError": NotImplementedError}
+
+
+def _traced_spec(torch: Any, x: Any) -> Any:
+    """A tensor argument as (shape, strides, dtype), what _traced_call_error rebuilds it from (Python constants for
+    Dynamo when the sizes are static); anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), tuple(x.stride()), x.dtype
+    return x
+
+
+def _traced_call_error(names, tensors, q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv,
+                       softmax_scale, causal, is_varlen) -> Optional[Tuple[str, str]]:
+    """(class name, message) of the error that a packed variant's eager call raises for tensors of these
+    (shape, strides, dtype) specs and these scalars, or None. Run by Dynamo as Python while it traces (marked
+    constant below: its arguments are Python constants), only after the traced call failed: the call on meta tensors
+    of the same specs runs the checks an eager call runs before reading data (the fake kernel's are the core's)."""
+    import torch
+
+    def meta(x):
+        if isinstance(x, tuple) and len(x) == 3 and isinstance(x[2], torch.dtype):
+            return torch.empty_strided(x[0], x[1], dtype=x[2], device="meta")
+        return x
+
+    try:
+        _dense_prefill(*(meta(x) for x in (q, k, v, cu_seqlens_qo, cu_seqlens_kv)), max_seqlen_qo, max_seqlen_kv,
+                       softmax_scale, causal, is_varlen)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return type(e).__name__, _named_as_called(str(e), names, tensors)
+    return None
+
+
+# (torch._dynamo.assume_constant_result, as _make_flash_attn_varlen_function below)
+_traced_call_error._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, max_seqlen_kv, softmax_scale,

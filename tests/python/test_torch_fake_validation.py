@@ -286,6 +286,46 @@ def test_valid_meta_and_symbolic_calls_still_trace():
     assert torch.equal(f(q, k, v), out)
 
 
+# ----------------------------------------------------------------------------- packed variants under torch.compile
+def _bad_packed_calls():
+    """(function, arguments) of the packed variants that the eager call rejects from shapes, strides and dtypes."""
+    qkvf, kvf = flash_mla.flash_attn_varlen_qkvpacked_func, flash_mla.flash_attn_varlen_kvpacked_func
+    q = torch.zeros(8, 4, 128, dtype=BF16)
+    kv = torch.zeros(6, 2, 256, dtype=BF16)
+    return {
+        "qkv float32": (qkvf, [torch.zeros(8, 4, 384), _cu(4, 4), 4, 128]),
+        "qkv d_v 64": (qkvf, [torch.zeros(8, 4, 320, dtype=BF16), _cu(4, 4), 4, 128]),
+        "qkv last dim strided": (qkvf, [torch.zeros(8, 4, 384, 2, dtype=BF16)[..., 0], _cu(4, 4), 4, 128]),
+        "qkv int64 cu_seqlens": (qkvf, [torch.zeros(8, 4, 384, dtype=BF16), _cu(4, 4).long(), 4, 128]),
+        "kv float16": (kvf, [q, kv.half(), _cu(4, 4), _cu(3, 3), 4, 3, 128]),
+        "kv h_q % h_kv": (kvf, [q[:, :3], kv, _cu(4, 4), _cu(3, 3), 4, 3, 128]),
+        "kv last dim strided": (kvf, [q, torch.zeros(6, 2, 256, 2, dtype=BF16)[..., 0], _cu(4, 4), _cu(3, 3), 4, 3,
+                                      128]),
+        "kv 2-D cu_seqlens_kv": (kvf, [q, kv, _cu(4, 4), _cu(3, 3).view(1, 3), 4, 3, 128]),
+    }
+
+
+BAD_PACKED = _bad_packed_calls()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("case", list(BAD_PACKED))
+def test_compiled_packed_variants_raise_the_eager_error(case, backend):
+    """A compiled packed variant raised Dynamo's TorchRuntimeError naming flash_attn_varlen_func's q / k / v and
+    cu_seqlens_qo (the fake kernel's error, not renamed while tracing), or at run time "[flash_mla:ValueError] q: the
+    last dimension ...": it raises the eager call's class and message (qkv, kv, cu_seqlens); with fullgraph=True
+    Dynamo's error carries that exception."""
+    fn, args = BAD_PACKED[case]
+    eager = _error(lambda: fn(*args))
+    assert eager[0] in (ValueError, TypeError) and ("kv" in eager[1] or "cu_seqlens" in eager[1]), eager
+    torch._dynamo.reset()
+    assert _error(lambda: torch.compile(lambda *a: fn(*a), backend=backend)(*args)) == eager
+    torch._dynamo.reset()
+    cls, msg = _error(lambda: torch.compile(lambda *a: fn(*a), backend=backend, fullgraph=True)(*args))
+    assert issubclass(cls, torch._dynamo.exc.TorchDynamoException), (cls, msg)
+    assert f"{eager[0].__name__}({eager[1]!r})" in msg, msg
+
+
 def test_meta_last_dim_strided_raises_what_the_cpu_raises():
     """The fake kernel checks the contiguous last dim of q, k and v as the core does (no data needed)."""
     q, k, v, cu_q, cu_k, mq, mk = _prefill()
