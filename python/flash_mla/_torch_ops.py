@@ -356,9 +356,12 @@ def call(op: Any, *args: Any) -> Any:
         try:
             return op(*args)
         except RuntimeError as e:
-            # The fake kernel's error while Dynamo traces, which Dynamo raises as a hard error wherever no traced frame
-            # handles it: raised again as a plain RuntimeError, Dynamo instead breaks the graph (fullgraph=False) and
-            # runs the call eagerly, which raises the error of an eager call (class and names).
+            # The fake kernel's error while Dynamo traces (its TorchRuntimeError) or the op's own, which Dynamo raises
+            # as a hard error wherever no traced frame handles it: raised again as a plain RuntimeError, Dynamo instead
+            # breaks the graph (fullgraph=False) and runs the call eagerly, which raises the error of an eager call
+            # (class and names). Other RuntimeErrors (e.g. the tracer's data-dependent guards) pass unchanged.
+            if type(e).__name__ != "TorchRuntimeError" and mapped_error(e) is None:
+                raise
             raise RuntimeError(*e.args) from None
     try:
         return op(*args)

@@ -836,8 +836,9 @@ def call_naming_seqlens(names: Tuple[str, str, str, str], fn: Any, *args: Any, t
     is raised again (same class) with that argument's name in ``names``, and, given ``tensors`` (the packed
     variants: ``{"k": "kv", "v": "kv"}``), with the tensors q / k / v named as the caller passed them
     (``total_q = q.shape[0]`` becomes ``total_q = qkv.shape[0]``). While torch.compile traces a call on torch
-    tensors (``args[0]`` one), ``fn(*args)`` only: no try block for Dynamo to trace (the error is then raised as
-    it is)."""
+    tensors (``args[0]`` one): ``fn(*args)`` as it is for the unpacked function; for the packed variants, a failure
+    is repeated on meta tensors of the same shapes, strides and dtypes (``_traced_call_error``) and the eager call's
+    error raised after the try block."""
     if _ffi.framework_of(args[0]) == "torch":
         import torch
 

@@ -128,11 +128,10 @@ def test_sparse_decode_nan_gpu(case):
     check_close("out", out, ref_out, 1e-3, 2.01 / 128, 5e-6)
 
 
-@pytest.mark.parametrize("h_q", [128, 64, 16])
-@pytest.mark.parametrize("d_qk", [576, 512])
-def test_sparse_prefill_nan_gpu(h_q, d_qk):
-    g = torch.Generator().manual_seed(h_q + d_qk)
-    s_q, s_kv, topk = 6, 600, 128
+def _sparse_prefill_case(h_q, d_qk, seed, s_q=6, s_kv=600, topk=128):
+    """Random sparse prefill inputs (CPU): q, kv, indices (the last two slots -1: invalid), topk_length (query 2: no
+    valid slot) and an attention sink."""
+    g = torch.Generator().manual_seed(seed)
     q = (torch.randn(s_q, h_q, d_qk, generator=g) / 10).to(torch.bfloat16)
     kv = (torch.randn(s_kv, 1, d_qk, generator=g) / 10).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(s_kv, generator=g)[:topk] for _ in range(s_q)]).to(torch.int32)[:, None, :]
@@ -140,6 +139,13 @@ def test_sparse_prefill_nan_gpu(h_q, d_qk):
     topk_length = torch.full((s_q,), topk, dtype=torch.int32)
     topk_length[2] = 0  # query 2: no valid slot
     sink = torch.randn(h_q, generator=g).float()
+    return q, kv, idx, topk_length, sink
+
+
+@pytest.mark.parametrize("h_q", [128, 64, 16])
+@pytest.mark.parametrize("d_qk", [576, 512])
+def test_sparse_prefill_nan_gpu(h_q, d_qk):
+    q, kv, idx, topk_length, sink = _sparse_prefill_case(h_q, d_qk, seed=h_q + d_qk)
     q[0, 1, 100] = NAN
     q[2, 3, :] = NAN  # no valid slot: stays empty
     q[4, h_q - 1, d_qk - 1] = NAN

@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch")
 import flash_mla  # noqa: E402
 from flash_mla import quant  # noqa: E402
 from torch_reference import check_close  # noqa: E402  (spec §5.1 comparator)
-from test_nan_propagation_gpu import _dense_case, _sparse_case, _strided_cuda  # noqa: E402
+from test_nan_propagation_gpu import _dense_case, _sparse_case, _sparse_prefill_case, _strided_cuda  # noqa: E402
 from test_dense_prefill_gpu import LSE_TOL, OUT_TOL, check_dgrads, reference  # noqa: E402
 
 VALUES = {"+inf": math.inf, "-inf": -math.inf, "nan": math.nan}
@@ -96,6 +96,18 @@ def assert_nan_rows(name, t, rows):
 
 
 # ----------------------------------------------------------------------------- dense decode
+def check_decode(out, lse, ref_out, ref_lse, rows, out_tol):
+    """A decode call's out (b, s_q, h_q, d_v) and lse (b, h_q, s_q) against the reference's: every element written,
+    exactly the `rows` (b, s_q, h_q) NaN on both, the rest within the tolerances."""
+    for name, t in (("out", out), ("lse", lse)):
+        assert_written(name, t)
+    for where, o, l in (("cpu", ref_out, ref_lse), ("gpu", out, lse)):
+        assert_nan_rows(f"{where} out", o, rows)
+        assert_nan_rows(f"{where} lse", l.transpose(1, 2), rows)
+    check_close("lse", lse, ref_lse, *DECODE_LSE_TOL)
+    check_close("out", out, ref_out, *out_tol)
+
+
 def _dense(q, k, bt, lens, causal):
     return flash_mla.flash_mla_with_kvcache(q, k, bt, lens, 512, flash_mla.get_mla_metadata()[0], causal=causal)
 
@@ -125,13 +137,7 @@ def test_dense_decode(case, value, dtype):
         rows[i, r, h] = n_vis > 0
     ref_out, ref_lse = _dense(q, k, bt, ln, causal)
     out, lse = poisoned_call(_dense, q.cuda(), k.cuda(), bt.cuda(), ln.cuda(), causal)
-    for name, t in (("out", out), ("lse", lse)):
-        assert_written(name, t)
-    for where, o, l in (("cpu", ref_out, ref_lse), ("gpu", out, lse)):
-        assert_nan_rows(f"{where} out", o, rows)
-        assert_nan_rows(f"{where} lse", l.transpose(1, 2), rows)
-    check_close("lse", lse, ref_lse, *DECODE_LSE_TOL)
-    check_close("out", out, ref_out, *DENSE_DECODE_OUT_TOL)
+    check_decode(out, lse, ref_out, ref_lse, rows, DENSE_DECODE_OUT_TOL)
     for i, r, h, _ in poisoned:
         if not rows[i, r, h]:
             assert lse[i, h, r].item() == math.inf and bool((out[i, r, h] == 0).all())
@@ -150,6 +156,8 @@ SPARSE = [  # h_q, d_qk (576: V3.2, 512: MODEL1), b, s_q, topk, cache 4 bytes pa
     (16, 576, 2, 2, 192, False),  # small-heads kernel
     (32, 512, 2, 1, 128, True),  # mma.sync kernel, byte-copy gather
     (128, 512, 64, 1, 128, False),  # many requests: split work + combine
+    (128, 576, 2, 2, 2048, False),  # V3.2 b 2: request 0 over ~16 parts (combine J = 1, splits past the 8 ahead)
+    (64, 576, 2, 1, 4096, False),  # h_q 64, request 1 empty: request 0 over > 32 parts (the combine's chunk loop)
 ]
 
 
@@ -172,13 +180,7 @@ def test_sparse_decode(case, value):
     packed_cuda = _strided_cuda(packed, extra_offset=4 if unaligned else 0)
     assert (packed_cuda.data_ptr() % 16 != 0) == unaligned
     out, lse = poisoned_call(_sparse, q.cuda(), packed_cuda, idx.cuda(), sink.cuda(), topk_length.cuda())
-    for name, t in (("out", out), ("lse", lse)):
-        assert_written(name, t)
-    for where, o, l in (("cpu", ref_out, ref_lse), ("gpu", out, lse)):
-        assert_nan_rows(f"{where} out", o, rows)
-        assert_nan_rows(f"{where} lse", l.transpose(1, 2), rows)
-    check_close("lse", lse, ref_lse, *DECODE_LSE_TOL)
-    check_close("out", out, ref_out, *SPARSE_OUT_TOL)
+    check_decode(out, lse, ref_out, ref_lse, rows, SPARSE_OUT_TOL)
     assert lse[1, 5, 0].item() == math.inf and bool((out[1, 0, 5] == 0).all())
 
 
@@ -187,15 +189,8 @@ def test_sparse_decode(case, value):
 @pytest.mark.parametrize("h_q", [128, 64, 16])
 @pytest.mark.parametrize("d_qk", [576, 512])
 def test_sparse_prefill(d_qk, h_q, value):
-    g = torch.Generator().manual_seed(h_q + d_qk + 1)
-    s_q, s_kv, topk = 6, 600, 128
-    q = (torch.randn(s_q, h_q, d_qk, generator=g) / 10).to(torch.bfloat16)
-    kv = (torch.randn(s_kv, 1, d_qk, generator=g) / 10).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(s_kv, generator=g)[:topk] for _ in range(s_q)]).to(torch.int32)[:, None, :]
-    idx[:, :, -2:] = -1
-    topk_length = torch.full((s_q,), topk, dtype=torch.int32)
-    topk_length[2] = 0  # query 2: no valid slot
-    sink = torch.randn(h_q, generator=g).float()
+    q, kv, idx, topk_length, sink = _sparse_prefill_case(h_q, d_qk, seed=h_q + d_qk + 1)
+    s_q = q.shape[0]
     val = VALUES[value]
     q[0, 1, 100] = val
     q[4, h_q - 1, d_qk - 1] = val

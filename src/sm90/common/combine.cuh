@@ -21,9 +21,10 @@ namespace flashmla::sm90 {
 /// Latency order: the partial rows of the first kAhead splits and the first 32 lse are loaded at once,
 /// before the weights are known, so a row of few splits (the common case: a request cut by one or two
 /// part boundaries) waits for one memory round trip, not three (lse, then the weights, then the rows).
-/// Each lane keeps lse_lane in a register for the max, the sum and its weight. kAhead * J = 8 float4 a
-/// lane whatever J (split 0's in acc). Capping the kernels at 64 registers (4 CTAs a SM instead of 3)
-/// spilled and ran slower (H100, docs/sparse-fp8-decode.md "The combine's merge, one round trip").
+/// Each lane keeps its split's lse in a register (l_lane) for the max, the sum and its weight. kAhead * J = 8
+/// float4 a lane whatever J (split 0's in acc). nvcc 13.0: 64-78 registers, no spill; capping the sparse kernels
+/// at 64 (`__launch_bounds__(256, 4)`) spilled and ran slower (H100, docs/sparse-fp8-decode.md "The combine's
+/// merge, one round trip"). A row whose splits are all empty gives exactly 0 (before: 0 * o_k).
 template <int J>
 __device__ __forceinline__ float combine_merge_row(const float* la, const float4* o, int n, int64_t split_stride,
                                                    int f4, int lane, bool has_sink, float sink_log2,
