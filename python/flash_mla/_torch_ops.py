@@ -685,6 +685,7 @@ def _register_fakes(torch) -> None:
         _check_inputs(functools.partial(ffi.dense_prefill_check, True, _DL_CPU, 0),
                       (dout, q, k, v, out, lse, cu_seqlens_qo, cu_seqlens_kv), max_seqlen_qo, max_seqlen_kv,
                       softmax_scale, causal)
+        _check_last_dim_contiguous(q=q, k=k, v=v, out=out, dout=dout)  # the core's order
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     def _dense_prefill_setup(ctx, inputs, output):

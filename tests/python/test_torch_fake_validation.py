@@ -336,3 +336,18 @@ def test_meta_last_dim_strided_raises_what_the_cpu_raises():
     meta = _on("meta", args)
     meta[2] = torch.empty_strided(v.shape, v.stride(), dtype=BF16, device="meta")  # (.to() would make it contiguous)
     assert _error(lambda: flash_mla.flash_attn_varlen_func(*meta)) == cpu
+
+
+def test_meta_backward_strided_dout_raises_what_the_cpu_raises():
+    """The backward's fake kernel checks the contiguous last dim of q, k, v, out and dout as the core does."""
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=BF16)
+    lse = torch.zeros(q.shape[1], q.shape[0], dtype=torch.float32).t()  # (total_q, h_q), FlashMLA's strides
+    dout = torch.zeros(*out.shape, 2, dtype=BF16)[..., 0]  # last-dim stride 2
+    args = [dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, q.shape[-1] ** -0.5, False]
+    cpu = _error(lambda: _torch_ops.dense_prefill_bwd(*args))
+    assert cpu == (ValueError, "dout: the last dimension must be contiguous (stride 1), got stride 2")
+    meta = _on("meta", args)
+    meta[0] = torch.empty_strided(dout.shape, dout.stride(), dtype=BF16, device="meta")
+    meta[5] = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device="meta")
+    assert _error(lambda: _torch_ops.dense_prefill_bwd(*meta)) == cpu
