@@ -204,7 +204,12 @@ def _reject_traced(name: str, value: Any, kind: str) -> None:
     """TypeError naming a scalar argument given as a traced JAX value (an argument of a jax.jit-ed function):
     the scalars are static -- they size the results or are attributes of the XLA custom call -- so there is no
     value to read while tracing. Without this, ``int()`` / ``bool()`` of the tracer raised "expected an int, got
-    DynamicJaxprTracer" or JAX's TracerBoolConversionError, which names no argument."""
+    DynamicJaxprTracer" or JAX's TracerBoolConversionError, which names no argument. Skipped while torch.compile
+    traces (no JAX tracer there): Dynamo cannot trace ``str.startswith`` of a type's ``__module__``, so under
+    ``fullgraph=True`` a bad scalar (``softmax_scale="x"``) failed with "Unsupported method call" naming no
+    argument, instead of the TypeError that the eager call raises."""
+    if _compiling():
+        return
     if type(value).__module__.startswith("jax"):
         import jax
 

@@ -351,3 +351,49 @@ def test_meta_backward_strided_dout_raises_what_the_cpu_raises():
     meta[0] = torch.empty_strided(dout.shape, dout.stride(), dtype=BF16, device="meta")
     meta[5] = torch.empty_strided(lse.shape, lse.stride(), dtype=torch.float32, device="meta")
     assert _error(lambda: _torch_ops.dense_prefill_bwd(*meta)) == cpu
+
+
+# ----------------------------------------------------------------------------- bad scalars under fullgraph=True
+def _bad_scalar_calls():
+    """(function, arguments) whose eager call raises a TypeError naming a scalar argument, one per operator."""
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    varlen = flash_mla.flash_attn_varlen_func
+    dq = torch.zeros(2, 1, 16, 576, dtype=BF16)
+    kc = torch.zeros(4, 64, 1, 576, dtype=BF16)
+    bt = torch.arange(4, dtype=I32).view(2, 2)
+    lens = torch.tensor([70, 0], dtype=I32)
+
+    def decode(q, kc, bt, lens, softmax_scale=None, causal=False):
+        return flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, 512, flash_mla.get_mla_metadata()[0],
+                                                softmax_scale=softmax_scale, causal=causal)
+
+    sq = torch.zeros(4, 16, 576, dtype=BF16)
+    kv = torch.zeros(32, 1, 576, dtype=BF16)
+    idx = torch.zeros(4, 1, 8, dtype=I32)
+    return {
+        "varlen softmax_scale str": (varlen, [q, k, v, cu_q, cu_k, mq, mk, 0.0, "x"]),
+        "varlen causal str": (varlen, [q, k, v, cu_q, cu_k, mq, mk, 0.0, None, "no"]),
+        "decode softmax_scale str": (decode, [dq, kc, bt, lens, "x"]),
+        "decode causal bytes": (decode, [dq, kc, bt, lens, None, b"no"]),
+        "sparse prefill sm_scale str": (flash_mla.flash_mla_sparse_fwd, [sq, kv, idx, "a"]),
+    }
+
+
+BAD_SCALARS = _bad_scalar_calls()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", list(BAD_SCALARS))
+def test_compiled_fullgraph_bad_scalar_raises_the_eager_error(case, dynamic):
+    """A scalar argument of a wrong type under torch.compile(fullgraph=True): Dynamo's error carries the eager call's
+    TypeError naming the argument. The check for traced JAX values read ``type(value).__module__.startswith("jax")``,
+    which Dynamo cannot trace: the error was "Unsupported method call ... startswith", naming no argument."""
+    fn, args = BAD_SCALARS[case]
+    eager = _error(lambda: fn(*args))
+    assert eager[0] is TypeError, eager
+    torch._dynamo.reset()
+    assert _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=dynamic)(*args)) == eager
+    torch._dynamo.reset()
+    cls, msg = _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=dynamic, fullgraph=True)(*args))
+    assert issubclass(cls, torch._dynamo.exc.TorchDynamoException), (cls, msg)
+    assert f"TypeError({eager[1]!r})" in msg, msg
