@@ -229,6 +229,8 @@ def _int_arg(name: str, value: Any) -> int:
         raise TypeError(f"{name}: expected an int, got bool {value!r}")
     if isinstance(value, int):  # the common case, and the one torch.compile traces
         return int(value)
+    if isinstance(value, float):  # (before _array_shape: Dynamo cannot trace hasattr of a dynamic=True SymFloat)
+        raise TypeError(f"{name}: expected an int, got float {float(value)!r}")
     _reject_traced(name, value, "int")
     shape = _array_shape(value)
     if shape is not None:
@@ -303,7 +305,10 @@ def _require_tensors(**tensors: Any) -> None:
 
 
 def _shape(x: Any) -> Tuple[int, ...]:
-    return tuple(int(s) for s in x.shape)
+    """The sizes of ``x`` as ints for error messages. ``operator.index`` (not ``int``) makes torch.compile's
+    symbolic sizes (dynamic=True) concrete, so a message under compile reads "got shape (2, 128)" as in eager,
+    not "got shape (s60, s94)"."""
+    return tuple(operator.index(s) for s in x.shape)
 
 
 def flash_mla_with_kvcache(

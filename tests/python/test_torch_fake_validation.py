@@ -397,3 +397,45 @@ def test_compiled_fullgraph_bad_scalar_raises_the_eager_error(case, dynamic):
     cls, msg = _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=dynamic, fullgraph=True)(*args))
     assert issubclass(cls, torch._dynamo.exc.TorchDynamoException), (cls, msg)
     assert f"TypeError({eager[1]!r})" in msg, msg
+
+
+def _bad_dynamic_calls():
+    """(function, arguments) rejected in Python from a size or an int argument given as a float."""
+    q, k, v, cu_q, cu_k, mq, mk = _prefill()
+    varlen = flash_mla.flash_attn_varlen_func
+    dq = torch.zeros(2, 1, 16, 576, dtype=BF16)
+    kc = torch.zeros(4, 64, 1, 576, dtype=BF16)
+    bt = torch.arange(4, dtype=I32).view(2, 2)
+    lens = torch.tensor([70, 0], dtype=I32)
+
+    def decode(q, kc, bt, lens, head_dim_v=512):
+        return flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, head_dim_v, flash_mla.get_mla_metadata()[0])
+
+    return {
+        "varlen 2-D q": (varlen, [q[:, 0], k, v, cu_q, cu_k, mq, mk]),
+        "varlen max_seqlen_qo float": (varlen, [q, k, v, cu_q, cu_k, 8.0, mk]),
+        "qkvpacked 2-D qkv": (flash_mla.flash_attn_varlen_qkvpacked_func, [torch.zeros(8, 384, dtype=BF16), cu_q, 8,
+                                                                           128]),
+        "decode 3-D q": (decode, [dq[0], kc, bt, lens]),
+        "decode head_dim_v float": (decode, [dq, kc, bt, lens, 512.0]),
+    }
+
+
+BAD_DYNAMIC = _bad_dynamic_calls()
+
+
+@pytest.mark.parametrize("case", list(BAD_DYNAMIC))
+def test_compiled_dynamic_fullgraph_errors_read_as_eager(case):
+    """torch.compile(dynamic=True, fullgraph=True): sizes and float scalars are symbolic while Dynamo traces. A wrong
+    rank read "got shape (s60, s94)" (the symbols, not the sizes given), and an int argument given as a float
+    (max_seqlen_qo=8.0) failed with Dynamo's "Unsupported hasattr call" (hasattr of the SymFloat), naming no
+    argument; both now carry the eager call's error."""
+    fn, args = BAD_DYNAMIC[case]
+    eager = _error(lambda: fn(*args))
+    assert eager[0] in (ValueError, TypeError), eager
+    torch._dynamo.reset()
+    cls, msg = _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=True, fullgraph=True)(*args))
+    assert issubclass(cls, torch._dynamo.exc.TorchDynamoException), (cls, msg)
+    assert f"{eager[0].__name__}({eager[1]!r})" in msg, msg
+    torch._dynamo.reset()
+    assert _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=True)(*args)) == eager
