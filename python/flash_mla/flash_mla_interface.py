@@ -21,7 +21,6 @@ exceptions that are also ``AssertionError``, so code written for FlashMLA that c
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 import re
 import threading
@@ -261,9 +260,16 @@ def _float_arg(name: str, value: Any) -> float:
         except OverflowError:  # a Python int beyond float64 (10**400): finite as given, but no float holds it
             raise ValueError(f"{name}: the {type(value).__name__} is too large for a float: it overflows float32 "
                              "(the kernels take a float32 scale)") from None
-    if not math.isfinite(value):
+    if value - value != 0:  # not finite (see _traceable_finite)
         raise ValueError(f"{name}: must be finite, got {value}")
     return value
+
+
+# _traceable_finite: the operators' check of a float scale is ``x - x != 0`` (True exactly for NaN and +-inf), not
+# ``math.isfinite``, which Dynamo cannot trace for a symbolic float (a scale passed to a function compiled with
+# dynamic=True, or with the default dynamic=None once a second scale recompiles): fullgraph=True failed on valid
+# scales with "torch.* op returned non-Tensor". Dynamo then specialises the scale where the op takes it (a guard per
+# distinct scale, as with dynamic=False), so a non-finite one still raises the eager ValueError while tracing.
 
 
 def _bool_arg(name: str, value: Any) -> bool:
@@ -452,7 +458,7 @@ def flash_mla_with_kvcache(
         softmax_scale = _default_softmax_scale(q_shape[3])
     if type(head_dim_v) is not int:
         head_dim_v = _int_arg("head_dim_v", head_dim_v)
-    if type(softmax_scale) is not float or not _isfinite(softmax_scale):
+    if type(softmax_scale) is not float or softmax_scale - softmax_scale != 0:  # (_traceable_finite)
         softmax_scale = _float_arg("softmax_scale", softmax_scale)
     causal = _bool_arg("causal", causal)
     is_fp8_kvcache = _bool_arg("is_fp8_kvcache", is_fp8_kvcache)
@@ -754,7 +760,7 @@ def flash_mla_sparse_fwd(
              and (attn_sink is None or type(attn_sink) is tensor) and (topk_length is None or type(topk_length) is tensor))
     if not plain and not (hasattr(q, "shape") and hasattr(kv, "shape") and hasattr(indices, "shape")):
         _require_tensors(q=q, kv=kv, indices=indices)  # raises, naming the argument
-    if type(sm_scale) is not float or not _isfinite(sm_scale):
+    if type(sm_scale) is not float or sm_scale - sm_scale != 0:  # (not finite: see _traceable_finite)
         sm_scale = _float_arg("sm_scale", sm_scale)  # (FlashMLA has no default: None is a TypeError)
     if type(d_v) is not int:
         d_v = _int_arg("d_v", d_v)
@@ -945,7 +951,7 @@ def _dense_prefill_args(q, k, v, cu_seqlens_qo, cu_seqlens_kv, max_seqlen_qo, ma
     if softmax_scale is None:
         softmax_scale = _default_softmax_scale(q_shape[-1])
     scale = softmax_scale
-    if type(scale) is not float or not _isfinite(scale):
+    if type(scale) is not float or scale - scale != 0:  # (not finite: see _traceable_finite)
         scale = _float_arg("softmax_scale", scale)
     max_q, max_k = max_seqlen_qo, max_seqlen_kv
     if type(max_q) is not int:

@@ -439,3 +439,42 @@ def test_compiled_dynamic_fullgraph_errors_read_as_eager(case):
     assert f"{eager[0].__name__}({eager[1]!r})" in msg, msg
     torch._dynamo.reset()
     assert _error(lambda: torch.compile(lambda *a: fn(*a), backend="eager", dynamic=True)(*args)) == eager
+
+
+def _scale_calls():
+    """One call of each operator as a function of its softmax scale."""
+    gen = torch.Generator().manual_seed(7)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=gen).to(BF16)
+
+    q, cu = rnd(8, 2, 128), _cu(3, 5)
+    dq, kc = rnd(2, 1, 16, 576), rnd(4, 64, 1, 576)
+    bt, lens = torch.arange(4, dtype=I32).view(2, 2), torch.tensor([70, 3], dtype=I32)
+    sq, kv, idx = rnd(4, 16, 576), rnd(32, 1, 576), torch.randint(0, 32, (4, 1, 8), dtype=I32, generator=gen)
+    return {
+        "dense prefill": lambda s: flash_mla.flash_attn_varlen_func(q, q, q, cu, cu, 5, 5, softmax_scale=s)[0],
+        "dense decode": lambda s: flash_mla.flash_mla_with_kvcache(dq, kc, bt, lens, 512, flash_mla.get_mla_metadata()[0],
+                                                                   softmax_scale=s)[0],
+        "sparse prefill": lambda s: flash_mla.flash_mla_sparse_fwd(sq, kv, idx, s)[0],
+    }
+
+
+SCALE_CALLS = _scale_calls()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("case", list(SCALE_CALLS))
+def test_compiled_fullgraph_takes_a_changing_scale(case, dynamic):
+    """torch.compile(fullgraph=True) of a function taking the scale as an argument: Dynamo makes a float argument
+    symbolic (dynamic=True, or after the first recompilation with the default dynamic=None), and the scale's
+    finiteness check, math.isfinite, failed on it ("torch.* op returned non-Tensor") from the second scale on.
+    Every scale now gives the eager result; a non-finite one still raises naming the argument."""
+    fn = SCALE_CALLS[case]
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="eager", dynamic=dynamic, fullgraph=True)
+    for s in (0.5, 0.25, 0.1):
+        assert torch.equal(f(s), fn(s)), s
+    name = "sm_scale" if case == "sparse prefill" else "softmax_scale"
+    assert _error(lambda: fn(float("inf"))) == (ValueError, f"{name}: must be finite, got inf")
+    assert f"{name}: must be finite, got inf" in _error(lambda: f(float("inf")))[1]
