@@ -228,7 +228,7 @@ def _int_arg(name: str, value: Any) -> int:
         raise TypeError(f"{name}: expected an int, got bool {value!r}")
     if isinstance(value, int):  # the common case, and the one torch.compile traces
         return int(value)
-    if isinstance(value, float):  # (before _array_shape: Dynamo cannot trace hasattr of a dynamic=True SymFloat)
+    if type(value) is float:  # (before _array_shape: Dynamo cannot trace hasattr of a dynamic=True SymFloat)
         raise TypeError(f"{name}: expected an int, got float {float(value)!r}")
     _reject_traced(name, value, "int")
     shape = _array_shape(value)

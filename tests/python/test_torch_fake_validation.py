@@ -478,3 +478,17 @@ def test_compiled_fullgraph_takes_a_changing_scale(case, dynamic):
     name = "sm_scale" if case == "sparse prefill" else "softmax_scale"
     assert _error(lambda: fn(float("inf"))) == (ValueError, f"{name}: must be finite, got inf")
     assert f"{name}: must be finite, got inf" in _error(lambda: f(float("inf")))[1]
+
+
+def test_int_argument_given_a_numpy_float_names_its_type():
+    """The float check of _int_arg that runs before _array_shape (for Dynamo's SymFloat) takes Python floats only:
+    a NumPy float keeps its own type name and repr in the message."""
+    import numpy as np
+
+    from flash_mla.flash_mla_interface import _int_arg
+
+    for value, text in ((5.0, "float 5.0"), (np.float64(5.0), f"float64 {np.float64(5.0)!r}"),
+                        (np.float32(5.0), f"float32 {np.float32(5.0)!r}")):
+        with pytest.raises(TypeError) as info:
+            _int_arg("max_seqlen_qo", value)
+        assert str(info.value) == f"max_seqlen_qo: expected an int, got {text}"
