@@ -358,10 +358,7 @@ def _bad_scalar_calls():
     """(function, arguments) whose eager call raises a TypeError naming a scalar argument, one per operator."""
     q, k, v, cu_q, cu_k, mq, mk = _prefill()
     varlen = flash_mla.flash_attn_varlen_func
-    dq = torch.zeros(2, 1, 16, 576, dtype=BF16)
-    kc = torch.zeros(4, 64, 1, 576, dtype=BF16)
-    bt = torch.arange(4, dtype=I32).view(2, 2)
-    lens = torch.tensor([70, 0], dtype=I32)
+    dq, kc, bt, lens = _dense_decode()
 
     def decode(q, kc, bt, lens, softmax_scale=None, causal=False):
         return flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, 512, flash_mla.get_mla_metadata()[0],
@@ -403,10 +400,7 @@ def _bad_dynamic_calls():
     """(function, arguments) rejected in Python from a size or an int argument given as a float."""
     q, k, v, cu_q, cu_k, mq, mk = _prefill()
     varlen = flash_mla.flash_attn_varlen_func
-    dq = torch.zeros(2, 1, 16, 576, dtype=BF16)
-    kc = torch.zeros(4, 64, 1, 576, dtype=BF16)
-    bt = torch.arange(4, dtype=I32).view(2, 2)
-    lens = torch.tensor([70, 0], dtype=I32)
+    dq, kc, bt, lens = _dense_decode()
 
     def decode(q, kc, bt, lens, head_dim_v=512):
         return flash_mla.flash_mla_with_kvcache(q, kc, bt, lens, head_dim_v, flash_mla.get_mla_metadata()[0])
