@@ -426,6 +426,10 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) { mbar_wait(
 __device__ __forceinline__ void sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
+/// The exit barrier in two halves (every thread of both CTAs, aligned): arrive() once this thread has nothing
+/// left to send to the peer (its last remote arrival issued), wait_all() before the CTA's shared memory may go.
+__device__ __forceinline__ void arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_all() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 /// The prologue's barrier: every thread of both CTAs, after thread 0's mbarrier.init and
 /// fence.mbarrier_init.release.cluster (PTX's pattern for publishing barrier inits to the cluster: a
 /// relaxed arrival, since that fence is the release). No thread has written anything else by then, so
@@ -897,6 +901,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   // kQAhead: whether request `req`'s Q was copied by warpgroup 0 during the previous request (same rule in both
   // warpgroups: the previous request had blocks, this one has, and q is 16-byte aligned).
   [[maybe_unused]] int prev_n_blk = 0;
+  // Cluster: the consumers arrive on the exit barrier right after the CTA's last block, before the last
+  // request's epilogue (nothing remote follows: every peer free barrier released, every peer byte consumed
+  // by a full wait), so the release arrival's membar finds no partials outstanding and the barrier's round
+  // trip runs under the epilogue's stores; they wait after the stores (docs/sparse-fp8-decode.md, "The exit
+  // barrier under the last epilogue").
+  [[maybe_unused]] bool exit_arrived = false;
   for (int req = begin_req; req <= end_req; ++req) {
     const ReqInfo ri = req_info(req);
     const int n_blk = ri.n_blk;
@@ -1072,6 +1082,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     }
 
     // ---- epilogue: warpgroup 0 holds the rows' m and l; warpgroup 1 reads them from shared memory
+    if constexpr (kCluster) {
+      if (req == end_req) {
+        cl::arrive();
+        exit_arrived = true;
+      }
+    }
     FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 3 : 6, n_blk > 0 && tid == kWg * 128);
     float L[2] = {0.f, 0.f};
     if (n_blk > 0) {
@@ -1141,6 +1157,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     FLASHMLA_SPARSE_DECODE_TRACE_REQ(req - begin_req, kWg == 0 ? 5 : 7, n_blk > 0 && tid == kWg * 128);
     prev_n_blk = n_blk;
   }
+  if constexpr (kCluster) {
+    if (!exit_arrived) cl::arrive();  // a CTA without a request
+  }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(8, tid == 0, g);
   };
   if (wg == 0) {
@@ -1153,7 +1172,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
     consumer(std::integral_constant<int, 1>{});
   }
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(2, tid == 0, clock64());
-  if constexpr (kCluster) cl::sync();  // the peer may still write / arrive into this CTA
+  if constexpr (kCluster) cl::wait_all();  // the peer may still write / arrive into this CTA
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(3, tid == 0, clock64());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(5, tid == 0, flashmla_sparse_decode_trace_globaltimer());
   FLASHMLA_SPARSE_DECODE_TRACE_CTA(6, tid == 0, flashmla_sparse_decode_trace_smid());
