@@ -21,17 +21,16 @@ namespace flashmla::sm90 {
 /// Latency order: the partial rows of the first kAhead splits and the first 32 lse are loaded at once,
 /// before the weights are known, so a row of few splits (the common case: a request cut by one or two
 /// part boundaries) waits for one memory round trip, not three (lse, then the weights, then the rows).
-/// Each lane keeps its split's lse in a register (l_lane) for the max, the sum and its weight. kAhead * J = 16
-/// float4 a lane for J = 1 / 2 (the kernels of small grids, ~2 CTAs a SM or fewer, where a row's ~30 splits wait
-/// on latency), 8 for J = 4 (split 0's in acc). nvcc 13.0: 64-107 registers, no spill; capping the sparse
-/// kernels at 64 (`__launch_bounds__(256, 4)`) spilled and ran slower (H100), and 16 / J ahead against 8 / J took
-/// 0.3-0.6 us off the b = 2 calls (H200; docs/sparse-fp8-decode.md "The combine's merge, one round trip").
-/// A row whose splits are all empty gives exactly 0 (before: 0 * o_k).
+/// Each lane keeps its split's lse in a register (l_lane) for the max, the sum and its weight. kAhead * J = 8
+/// float4 a lane whatever J (split 0's in acc). nvcc 13.0: 64-78 registers, no spill; capping the sparse kernels
+/// at 64 (`__launch_bounds__(256, 4)`) spilled and ran slower (H100). 16 / J ahead for J = 1 / 2 (102-107
+/// registers) shortened the h_q 128 b = 2 calls but lengthened the h_q 64 ones on the H100 (docs/sparse-fp8-decode.md
+/// "The combine's merge, one round trip"). A row whose splits are all empty gives exactly 0 (before: 0 * o_k).
 template <int J>
 __device__ __forceinline__ float combine_merge_row(const float* la, const float4* o, int n, int64_t split_stride,
                                                    int f4, int lane, bool has_sink, float sink_log2,
                                                    float4 (&acc)[J]) {
-  constexpr int kAhead = J == 4 ? 2 : 16 / J;  // splits whose rows load before the weights (split 0 into acc)
+  constexpr int kAhead = 8 / J;  // splits whose partial rows load before the weights (split 0 into acc)
   const int64_t row_step = split_stride * 128;  // float4s between two splits' rows
   float4 ahead[kAhead - 1][J];
 #pragma unroll
