@@ -85,7 +85,9 @@ struct TensorRef {
 };
 
 /// Build a row-major contiguous TensorRef over `data`. More than kMaxTensorDims dimensions give
-/// `ndim == kInvalidTensorDims` (the operators then return a kValue Status).
+/// `ndim == kInvalidTensorDims` (the operators then return a kValue Status). Strides whose products
+/// overflow int64 saturate at INT64_MAX (no overflow in the call); the operators reject such a shape
+/// (more elements than 64-bit sizes can count) with a kValue Status.
 TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape,
                           Device device = {});
 /// Build a TensorRef with explicit element strides, one per dimension (a stride list of another

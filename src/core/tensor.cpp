@@ -1,5 +1,6 @@
 #include "flashmla/tensor.h"
 
+#include <limits>
 #include <sstream>
 
 namespace flashmla {
@@ -56,10 +57,14 @@ static TensorRef make_ref(void* data, DType dtype, std::initializer_list<int64_t
 
 TensorRef make_tensor_ref(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
   TensorRef t = make_ref(data, dtype, shape, device);
+  // Row-major strides. A product of sizes beyond int64 (a shape with more elements than 64-bit sizes
+  // count) would be signed overflow here: the strides saturate at INT64_MAX instead, and the operators
+  // reject such a tensor with a kValue Status naming it (or accept it when another size is 0: no elements).
   int64_t s = 1;
+  bool saturated = false;
   for (int i = t.ndim - 1; i >= 0; --i) {
-    t.stride[i] = s;
-    s *= t.shape[i];
+    t.stride[i] = saturated ? std::numeric_limits<int64_t>::max() : s;
+    if (!saturated && __builtin_mul_overflow(s, t.shape[i], &s)) saturated = true;
   }
   return t;
 }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -547,6 +548,46 @@ TEST(ValidationCpp, SizesBeyondInt64AndBadRanksInTheOperators) {
   s.p.k_cache.shape[0] = s.p.k_cache.shape[1] = int64_t{1} << 32;
   DecodePlan plan;
   expect_error(sparse_decode_plan(s.p, &plan), ErrorKind::kValue, "k_cache: shape");
+}
+
+TEST(ValidationCpp, MakeTensorRefOfSizesBeyondInt64SaturatesItsStrides) {
+  // make_tensor_ref computes row-major strides as products of the sizes: for a shape with more elements
+  // than int64 counts they once overflowed inside the library (signed overflow: UBSan's "signed integer
+  // overflow" at src/core/tensor.cpp) and wrapped -- here to stride(0) = 576 * 2^80 mod 2^64 = 0. The
+  // strides saturate instead, and every operator rejects the shape by its element count.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t big = int64_t{1} << 40;
+  std::vector<uint16_t> buf(16);
+  const TensorRef t = make_tensor_ref(buf.data(), DType::kBFloat16, {2, big, big, 576});
+  ASSERT_EQ(t.ndim, 4);
+  EXPECT_EQ(t.stride[3], 1);
+  EXPECT_EQ(t.stride[2], 576);
+  EXPECT_EQ(t.stride[1], 576 * big);
+  EXPECT_EQ(t.stride[0], kMax);
+  const TensorRef u = make_tensor_ref(buf.data(), DType::kBFloat16, {3, 5, big, big, big, 1});
+  EXPECT_EQ(u.stride[5], 1);
+  EXPECT_EQ(u.stride[4], 1);
+  EXPECT_EQ(u.stride[3], big);
+  EXPECT_EQ(u.stride[2], kMax);
+  EXPECT_EQ(u.stride[1], kMax);
+  EXPECT_EQ(u.stride[0], kMax);
+  // Sizes whose product fits keep exact row-major strides, up to the largest.
+  const TensorRef v = make_tensor_ref(buf.data(), DType::kUInt8, {2, int64_t{1} << 31, int64_t{1} << 31});
+  EXPECT_EQ(v.stride[0], int64_t{1} << 62);
+  {
+    DenseRun r;
+    r.c.p.q = make_tensor_ref(r.c.q.data(), DType::kBFloat16, {2, big, big, 576});
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "q: shape");
+    expect_error(dense_decode_fwd(r.c.p), ErrorKind::kValue, "64-bit");
+  }
+  {
+    DenseRun r;  // a zero size: no elements, so the saturated strides are never used and the tensor is valid
+    r.c.p.block_table = make_tensor_ref(nullptr, DType::kInt32, {r.c.b, 0});
+    const TensorRef e = make_tensor_ref(nullptr, DType::kInt32, {0, big, big, big});
+    EXPECT_EQ(e.stride[0], kMax);
+    r.c.seqlens.assign(r.c.b, 0);
+    EXPECT_TRUE(dense_decode_fwd(r.c.p).ok());
+  }
 }
 
 TEST(ValidationCpp, OverflowEdgesOfTheSizeChecks) {
