@@ -99,7 +99,8 @@ struct DecodePlan {
 // Dense decode over a paged BF16/FP16 KV cache (spec §1.3.1, §2.2, §3.1).
 // ---------------------------------------------------------------------------
 struct DenseDecodeParams {
-  TensorRef q;              ///< (b, s_q, h_q, d_qk) bf16|fp16, last dim contiguous; d_qk in {512, 576}
+  TensorRef q;              ///< (b, s_q, h_q, d_qk) bf16|fp16, last dim contiguous; d_qk in {512, 576};
+                            ///< b, s_q, h_q > 0 (kValue otherwise: decode has no empty form, unlike the prefills)
   TensorRef k_cache;        ///< (num_blocks, page_block_size, h_kv, d_qk), dtype of q, last dim contiguous
   TensorRef block_table;    ///< (b, max_blocks_per_seq) int32, last dim contiguous
   TensorRef cache_seqlens;  ///< (b,) int32, contiguous; 0 is legal (out 0, lse +inf)
@@ -147,10 +148,14 @@ Status dense_decode_fwd(const DenseDecodeParams& p);
 // Sparse (top-k) decode over an FP8 KV cache (spec §1.3.2, §2.3, §3.2-§3.4).
 // ---------------------------------------------------------------------------
 struct SparseDecodeParams {
-  TensorRef q;        ///< (b, s_q, h_q, d_qk) bf16; d_qk 576 -> V32 format, 512 -> MODEL1
-  TensorRef k_cache;  ///< (num_blocks, page_block_size, 1, 656|584) 1-byte dtype, stride(1) == 656|584
+  TensorRef q;        ///< (b, s_q, h_q, d_qk) bf16; d_qk 576 -> V32 format, 512 -> MODEL1; b, s_q, h_q > 0
+  TensorRef k_cache;  ///< (num_blocks, page_block_size, 1, 656|584) 1-byte dtype, stride(1) == 656|584 (tokens
+                      ///< packed), stride(0) >= page_block_size * 656|584 (blocks do not overlap),
+                      ///< num_blocks * page_block_size < 2^31 (token indices are int32); kValue otherwise
   TensorRef indices;  ///< (b, s_q, topk) int32: flat token index block*pbs+row, -1 = invalid
-  TensorRef topk_length;  ///< optional (b,) int32: slots >= topk_length[i] are invalid; values > topk act as topk
+  TensorRef topk_length;  ///< optional (b,) int32: slots >= topk_length[i] are invalid; values > topk act as
+                          ///< topk; a negative value is rejected on the CPU (kValue) and acts as 0 on the GPU
+                          ///< (whose values the host does not read)
   TensorRef attn_sink;    ///< optional (h_q,) float32 (may hold +-inf; NaN gives NaN rows, as in FlashMLA):
                           ///< out *= 1/(1+exp(sink-lse))
   TensorRef extra_k_cache;           ///< optional second FP8 cache, same format, any page size
@@ -186,7 +191,9 @@ struct SparsePrefillParams {
   TensorRef kv;       ///< (s_kv, 1, d_qk) bf16, last dim contiguous
   TensorRef indices;  ///< (s_q, 1, topk) int32; slot invalid iff idx < 0 or idx >= s_kv
   TensorRef attn_sink;    ///< optional (h_q,) float32
-  TensorRef topk_length;  ///< optional (s_q,) int32: per query token
+  TensorRef topk_length;  ///< optional (s_q,) int32: per query token, slots >= topk_length[i] are invalid;
+                          ///< values > topk act as topk; a negative value is rejected on the CPU (kValue) and
+                          ///< acts as 0 on the GPU (whose values the host does not read)
   float sm_scale = std::numeric_limits<float>::quiet_NaN();  ///< must be set (no default, as FlashMLA)
   int64_t d_v = kDimV;  ///< must be 512
 
