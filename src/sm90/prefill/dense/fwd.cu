@@ -51,6 +51,31 @@ constexpr int kFwdBM = 128, kDV = 128;
 #define FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN 0
 #endif
 constexpr bool kFwdCleanCheckedV = FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN == 0;
+// Build switch (default 0 = ascending key blocks): 1 walks a causal tile's key blocks from the diagonal down in the
+// persistent schedule (kPersistent only; non-causal tiles and the other schedules keep the ascending order), so that
+// the checked blocks (the diagonal ones, FwdTile) are the tile's first: their V lands first and its scan for inf / NaN
+// runs under the tile's first S and softmax (and the tile before it) instead of before the tile's last P V; their
+// global-memory prescan runs under the CTA's previous tile (docs/dense-prefill.md, "Forward: the diagonal key blocks
+// first"). Another summation order for causal rows: the outputs change in the last bits.
+#ifndef FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+#define FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST 0
+#endif
+constexpr bool kFwdDiagFirst = FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST != 0;
+/// The key block at walk position j of a tile of n_blocks key blocks: j, or with kDiagFirst (the persistent kernel
+/// under the switch) in a causal tile n_blocks - 1 - j.
+template <bool kDiagFirst>
+__device__ __forceinline__ int fwd_walk_block(int j, int n_blocks, int causal) {
+  if constexpr (kDiagFirst) return causal ? n_blocks - 1 - j : j;
+  else return j;
+}
+// The key block at walk position j of the kernel's tile t. The default build spells it j, so that its kernels are token
+// for token the ones before the switch; with the switch, the constant condition keeps the kernels without kDiagFirst
+// (the non-persistent schedules) as they were too (the same SASS, tools/compare-sass.py).
+#if FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+#define FLASHMLA_FWD_KEY_BLOCK(j) (kDiagFirst ? fwd_walk_block<kDiagFirst>(j, t.n_blocks, p.causal) : (j))
+#else
+#define FLASHMLA_FWD_KEY_BLOCK(j) (j)
+#endif
 /// A producer wait on an mbarrier phase (polling; sleeping between polls measured x0.997, 2026-12-05).
 __device__ __forceinline__ void producer_wait(uint32_t bar, uint32_t parity) { mbar_wait(bar, parity); }
 // The persistent forward's producer walks the tiles as well (tile and ring counters live across its loop), which
@@ -193,6 +218,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   static_assert(!kPersistent || (kTma && kPingpong), "the persistent forward is the TMA pingpong schedule");
   using Smem = FwdSmem<kD, kBN>;
   constexpr int kMaskWords = Smem::kMaskWords;
+  // kDiagFirst (FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST, persistent only): a causal tile's walk position j (ring block
+  // rb0 + j) holds key block n_blocks - 1 - j, so its checked blocks (check_first .. n_blocks - 1) are walked first;
+  // every role (the TMA thread, warps 1-3, the consumers) maps positions to key blocks alike
+  // (FLASHMLA_FWD_KEY_BLOCK). Without it, or for a non-causal tile, position j is key block j.
+  constexpr bool kDiagFirst = kPersistent && kFwdDiagFirst;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   smem_align_1024(smem_raw, base);
@@ -282,16 +312,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kTma) {
       if (pt == 0) {
-        // The tile's K / V blocks n as ring blocks rb = rb0 + n; load_q() right after the first K block.
+        // The tile's K / V blocks at walk positions j (key blocks n = FLASHMLA_FWD_KEY_BLOCK(j)) as ring blocks
+        // rb = rb0 + j; load_q() right after the first K block.
         auto load_kv = [&](int rb0, auto&& load_q) {
-          for (int n = 0; n < t.n_blocks; ++n) {
-            const int rb = rb0 + n, stage = rb & 1, row = t.sb.k0 + n * kBN;
+          for (int j = 0; j < t.n_blocks; ++j) {
+            const int n = FLASHMLA_FWD_KEY_BLOCK(j), rb = rb0 + j, stage = rb & 1, row = t.sb.k0 + n * kBN;
             FLASHMLA_TRACE_EVENT(2, rb, 0, true);
             if (rb >= 2) producer_wait(k_empty(stage), ((rb >> 1) - 1) & 1);
             mbar_arrive_expect_tx(k_full(stage), Smem::kK);
             tma_load_tile<kBN, kD>(sK(stage), &tmap_k, k_full(stage), t.hk, row);
             FLASHMLA_TRACE_EVENT(2, rb, 1, true);
-            if (n == 0) load_q();
+            if (j == 0) load_q();
             if (rb >= 2) producer_wait(v_empty(stage), ((rb >> 1) - 1) & 1);
             const uint32_t vb =
                 kFwdCleanCheckedV && n >= t.check_first ? v_loaded(stage) : v_full(stage);  // checked: to warps 1-3 first
@@ -353,13 +384,64 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (pt == 32) mbar_arrive(v_full(stage));
           }
         };
+#if FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+        // kDiagFirst: the tile's checked blocks are its first walk positions j = 0 .. n_chk - 1 (key blocks
+        // n_blocks - 1 down to check_first). Their masked rows are one stretch of keys, [masked_lo, min(s_k,
+        // n_blocks * kBN)), scanned in global memory at once before the first of them is waited for, so while the
+        // consumers run the plain blocks and the epilogue of the CTA's previous tile: done when that tile had at least
+        // kPrescanAfter plain blocks (prev_plain). Otherwise (the CTA's first tile, a tile after a short one) each is
+        // scanned in shared memory when its V lands, which is now under the previous tile's end and this tile's first
+        // S and softmax rather than before its last P V. The marks and V in shared memory are what the scan alone
+        // would leave, as in clean_tile.
+        auto clean_tile_diag_first = [&](int rb0, uint32_t& rounds, int& prev_plain) {
+          const int n_chk = t.n_blocks - t.check_first;  // 0 when not causal
+          const bool prescan = n_chk > 0 && prev_plain >= kPrescanAfter;  // the same in all 96 threads
+          bool dirty = true;
+          if (prescan)
+            dirty = any_nonfinite_rows_global<T, kDV>(
+                static_cast<const T*>(p.v) + (static_cast<int64_t>(t.sb.k0) + t.check_first * kBN) * p.v_row +
+                    static_cast<int64_t>(t.hk) * p.v_head,
+                p.v_row, masked_rows_lo(t.check_first), min(t.sb.s_k, t.n_blocks * kBN) - t.check_first * kBN,
+                pt - 32, 96);
+          for (int j = 0; j < n_chk; ++j) {
+            const int stage = (rb0 + j) & 1;
+            producer_wait(v_loaded(stage), (rounds >> stage) & 1);
+            rounds ^= 1u << stage;
+            if (pt == 32) {
+#pragma unroll
+              for (int w = 0; w < kMaskWords; w += 4)
+                *reinterpret_cast<uint4*>(nonfinite_rows + kMaskWords * stage + w) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            bool block_dirty = true;
+            if (prescan) block_dirty = bar_red_or(6, 96, dirty);  // also the barrier after the marks' clearing
+            else named_barrier_sync(6, 96);
+            if (block_dirty) {
+              clean_v(stage, FLASHMLA_FWD_KEY_BLOCK(j), pt - 32, 96);
+              named_barrier_sync(6, 96);
+            }
+            if (pt == 32) mbar_arrive(v_full(stage));
+          }
+          if (t.n_blocks > 0) prev_plain = t.check_first;  // the tile's plain blocks, walked after its checked ones
+        };
+#endif
         uint32_t rounds = 0;
         if constexpr (kPersistent) {
           int rb0 = 0;
+#if FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+          int prev_plain = 0;  // plain blocks of the CTA's last tile with key blocks
+          for_each_tile([&] {
+            if constexpr (kFwdCleanCheckedV) {
+              if constexpr (kDiagFirst) clean_tile_diag_first(rb0, rounds, prev_plain);
+              else clean_tile(rb0, rounds);
+            }
+            rb0 += t.n_blocks;
+          });
+#else
           for_each_tile([&] {
             if constexpr (kFwdCleanCheckedV) clean_tile(rb0, rounds);
             rb0 += t.n_blocks;
           });
+#endif
         } else {
           if constexpr (kFwdCleanCheckedV) clean_tile(0, rounds);
         }
@@ -509,12 +591,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           if (t.n_blocks == 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step<kFold, kBN>(s, need_mask(0), 0, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        // Key block 0, or kDiagFirst's causal tile: its last key block.
+        softmax_step<kFold, kBN>(s, need_mask(FLASHMLA_FWD_KEY_BLOCK(0)), FLASHMLA_FWD_KEY_BLOCK(0) * kBN, row, tq,
+                                 t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         pack_a<T, kBN>(s, a);  // O is still 0: no rescale
       }
       if (kPingpong && wg == 1 && t.n_blocks > 1) seesaw::bar_arrive(2, 256);  // warpgroup 0's first turn
       // Step n: S_n with P_{n-1} V_{n-1}. kChecked (the step whose P V is of a checked tile, at most one: the last)
-      // adds fix_pv; the loop over the other steps is the plain one.
+      // adds fix_pv; the loop over the other steps is the plain one. n is the walk position (ring block rb0 + n), its
+      // key block FLASHMLA_FWD_KEY_BLOCK(n): n but in kDiagFirst's causal tiles, whose checked P Vs (at most two) are
+      // those of their first steps instead.
       auto step = [&](int n, auto checked) {
         constexpr bool kChecked = decltype(checked)::value;
         const int rb = rb0 + n, stage = rb & 1, pstage = stage ^ 1;
@@ -534,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::commit();
         if constexpr (kTma) {
           mbar_wait(v_full(pstage), ((rb - 1) >> 1) & 1);
-          zero_v_tail(pstage, n - 1);
+          zero_v_tail(pstage, FLASHMLA_FWD_KEY_BLOCK(n - 1));
           gmma::reg_fence(o);
           gmma::fence();
         }
@@ -551,7 +637,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         if constexpr (kPersistent) {
           if (n == t.n_blocks - 1) mbar_arrive(q_empty);  // the tile's last S
         }
-        softmax_step<kFold, kBN>(s, need_mask(n), n * kBN, row, tq, t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
+        softmax_step<kFold, kBN>(s, need_mask(FLASHMLA_FWD_KEY_BLOCK(n)), FLASHMLA_FWD_KEY_BLOCK(n) * kBN, row, tq,
+                                 t.sb.s_k, causal, t.off, p.scale_log2, m_run, l, sc);
         // The wait below must stay after the softmax: the softmax runs while P_{n-1} V_{n-1} is in flight. The
         // masked / unmasked forms of softmax_step already end in a join; end_block_after makes the order not
         // depend on that.
@@ -560,21 +647,36 @@ __global__ void __launch_bounds__(kThreads, 1)
         gmma::wait<0>();
         gmma::reg_fence(o);
         FLASHMLA_TRACE_EVENT(wg, rb, 6, trace_thread);
-        if constexpr (kChecked) fix_pv(a, pstage, n - 1);
+        if constexpr (kChecked) fix_pv(a, pstage, FLASHMLA_FWD_KEY_BLOCK(n - 1));
         mbar_arrive(v_empty(pstage));
         // Once the lazy max has settled sc is exactly 1 (seesaw::lazy_max): the warp skips its 64 multiplies.
         if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) seesaw::scale_rows(o, sc);
         pack_a<T, kBN>(s, a);
         FLASHMLA_TRACE_EVENT(wg, rb, 7, trace_thread);
       };
+#if FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+      if constexpr (kDiagFirst) {
+        // Steps 1 .. n_blocks - check_first take the P V of a checked block (walk positions 0 .. n_chk - 1), the
+        // rest are plain; a non-causal tile (no checked block, ascending order) runs the plain loop only.
+        const int n_checked = min(t.n_blocks, t.n_blocks - t.check_first + 1);
+        for (int n = 1; n < n_checked; ++n) step(n, std::true_type{});
+        for (int n = n_checked; n < t.n_blocks; ++n) step(n, std::false_type{});
+      } else {
+        const int n_plain = min(t.n_blocks, t.check_first + 1);
+        for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
+        for (int n = n_plain; n < t.n_blocks; ++n) step(n, std::true_type{});
+      }
+#else
       const int n_plain = min(t.n_blocks, t.check_first + 1);
       for (int n = 1; n < n_plain; ++n) step(n, std::false_type{});
       for (int n = n_plain; n < t.n_blocks; ++n) step(n, std::true_type{});
+#endif
       const int rb_last = rb0 + t.n_blocks - 1, last = rb_last & 1;
       mbar_wait(v_full(last), (rb_last >> 1) & 1);
-      zero_v_tail(last, t.n_blocks - 1);
+      zero_v_tail(last, FLASHMLA_FWD_KEY_BLOCK(t.n_blocks - 1));
       pv_block(a, last);
-      if (t.n_blocks - 1 >= t.check_first) fix_pv(a, last, t.n_blocks - 1);
+      if (FLASHMLA_FWD_KEY_BLOCK(t.n_blocks - 1) >= t.check_first)
+        fix_pv(a, last, FLASHMLA_FWD_KEY_BLOCK(t.n_blocks - 1));
       mbar_arrive(v_empty(last));
     }
 
