@@ -381,7 +381,7 @@ def run_masked_key_case(lib, name, d, dev="cuda"):
         FAILURES.append(name)
 
 
-def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170), dtype=torch.bfloat16):
+def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170), dtype=torch.bfloat16, head=0, off=0):
     """Causal, one request s_q = s_k = length (offset 0): +inf in v at `keys` (head 0, dim 3). Query rows
     0 .. keys[0] - 1 see none of them (key j is visible to row i iff j <= i), so for every forward schedule their out must equal,
     bitwise, a run with finite values there; rows keys[0] .. see key keys[0], so their out dim 3 is +inf and their
@@ -390,28 +390,33 @@ def run_masked_v_case(lib, name, d, dev="cuda", length=300, keys=(130, 170), dty
     rows 130 / 170 of 176-key block 0 (the second word group of the row marks). length 700, keys (530, 650): checked
     128-key blocks 4 and 5, which the persistent forward scans in global memory first (three or more blocks before
     them in the tile); dtype float16 tests that scan's fp16 exponent. The float reference would multiply the masked
-    keys' P = 0 by inf, so the finite run is the reference (as run_masked_key_case)."""
+    keys' P = 0 by inf, so the finite run is the reference (as run_masked_key_case).
+    head / off: the inf in v of head `head` (the other one bitwise the finite run's), s_k = length + off (key j visible
+    to row i iff j <= i + off: rows 0 .. keys[0] - off - 1 see none of them). With FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
+    the persistent forward scans a tile's checked blocks in global memory only when the CTA's tile before it had three
+    or more plain blocks, which the *_2cta schedules (many tiles a CTA) reach for head 1's middle tiles: length 700,
+    off 64, keys (460, 560), head 1 puts both keys into the two checked blocks (3 and 4) of head 1's query tile 3."""
     torch.manual_seed(11)
-    lq, lk, h, dv = [length], [length], 2, 128
+    lq, lk, h, dv = [length], [length + off], 2, 128
     q, k, v, dout, cu_q, cu_k = make_inputs(lq, lk, h, h, d, dv, dtype, dev)
     v_bad = v.clone()
     for key in keys:
-        v_bad[key, 0, 3] = float("inf")
-    k0 = keys[0]
+        v_bad[key, head, 3] = float("inf")
+    k0 = keys[0] - off  # the first query row that sees keys[0]
     scale = (d + 100) ** -0.5
     ok = True
     msgs = []
     for sched in (("default",) + FWD_SCHEDULES if VARIANTS["on"] else ("default",)):
-        o_f, l_f = [t.clone() for t in lib.fwd(q, k, v, cu_q, cu_k, length, length, scale, True, schedule=sched)]
-        o_b, l_b = lib.fwd(q, k, v_bad, cu_q, cu_k, length, length, scale, True, schedule=sched)
+        o_f, l_f = [t.clone() for t in lib.fwd(q, k, v, cu_q, cu_k, length, length + off, scale, True, schedule=sched)]
+        o_b, l_b = lib.fwd(q, k, v_bad, cu_q, cu_k, length, length + off, scale, True, schedule=sched)
         torch.cuda.synchronize()
         unseen = torch.equal(o_b[:k0], o_f[:k0]) and bool(torch.isfinite(o_b[:k0]).all())
-        seen = o_b[k0:, 0].float()
+        seen = o_b[k0:, head].float()
         inf_col = bool((seen[:, 3] == math.inf).all())
         rest = torch.cat([seen[:, :3], seen[:, 4:]], dim=1)
-        ref_rest = torch.cat([o_f[k0:, 0, :3], o_f[k0:, 0, 4:]], dim=1).float()
+        ref_rest = torch.cat([o_f[k0:, head, :3], o_f[k0:, head, 4:]], dim=1).float()
         rest_err = float((rest - ref_rest).abs().max() / ref_rest.abs().max().clamp_min(1e-30))
-        other = torch.equal(o_b[:, 1], o_f[:, 1]) and torch.equal(l_b, l_f)
+        other = torch.equal(o_b[:, 1 - head], o_f[:, 1 - head]) and torch.equal(l_b, l_f)
         good = unseen and inf_col and bool(torch.isfinite(rest).all()) and rest_err < 1e-2 and other
         ok &= good
         msgs.append(f"{sched}: unseen rows bitwise {unseen}, +inf col {inf_col}, rest rel {rest_err:.1e}, "
@@ -568,6 +573,8 @@ def main():
         for dt in (torch.bfloat16, torch.float16):
             safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see, blocks 4-5, d{d} {dt} causal=True",
                  d, length=700, keys=(530, 650), dtype=dt)
+        safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see, head 1, s_k + 64, blocks 3-4, d{d} "
+             "causal=True", d, length=700, keys=(460, 560), head=1, off=64)
     safe(run_case, lib, "all requests empty of keys", [5, 9], [0, 0], 2, 1, 128, False)
     safe(run_case, lib, "no query rows", [0, 0], [5, 9], 2, 1, 128, True)
 

@@ -52,11 +52,11 @@ constexpr int kFwdBM = 128, kDV = 128;
 #endif
 constexpr bool kFwdCleanCheckedV = FLASHMLA_DENSE_PREFILL_FWD_NO_V_CLEAN == 0;
 // Build switch (default 0 = ascending key blocks): 1 walks a causal tile's key blocks from the diagonal down in the
-// persistent schedule (kPersistent only; non-causal tiles and the other schedules keep the ascending order), so that
-// the checked blocks (the diagonal ones, FwdTile) are the tile's first: their V lands first and its scan for inf / NaN
-// runs under the tile's first S and softmax (and the tile before it) instead of before the tile's last P V; their
-// global-memory prescan runs under the CTA's previous tile (docs/dense-prefill.md, "Forward: the diagonal key blocks
-// first"). Another summation order for causal rows: the outputs change in the last bits.
+// persistent schedule (kPersistent with 128-key blocks only; non-causal tiles and the other schedules keep the
+// ascending order), so that the checked blocks (the diagonal ones, FwdTile) are the tile's first: their V lands first
+// and its scan for inf / NaN runs under the tile's first S and softmax (and the tile before it) instead of before the
+// tile's last P V; their global-memory prescan runs under the CTA's previous tile (docs/dense-prefill.md, "Forward:
+// the diagonal key blocks first"). Another summation order for causal rows: the outputs change in the last bits.
 #ifndef FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST
 #define FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST 0
 #endif
@@ -221,8 +221,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kDiagFirst (FLASHMLA_DENSE_PREFILL_FWD_DIAG_FIRST, persistent only): a causal tile's walk position j (ring block
   // rb0 + j) holds key block n_blocks - 1 - j, so its checked blocks (check_first .. n_blocks - 1) are walked first;
   // every role (the TMA thread, warps 1-3, the consumers) maps positions to key blocks alike
-  // (FLASHMLA_FWD_KEY_BLOCK). Without it, or for a non-causal tile, position j is key block j.
-  constexpr bool kDiagFirst = kPersistent && kFwdDiagFirst;
+  // (FLASHMLA_FWD_KEY_BLOCK). Without it, or for a non-causal tile, position j is key block j. 128-key blocks only:
+  // in the 176-key kernels (a check schedule, not the default) the reversed walk cost ptxas the uniform descriptors
+  // (R2UR 37 -> 104) and spills (stack 64 -> 288 bytes), so those keep the ascending order.
+  constexpr bool kDiagFirst = kPersistent && kBN == 128 && kFwdDiagFirst;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint32_t base;
   smem_align_1024(smem_raw, base);
