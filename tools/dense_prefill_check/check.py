@@ -568,6 +568,10 @@ def main():
             safe(run_case, lib, f"NaN in k d{d} causal={causal}", [40, 60], [50, 60], 2, 2, d, causal, nan="k")
             safe(run_case, lib, f"NaN in v of the next request d{d} causal={causal}", [40, 60], [50, 60], 2, 2, d,
                  causal, nan="v_next")
+            # the request's last key block (its V tail zeroed by the consumers, zero_v_tail) is a query tile's third:
+            # walked last in the ascending order, first (a step's P V, not the tile's last) with the diagonal first
+            safe(run_case, lib, f"NaN in v of the next request, 3 key blocks d{d} causal={causal}", [300, 60],
+                 [300, 60], 2, 2, d, causal, nan="v_next")
         safe(run_masked_key_case, lib, f"NaN in a key the first rows do not see d{d} causal=True", d)
         safe(run_masked_v_case, lib, f"inf in v of keys the first rows do not see d{d} causal=True", d)
         for dt in (torch.bfloat16, torch.float16):
