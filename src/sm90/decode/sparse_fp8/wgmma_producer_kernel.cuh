@@ -268,6 +268,18 @@ struct RowPart {
 #ifndef FLASHMLA_SPARSE_DECODE_ROPE_MODE
 #define FLASHMLA_SPARSE_DECODE_ROPE_MODE 2
 #endif
+// Block 0's gathers before the producer's index look-ahead (build switch, default 0; docs/sparse-fp8-decode.md,
+// "Block 0's gathers before the look-ahead"). 0: as every step, the producer's first step walks the schedule to
+// the next blocks and issues their index loads (cluster: block 1's before the loop and block 2's at the top of
+// step 0; plain: block 1's at the top of step 0) before it issues block 0's gathers, so ~250 instructions of
+// request walk and index address arithmetic (V3.2 cluster SASS) run between block 0's index arriving and block
+// 0's first gather, on the chain to the CTA's first S. 1: in step 0 only, block 0's gathers are issued first and
+// the same walks and index loads follow them (hidden under the gathers' round trip); steps g > 0 keep the
+// order of 0. Only the issue order changes: the same loads from the same addresses under the same predicates,
+// and no barrier, wait, arrival or copy moves (see the step-0 comment in the producer).
+#ifndef FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
+#define FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST 0
+#endif
 #ifndef FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY
 #define FLASHMLA_SPARSE_DECODE_FP8_LOAD_POLICY 1
 #endif
@@ -490,6 +502,9 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
   constexpr bool kQAhead = kCluster && !kBatched;  // the small-batch form's early Q copy (see kBatchedMinTokens)
   constexpr bool kLateAddr = kCluster && FLASHMLA_SPARSE_DECODE_NEXT_ADDR_LATE != 0;
   constexpr int kIndexAhead = kCluster ? FLASHMLA_SPARSE_DECODE_INDEX_AHEAD : 1;
+  // FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST: the small-batch form only (the batched form's machine code stays the
+  // tree's; its CTAs walk many blocks, where block 0's chain is a small share of the CTA's life).
+  [[maybe_unused]] constexpr bool kB0First = FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST != 0 && !kBatched;
   // Cluster kernel: the RoPE slab goes to the peer by the bulk copy too where P does not share it (MODEL1: RoPE in
   // slab 7, P in 8); V3.2's RoPE slab 8 goes by st.async (see send_part_to_peer).
   [[maybe_unused]] constexpr bool kRopeBulk = F != Fmt::kV32 && FLASHMLA_SPARSE_DECODE_ROPE_MODE == 2;
@@ -685,17 +700,63 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       // kIndexAhead 2: block 1's indices before the loop; step g loads block g + 2's.
       int va[2] = {-1, -1};
       bool exta = false, more_a = false;
+#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
+      // Block 1's indices (kIndexAhead 2): called in step 0 right after block 0's gathers are issued (below),
+      // not here. It reads and advances only the walk's state (nreq, nb, nri) and va / exta / more_a; block 0's
+      // gathers read only ra, computed above, so issuing them first reads the same records.
+      auto ahead_first = [&]() {
+        if constexpr (kIndexAhead == 2) {
+          ++nb;
+          skip_empty();
+          more_a = nreq <= end_req;
+          if (more_a) exta = block_indices(va);
+        }
+      };
+      if constexpr (!kB0First) ahead_first();  // the batched form: the tree's order
+#else
       if constexpr (kIndexAhead == 2) {
         ++nb;
         skip_empty();
         more_a = nreq <= end_req;
         if (more_a) exta = block_indices(va);
       }
+#endif
       for (int g = 0;; ++g) {
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 0, t == 0);
         bool more;
         int vn[2] = {-1, -1};
         bool extn = false;
+#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
+        // The step's look-ahead (more, vn, extn: block g + 1's indices; cluster: block g + 2's loaded). Steps
+        // g > 0 run it here as the tree does; step 0 runs it after block 0's gathers (ahead_first first, so the
+        // walk visits blocks 1 and 2 in the tree's order). Its results are first read by next_addresses (after
+        // part A's arrival, plain; after part B's, cluster) and by the `more` test at the step's end, both
+        // after the gathers, so every value is the tree's. No synchronisation is involved: the walk and the
+        // index loads touch no shared memory and no barrier, so the mbarrier / cluster-barrier protocol (waits,
+        // parities, arrivals, the peer's bulk copies and st.async, the exit barrier) is the tree's, unchanged.
+        auto ahead_step = [&]() {
+          if constexpr (kIndexAhead == 2) {
+            more = more_a;
+            vn[0] = va[0];
+            vn[1] = va[1];
+            extn = exta;
+            if (more_a) {
+              ++nb;
+              skip_empty();
+              more_a = nreq <= end_req;
+              va[0] = va[1] = -1;
+              exta = false;
+              if (more_a) exta = block_indices(va);
+            }
+          } else {
+            ++nb;
+            skip_empty();
+            more = nreq <= end_req;
+            if (more) extn = block_indices(vn);
+          }
+        };
+        if (!kB0First || g > 0) ahead_step();
+#else
         if constexpr (kIndexAhead == 2) {
           more = more_a;
           vn[0] = va[0];
@@ -715,6 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           more = nreq <= end_req;
           if (more) extn = block_indices(vn);
         }
+#endif
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -768,6 +830,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_rope_load<F>(rr, my_rec, j);
 #endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
+#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
+          if (kB0First && g == 0) {
+            ahead_first();  // block 1's indices
+            ahead_step();   // block 2's
+          }
+#endif
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
@@ -822,6 +890,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
+#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
+          if (kB0First && g == 0) {
+            ahead_first();  // empty for kIndexAhead 1 (the plain kernel's)
+            ahead_step();   // block 1's indices
+          }
+#endif
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa0, row[0], j, put);
