@@ -5,7 +5,7 @@ Meant to run under ncu on the GPU machine, e.g.
       --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section MemoryWorkloadAnalysis --section WarpStateStats python3 tools/profile_ncu.py sparse-v32
 Cases (argument): sparse-v32 (V3.2 b128: s_q 2, h_q 128, topk 2048), sparse-v32-b2 (the same at b 2), sparse-model1 (MODEL1 config 2,
-b128), dense (b128, s_q 1, h_q 128, s_k 8192), dense-short (b128, s_q 1, h_q 128, varlen s_k ~256), prefill (s_q 4096, h_q 128, d_qk 576, topk 2048,
+b128), sparse-model1c3-b2 (MODEL1 config 3 at b 2: h_q 64, the plain wgmma kernel, one block per CTA), dense (b128, s_q 1, h_q 128, s_k 8192), dense-short (b128, s_q 1, h_q 128, varlen s_k ~256), prefill (s_q 4096, h_q 128, d_qk 576, topk 2048,
 s_kv 8192). Each runs its op three times (the first two are warm-up, skip them with --launch-skip).
 """
 
@@ -24,7 +24,8 @@ import flash_mla  # noqa: E402
 def run(case: str):
     if case.startswith("sparse"):
         import bench_sparse_decode as B
-        cfg = B.V32 if case.startswith("sparse-v32") else B.MODEL1["config2"][0]
+        cfg = (B.V32 if case.startswith("sparse-v32") else
+               B.MODEL1["config3"][0] if case.startswith("sparse-model1c3") else B.MODEL1["config2"][0])
         gen = random.Random(0)
         torch.manual_seed(0)
         b, s_q = (2 if case.endswith("-b2") else 128), 2
@@ -49,7 +50,8 @@ def run(case: str):
         q, kv, idx, sink = P.make_inputs(4096, 8192, 2048, 128, 576)
         fn = lambda: flash_mla.flash_mla_sparse_fwd(q, kv, idx, 576 ** -0.5, 512, attn_sink=sink)  # noqa: E731
     else:
-        raise SystemExit(f"unknown case {case!r}: sparse-v32, sparse-v32-b2, sparse-model1, dense, dense-short or prefill")
+        raise SystemExit(f"unknown case {case!r}: sparse-v32, sparse-v32-b2, sparse-model1, sparse-model1c3-b2, dense, "
+                         "dense-short or prefill")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
