@@ -102,6 +102,29 @@
 #define FLASHMLA_DENSE_STEP_ONLY(...)
 #endif
 
+// FLASHMLA_DENSE_DECODE_QREG (A/B build switch, default 0; docs/dense-decode.md "Q's last slab in
+// registers"): each consumer thread holds its A fragment of Q's last 64-dim slab (slab 8, the RoPE dims, for
+// d_qk 576; slab 7 for 512) in 16 registers, loaded once per request, and S's 4 wgmma over that slab take A
+// from registers (m64n64k16 RS) instead of from shared memory, as FlashMLA's dense decode does with its slab
+// 8. Per pair that removes 8 of the 72 S wgmma's A reads (16 KiB of ~590 KiB of shared-memory traffic).
+// Same products, same order: an RS wgmma computes the same 64x64x16 product from the same bf16 / fp16
+// values (the fragment is the exact bytes of the Q tile) with the same fp32 accumulation into S, and the
+// chain keeps its slab order, so S is bitwise what the SS chain gives up to the tensor core's internal
+// summation order within one k16 step (the same for both operand sources). Masked keys, NaN / inf: S is
+// masked after the chain exactly as before (scale_mask_rowmax), so keys past seqlen are -inf whatever Q
+// or K hold; a NaN / inf in Q's last slab reaches S through the register operand as it did through
+// shared memory. Zero-padded rows (past m_rows) load zeros into the fragment as the cp.async zero-fill
+// wrote them. The 16 registers come from the P stores: P0 / P1 go to their slab by 4 stmatrix.x4 per
+// thread (store_p_stsm) instead of 16 32-bit stores whose 16 slab_off addresses the pair loop held; the
+// same packed values at the same addresses (so P.V reads the same bytes; NaN / inf / 0 in P are stored as
+// they were), one recomputed row offset instead. Without that the Q fragment spilled (88 B, bf16 576).
+// The lifetime of the fragment: written before the pair loop, only read (as wgmma A operands, after the
+// chain's wgmma.fence) until the request's last wait<0>, so no wgmma in flight sees it change.
+// Default 0: none of the code below is compiled and the kernels' SASS is unchanged.
+#ifndef FLASHMLA_DENSE_DECODE_QREG
+#define FLASHMLA_DENSE_DECODE_QREG 0
+#endif
+
 namespace flashmla::sm90::dense_seesaw {
 
 constexpr int kThreads = 256;
@@ -149,6 +172,25 @@ struct Mma {
     if constexpr (kBf16) gmma::mma_m64n256k16_off_bf16<1, kOffA, kOffB>(d, a, b);
     else gmma::mma_m64n256k16_off_f16<1, kOffA, kOffB>(d, a, b);
   }
+#if FLASHMLA_DENSE_DECODE_QREG
+  // S += Q_frag K^T (64x64, K 16), A (this thread's m16n8k16-layout fragment of Q) from registers, B (K,
+  // K-major) from the descriptor plus a compile-time offset; always accumulates (scale-d 1).
+  template <int kOffB>
+  __device__ __forceinline__ static void s_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    if constexpr (kBf16)
+      asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.eq.u32 p, 1, 1;\nadd.s64 db, %36, %37;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLASHMLA_WGMMA_ACC_32
+                   ", {%32, %33, %34, %35}, db, p, 1, 1, 0;\n}\n"
+                   : FLASHMLA_WGMMA_ACC_OUT_32(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kOffB));
+    else
+      asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.eq.u32 p, 1, 1;\nadd.s64 db, %36, %37;\n"
+                   "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLASHMLA_WGMMA_ACC_32
+                   ", {%32, %33, %34, %35}, db, p, 1, 1, 0;\n}\n"
+                   : FLASHMLA_WGMMA_ACC_OUT_32(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kOffB));
+  }
+#endif
 };
 
 // S = Q K^T over all slabs, each slab after its TMA barrier; fully unrolled. The first wgmma of
@@ -178,6 +220,40 @@ __device__ __forceinline__ void s_chain_wg1(float (&s)[32], uint64_t da0, uint64
   if constexpr (kSlabs == 9) s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3, 8>(s, da0, db0, bar0, parity);
   else s_chain_seq<T, 4, 4, 5, 6, 7, 0, 1, 2, 3>(s, da0, db0, bar0, parity);
 }
+#if FLASHMLA_DENSE_DECODE_QREG
+// The chains above with Q's slab kQSl (the last one) from the registers q (q[k] the A fragment of k-step
+// k of that slab) instead of from shared memory. The slab order, the barrier waits and the fences are
+// those of s_chain_wg0 / s_chain_wg1; the first slab of either chain (0 / 4) is never kQSl, so the RS
+// wgmma always accumulates.
+template <typename T, int kSl, int kK, int kOverwrite, int kQSl>
+__device__ __forceinline__ void s_step_q(float (&s)[32], uint64_t da0, uint64_t db0, const uint32_t (&q)[4][4]) {
+  constexpr int kOff = (kSl * kSlabBytes + kK * 32) >> 4;
+  if constexpr (kSl == kQSl) {
+    static_assert(kSl != kOverwrite, "the register-Q slab is never a chain's first");
+    Mma<T>::template s_rs<kOff>(s, q[kK], db0);
+  } else {
+    Mma<T>::template s<kOff, (kSl == kOverwrite && kK == 0) ? 0 : 1>(s, da0, db0);
+  }
+  if constexpr (kK + 1 < 4) s_step_q<T, kSl, kK + 1, kOverwrite, kQSl>(s, da0, db0, q);
+}
+template <typename T, int kQSl, int kFirst, int... kSls>
+__device__ __forceinline__ void s_chain_seq_q(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0,
+                                              uint32_t parity, const uint32_t (&q)[4][4]) {
+  ((tma::mbar_wait(bar0 + 8 * kSls, parity), gmma::fence(), s_step_q<T, kSls, 0, kFirst, kQSl>(s, da0, db0, q)), ...);
+}
+template <typename T, int kSlabs>
+__device__ __forceinline__ void s_chain_wg0_q(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0,
+                                              uint32_t parity, const uint32_t (&q)[4][4]) {
+  if constexpr (kSlabs == 9) s_chain_seq_q<T, 8, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8>(s, da0, db0, bar0, parity, q);
+  else s_chain_seq_q<T, 7, 0, 0, 1, 2, 3, 4, 5, 6, 7>(s, da0, db0, bar0, parity, q);
+}
+template <typename T, int kSlabs>
+__device__ __forceinline__ void s_chain_wg1_q(float (&s)[32], uint64_t da0, uint64_t db0, uint32_t bar0,
+                                              uint32_t parity, const uint32_t (&q)[4][4]) {
+  if constexpr (kSlabs == 9) s_chain_seq_q<T, 8, 4, 4, 5, 6, 7, 0, 1, 2, 3, 8>(s, da0, db0, bar0, parity, q);
+  else s_chain_seq_q<T, 7, 4, 4, 5, 6, 7, 0, 1, 2, 3>(s, da0, db0, bar0, parity, q);
+}
+#endif
 // O += P V over the 64 keys of a block, P from registers (A fragments), V = 4 slabs.
 template <typename T, int kK = 0>
 __device__ __forceinline__ void pv_rs_chain(float (&o)[128], const uint32_t (&a)[4][4], uint64_t db0) {
@@ -191,6 +267,24 @@ __device__ __forceinline__ void pv_ss_chain(float (&o)[128], uint64_t da0, uint6
   if constexpr (kK + 1 < 4) pv_ss_chain<T, kK + 1>(o, da0, db0);
 }
 
+#if FLASHMLA_DENSE_DECODE_QREG
+// P (this thread's A fragments a[k], k-steps of 16 keys) into the 128B-swizzled P slab at shared address
+// sP_u, by 4 stmatrix.x4 instead of store_p's 16 32-bit stores: the same bytes at the same addresses
+// (matrix j of k-step k is a[k][j]: j = 0 / 1 rows 0-7 / 8-15 of the warp's 16 at keys 16k .. 16k + 7, j = 2 /
+// 3 the same rows at keys 16k + 8 .. 16k + 15, as the A fragment layout places them), so the P.V that
+// reads the slab is unchanged. poff (p_stsm_off) is lane's row address within the slab for k = 0; k-step k
+// XORs 32 k into it: chunk 2k + h of row r sits at ((2k + h) ^ (r & 7)) << 4 = ((h ^ (r & 7)) << 4) ^ (k << 5).
+// One address register instead of the 16 slab_off addresses the STS form holds through the pair loop:
+// the registers the Q fragment above needs.
+__device__ __forceinline__ uint32_t p_stsm_off(int wq, int lane) {
+  const int r = 16 * wq + (lane & 7) + 8 * ((lane >> 3) & 1), h = lane >> 4;
+  return static_cast<uint32_t>(r * 128 + ((h ^ (r & 7)) << 4));
+}
+__device__ __forceinline__ void store_p_stsm(const uint32_t (&a)[4][4], uint32_t sP_u, uint32_t poff) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) stmatrix_x4(sP_u + (poff ^ (k << 5)), a[k][0], a[k][1], a[k][2], a[k][3]);
+}
+#endif
 // Zeroes rows [valid, 64) of the 4 V slabs at `slab0` (128 threads of one warpgroup),
 // then makes the stores visible to the warpgroup's wgmma.
 __device__ __forceinline__ void zero_v_rows(uint8_t* slab0, int valid, int t, int bar_id) {
@@ -409,6 +503,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     float l_run[2] = {0.f, 0.f};
     const uint64_t dq = gmma::make_desc_sw128(sQ_u, 16, 1024);
     float s[32];
+#if FLASHMLA_DENSE_DECODE_QREG
+    // This thread's A fragments of Q's last slab (wgmma / m16n8k16 A layout: q8[k][0] row_local[0] and
+    // q8[k][1] row_local[1] at dims 16k + 2tq, +1 of the slab; [2] / [3] the same rows at dims 16k + 8 + 2tq,
+    // +1), read from the swizzled Q tile after the request's Q __syncthreads (the cp.async data, made
+    // visible by cp_async_wait + __syncthreads; plain loads, generic proxy). With n_blk == 0 the tile is
+    // stale and the fragment unused (no pair runs).
+    uint32_t q8[4][4];
+    {
+      const uint8_t* sQ = base;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          q8[k][e] = *reinterpret_cast<const uint32_t*>(sQ + slab_off(row_local[e & 1], 8 * (kSlabs - 1) + 2 * k + (e >> 1)) + 4 * tq);
+    }
+#endif
 
     for (int j = 0; 2 * j < n_blk; ++j) {
       const int b0 = blk_lo + 2 * j, b1 = b0 + 1;
@@ -437,7 +547,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[i] = 0.f;
         gmma::reg_fence(s);
+#if FLASHMLA_DENSE_DECODE_QREG
+        s_chain_wg0_q<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase, q8);
+#else
         s_chain_wg0<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u, 16, 1024), bar_u, phase);
+#endif
         gmma::commit();
         read_next_pages();
         gmma::wait<0>();
@@ -491,6 +605,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           m_run[hh] = sM1[row_local[hh]];
         }
         // P0 * scale1 -> slab 8 of stage 0 (S0 is done with it)
+#if FLASHMLA_DENSE_DECODE_QREG
+        // The same packed values as the STS form below (fragment t = 2k + (j >> 1), row j & 1), by stmatrix.
+        // `a` is P0 V0_L's A operand, in flight: fresh registers, one k-step at a time.
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          uint32_t f[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int t = 2 * k + (j >> 1), hh = j & 1;
+            f[j] = HalfTraits<T>::pack(s[4 * t + 2 * hh] * sc1[hh], s[4 * t + 2 * hh + 1] * sc1[hh]);
+          }
+          stmatrix_x4(sK_u + 8 * kSlabBytes + (p_stsm_off(wq, lane) ^ (k << 5)), f[0], f[1], f[2], f[3]);
+        }
+#else
         uint8_t* sP0 = sK + 8 * kSlabBytes;
 #pragma unroll
         for (int t = 0; t < 8; ++t) {
@@ -500,6 +628,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           *reinterpret_cast<uint32_t*>(sP0 + slab_off(row_local[1], key >> 3) + (key & 7) * 2) =
               HalfTraits<T>::pack(s[4 * t + 2] * sc1[1], s[4 * t + 3] * sc1[1]);
         }
+#endif
         gmma::fence_proxy_async();
         bar_arrive(kBarP0, kThreads);
         FLASHMLA_DENSE_TRACE_STEP(0, 6, t_wg == 0);
@@ -542,7 +671,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int i = 0; i < 32; ++i) s[i] = 0.f;
           gmma::reg_fence(s);
+#if FLASHMLA_DENSE_DECODE_QREG
+          s_chain_wg1_q<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase, q8);
+#else
           s_chain_wg1<T, kSlabs>(s, dq, gmma::make_desc_sw128(sK_u + kSmemK, 16, 1024), bar_u + 9 * 8, phase);
+#endif
           gmma::commit();
           read_next_pages();  // while S1 is computed; without block 1 there is no next pair
           gmma::wait<0>();
@@ -580,7 +713,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) l_run[hh] += rs[hh];
           if (valid1 < kBlockN) zero_v_rows(sK + kSmemK + 4 * kSlabBytes, valid1, t_wg, kBarWG1);
+#if FLASHMLA_DENSE_DECODE_QREG
+          store_p_stsm(a, sK_u + kSmemK + 8 * kSlabBytes, p_stsm_off(wq, lane));  // P1 -> slab 8 of stage 1
+#else
           seesaw::store_p(a, sK + kSmemK + 8 * kSlabBytes, row_local, tq);  // P1 -> slab 8 of stage 1
+#endif
           gmma::reg_fence(o);
           gmma::fence();
           pv_rs_chain<T>(o, a, gmma::make_desc_sw128(sK_u + kSmemK + 4 * kSlabBytes, kSlabBytes, 1024));
