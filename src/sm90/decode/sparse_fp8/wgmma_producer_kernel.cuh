@@ -700,9 +700,8 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
       // kIndexAhead 2: block 1's indices before the loop; step g loads block g + 2's.
       int va[2] = {-1, -1};
       bool exta = false, more_a = false;
-#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
-      // Block 1's indices (kIndexAhead 2): called in step 0 right after block 0's gathers are issued (below),
-      // not here. It reads and advances only the walk's state (nreq, nb, nri) and va / exta / more_a; block 0's
+      // Block 1's indices (kIndexAhead 2): here, or with kB0First in step 0 right after block 0's gathers are
+      // issued (below). It reads and advances only the walk's state (nreq, nb, nri) and va / exta / more_a; block 0's
       // gathers read only ra, computed above, so issuing them first reads the same records.
       auto ahead_first = [&]() {
         if constexpr (kIndexAhead == 2) {
@@ -712,24 +711,15 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           if (more_a) exta = block_indices(va);
         }
       };
-      if constexpr (!kB0First) ahead_first();  // the batched form: the tree's order
-#else
-      if constexpr (kIndexAhead == 2) {
-        ++nb;
-        skip_empty();
-        more_a = nreq <= end_req;
-        if (more_a) exta = block_indices(va);
-      }
-#endif
+      if constexpr (!kB0First) ahead_first();
       for (int g = 0;; ++g) {
         FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 0, t == 0);
         bool more;
         int vn[2] = {-1, -1};
         bool extn = false;
-#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
-        // The step's look-ahead (more, vn, extn: block g + 1's indices; cluster: block g + 2's loaded). Steps
-        // g > 0 run it here as the tree does; step 0 runs it after block 0's gathers (ahead_first first, so the
-        // walk visits blocks 1 and 2 in the tree's order). Its results are first read by next_addresses (after
+        // The step's look-ahead (more, vn, extn: block g + 1's indices; cluster: block g + 2's loaded), here in
+        // every step; with kB0First, step 0 runs it after block 0's gathers instead (ahead_first first, so the
+        // walk visits blocks 1 and 2 in the same order). Its results are first read by next_addresses (after
         // part A's arrival, plain; after part B's, cluster) and by the `more` test at the step's end, both
         // after the gathers, so every value is the tree's. No synchronisation is involved: the walk and the
         // index loads touch no shared memory and no barrier, so the mbarrier / cluster-barrier protocol (waits,
@@ -756,27 +746,6 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           }
         };
         if (!kB0First || g > 0) ahead_step();
-#else
-        if constexpr (kIndexAhead == 2) {
-          more = more_a;
-          vn[0] = va[0];
-          vn[1] = va[1];
-          extn = exta;
-          if (more_a) {
-            ++nb;
-            skip_empty();
-            more_a = nreq <= end_req;
-            va[0] = va[1] = -1;
-            exta = false;
-            if (more_a) exta = block_indices(va);
-          }
-        } else {
-          ++nb;
-          skip_empty();
-          more = nreq <= end_req;
-          if (more) extn = block_indices(vn);
-        }
-#endif
         const int x = g & 1, use = g >> 1;
         uint8_t* sKx = sK + x * kSmemK;
         const uint32_t sKx_u = sK_u + static_cast<uint32_t>(x * kSmemK);
@@ -830,12 +799,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
           row_rope_load<F>(rr, my_rec, j);
 #endif
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
-#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
-          if (kB0First && g == 0) {
-            ahead_first();  // block 1's indices
-            ahead_step();   // block 2's
+          if constexpr (kB0First) {
+            if (g == 0) {
+              ahead_first();  // block 1's indices
+              ahead_step();   // block 2's
+            }
           }
-#endif
           if (use > 0) cl::wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa, my, j, [&](uint32_t off, uint4 v) {
@@ -890,12 +859,12 @@ __global__ void __launch_bounds__(kThreads, 1) flash_fwd_splitkv_mla_fp8_sparse_
 #endif
           auto put = [&](uint32_t off, uint4 v) { *reinterpret_cast<uint4*>(sKx + off) = v; };
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 1, t == 0);
-#if FLASHMLA_SPARSE_DECODE_B0_GATHERS_FIRST
-          if (kB0First && g == 0) {
-            ahead_first();  // empty for kIndexAhead 1 (the plain kernel's)
-            ahead_step();   // block 1's indices
+          if constexpr (kB0First) {
+            if (g == 0) {
+              ahead_first();  // empty for kIndexAhead 1 (the plain kernel's)
+              ahead_step();   // block 1's indices
+            }
           }
-#endif
           if (use > 0) mbar_wait(bar_free(x, 0), static_cast<uint32_t>((use - 1) & 1));
           FLASHMLA_SPARSE_DECODE_TRACE_BLK(2, g, 2, t == 0);
           row_part_store<F, 0>(pa0, row[0], j, put);
